@@ -1,0 +1,81 @@
+"""attention-core: one implementation of attention and positional encoding for every framework.
+
+The functional API takes a framework's own arrays and works out the backend from their type.
+Layers come from the active backend: ``attention_core.MultiHeadAttention`` (or
+``attention_core.layers.MultiHeadAttention``) is the class of the backend active at that moment;
+``from backends.torch import MultiHeadAttention`` names one framework explicitly.
+Importing this package imports no deep-learning framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attention_core.attention import (
+    additive_attention,
+    dot_product_attention,
+    masked_softmax,
+    nadaraya_watson,
+)
+from attention_core.multihead import multi_head_attention
+from attention_core.positional import positional_encoding, relative_rotation, sinusoidal_encoding
+from attention_core.registry import (
+    BACKENDS,
+    ENV_VAR,
+    BackendNotInstalledError,
+    available_backends,
+    backend,
+    set_backend,
+    use_backend,
+)
+from attention_core.transformer import add_norm, position_wise_ffn, transformer_encoder_block
+from attention_core.weights import load_weights, save_weights
+
+__version__ = "0.1.0"
+
+#: Layer classes every backend provides (DESIGN section 3).
+LAYER_NAMES = (
+    "DotProductAttention",
+    "AdditiveAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "LearnedPositionalEncoding",
+    "PositionWiseFFN",
+    "AddNorm",
+    "TransformerEncoderBlock",
+    "NadarayaWatson",
+)
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "LAYER_NAMES",
+    "BackendNotInstalledError",
+    "add_norm",
+    "additive_attention",
+    "available_backends",
+    "backend",
+    "dot_product_attention",
+    "load_weights",
+    "masked_softmax",
+    "multi_head_attention",
+    "nadaraya_watson",
+    "position_wise_ffn",
+    "positional_encoding",
+    "relative_rotation",
+    "save_weights",
+    "set_backend",
+    "sinusoidal_encoding",
+    "transformer_encoder_block",
+    "use_backend",
+    *LAYER_NAMES,
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Resolves layer names against the active backend at the moment of access."""
+    if name in LAYER_NAMES:
+        from attention_core import layers
+
+        return getattr(layers, name)
+    raise AttributeError(f"module 'attention_core' has no attribute {name!r}")

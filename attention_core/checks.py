@@ -1,0 +1,121 @@
+"""Argument validation shared by the core and every adapter.
+
+Each check raises with a message that names the argument, what it was and what was expected.
+The messages are produced here only, so they are identical on every backend. Checks never
+modify their arguments. Dimensions that are unknown until run time (a tensor instead of an
+int, under tracing) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from attention_core.ops import FLOAT_DTYPES, Array, Ops
+
+
+def _known(dim: Any) -> bool:
+    return isinstance(dim, int)
+
+
+def fmt_shape(shape: Sequence[Any]) -> str:
+    """Formats a shape like NumPy, with ``?`` for dimensions known only at run time."""
+    dims = [str(d) if _known(d) else "?" for d in shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def check_dropout(dropout: float) -> float:
+    """Checks a dropout rate and returns it as a float."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    return float(dropout)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Checks that a size argument is a positive int and returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_heads(num_hiddens: int, num_heads: int) -> None:
+    """Checks that ``num_hiddens`` splits evenly into ``num_heads``."""
+    check_positive_int("num_hiddens", num_hiddens)
+    check_positive_int("num_heads", num_heads)
+    if num_hiddens % num_heads:
+        raise ValueError(
+            f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})"
+        )
+
+
+def check_floating(ops: Ops, name: str, x: Array) -> str:
+    """Checks that ``x`` has a floating dtype and returns the dtype's name."""
+    dtype = ops.dtype_name(x)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be floating point ({', '.join(FLOAT_DTYPES)}), got {dtype}"
+        )
+    return dtype
+
+
+def check_rank(ops: Ops, name: str, x: Array, ranks: Sequence[int], legend: str) -> tuple[Any, ...]:
+    """Checks the rank of ``x`` and returns its shape.
+
+    Args:
+        ops: The backend's ops.
+        name: The argument's name, for the message.
+        x: The array.
+        ranks: The allowed ranks.
+        legend: The expected shapes in words, e.g. ``"(B, Q, D) or (B, H, Q, D)"``.
+    """
+    shape = ops.shape(x)
+    if len(shape) not in ranks:
+        raise ValueError(f"{name} must have shape {legend}, got {fmt_shape(shape)}")
+    if any(_known(d) and d == 0 for d in shape):
+        raise ValueError(f"{name} must not have an empty dimension, got {fmt_shape(shape)}")
+    return shape
+
+
+def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> None:
+    """Checks that every array in ``others`` has the dtype of ``ref``."""
+    want = ops.dtype_name(ref)
+    for name, x in others.items():
+        got = ops.dtype_name(x)
+        if got != want:
+            raise TypeError(f"{name} dtype ({got}) must match {ref_name} dtype ({want})")
+
+
+def check_equal(what: str, a: Any, b: Any) -> None:
+    """Raises ``ValueError(what)`` when two known dimensions differ."""
+    if _known(a) and _known(b) and a != b:
+        raise ValueError(what)
+
+
+def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
+    """Checks queries ``(B, [H,] Q, D)``, keys ``(B, [H,] K, D)``, values ``(B, [H,] K, Dv)``."""
+    legend = "(B, Q, D) or (B, H, Q, D)"
+    q = check_rank(ops, "queries", queries, (3, 4), legend)
+    k = check_rank(ops, "keys", keys, (len(q),), legend.replace("Q", "K") + " like queries")
+    v = check_rank(ops, "values", values, (len(q),), "(B, [H,] K, Dv) like queries")
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        check_floating(ops, name, x)
+    check_same_dtype(ops, "queries", queries, keys=keys, values=values)
+    check_equal(f"queries depth ({q[-1]}) must equal keys depth ({k[-1]})", q[-1], k[-1])
+    check_equal(
+        f"keys and values must have the same length, got {k[-2]} keys and {v[-2]} values",
+        k[-2],
+        v[-2],
+    )
+    for i, axis in enumerate(("batch", "heads")[: len(q) - 2]):
+        for name, s in (("keys", k), ("values", v)):
+            check_equal(
+                f"{name} {axis} size ({s[i]}) must equal queries {axis} size ({q[i]})", s[i], q[i]
+            )
+
+
+def check_last_dim(ops: Ops, name: str, x: Array, expected: int) -> None:
+    """Checks the size of the last axis (e.g. the model width a layer was built for)."""
+    got = ops.shape(x)[-1]
+    check_equal(f"{name} last dimension ({got}) must be {expected}", got, expected)

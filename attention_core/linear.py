@@ -1,0 +1,34 @@
+"""Dense projection and layer normalisation, the two building blocks around attention."""
+
+from __future__ import annotations
+
+from attention_core.ops import Array, Ops
+
+#: LayerNorm epsilon, the same on every backend.
+LAYER_NORM_EPS = 1e-5
+
+
+def dense(ops: Ops, x: Array, kernel: Array, bias: Array | None = None) -> Array:
+    """Returns ``x @ kernel + bias`` over the last axis.
+
+    Args:
+        ops: The backend's ops.
+        x: ``(..., in)``.
+        kernel: ``(in, out)``, the canonical layout.
+        bias: ``(out,)`` or None.
+    """
+    y = ops.matmul(x, kernel)
+    return y if bias is None else y + bias
+
+
+def layer_norm(
+    ops: Ops, x: Array, gamma: Array, beta: Array, eps: float = LAYER_NORM_EPS
+) -> Array:
+    """Normalises the last axis to zero mean and unit variance, then scales and shifts.
+
+    ``y = (x - mean) / sqrt(var + eps) * gamma + beta`` with the biased variance, as
+    ``torch.nn.LayerNorm`` and ``keras.layers.LayerNormalization`` compute it.
+    """
+    centred = x - ops.mean(x, -1)
+    var = ops.mean(centred * centred, -1)
+    return centred / ops.sqrt(var + eps) * gamma + beta

@@ -1,0 +1,137 @@
+"""The ops protocol: the primitives the core is written against.
+
+Every backend supplies one class that satisfies :class:`Ops`. The core never imports a
+framework; it calls these methods and the ordinary Python operators (``+ - * / < <=`` and
+basic slicing), which every supported array type implements with NumPy semantics.
+
+Semantics are stated for NumPy. Shape legend used throughout the package: B batch, H heads,
+Q queries, K keys, D depth (Dv value depth).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: A backend's own array type (``numpy.ndarray``, ``torch.Tensor``, ``tf.Tensor``, ...).
+Array = Any
+
+#: Dtype names the core understands, as NumPy (and ml_dtypes) spell them.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@runtime_checkable
+class Ops(Protocol):
+    """Array primitives used by the core, one method per primitive.
+
+    Attributes:
+        name: The canonical backend name (``"numpy"``, ``"torch"``, ...).
+    """
+
+    name: str
+
+    # -- conversion and introspection -------------------------------------------------
+
+    def from_numpy(self, x: np.ndarray, like: Array | None = None) -> Array:
+        """Converts a NumPy array into a backend array.
+
+        Like ``np.asarray(x)``; with ``like``, the result also takes ``like``'s floating
+        dtype (when ``x`` is floating) and device.
+        """
+        ...
+
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """Returns the values of ``x`` as a NumPy array (``np.asarray(x)``)."""
+        ...
+
+    def concrete(self, x: Array) -> np.ndarray | None:
+        """Returns the values of ``x`` if they are known now, else ``None``.
+
+        ``None`` under tracing (``jax.jit``, ``tf.function``, ``torch.compile``, a hybridized
+        Gluon block): value checks are then skipped, shape checks still run.
+        """
+        ...
+
+    def shape(self, x: Array) -> tuple[Any, ...]:
+        """Returns ``x.shape`` as a tuple; a dimension unknown until run time may be a tensor."""
+        ...
+
+    def dtype_name(self, x: Array) -> str:
+        """Returns the dtype as NumPy spells it: ``"float32"``, ``"bfloat16"``, ``"int64"``, ``"bool"``."""
+        ...
+
+    def astype(self, x: Array, dtype: str) -> Array:
+        """Returns ``x.astype(dtype)``, ``dtype`` given by name as in :meth:`dtype_name`."""
+        ...
+
+    # -- elementwise ------------------------------------------------------------------
+
+    def exp(self, x: Array) -> Array:
+        """Returns ``np.exp(x)``."""
+        ...
+
+    def tanh(self, x: Array) -> Array:
+        """Returns ``np.tanh(x)``."""
+        ...
+
+    def sqrt(self, x: Array) -> Array:
+        """Returns ``np.sqrt(x)``."""
+        ...
+
+    def relu(self, x: Array) -> Array:
+        """Returns ``np.maximum(x, 0)``."""
+        ...
+
+    def where(self, cond: Array, x: Array, y: Array | float) -> Array:
+        """Returns ``np.where(cond, x, y)`` with broadcasting; ``y`` may be a Python float,
+        taken in ``x``'s dtype."""
+        ...
+
+    def logical_and(self, a: Array, b: Array) -> Array:
+        """Returns ``np.logical_and(a, b)`` with broadcasting."""
+        ...
+
+    # -- reductions ---------------------------------------------------------------------
+
+    def max(self, x: Array, axis: int) -> Array:
+        """Returns ``np.max(x, axis=axis, keepdims=True)``."""
+        ...
+
+    def sum(self, x: Array, axis: int) -> Array:
+        """Returns ``np.sum(x, axis=axis, keepdims=True)``."""
+        ...
+
+    def mean(self, x: Array, axis: int) -> Array:
+        """Returns ``np.mean(x, axis=axis, keepdims=True)``."""
+        ...
+
+    # -- shapes -------------------------------------------------------------------------
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        """Returns ``np.matmul(a, b)``: batched over the leading axes, broadcasting them."""
+        ...
+
+    def reshape(self, x: Array, shape: tuple[Any, ...]) -> Array:
+        """Returns ``np.reshape(x, shape)``; one entry may be ``-1``."""
+        ...
+
+    def transpose(self, x: Array, axes: tuple[int, ...]) -> Array:
+        """Returns ``np.transpose(x, axes)``."""
+        ...
+
+    def expand_dims(self, x: Array, axis: int) -> Array:
+        """Returns ``np.expand_dims(x, axis)``."""
+        ...
+
+    def arange(self, n: Any) -> Array:
+        """Returns ``np.arange(n, dtype=np.int32)``; ``n`` may be a run-time scalar."""
+        ...
+
+    # -- randomness ---------------------------------------------------------------------
+
+    def dropout(self, x: Array, rate: float) -> Array:
+        """Inverted dropout: zeroes each entry with probability ``rate`` and scales the rest by
+        ``1 / (1 - rate)``. Only called with ``0 < rate < 1``; the randomness is the backend's
+        own (a NumPy ``Generator``, torch's global RNG, a JAX key, ...)."""
+        ...

@@ -1,0 +1,106 @@
+"""Positional encodings: the sinusoidal table, its rotation property, and adding a table.
+
+The sinusoidal table of Vaswani et al. has, for position ``i`` and column pair ``j``,
+``P[i, 2j] = sin(i * w_j)`` and ``P[i, 2j+1] = cos(i * w_j)`` with ``w_j = 1 / 10000^(2j/d)``.
+Lower columns oscillate faster, like the low bits of a binary counter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attention_core import checks
+from attention_core.ops import Array, Ops
+from attention_core.registry import ops_for
+
+
+def frequencies(num_hiddens: int) -> np.ndarray:
+    """Returns ``w_j = 1 / 10000^(2j/d)`` for ``j = 0 .. ceil(d/2) - 1``, float64."""
+    return 1.0 / np.power(10000.0, np.arange(0, num_hiddens, 2, dtype=np.float64) / num_hiddens)
+
+
+def sinusoidal_encoding(max_len: int, num_hiddens: int, dtype: str = "float32") -> np.ndarray:
+    """The sinusoidal position table, computed in float64 and cast to ``dtype``.
+
+    Args:
+        max_len: Number of positions (rows).
+        num_hiddens: Encoding width d (columns); odd widths end with a sine column.
+        dtype: NumPy dtype name of the result.
+
+    Returns:
+        ``P`` of shape ``(max_len, num_hiddens)``.
+    """
+    checks.check_positive_int("max_len", max_len)
+    checks.check_positive_int("num_hiddens", num_hiddens)
+    angles = np.arange(max_len, dtype=np.float64)[:, None] * frequencies(num_hiddens)  # (L, J)
+    table = np.empty((max_len, num_hiddens), dtype=np.float64)
+    table[:, 0::2] = np.sin(angles)
+    table[:, 1::2] = np.cos(angles[:, : num_hiddens // 2])
+    return table.astype(dtype)
+
+
+def relative_rotation(delta: float, num_hiddens: int) -> np.ndarray:
+    """The linear map taking row ``i`` of the sinusoidal table to row ``i + delta``.
+
+    For each column pair ``(2j, 2j+1)`` the map is the rotation
+    ``[[cos(d w_j), sin(d w_j)], [-sin(d w_j), cos(d w_j)]]``, independent of ``i``: this is
+    why a fixed offset is a linear function of the encoding.
+
+    Args:
+        delta: The offset (may be negative).
+        num_hiddens: Encoding width; must be even, since a lone sine column has no partner.
+
+    Returns:
+        ``R`` of shape ``(num_hiddens, num_hiddens)``, float64, with ``R @ P[i] = P[i + delta]``.
+    """
+    checks.check_positive_int("num_hiddens", num_hiddens)
+    if num_hiddens % 2:
+        raise ValueError(
+            f"num_hiddens ({num_hiddens}) must be even for the rotation: "
+            "the last sine column has no cosine partner"
+        )
+    theta = delta * frequencies(num_hiddens)  # (J,)
+    rotation = np.zeros((num_hiddens, num_hiddens))
+    even, odd = np.arange(0, num_hiddens, 2), np.arange(1, num_hiddens, 2)
+    rotation[even, even] = np.cos(theta)
+    rotation[even, odd] = np.sin(theta)
+    rotation[odd, even] = -np.sin(theta)
+    rotation[odd, odd] = np.cos(theta)
+    return rotation
+
+
+def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None = None) -> Array:
+    """Adds the first T rows of a position table to ``X`` and applies dropout.
+
+    Args:
+        X: ``(B, T, d)``.
+        P: ``(1, max_len, d)`` with ``max_len >= T``.
+        dropout: Dropout rate on the sum (applied whenever > 0).
+        ops: The backend's ops; found from ``X`` when omitted.
+
+    Returns:
+        ``dropout(X + P[:, :T])``, shape ``(B, T, d)``.
+    """
+    ops = ops or ops_for(X)
+    shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
+    checks.check_floating(ops, "X", X)
+    _, max_len, width = ops.shape(P)
+    checks.check_equal(f"X last dimension ({shape[2]}) must be num_hiddens ({width})",
+                       shape[2], width)
+    steps = shape[1]
+    if isinstance(steps, int) and steps > max_len:
+        raise ValueError(f"X has {steps} positions, more than max_len ({max_len})")
+    out = X + ops.astype(P[:, :steps], ops.dtype_name(X))
+    dropout = checks.check_dropout(dropout)
+    return ops.dropout(out, dropout) if dropout > 0 else out
+
+
+def positional_encoding(X: Array, dropout: float = 0.0, *, ops: Ops | None = None) -> Array:
+    """Adds the sinusoidal encoding to ``X`` ``(B, T, d)``: the functional ``PositionalEncoding``."""
+    ops = ops or ops_for(X)
+    shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
+    steps, width = shape[1], shape[2]
+    if not isinstance(steps, int) or not isinstance(width, int):
+        raise ValueError("X must have a known number of positions and width")
+    table = ops.from_numpy(sinusoidal_encoding(steps, width, "float64")[None], like=X)
+    return add_positions(X, table, dropout, ops=ops)

@@ -1,0 +1,209 @@
+"""Backend names, aliases, lazy loading, the environment variable and ``use_backend``.
+
+Nothing here imports a framework until a backend is asked for by name or by array type.
+The active backend is looked up in this order: :func:`use_backend` (context-local, so threads
+and asyncio tasks each keep their own), then :func:`set_backend`, then the environment variable
+``ATTENTION_CORE_BACKEND``, then ``"numpy"``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from attention_core.ops import Ops
+
+ENV_VAR = "ATTENTION_CORE_BACKEND"
+DEFAULT = "numpy"
+
+#: Canonical backend names, in display order.
+BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mxnet")
+
+ALIASES = {
+    "pytorch": "torch",
+    "tf": "tensorflow",
+    "keras": "tensorflow",
+    "flax": "jax",
+    "gluon": "mxnet",
+}
+
+#: The framework modules each backend needs (the first is the one whose version is shown).
+FRAMEWORKS = {
+    "numpy": ("numpy",),
+    "torch": ("torch",),
+    "tensorflow": ("tensorflow", "keras"),
+    "jax": ("jax", "flax"),
+    "mxnet": ("mxnet",),
+}
+
+#: What to install for each backend.
+PIP = {
+    "numpy": "pip install numpy",
+    "torch": 'pip install "attention-core[torch]"  (torch==2.13.0)',
+    "tensorflow": 'pip install "attention-core[tensorflow]"',
+    "jax": 'pip install "attention-core[jax]"',
+    "mxnet": 'pip install "attention-core[mxnet]"  (mxnet==1.9.1 with numpy<1.24)',
+}
+
+#: Top-level module of an array's type -> backend that owns it.
+_ARRAY_MODULES = {
+    "numpy": "numpy",
+    "torch": "torch",
+    "tensorflow": "tensorflow",
+    "keras": "tensorflow",
+    "jax": "jax",
+    "jaxlib": "jax",
+    "mxnet": "mxnet",
+}
+
+
+class BackendNotInstalledError(ImportError):
+    """A known backend was asked for, but its framework is not installed."""
+
+
+_context: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "attention_core_backend", default=None
+)
+_process_default: str | None = None
+_lock = threading.Lock()
+
+
+def canonical_name(name: str) -> str:
+    """Resolves a backend name or alias.
+
+    Args:
+        name: A backend name (``"torch"``) or alias (``"pytorch"``), any case.
+
+    Returns:
+        The canonical backend name.
+
+    Raises:
+        ValueError: The name is not a backend or alias.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in BACKENDS:
+        aliases = ", ".join(f"{a}->{c}" for a, c in ALIASES.items())
+        raise ValueError(
+            f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)} "
+            f"(aliases: {aliases})"
+        )
+    return key
+
+
+def is_installed(name: str) -> bool:
+    """Tells whether a backend's frameworks are installed, without importing them."""
+    return all(importlib.util.find_spec(m) is not None for m in FRAMEWORKS[canonical_name(name)])
+
+
+def available_backends() -> list[str]:
+    """Returns the canonical names of the backends whose frameworks are installed."""
+    return [b for b in BACKENDS if is_installed(b)]
+
+
+def load(name: str) -> ModuleType:
+    """Imports a backend's adapter package (and so its framework), once.
+
+    Args:
+        name: A backend name or alias.
+
+    Returns:
+        The module ``backends.<name>``.
+
+    Raises:
+        ValueError: Unknown name.
+        BackendNotInstalledError: The framework is not installed.
+    """
+    key = canonical_name(name)
+    if not is_installed(key):
+        missing = [m for m in FRAMEWORKS[key] if importlib.util.find_spec(m) is None]
+        raise BackendNotInstalledError(
+            f"backend {key!r} needs {', '.join(missing)}, which is not installed; "
+            f"install it with: {PIP[key]}"
+        )
+    with _lock:  # import machinery is thread-safe, but keep first loads strictly one at a time
+        return importlib.import_module(f"backends.{key}")
+
+
+def _env_default() -> str:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return DEFAULT
+    try:
+        return canonical_name(raw)
+    except ValueError as err:
+        raise ValueError(f"{ENV_VAR}={raw!r}: {err}") from None
+
+
+def backend() -> str:
+    """Returns the active backend's canonical name."""
+    return _context.get() or _process_default or _env_default()
+
+
+def set_backend(name: str) -> None:
+    """Sets the process-wide default backend (overridden inside :func:`use_backend`).
+
+    Raises:
+        ValueError: Unknown name.
+        BackendNotInstalledError: The framework is not installed.
+    """
+    global _process_default
+    key = canonical_name(name)
+    load(key)
+    _process_default = key
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Makes ``name`` the active backend inside a ``with`` block, for this context only.
+
+    The override is held in a :class:`contextvars.ContextVar`, so other threads and tasks
+    keep their own backend.
+
+    Yields:
+        The canonical backend name.
+    """
+    key = canonical_name(name)
+    load(key)
+    token = _context.set(key)
+    try:
+        yield key
+    finally:
+        _context.reset(token)
+
+
+def backend_of(x: Any) -> str:
+    """Names the backend that owns an array, from its type alone (no framework import).
+
+    Raises:
+        TypeError: ``x`` is not an array of a supported framework.
+    """
+    for cls in type(x).__mro__:
+        owner = _ARRAY_MODULES.get(cls.__module__.partition(".")[0])
+        if owner is not None:
+            return owner
+    raise TypeError(
+        f"expected an array of numpy, torch, tensorflow, jax or mxnet, got {type(x).__name__}"
+    )
+
+
+def get_ops(name: str | None = None) -> Ops:
+    """Returns the default :class:`~attention_core.ops.Ops` of a backend (the active one if
+    ``name`` is None)."""
+    module = load(name or backend())
+    ops: Ops = module.OPS
+    return ops
+
+
+def ops_for(x: Any) -> Ops:
+    """Returns the default Ops of the backend that owns the array ``x``."""
+    return get_ops(backend_of(x))

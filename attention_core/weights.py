@@ -1,0 +1,321 @@
+"""The canonical weight layout: names, shapes, initialisation, checking, safetensors files.
+
+Every backend's ``get_weights()`` returns, and ``set_weights()`` takes, a flat mapping from the
+names below to NumPy arrays, so weights move between frameworks. Dense kernels are
+``(in, out)``. A ``None`` in a spec is an input size not known until the first call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from attention_core.checks import check_heads, check_positive_int, fmt_shape
+
+Shape = tuple[int | None, ...]
+Spec = dict[str, Shape]
+
+
+class HasWeights(Protocol):
+    """A layer in the canonical layout."""
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Returns the canonical mapping."""
+        ...
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Takes the canonical mapping."""
+        ...
+
+
+# -- specs --------------------------------------------------------------------------------
+
+
+def dense_spec(name: str, d_in: int | None, d_out: int, bias: bool) -> Spec:
+    """``name.kernel (d_in, d_out)`` and, with ``bias``, ``name.bias (d_out,)``."""
+    spec: Spec = {f"{name}.kernel": (d_in, d_out)}
+    if bias:
+        spec[f"{name}.bias"] = (d_out,)
+    return spec
+
+
+def multi_head_spec(
+    num_hiddens: int,
+    num_heads: int,
+    bias: bool = False,
+    q_in: int | None = None,
+    k_in: int | None = None,
+    v_in: int | None = None,
+) -> Spec:
+    """``W_q``, ``W_k``, ``W_v`` project the inputs to h = num_hiddens; ``W_o`` is ``(h, h)``."""
+    check_heads(num_hiddens, num_heads)
+    return {
+        **dense_spec("W_q", q_in, num_hiddens, bias),
+        **dense_spec("W_k", k_in, num_hiddens, bias),
+        **dense_spec("W_v", v_in, num_hiddens, bias),
+        **dense_spec("W_o", num_hiddens, num_hiddens, bias),
+    }
+
+
+def additive_spec(num_hiddens: int, q_in: int | None = None, k_in: int | None = None) -> Spec:
+    """``W_q (q_in, h)``, ``W_k (k_in, h)``, ``w_v (h, 1)``, no biases."""
+    check_positive_int("num_hiddens", num_hiddens)
+    return {
+        **dense_spec("W_q", q_in, num_hiddens, False),
+        **dense_spec("W_k", k_in, num_hiddens, False),
+        **dense_spec("w_v", num_hiddens, 1, False),
+    }
+
+
+def ffn_spec(ffn_num_hiddens: int, ffn_num_outputs: int, d_in: int | None = None) -> Spec:
+    """``dense1 (d_in, f)`` and ``dense2 (f, out)``, both with biases."""
+    check_positive_int("ffn_num_hiddens", ffn_num_hiddens)
+    check_positive_int("ffn_num_outputs", ffn_num_outputs)
+    return {
+        **dense_spec("dense1", d_in, ffn_num_hiddens, True),
+        **dense_spec("dense2", ffn_num_hiddens, ffn_num_outputs, True),
+    }
+
+
+def add_norm_spec(num_hiddens: int) -> Spec:
+    """``ln.gamma (h,)`` and ``ln.beta (h,)``."""
+    check_positive_int("num_hiddens", num_hiddens)
+    return {"ln.gamma": (num_hiddens,), "ln.beta": (num_hiddens,)}
+
+
+def encoder_block_spec(
+    num_hiddens: int, ffn_num_hiddens: int, num_heads: int, bias: bool = False
+) -> Spec:
+    """``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*``, all at width h."""
+    h = num_hiddens
+    return {
+        **prefixed(multi_head_spec(h, num_heads, bias, h, h, h), "attention"),
+        **prefixed(add_norm_spec(h), "addnorm1"),
+        **prefixed(ffn_spec(ffn_num_hiddens, h, h), "ffn"),
+        **prefixed(add_norm_spec(h), "addnorm2"),
+    }
+
+
+def learned_positional_spec(num_hiddens: int, max_len: int) -> Spec:
+    """``P (1, max_len, h)``."""
+    check_positive_int("num_hiddens", num_hiddens)
+    check_positive_int("max_len", max_len)
+    return {"P": (1, max_len, num_hiddens)}
+
+
+def nadaraya_watson_spec(parametric: bool) -> Spec:
+    """``w (1,)`` when parametric, else nothing."""
+    return {"w": (1,)} if parametric else {}
+
+
+#: Input sizes a layer learns on its first call, and the kernel whose first axis holds each.
+INPUT_KERNELS = {"q_in": "W_q.kernel", "k_in": "W_k.kernel", "v_in": "W_v.kernel",
+                 "d_in": "dense1.kernel"}
+
+#: The call argument each input size is read from.
+INPUT_ARGS = {"q_in": "queries", "k_in": "keys", "v_in": "values", "d_in": "X"}
+
+
+def dims_from_weights(weights: Mapping[str, Any]) -> dict[str, int]:
+    """Reads the input sizes (``q_in``, ...) off a canonical mapping's kernels."""
+    return {
+        dim: int(np.shape(weights[name])[0])
+        for dim, name in INPUT_KERNELS.items()
+        if name in weights
+    }
+
+
+def prefixed(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Puts ``prefix.`` before every name."""
+    return {f"{prefix}.{name}": value for name, value in mapping.items()}
+
+
+def subset(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries under ``prefix.``, with the prefix removed."""
+    start = len(prefix) + 1
+    return {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
+
+
+# -- initialisation -----------------------------------------------------------------------
+
+
+def init_weights(spec: Spec, rng: np.random.Generator, dtype: str = "float32") -> dict[str, Any]:
+    """Draws initial weights for a fully known spec.
+
+    Kernels are Glorot-uniform, biases and ``beta`` zero, ``gamma`` one, a learned table
+    ``P`` normal with std 0.02, a kernel width ``w`` uniform in [0, 1).
+    """
+    out: dict[str, Any] = {}
+    for name, shape in spec.items():
+        dims = _known_dims(name, shape)
+        leaf = name.rpartition(".")[2]
+        if leaf == "kernel":
+            limit = np.sqrt(6.0 / (dims[0] + dims[1]))
+            value = rng.uniform(-limit, limit, dims)
+        elif leaf in ("bias", "beta"):
+            value = np.zeros(dims)
+        elif leaf == "gamma":
+            value = np.ones(dims)
+        elif leaf == "P":
+            value = rng.normal(0.0, 0.02, dims)
+        else:
+            value = rng.uniform(0.0, 1.0, dims)
+        out[name] = value.astype(dtype)
+    return out
+
+
+def _known_dims(name: str, shape: Shape) -> tuple[int, ...]:
+    if any(d is None for d in shape):
+        raise ValueError(f"{name} has unknown dimensions {fmt_shape(shape)}: call the layer first")
+    return tuple(int(d) for d in shape if d is not None)
+
+
+# -- checking -------------------------------------------------------------------------------
+
+
+def check_weights(spec: Spec, weights: Mapping[str, Any], where: str = "set_weights") -> dict[str, np.ndarray]:
+    """Checks every name and shape against a spec before anything is changed.
+
+    Args:
+        spec: The expected names and shapes (``None`` matches any size).
+        weights: The mapping given by the user (arrays of any framework convertible by
+            ``numpy.asarray``).
+        where: The caller's name, for the message.
+
+    Returns:
+        The weights as NumPy arrays, in the spec's order.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: Missing or unexpected names, or a wrong shape.
+    """
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"
+        )
+    missing = sorted(set(spec) - set(weights))
+    unexpected = sorted(set(weights) - set(spec))
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: missing weights {missing}, unexpected weights {unexpected}; "
+            f"expected exactly {sorted(spec)}"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name, want in spec.items():
+        value = np.asarray(weights[name])
+        if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
+            raise TypeError(f"{where}: {name} must be floating point, got {value.dtype.name}")
+        if value.ndim != len(want) or any(
+            w is not None and g != w for g, w in zip(value.shape, want, strict=True)
+        ):
+            raise ValueError(
+                f"{where}: {name} has shape {fmt_shape(value.shape)}, expected {fmt_shape(want)}"
+            )
+        out[name] = value
+    return out
+
+
+# -- safetensors files ----------------------------------------------------------------------
+
+_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4"}
+_ST_NAMES = {np.dtype(v).name: k for k, v in _ST_DTYPES.items()}
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray]) -> None:
+    """Writes arrays to a safetensors file (little-endian, C order, 8-byte aligned header)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "attention-core"}}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        array = np.asarray(tensors[name])
+        if array.dtype.name == "bfloat16":
+            code, raw = "BF16", np.ascontiguousarray(array).view("<u2").tobytes()
+        elif array.dtype.name in _ST_NAMES:
+            code = _ST_NAMES[array.dtype.name]
+            raw = np.ascontiguousarray(array, dtype=_ST_DTYPES[code]).tobytes()
+        else:
+            raise TypeError(f"save_weights: {name} has unsupported dtype {array.dtype.name}")
+        header[name] = {"dtype": code, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Reads every array of a safetensors file, checking the file's structure.
+
+    BF16 tensors are widened to float32 (exactly) when ``ml_dtypes`` is not installed.
+
+    Raises:
+        ValueError: The file is truncated, or not a safetensors file.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    bad = f"load_weights: {os.fspath(path)!r} is not a valid safetensors file"
+    if len(data) < 8:
+        raise ValueError(f"{bad}: only {len(data)} bytes")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise ValueError(f"{bad}: header of {n} bytes runs past the end of the file")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{bad}: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad}: header is not a JSON object")
+    body = memoryview(data)[8 + n :]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{bad}: entry {name!r} is malformed") from None
+        if code != "BF16" and code not in _ST_DTYPES:
+            raise ValueError(f"{bad}: entry {name!r} has unsupported dtype {code}")
+        itemsize = 2 if code == "BF16" else np.dtype(_ST_DTYPES[code]).itemsize
+        if not 0 <= start <= end <= len(body) or end - start != itemsize * int(np.prod(shape)):
+            raise ValueError(f"{bad}: data of {name!r} is truncated or misplaced")
+        out[name] = _decode(code, body[start:end], shape)
+    return out
+
+
+def _decode(code: str, raw: memoryview, shape: tuple[int, ...]) -> np.ndarray:
+    if code != "BF16":
+        return np.frombuffer(raw, dtype=_ST_DTYPES[code]).reshape(shape).copy()
+    bits = np.frombuffer(raw, dtype="<u2").reshape(shape)
+    try:
+        import ml_dtypes
+
+        return bits.view(ml_dtypes.bfloat16).copy()
+    except ImportError:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def save_weights(path: str | os.PathLike[str], layer: HasWeights | Mapping[str, Any]) -> None:
+    """Saves a layer's canonical weights (or a canonical mapping) to a safetensors file."""
+    weights = layer if isinstance(layer, Mapping) else layer.get_weights()
+    write_safetensors(path, {k: np.asarray(v) for k, v in weights.items()})
+
+
+def load_weights(path: str | os.PathLike[str], layer: HasWeights | None = None) -> dict[str, np.ndarray]:
+    """Reads canonical weights from a safetensors file and, if given a layer, sets them.
+
+    The layer checks every name and shape before changing anything.
+
+    Returns:
+        The mapping read from the file.
+    """
+    weights = read_safetensors(path)
+    if layer is not None:
+        layer.set_weights(weights)
+    return weights

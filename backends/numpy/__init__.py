@@ -1,0 +1,28 @@
+"""The NumPy backend: the embedded default, inference layers over plain NumPy arrays."""
+
+from backends.numpy.layers import (
+    AddNorm,
+    AdditiveAttention,
+    DotProductAttention,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    NadarayaWatson,
+    PositionalEncoding,
+    PositionWiseFFN,
+    TransformerEncoderBlock,
+)
+from backends.numpy.ops import OPS, NumpyOps
+
+__all__ = [
+    "OPS",
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "LearnedPositionalEncoding",
+    "MultiHeadAttention",
+    "NadarayaWatson",
+    "NumpyOps",
+    "PositionWiseFFN",
+    "PositionalEncoding",
+    "TransformerEncoderBlock",
+]

@@ -1,0 +1,341 @@
+"""NumPy layers: plain classes holding canonical NumPy weights and calling the core.
+
+They are inference-first (``training=False`` by default, so dropout is off) and seeded:
+``seed=`` fixes the initial weights and the dropout draws. Input sizes are inferred on the
+first call, or from the mapping given to ``set_weights``. A call that raises changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import weights as W
+from attention_core.ops import FLOAT_DTYPES
+
+from backends.numpy.ops import NumpyOps
+
+
+class Layer:
+    """Base of the NumPy layers.
+
+    Args:
+        dropout: Dropout rate, used only when called with ``training=True``.
+        seed: Seed of the initial weights and of dropout; fresh entropy when None.
+        dtype: NumPy dtype of the weights.
+
+    Attributes:
+        attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
+            (attention layers only).
+    """
+
+    def __init__(self, dropout: float = 0.0, *, seed: int | None = None, dtype: str = "float32"):
+        self.dropout = checks.check_dropout(dropout)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self._rng = np.random.default_rng(seed)
+        self._ops = NumpyOps(self._rng)
+        self._dims: dict[str, int | None] = {}
+        self._weights: dict[str, np.ndarray] | None = None
+        self.attention_weights: np.ndarray | None = None
+
+    def spec(self) -> W.Spec:
+        """Canonical names and shapes of this layer's weights (None = not known yet)."""
+        return {}
+
+    @property
+    def built(self) -> bool:
+        """Whether every weight shape is known and the weights exist."""
+        return self._weights is not None or not self.spec()
+
+    def _current(self, **dims: int) -> dict[str, np.ndarray]:
+        """The weights to use for inputs of the given sizes, creating them if needed.
+
+        Nothing is stored here: :meth:`_commit` stores new weights once the call succeeded.
+        """
+        if self._weights is not None:
+            for name, size in dims.items():
+                checks.check_equal(
+                    f"{W.INPUT_ARGS[name]} last dimension ({size}) must be {self._dims[name]}, "
+                    "the size this layer was built for",
+                    size,
+                    self._dims[name],
+                )
+            return self._weights
+        saved, self._dims = self._dims, {**self._dims, **dims}
+        try:
+            spec = self.spec()
+        finally:
+            self._dims = saved
+        return W.init_weights(spec, self._rng, self.dtype)
+
+    def _commit(self, weights: dict[str, np.ndarray]) -> None:
+        """Keeps weights created by :meth:`_current` after the call that needed them succeeded."""
+        if self._weights is None:
+            self._dims.update(W.dims_from_weights(weights))
+            self._weights = weights
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
+        if not self.built:
+            raise ValueError(
+                f"{type(self).__name__}: weights are created on the first call; call the layer "
+                "or set_weights first"
+            )
+        return {name: value.copy() for name, value in (self._weights or {}).items()}
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Sets every weight from a canonical mapping; checks all names and shapes first."""
+        checked = W.check_weights(self.spec(), weights)
+        self._dims.update(W.dims_from_weights(checked))
+        self._weights = {name: value.astype(self.dtype) for name, value in checked.items()}
+
+    def _rate(self, training: bool) -> float:
+        return self.dropout if training else 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dropout={self.dropout})"
+
+
+class DotProductAttention(Layer):
+    """Scaled dot-product attention (no weights).
+
+    Args:
+        dropout: Dropout rate on the attention weights in training.
+    """
+
+    def __call__(
+        self,
+        queries: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+        training: bool = False,
+    ) -> Any:
+        checks.check_rank(self._ops, "queries", queries, (3,), "(B, Q, D)")
+        out, weights = attention.dot_product_attention(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            dropout=self._rate(training), return_weights=True, ops=self._ops,
+        )
+        self.attention_weights = weights
+        return (out, weights) if return_attention else out
+
+
+class AdditiveAttention(Layer):
+    """Additive (Bahdanau) attention with hidden size ``num_hiddens``."""
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any):
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens = checks.check_positive_int("num_hiddens", num_hiddens)
+
+    def spec(self) -> W.Spec:
+        return W.additive_spec(self.num_hiddens, self._dims.get("q_in"), self._dims.get("k_in"))
+
+    def __call__(
+        self,
+        queries: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+        training: bool = False,
+    ) -> Any:
+        attention.check_projected_inputs(self._ops, queries, keys, values)
+        weights = self._current(q_in=queries.shape[-1], k_in=keys.shape[-1])
+        out, attn = attention.additive_attention(
+            queries, keys, values, weights, valid_lens, mask=mask, causal=causal,
+            dropout=self._rate(training), return_weights=True, ops=self._ops,
+        )
+        self._commit(weights)
+        self.attention_weights = attn
+        return (out, attn) if return_attention else out
+
+
+class MultiHeadAttention(Layer):
+    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features."""
+
+    def __init__(
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False,
+        **kwargs: Any,
+    ):
+        checks.check_heads(num_hiddens, num_heads)
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+
+    def spec(self) -> W.Spec:
+        d = self._dims
+        return W.multi_head_spec(
+            self.num_hiddens, self.num_heads, self.bias, d.get("q_in"), d.get("k_in"), d.get("v_in")
+        )
+
+    def __call__(
+        self,
+        queries: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+        training: bool = False,
+    ) -> Any:
+        attention.check_projected_inputs(self._ops, queries, keys, values)
+        weights = self._current(
+            q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1]
+        )
+        out, attn = multihead.multi_head_attention(
+            queries, keys, values, weights, self.num_heads, valid_lens, mask=mask,
+            causal=causal, dropout=self._rate(training), return_weights=True, ops=self._ops,
+        )
+        self._commit(weights)
+        self.attention_weights = attn
+        return (out, attn) if return_attention else out
+
+
+class PositionalEncoding(Layer):
+    """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input."""
+
+    def __init__(
+        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, **kwargs: Any
+    ):
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.P = positional.sinusoidal_encoding(max_len, num_hiddens, self.dtype)[None]
+
+    def __call__(self, X: np.ndarray, *, training: bool = False) -> np.ndarray:
+        return positional.add_positions(X, self.P, self._rate(training), ops=self._ops)
+
+
+class LearnedPositionalEncoding(Layer):
+    """Adds a learned table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input."""
+
+    def __init__(
+        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, **kwargs: Any
+    ):
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
+
+    def spec(self) -> W.Spec:
+        return W.learned_positional_spec(self.num_hiddens, self.max_len)
+
+    @property
+    def P(self) -> np.ndarray:
+        """The learned table, ``(1, max_len, num_hiddens)``."""
+        assert self._weights is not None
+        return self._weights["P"]
+
+    def __call__(self, X: np.ndarray, *, training: bool = False) -> np.ndarray:
+        return positional.add_positions(X, self.P, self._rate(training), ops=self._ops)
+
+
+class PositionWiseFFN(Layer):
+    """Two dense layers with a ReLU between, applied at every position."""
+
+    def __init__(self, ffn_num_hiddens: int, ffn_num_outputs: int, **kwargs: Any):
+        super().__init__(0.0, **kwargs)
+        self.ffn_num_hiddens, self.ffn_num_outputs = ffn_num_hiddens, ffn_num_outputs
+        self.spec()  # validates the sizes
+
+    def spec(self) -> W.Spec:
+        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, self._dims.get("d_in"))
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        checks.check_rank(self._ops, "X", X, (3,), "(B, T, d)")
+        weights = self._current(d_in=X.shape[-1])
+        out = transformer.position_wise_ffn(X, weights, ops=self._ops)
+        self._commit(weights)
+        return out
+
+
+class AddNorm(Layer):
+    """Residual connection followed by layer normalisation over the last axis (eps 1e-5)."""
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any):
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens = num_hiddens
+        self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
+
+    def spec(self) -> W.Spec:
+        return W.add_norm_spec(self.num_hiddens)
+
+    def __call__(self, X: np.ndarray, Y: np.ndarray, *, training: bool = False) -> np.ndarray:
+        checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
+        assert self._weights is not None
+        return transformer.add_norm(X, Y, self._weights, self._rate(training), ops=self._ops)
+
+
+class TransformerEncoderBlock(Layer):
+    """Self-attention and a position-wise FFN, each wrapped in add & norm."""
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        ffn_num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        **kwargs: Any,
+    ):
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
+        self.num_heads, self.bias = num_heads, bool(bias)
+        self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
+
+    def spec(self) -> W.Spec:
+        return W.encoder_block_spec(
+            self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.bias
+        )
+
+    def __call__(
+        self, X: np.ndarray, valid_lens: Any = None, *, mask: Any = None, training: bool = False
+    ) -> np.ndarray:
+        checks.check_rank(self._ops, "X", X, (3,), "(B, T, num_hiddens)")
+        checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
+        assert self._weights is not None
+        out, attn = transformer.transformer_encoder_block(
+            X, self._weights, self.num_heads, valid_lens, mask=mask,
+            dropout=self._rate(training), return_weights=True, ops=self._ops,
+        )
+        self.attention_weights = attn
+        return out
+
+
+class NadarayaWatson(Layer):
+    """Nadaraya-Watson attention pooling with a Gaussian kernel.
+
+    Args:
+        parametric: Learn the kernel's inverse width ``w`` (weight ``w`` of shape ``(1,)``).
+    """
+
+    def __init__(self, parametric: bool = False, **kwargs: Any):
+        super().__init__(0.0, **kwargs)
+        self.parametric = bool(parametric)
+        if self.parametric:
+            self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
+
+    def spec(self) -> W.Spec:
+        return W.nadaraya_watson_spec(self.parametric)
+
+    def __call__(self, queries: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+        w = self._weights["w"] if self._weights else None
+        out, attn = attention.nadaraya_watson(
+            queries, keys, values, w, return_weights=True, ops=self._ops
+        )
+        self.attention_weights = attn
+        return out
+
+    def __repr__(self) -> str:
+        return f"NadarayaWatson(parametric={self.parametric})"

@@ -1,0 +1,87 @@
+"""The NumPy implementation of the ops protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class NumpyOps:
+    """NumPy arrays; dropout draws from the ``numpy.random.Generator`` given (or a fresh one)."""
+
+    name = "numpy"
+
+    def __init__(self, rng: np.random.Generator | None = None) -> None:
+        self.rng = rng if rng is not None else np.random.default_rng()
+
+    def from_numpy(self, x: np.ndarray, like: Any = None) -> np.ndarray:
+        x = np.asarray(x)
+        if like is not None and x.dtype.kind == "f":
+            return x.astype(like.dtype)
+        return x
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def concrete(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(np.shape(x))
+
+    def dtype_name(self, x: Any) -> str:
+        return np.asarray(x).dtype.name
+
+    def astype(self, x: Any, dtype: str) -> np.ndarray:
+        return np.asarray(x).astype(dtype, copy=False)
+
+    def exp(self, x: np.ndarray) -> np.ndarray:
+        return np.exp(x)
+
+    def tanh(self, x: np.ndarray) -> np.ndarray:
+        return np.tanh(x)
+
+    def sqrt(self, x: np.ndarray) -> np.ndarray:
+        return np.sqrt(x)
+
+    def relu(self, x: np.ndarray) -> np.ndarray:
+        return np.maximum(x, np.zeros((), x.dtype))
+
+    def where(self, cond: Any, x: np.ndarray, y: Any) -> np.ndarray:
+        return np.where(cond, x, np.asarray(y, dtype=x.dtype))
+
+    def logical_and(self, a: Any, b: Any) -> np.ndarray:
+        return np.logical_and(a, b)
+
+    def max(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.max(x, axis=axis, keepdims=True)
+
+    def sum(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.sum(x, axis=axis, keepdims=True)
+
+    def mean(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.mean(x, axis=axis, keepdims=True)
+
+    def matmul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.matmul(a, b)
+
+    def reshape(self, x: np.ndarray, shape: tuple[Any, ...]) -> np.ndarray:
+        return np.reshape(x, shape)
+
+    def transpose(self, x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        return np.transpose(x, axes)
+
+    def expand_dims(self, x: Any, axis: int) -> np.ndarray:
+        return np.expand_dims(x, axis)
+
+    def arange(self, n: Any) -> np.ndarray:
+        return np.arange(n, dtype=np.int32)
+
+    def dropout(self, x: np.ndarray, rate: float) -> np.ndarray:
+        keep = self.rng.random(x.shape) >= rate
+        return np.where(keep, x / np.asarray(1.0 - rate, x.dtype), np.zeros((), x.dtype))
+
+
+#: The default NumPy ops (used by the functional API for NumPy arrays).
+OPS = NumpyOps()
