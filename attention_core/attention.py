@@ -30,8 +30,10 @@ def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     """Softmax over the last axis counting only visible keys.
 
     ``w_ij = exp(s_ij - m_i) / sum_{j visible} exp(s_ij - m_i)`` for visible ``j``, 0 otherwise,
-    with ``m_i`` the row's largest visible score. A row with no visible key is all zeros: its
-    sum is replaced by 1 before dividing, so no NaN appears, in values or in gradients.
+    with ``m_i`` the row's largest visible score. Masked entries are replaced by the dtype's
+    most negative value before the exponential, whose result there is exactly 0. A row with no
+    visible key therefore sums to 0; that sum is replaced by 1 before dividing, so the row is
+    all zeros and no NaN appears, in values or in gradients.
 
     Args:
         ops: The backend's ops.
@@ -41,12 +43,13 @@ def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     Returns:
         The weights, shape and dtype of ``scores``.
     """
-    if visible is not None:
-        scores = ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)])
-    e = ops.exp(scores - ops.max(scores, -1))
     if visible is None:
+        e = ops.exp(scores - ops.max(scores, -1))
         return e / ops.sum(e, -1)
-    e = ops.where(visible, e, 0.0)
+    fill = FILL_VALUE[ops.dtype_name(scores)]
+    top = ops.max(ops.where(visible, scores, fill), -1)  # (..., Q, 1)
+    top = ops.where(top > fill, top, 0.0)  # rows with no visible key: avoid s - fill overflow
+    e = ops.exp(ops.where(visible, scores - top, fill))  # exactly 0 where masked
     total = ops.sum(e, -1)
     return e / ops.where(total > 0, total, 1.0)
 

@@ -96,7 +96,8 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
     if dtype != "bool":
         raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
     shape = ops.shape(mask)
-    target = scores_shape[4 - len(shape) :] if 2 <= len(shape) <= 4 else ()
+    B, H, Q, K = scores_shape
+    target = {2: (Q, K), 3: (B, Q, K), 4: (B, H, Q, K)}.get(len(shape), ())
     if not target or not _fits(shape, target, broadcast=True):
         raise ValueError(
             "mask must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "

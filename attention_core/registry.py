@@ -107,7 +107,7 @@ def is_installed(name: str) -> bool:
 
 def available_backends() -> list[str]:
     """Returns the canonical names of the backends whose frameworks are installed."""
-    return [b for b in BACKENDS if is_installed(b)]
+    return [b for b in BACKENDS if is_installed(b) and importlib.util.find_spec(f"backends.{b}")]
 
 
 def load(name: str) -> ModuleType:
@@ -129,6 +129,11 @@ def load(name: str) -> ModuleType:
         raise BackendNotInstalledError(
             f"backend {key!r} needs {', '.join(missing)}, which is not installed; "
             f"install it with: {PIP[key]}"
+        )
+    if importlib.util.find_spec(f"backends.{key}") is None:
+        raise BackendNotInstalledError(
+            f"backend {key!r}: its framework is installed, but this version of attention-core "
+            "has no adapter for it yet"
         )
     with _lock:  # import machinery is thread-safe, but keep first loads strictly one at a time
         return importlib.import_module(f"backends.{key}")

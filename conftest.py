@@ -1,0 +1,46 @@
+"""Test configuration: the ``backend`` fixture of DESIGN section 6.
+
+``ATTENTION_CORE_TEST_BACKENDS`` (a comma list) names the backends to test; unset, every
+installed backend is tested. A named backend that cannot be loaded fails its tests, it is
+never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from attention_core import registry
+
+
+def test_backends() -> list[str]:
+    raw = os.environ.get("ATTENTION_CORE_TEST_BACKENDS", "").strip()
+    if not raw:
+        return registry.available_backends()
+    names = []
+    for part in raw.split(","):
+        if part.strip():
+            try:
+                names.append(registry.canonical_name(part))
+            except ValueError:
+                names.append(part.strip())  # reported as a failure by the fixture
+    return names
+
+
+test_backends.__test__ = False  # type: ignore[attr-defined]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", test_backends(), indirect=True)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    name = request.param
+    try:
+        registry.load(name)
+    except (ImportError, ValueError) as err:
+        pytest.fail(f"backend {name!r} was asked for in ATTENTION_CORE_TEST_BACKENDS: {err}")
+    return registry.canonical_name(name)

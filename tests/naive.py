@@ -1,0 +1,161 @@
+"""An independent float64 implementation, written from the formulas with explicit loops.
+
+Nothing here imports attention_core: it exists to check the core and the reference files
+against a second, deliberately plain computation (math.exp per element, masks decided one
+(query, key) pair at a time, heads taken by column slices).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def visible(B: int, H: int, Q: int, K: int, valid_lens: Any = None, mask: Any = None,
+            causal: bool = False) -> np.ndarray:
+    """visible[b, h, i, j]: may query i of example b (head h) attend to key j?"""
+    out = np.ones((B, H, Q, K), dtype=bool)
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    m = None if mask is None else np.asarray(mask)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                for j in range(K):
+                    ok = True
+                    if lens is not None:
+                        limit = lens[b] if lens.ndim == 1 else lens[b, i]
+                        ok = ok and j < limit
+                    if m is not None:
+                        if m.ndim == 2:
+                            ok = ok and bool(m[i, j])
+                        elif m.ndim == 3:
+                            ok = ok and bool(m[b, i, j])
+                        else:
+                            ok = ok and bool(m[b, h if m.shape[1] > 1 else 0, i, j])
+                    if causal:
+                        ok = ok and j <= i + (K - Q)
+                    out[b, h, i, j] = ok
+    return out
+
+
+def softmax_row(scores: np.ndarray, vis: np.ndarray) -> np.ndarray:
+    """Softmax over the visible entries of one row; all zeros if none is visible."""
+    idx = [j for j in range(len(scores)) if vis[j]]
+    out = np.zeros(len(scores))
+    if not idx:
+        return out
+    top = max(scores[j] for j in idx)
+    exps = {j: math.exp(scores[j] - top) for j in idx}
+    total = sum(exps.values())
+    for j in idx:
+        out[j] = exps[j] / total
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: np.ndarray,
+              score: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Generic pooling: q (B, H, Q, .), k (B, H, K, .), v (B, H, K, Dv), score(qi, kj)."""
+    B, H, Q = q.shape[:3]
+    K = k.shape[2]
+    weights = np.zeros((B, H, Q, K))
+    out = np.zeros((B, H, Q, v.shape[-1]))
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                s = np.array([score(q[b, h, i], k[b, h, j]) for j in range(K)])
+                weights[b, h, i] = softmax_row(s, vis[b, h, i])
+                for j in range(K):
+                    out[b, h, i] += weights[b, h, i, j] * v[b, h, j]
+    return out, weights
+
+
+def dot_product(q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scaled dot-product attention on rank-4 inputs."""
+    d = q.shape[-1]
+    return attention(q, k, v, vis, lambda a, b: float(np.dot(a, b)) / math.sqrt(d))
+
+
+def linear(x: np.ndarray, w: dict[str, np.ndarray], name: str) -> np.ndarray:
+    y = x @ w[f"{name}.kernel"]
+    return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
+
+
+def multi_head(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, w: dict[str, np.ndarray],
+               H: int, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-head attention; head i takes columns i*h/H:(i+1)*h/H."""
+    q, k, v = linear(queries, w, "W_q"), linear(keys, w, "W_k"), linear(values, w, "W_v")
+    h = q.shape[-1]
+    size = h // H
+    heads = lambda x: np.stack([x[:, :, i * size:(i + 1) * size] for i in range(H)], axis=1)  # noqa: E731
+    out, weights = dot_product(heads(q), heads(k), heads(v), vis)
+    concat = np.concatenate([out[:, i] for i in range(H)], axis=-1)
+    return linear(concat, w, "W_o"), weights
+
+
+def additive(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, w: dict[str, np.ndarray],
+             vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bahdanau attention: score(q, k) = w_v . tanh(W_q^T q + W_k^T k)."""
+    wq, wk, wv = w["W_q.kernel"], w["W_k.kernel"], w["w_v.kernel"][:, 0]
+
+    def score(qi: np.ndarray, kj: np.ndarray) -> float:
+        return float(sum(wv[n] * math.tanh(float(qi @ wq[:, n] + kj @ wk[:, n]))
+                         for n in range(len(wv))))
+
+    out, weights = attention(queries[:, None], keys[:, None], values[:, None], vis, score)
+    return out[:, 0], weights
+
+
+def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    out = np.empty_like(x)
+    for idx in np.ndindex(*x.shape[:-1]):
+        row = x[idx]
+        mean = sum(row) / len(row)
+        var = sum((r - mean) ** 2 for r in row) / len(row)
+        out[idx] = [(r - mean) / math.sqrt(var + eps) for r in row]
+    return out * gamma + beta
+
+
+def ffn(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
+    return linear(np.maximum(linear(x, w, "dense1"), 0.0), w, "dense2")
+
+
+def add_norm(x: np.ndarray, y: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
+    return layer_norm(x + y, w["ln.gamma"], w["ln.beta"])
+
+
+def sub(w: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {k[len(prefix) + 1:]: v for k, v in w.items() if k.startswith(prefix + ".")}
+
+
+def encoder_block(x: np.ndarray, w: dict[str, np.ndarray], H: int,
+                  vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    att, weights = multi_head(x, x, x, sub(w, "attention"), H, vis)
+    y = add_norm(x, att, sub(w, "addnorm1"))
+    return add_norm(y, ffn(y, sub(w, "ffn")), sub(w, "addnorm2")), weights
+
+
+def pe_table(max_len: int, d: int) -> np.ndarray:
+    """P[i, 2j] = sin(i / 10000^(2j/d)), P[i, 2j+1] = cos(i / 10000^(2j/d))."""
+    P = np.zeros((max_len, d))
+    for i in range(max_len):
+        for col in range(d):
+            j = col // 2
+            angle = i / 10000 ** (2 * j / d)
+            P[i, col] = math.sin(angle) if col % 2 == 0 else math.cos(angle)
+    return P
+
+
+def nadaraya_watson(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                    w: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """f(x) = sum_i softmax_i(-((x - x_i) w)^2 / 2) y_i, for (B, Q) or (Q,) inputs."""
+    q2, k2, v2 = (np.atleast_2d(a) for a in (queries, keys, values))
+    out = np.zeros(q2.shape)
+    weights = np.zeros((q2.shape[0], 1, q2.shape[1], k2.shape[1]))
+    for b in range(q2.shape[0]):
+        for i in range(q2.shape[1]):
+            s = np.array([-((q2[b, i] - x) * w) ** 2 / 2 for x in k2[b]])
+            weights[b, 0, i] = softmax_row(s, np.ones(len(s), bool))
+            out[b, i] = float(weights[b, 0, i] @ v2[b])
+    return (out if queries.ndim == 2 else out[0]), weights

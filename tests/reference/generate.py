@@ -1,0 +1,120 @@
+"""Generates the float64 reference files: ``python -m tests.reference.generate``.
+
+For each case of :mod:`tests.reference.cases`, inputs and weights are drawn from a generator
+seeded by the case's name, and outputs are computed in float64 by the NumPy layers. Biases,
+``gamma`` and ``beta`` are drawn at random too, so that no term of the computation is hidden
+by a zero or a one. One ``.npz`` per layer is written under ``tests/reference/data``; keys are
+``"<case>::<group>.<name>"`` with group ``input``, ``call``, ``weight`` or ``output``.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import backends.numpy as np_layers
+from tests.reference.cases import CASES, Case, mask_arguments
+
+DATA = Path(__file__).parent / "data"
+
+
+def _rng(case: Case) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(f"{case.layer}/{case.name}".encode()))
+
+
+def call_arguments(case: Case, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Draws a case's inputs (float64) and masking arguments."""
+    inputs = {name: rng.standard_normal(shape) for name, shape in case.inputs.items()}
+    extra: dict[str, Any] = {}
+    if case.mask_kind is not None:
+        first = next(iter(case.inputs.values()))
+        q = first[1]
+        k = case.inputs["keys"][1] if "keys" in case.inputs else q
+        extra = mask_arguments(case.mask_kind, rng, case.heads, q=q, k=k)
+    return inputs, extra
+
+
+def randomise(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Replaces constant initial values (zero biases, unit gammas) by random ones."""
+    out = {}
+    for name, value in weights.items():
+        leaf = name.rpartition(".")[2]
+        if leaf in ("bias", "beta"):
+            value = 0.1 * rng.standard_normal(value.shape)
+        elif leaf == "gamma":
+            value = 1.0 + 0.1 * rng.standard_normal(value.shape)
+        elif leaf == "w":
+            value = 0.5 + rng.random(value.shape)
+        out[name] = value
+    return out
+
+
+def run(layer: Any, case: Case, inputs: dict[str, np.ndarray], extra: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Calls a NumPy layer the way the case says; returns its output and attention weights."""
+    args = list(inputs.values())
+    if case.layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):
+        out, attn = layer(*args, return_attention=True, **extra)
+        return {"out": out, "attention": attn}
+    out = layer(*args, **extra)
+    result = {"out": out}
+    if layer.attention_weights is not None:
+        result["attention"] = layer.attention_weights
+    return result
+
+
+def compute_case(case: Case) -> dict[str, np.ndarray]:
+    """Inputs, call arguments, weights and float64 outputs of one case, as flat arrays."""
+    rng = _rng(case)
+    inputs, extra = call_arguments(case, rng)
+    layer = getattr(np_layers, case.layer)(**case.config, seed=0, dtype="float64")
+    if not layer.built:  # infer input sizes by a first call
+        run(layer, case, inputs, extra)
+    weights = randomise(layer.get_weights(), rng)
+    layer.set_weights(weights)
+    outputs = run(layer, case, inputs, extra)
+    record: dict[str, np.ndarray] = {}
+    record.update({f"input.{k}": v for k, v in inputs.items()})
+    record.update({f"call.{k}": np.asarray(v) for k, v in extra.items()})
+    record.update({f"weight.{k}": v for k, v in weights.items()})
+    record.update({f"output.{k}": np.asarray(v, dtype=np.float64) for k, v in outputs.items()})
+    if case.layer == "PositionalEncoding":
+        record["output.P"] = layer.P
+    return record
+
+
+def compute_all() -> dict[str, dict[str, np.ndarray]]:
+    """Every layer's file contents: layer -> {"<case>::<key>": array}."""
+    files: dict[str, dict[str, np.ndarray]] = {}
+    for case in CASES:
+        record = compute_case(case)
+        files.setdefault(case.layer, {}).update(
+            {f"{case.name}::{key}": value for key, value in record.items()}
+        )
+    return files
+
+
+def load(layer: str) -> dict[str, dict[str, np.ndarray]]:
+    """Reads one layer's file: case name -> {"<group>.<name>": array}."""
+    cases: dict[str, dict[str, np.ndarray]] = {}
+    with np.load(DATA / f"{layer}.npz") as data:
+        for key in data.files:
+            case, _, field = key.partition("::")
+            cases.setdefault(case, {})[field] = data[key]
+    return cases
+
+
+def main() -> int:
+    """Writes every reference file."""
+    DATA.mkdir(exist_ok=True)
+    for layer, arrays in compute_all().items():
+        np.savez_compressed(DATA / f"{layer}.npz", **arrays)
+        print(f"wrote {DATA / (layer + '.npz')} ({len(arrays)} arrays)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The reference files: current with the generator, and right by an independent computation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests import naive
+from tests.reference.cases import CASES, Case
+from tests.reference.generate import compute_case, load
+
+from conftest import test_backends
+
+pytestmark = pytest.mark.skipif(
+    "numpy" not in test_backends(), reason="the reference files are checked in the numpy env"
+)
+
+_FILES: dict[str, Any] = {}
+
+
+def stored(case: Case) -> dict[str, np.ndarray]:
+    if case.layer not in _FILES:
+        _FILES[case.layer] = load(case.layer)
+    return _FILES[case.layer][case.name]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.layer}-{c.name}")
+def test_files_are_current(case: Case) -> None:
+    """Regenerating in memory gives the stored arrays within 1e-12 (rerun the generator if not)."""
+    fresh, old = compute_case(case), stored(case)
+    assert sorted(fresh) == sorted(old)
+    for key, value in fresh.items():
+        assert value.shape == old[key].shape, key
+        if value.dtype.kind in "fc":
+            assert np.max(np.abs(value - old[key]), initial=0.0) <= 1e-12, key
+        else:
+            assert np.array_equal(value, old[key]), key
+
+
+def naive_outputs(case: Case, ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The case recomputed by tests/naive.py from the stored inputs and weights."""
+    x = {k[6:]: v for k, v in ref.items() if k.startswith("input.")}
+    w = {k[7:]: v for k, v in ref.items() if k.startswith("weight.")}
+    call = {k[5:]: v for k, v in ref.items() if k.startswith("call.")}
+    masks = {"valid_lens": call.get("valid_lens"), "mask": call.get("mask"),
+             "causal": bool(call.get("causal", False))}
+    if case.layer == "DotProductAttention":
+        q, k, v = x["queries"], x["keys"], x["values"]
+        vis = naive.visible(q.shape[0], 1, q.shape[1], k.shape[1], **masks)
+        out, att = naive.dot_product(q[:, None], k[:, None], v[:, None], vis)
+        return {"output.out": out[:, 0], "output.attention": att}
+    if case.layer == "AdditiveAttention":
+        q, k = x["queries"], x["keys"]
+        vis = naive.visible(q.shape[0], 1, q.shape[1], k.shape[1], **masks)
+        out, att = naive.additive(q, k, x["values"], w, vis)
+        return {"output.out": out, "output.attention": att}
+    if case.layer == "MultiHeadAttention":
+        q, k = x["queries"], x["keys"]
+        H = case.config["num_heads"]
+        vis = naive.visible(q.shape[0], H, q.shape[1], k.shape[1], **masks)
+        out, att = naive.multi_head(q, k, x["values"], w, H, vis)
+        return {"output.out": out, "output.attention": att}
+    if case.layer == "TransformerEncoderBlock":
+        X = x["X"]
+        H = case.config["num_heads"]
+        vis = naive.visible(X.shape[0], H, X.shape[1], X.shape[1], **masks)
+        out, att = naive.encoder_block(X, w, H, vis)
+        return {"output.out": out, "output.attention": att}
+    if case.layer == "PositionalEncoding":
+        cfg = case.config
+        P = naive.pe_table(cfg["max_len"], cfg["num_hiddens"])[None]
+        T = x["X"].shape[1]
+        return {"output.out": x["X"] + P[:, :T], "output.P": P}
+    if case.layer == "LearnedPositionalEncoding":
+        return {"output.out": x["X"] + w["P"][:, : x["X"].shape[1]]}
+    if case.layer == "PositionWiseFFN":
+        return {"output.out": naive.ffn(x["X"], w)}
+    if case.layer == "AddNorm":
+        return {"output.out": naive.add_norm(x["X"], x["Y"], w)}
+    if case.layer == "NadarayaWatson":
+        width = float(w["w"][0]) if "w" in w else 1.0
+        out, att = naive.nadaraya_watson(x["queries"], x["keys"], x["values"], width)
+        return {"output.out": out, "output.attention": att}
+    raise AssertionError(case.layer)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.layer}-{c.name}")
+def test_files_agree_with_independent_computation(case: Case) -> None:
+    ref = stored(case)
+    expected = naive_outputs(case, ref)
+    assert sorted(k for k in ref if k.startswith("output.")) == sorted(expected)
+    for key, value in expected.items():
+        assert ref[key].shape == value.shape, key
+        assert np.max(np.abs(ref[key] - value)) <= 1e-10, key
+
+
+def test_fully_masked_rows_are_zero_in_the_files() -> None:
+    for layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):
+        ref = load(layer)["fully_masked_row"]
+        att = ref["output.attention"]
+        assert np.all(att[0, :, 1] == 0.0) and np.all(att[1, :, 2] == 0.0)
+        if layer != "MultiHeadAttention":  # its W_o bias would make the output non-zero
+            assert np.all(ref["output.out"][0, 1] == 0.0) and np.all(ref["output.out"][1, 2] == 0.0)
