@@ -35,9 +35,9 @@ def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> boo
     if len(shape) != len(want):
         return False
     for got, need in zip(shape, want, strict=True):
-        if isinstance(got, int) and isinstance(need, int) and got != need:
-            if not (broadcast and got == 1):
-                return False
+        known = isinstance(got, int) and isinstance(need, int)
+        if known and got != need and not (broadcast and got == 1):
+            return False
     return True
 
 
@@ -111,8 +111,10 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
 
 
 def causal_mask(ops: Ops, scores_shape: tuple[Any, ...]) -> Array:
-    """Returns ``j <= i + (K - Q)`` of shape ``(Q, K)``: query ``i`` sees keys up to its own
-    position, the last query aligned with the last key."""
+    """Returns ``j <= i + (K - Q)`` of shape ``(Q, K)``.
+
+    Query ``i`` sees keys up to its own position, the last query aligned with the last key.
+    """
     _, _, Q, K = scores_shape
     rows = ops.expand_dims(ops.arange(Q), -1)  # (Q, 1)
     cols = ops.expand_dims(ops.arange(K), 0)  # (1, K)

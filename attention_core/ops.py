@@ -84,8 +84,10 @@ class Ops(Protocol):
         ...
 
     def where(self, cond: Array, x: Array, y: Array | float) -> Array:
-        """Returns ``np.where(cond, x, y)`` with broadcasting; ``y`` may be a Python float,
-        taken in ``x``'s dtype."""
+        """Returns ``np.where(cond, x, y)`` with broadcasting.
+
+        ``y`` may be a Python float, taken in ``x``'s dtype.
+        """
         ...
 
     def logical_and(self, a: Array, b: Array) -> Array:
@@ -131,7 +133,10 @@ class Ops(Protocol):
     # -- randomness ---------------------------------------------------------------------
 
     def dropout(self, x: Array, rate: float) -> Array:
-        """Inverted dropout: zeroes each entry with probability ``rate`` and scales the rest by
-        ``1 / (1 - rate)``. Only called with ``0 < rate < 1``; the randomness is the backend's
-        own (a NumPy ``Generator``, torch's global RNG, a JAX key, ...)."""
+        """Inverted dropout: zeroes each entry with probability ``rate``, scales the rest.
+
+        The kept entries are multiplied by ``1 / (1 - rate)``. Only called with
+        ``0 < rate < 1``; the randomness is the backend's own (a NumPy ``Generator``, torch's
+        global RNG, a JAX key, ...).
+        """
         ...

@@ -202,8 +202,11 @@ def backend_of(x: Any) -> str:
 
 
 def get_ops(name: str | None = None) -> Ops:
-    """Returns the default :class:`~attention_core.ops.Ops` of a backend (the active one if
-    ``name`` is None)."""
+    """Returns the default :class:`~attention_core.ops.Ops` of a backend.
+
+    Args:
+        name: A backend name or alias; the active backend when None.
+    """
     module = load(name or backend())
     ops: Ops = module.OPS
     return ops

@@ -178,7 +178,9 @@ def _known_dims(name: str, shape: Shape) -> tuple[int, ...]:
 # -- checking -------------------------------------------------------------------------------
 
 
-def check_weights(spec: Spec, weights: Mapping[str, Any], where: str = "set_weights") -> dict[str, np.ndarray]:
+def check_weights(
+    spec: Spec, weights: Mapping[str, Any], where: str = "set_weights"
+) -> dict[str, np.ndarray]:
     """Checks every name and shape against a spec before anything is changed.
 
     Args:

@@ -71,7 +71,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: np.ndarray,
     return out, weights
 
 
-def dot_product(q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def dot_product(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention on rank-4 inputs."""
     d = q.shape[-1]
     return attention(q, k, v, vis, lambda a, b: float(np.dot(a, b)) / math.sqrt(d))

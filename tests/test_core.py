@@ -67,7 +67,9 @@ def test_fp16_large_scores_do_not_overflow() -> None:
     np.testing.assert_allclose(w.astype(float), [[[0, 0, 1]]])
 
 
-def random_inputs(B: int = 3, H: int | None = None, Q: int = 5, K: int = 7, D: int = 4) -> tuple[np.ndarray, ...]:
+def random_inputs(
+    B: int = 3, H: int | None = None, Q: int = 5, K: int = 7, D: int = 4
+) -> tuple[np.ndarray, ...]:
     lead = (B,) if H is None else (B, H)
     return (RNG.standard_normal((*lead, Q, D)), RNG.standard_normal((*lead, K, D)),
             RNG.standard_normal((*lead, K, 3)))
@@ -151,7 +153,8 @@ def test_multi_head_attention_functional_against_naive() -> None:
 def test_head_i_uses_its_own_column_block() -> None:
     """Zeroing head 1's query columns makes only head 1's weights uniform."""
     x = RNG.standard_normal((1, 3, 6))
-    w = {name: RNG.standard_normal((6, 6)) for name in ("W_q.kernel", "W_k.kernel", "W_v.kernel", "W_o.kernel")}
+    names = ("W_q.kernel", "W_k.kernel", "W_v.kernel", "W_o.kernel")
+    w = {name: RNG.standard_normal((6, 6)) for name in names}
     w["W_q.kernel"][:, 2:4] = 0.0
     _, att = ac.multi_head_attention(x, x, x, w, 3, return_weights=True)
     np.testing.assert_allclose(att[0, 1], 1 / 3, atol=1e-15)

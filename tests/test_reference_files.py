@@ -7,11 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import test_backends
 from tests import naive
 from tests.reference.cases import CASES, Case
 from tests.reference.generate import compute_case, load
-
-from conftest import test_backends
 
 pytestmark = pytest.mark.skipif(
     "numpy" not in test_backends(), reason="the reference files are checked in the numpy env"

@@ -1,8 +1,8 @@
 """The NumPy backend: the embedded default, inference layers over plain NumPy arrays."""
 
 from backends.numpy.layers import (
-    AddNorm,
     AdditiveAttention,
+    AddNorm,
     DotProductAttention,
     LearnedPositionalEncoding,
     MultiHeadAttention,

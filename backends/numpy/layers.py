@@ -15,7 +15,6 @@ import numpy as np
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.ops import FLOAT_DTYPES
-
 from backends.numpy.ops import NumpyOps
 
 
@@ -232,7 +231,7 @@ class LearnedPositionalEncoding(Layer):
         return W.learned_positional_spec(self.num_hiddens, self.max_len)
 
     @property
-    def P(self) -> np.ndarray:
+    def P(self) -> np.ndarray:  # noqa: N802 - the name the source chapter uses
         """The learned table, ``(1, max_len, num_hiddens)``."""
         assert self._weights is not None
         return self._weights["P"]

@@ -26,7 +26,9 @@ def _rng(case: Case) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(f"{case.layer}/{case.name}".encode()))
 
 
-def call_arguments(case: Case, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def call_arguments(
+    case: Case, rng: np.random.Generator
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Draws a case's inputs (float64) and masking arguments."""
     inputs = {name: rng.standard_normal(shape) for name, shape in case.inputs.items()}
     extra: dict[str, Any] = {}
@@ -53,7 +55,9 @@ def randomise(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[
     return out
 
 
-def run(layer: Any, case: Case, inputs: dict[str, np.ndarray], extra: dict[str, Any]) -> dict[str, np.ndarray]:
+def run(
+    layer: Any, case: Case, inputs: dict[str, np.ndarray], extra: dict[str, Any]
+) -> dict[str, np.ndarray]:
     """Calls a NumPy layer the way the case says; returns its output and attention weights."""
     args = list(inputs.values())
     if case.layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):

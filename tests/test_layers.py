@@ -1,0 +1,57 @@
+"""Layer behaviour shared by every backend: the seeds' own usage, shapes, training mode."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.harness import Harness
+
+
+def test_seed_usage_multi_head(backend: str) -> None:
+    h = Harness(backend)
+    attention = h.module.MultiHeadAttention(100, 5, 0.5)
+    X = h.array(np.ones((2, 4, 100), np.float32))
+    valid_lens = h.array(np.array([3, 2]))
+    out = h.call(attention, X, X, X, valid_lens)
+    assert tuple(h.ops.shape(out)) == (2, 4, 100)
+    w = h.numpy(attention.attention_weights)
+    assert w.shape == (2, 5, 4, 4)
+    np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
+    np.testing.assert_array_equal(w[0, :, :, 3], 0.0)
+    np.testing.assert_array_equal(w[1, :, :, 2:], 0.0)
+
+
+def test_seed_usage_positional(backend: str) -> None:
+    h = Harness(backend)
+    encoding = h.module.PositionalEncoding(32, 0)
+    X = h.call(encoding, h.array(np.zeros((1, 60, 32), np.float32)))
+    np.testing.assert_array_equal(h.numpy(X), h.numpy(encoding.P)[:, :60])
+
+
+def test_single_head_layers_report_one_head(backend: str) -> None:
+    h = Harness(backend)
+    q, k, v = (np.ones(s, np.float32) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
+    for layer in (h.module.DotProductAttention(), h.module.AdditiveAttention(7)):
+        out, w = h.call(layer, h.array(q), h.array(k), h.array(v), return_attention=True)
+        assert tuple(h.ops.shape(out)) == (2, 3, 6)
+        assert tuple(h.ops.shape(w)) == (2, 1, 3, 5)
+
+
+def test_numpy_layers_dropout_only_in_training() -> None:
+    h = Harness("numpy")
+    layer = h.module.DotProductAttention(dropout=0.5, seed=3)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
+    a = layer(q, k, v)
+    np.testing.assert_array_equal(a, layer(q, k, v))  # inference: deterministic
+    b = layer(q, k, v, training=True)
+    assert not np.allclose(a, b)
+
+
+def test_numpy_seed_fixes_initial_weights() -> None:
+    h = Harness("numpy")
+    x = np.ones((1, 2, 4), np.float32)
+    a, b = (h.module.MultiHeadAttention(4, 2, seed=7) for _ in range(2))
+    a(x, x, x), b(x, x, x)
+    for name, value in a.get_weights().items():
+        np.testing.assert_array_equal(value, b.get_weights()[name])
