@@ -1,10 +1,18 @@
 """What the cross-backend tests need to know about a backend, in one place.
 
-Tolerances per dtype live here and nowhere else.
+Tolerances per dtype live here and nowhere else. Backend-specific test glue lives in
+``tests/hooks/<backend>_hooks.py`` (optional), which may define:
+
+* ``make(cls, config, dtype) -> layer``: build a layer computing in ``dtype`` (a NumPy name);
+* ``call(layer, *args, **kwargs)``: call a layer (default: ``layer(*args, **kwargs)``);
+* ``gradients(layer, inputs, kwargs, cotangent) -> dict``: gradients of
+  ``sum(output * cotangent)`` with respect to each input (``"input.<i>"``, by position) and
+  each weight (``"weight.<canonical name>"``), as NumPy arrays.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +40,12 @@ class Harness:
         self.name = registry.canonical_name(name)
         self.module = registry.load(self.name)
         self.ops = self.module.OPS
+        try:
+            self.hooks: Any = importlib.import_module(f"tests.hooks.{self.name}_hooks")
+        except ModuleNotFoundError:
+            self.hooks = None
         default: Callable[..., Any] = lambda layer, *a, **k: layer(*a, **k)  # noqa: E731
-        self._call = getattr(self.module, "call_layer", default)
+        self._call = getattr(self.hooks, "call", default)
 
     def array(self, x: Any, dtype: str | None = None) -> Any:
         """A backend array from NumPy data; floating data is cast to ``dtype`` if given."""
@@ -46,8 +58,10 @@ class Harness:
         return np.asarray(self.ops.to_numpy(x), dtype=np.float64)
 
     def make(self, layer: str, config: dict[str, Any], dtype: str = "float32") -> Any:
-        extra: dict[str, Any] = {"seed": 0, "dtype": dtype} if self.name == "numpy" else {}
-        return getattr(self.module, layer)(**config, **extra)
+        cls = getattr(self.module, layer)
+        if self.hooks is not None and hasattr(self.hooks, "make"):
+            return self.hooks.make(cls, config, dtype)
+        return cls(**config)
 
     def call(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         return self._call(layer, *args, **kwargs)
