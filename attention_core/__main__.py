@@ -17,15 +17,6 @@ import numpy as np
 
 from attention_core import registry
 
-#: Distributions whose versions ``info`` shows for each backend.
-DISTRIBUTIONS = {
-    "numpy": ("numpy",),
-    "torch": ("torch",),
-    "tensorflow": ("tensorflow", "keras"),
-    "jax": ("jax", "flax"),
-    "mxnet": ("mxnet",),
-}
-
 
 def _version(dist: str) -> str | None:
     try:
@@ -39,7 +30,7 @@ def info() -> str:
     active = registry.backend()
     lines = [f"active backend: {active} (set {registry.ENV_VAR} or use set_backend/use_backend)"]
     for name in registry.BACKENDS:
-        versions = [(d, _version(d)) for d in DISTRIBUTIONS[name]]
+        versions = [(d, _version(d)) for d in registry.FRAMEWORKS[name]]
         if registry.is_installed(name):
             state = ", ".join(f"{d} {v}" for d, v in versions if v) or "installed"
         else:

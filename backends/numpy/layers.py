@@ -100,43 +100,8 @@ class Layer:
         return f"{type(self).__name__}(dropout={self.dropout})"
 
 
-class DotProductAttention(Layer):
-    """Scaled dot-product attention (no weights).
-
-    Args:
-        dropout: Dropout rate on the attention weights in training.
-    """
-
-    def __call__(
-        self,
-        queries: np.ndarray,
-        keys: np.ndarray,
-        values: np.ndarray,
-        valid_lens: Any = None,
-        *,
-        mask: Any = None,
-        causal: bool = False,
-        return_attention: bool = False,
-        training: bool = False,
-    ) -> Any:
-        checks.check_rank(self._ops, "queries", queries, (3,), "(B, Q, D)")
-        out, weights = attention.dot_product_attention(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
-            dropout=self._rate(training), return_weights=True, ops=self._ops,
-        )
-        self.attention_weights = weights
-        return (out, weights) if return_attention else out
-
-
-class AdditiveAttention(Layer):
-    """Additive (Bahdanau) attention with hidden size ``num_hiddens``."""
-
-    def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any):
-        super().__init__(dropout, **kwargs)
-        self.num_hiddens = checks.check_positive_int("num_hiddens", num_hiddens)
-
-    def spec(self) -> W.Spec:
-        return W.additive_spec(self.num_hiddens, self._dims.get("q_in"), self._dims.get("k_in"))
+class _Attention(Layer):
+    """Shared call of the attention layers: check, create weights if needed, attend, keep."""
 
     def __call__(
         self,
@@ -151,17 +116,52 @@ class AdditiveAttention(Layer):
         training: bool = False,
     ) -> Any:
         attention.check_projected_inputs(self._ops, queries, keys, values)
-        weights = self._current(q_in=queries.shape[-1], k_in=keys.shape[-1])
-        out, attn = attention.additive_attention(
-            queries, keys, values, weights, valid_lens, mask=mask, causal=causal,
+        weights = self._current(**self._input_sizes(queries, keys, values))
+        out, attn = self._attend(
+            weights, queries, keys, values, valid_lens, mask=mask, causal=causal,
             dropout=self._rate(training), return_weights=True, ops=self._ops,
         )
         self._commit(weights)
         self.attention_weights = attn
         return (out, attn) if return_attention else out
 
+    def _input_sizes(self, queries: Any, keys: Any, values: Any) -> dict[str, int]:
+        return {}
 
-class MultiHeadAttention(Layer):
+    def _attend(self, weights: dict[str, np.ndarray], *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+class DotProductAttention(_Attention):
+    """Scaled dot-product attention (no weights).
+
+    Args:
+        dropout: Dropout rate on the attention weights in training.
+    """
+
+    def _attend(self, weights: dict[str, np.ndarray], *args: Any, **kwargs: Any) -> Any:
+        return attention.dot_product_attention(*args, **kwargs)
+
+
+class AdditiveAttention(_Attention):
+    """Additive (Bahdanau) attention with hidden size ``num_hiddens``."""
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any):
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens = checks.check_positive_int("num_hiddens", num_hiddens)
+
+    def spec(self) -> W.Spec:
+        return W.additive_spec(self.num_hiddens, self._dims.get("q_in"), self._dims.get("k_in"))
+
+    def _input_sizes(self, queries: Any, keys: Any, values: Any) -> dict[str, int]:
+        return {"q_in": queries.shape[-1], "k_in": keys.shape[-1]}
+
+    def _attend(self, weights: dict[str, np.ndarray], *args: Any, **kwargs: Any) -> Any:
+        q, k, v, valid_lens = args
+        return attention.additive_attention(q, k, v, weights, valid_lens, **kwargs)
+
+
+class MultiHeadAttention(_Attention):
     """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features."""
 
     def __init__(
@@ -178,29 +178,12 @@ class MultiHeadAttention(Layer):
             self.num_hiddens, self.num_heads, self.bias, d.get("q_in"), d.get("k_in"), d.get("v_in")
         )
 
-    def __call__(
-        self,
-        queries: np.ndarray,
-        keys: np.ndarray,
-        values: np.ndarray,
-        valid_lens: Any = None,
-        *,
-        mask: Any = None,
-        causal: bool = False,
-        return_attention: bool = False,
-        training: bool = False,
-    ) -> Any:
-        attention.check_projected_inputs(self._ops, queries, keys, values)
-        weights = self._current(
-            q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1]
-        )
-        out, attn = multihead.multi_head_attention(
-            queries, keys, values, weights, self.num_heads, valid_lens, mask=mask,
-            causal=causal, dropout=self._rate(training), return_weights=True, ops=self._ops,
-        )
-        self._commit(weights)
-        self.attention_weights = attn
-        return (out, attn) if return_attention else out
+    def _input_sizes(self, queries: Any, keys: Any, values: Any) -> dict[str, int]:
+        return {"q_in": queries.shape[-1], "k_in": keys.shape[-1], "v_in": values.shape[-1]}
+
+    def _attend(self, weights: dict[str, np.ndarray], *args: Any, **kwargs: Any) -> Any:
+        q, k, v, valid_lens = args
+        return multihead.multi_head_attention(q, k, v, weights, self.num_heads, valid_lens, **kwargs)
 
 
 class PositionalEncoding(Layer):
