@@ -18,11 +18,14 @@ import numpy as np
 from attention_core import registry
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+def _version(module: str) -> str | None:
+    """The installed version of the distribution providing ``module`` (read, not imported)."""
+    for dist in metadata.packages_distributions().get(module, [module]):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def info() -> str:
