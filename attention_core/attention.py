@@ -141,7 +141,9 @@ def dot_product_attention(
         causal: Query ``i`` sees keys ``j <= i + (K - Q)``.
         scale: Multiplies the scores; ``1 / sqrt(D)`` when None.
         dropout: Dropout rate on the attention weights (applied whenever > 0).
-        return_weights: Also return the weights, before dropout.
+        return_weights: Also return the weights, before dropout. Without it, a backend
+            whose ops have ``fused_attention`` (see :class:`~attention_core.ops.FusedAttentionOps`)
+            pools in one fused kernel instead.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
@@ -157,6 +159,13 @@ def dot_product_attention(
         scale = 1.0 / math.sqrt(depth)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    fused = None if return_weights else getattr(ops, "fused_attention", None)
+    if fused is not None:  # the backend's fused kernel: the weights are never formed
+        q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))
+        B, H, Q, _ = ops.shape(q)
+        visible = masks.combine(ops, (B, H, Q, ops.shape(k)[2]), valid_lens, mask, causal)
+        out = fused(q, k, v, visible, float(scale), dropout)  # (B, H, Q, Dv)
+        return out if rank == 4 else out[:, 0]
     q = _lift(ops, queries, rank) * float(scale)  # (B, H, Q, D), scale folded into Q
     k_t = ops.transpose(_lift(ops, keys, rank), (0, 1, 3, 2))  # (B, H, D, K)
     scores = ops.matmul(q, k_t)  # (B, H, Q, K)

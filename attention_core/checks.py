@@ -119,3 +119,18 @@ def check_last_dim(ops: Ops, name: str, x: Array, expected: int) -> None:
     """Checks the size of the last axis (e.g. the model width a layer was built for)."""
     got = ops.shape(x)[-1]
     check_equal(f"{name} last dimension ({got}) must be {expected}", got, expected)
+
+
+def check_built_size(arg: str, size: Any, built: int | None) -> None:
+    """Checks an input's last dimension against the size a layer's weights were made for."""
+    if _known(size) and _known(built) and size != built:
+        raise ValueError(
+            f"{arg} last dimension ({size}) must be {built}, the size this layer was built for"
+        )
+
+
+def not_built(layer: str) -> ValueError:
+    """The error for reading the weights of a layer whose input sizes are not known yet."""
+    return ValueError(
+        f"{layer}: weights are created on the first call; call the layer or set_weights first"
+    )

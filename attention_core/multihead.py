@@ -75,9 +75,10 @@ def multi_head_attention(
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, h/H)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, h/H)
-    out, attn = dot_product_attention(
+    pooled = dot_product_attention(
         q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
-        return_weights=True, ops=ops,
+        return_weights=return_weights, ops=ops,
     )
+    out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
     return (out, attn) if return_weights else out

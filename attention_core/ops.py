@@ -140,3 +140,30 @@ class Ops(Protocol):
         global RNG, a JAX key, ...).
         """
         ...
+
+
+class FusedAttentionOps(Ops, Protocol):
+    """Optional: ops that pool attention in one fused kernel, never forming the weights.
+
+    The core looks for ``fused_attention`` with ``getattr`` (so tracing stays cheap) and uses it
+    when the weights are not asked for; backends without it take the direct path.
+    """
+
+    def fused_attention(
+        self, queries: Array, keys: Array, values: Array, visible: Array | None, scale: float,
+        dropout: float,
+    ) -> Array:
+        """Returns ``matmul(dropout(softmax_visible(queries @ keys^T * scale, visible)), values)``.
+
+        Args:
+            queries: ``(B, H, Q, D)``.
+            keys: ``(B, H, K, D)``.
+            values: ``(B, H, K, Dv)``.
+            visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``, or None.
+            scale: Multiplies the scores.
+            dropout: Rate of inverted dropout on the weights; 0 for none.
+
+        Returns:
+            ``(B, H, Q, Dv)``; rows with no visible key must be zero, never NaN.
+        """
+        ...

@@ -94,10 +94,11 @@ def transformer_encoder_block(
         ``(B, T, h)``, and the attention weights if asked.
     """
     ops = ops or ops_for(X)
-    attended, attn = multi_head_attention(
+    result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
-        mask=mask, dropout=dropout, return_weights=True, ops=ops,
+        mask=mask, dropout=dropout, return_weights=return_weights, ops=ops,
     )
+    attended, attn = result if return_weights else (result, None)
     Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
     out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
                    subset(weights, "addnorm2"), dropout, ops=ops)

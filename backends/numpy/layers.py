@@ -58,12 +58,7 @@ class Layer:
         """
         if self._weights is not None:
             for name, size in dims.items():
-                checks.check_equal(
-                    f"{W.INPUT_ARGS[name]} last dimension ({size}) must be {self._dims[name]}, "
-                    "the size this layer was built for",
-                    size,
-                    self._dims[name],
-                )
+                checks.check_built_size(W.INPUT_ARGS[name], size, self._dims[name])
             return self._weights
         saved, self._dims = self._dims, {**self._dims, **dims}
         try:
@@ -81,10 +76,7 @@ class Layer:
     def get_weights(self) -> dict[str, np.ndarray]:
         """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
         if not self.built:
-            raise ValueError(
-                f"{type(self).__name__}: weights are created on the first call; call the layer "
-                "or set_weights first"
-            )
+            raise checks.not_built(type(self).__name__)
         return {name: value.copy() for name, value in (self._weights or {}).items()}
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:

@@ -1,0 +1,57 @@
+"""The MXNet/Gluon backend: ``HybridBlock`` layers over MXNet's NumPy interface.
+
+Importing this package switches MXNet to its NumPy interface for the whole process
+(``mxnet.npx.set_np()``, as the MXNet chapters of d2l do): arrays are ``mxnet.numpy.ndarray``
+with NumPy shape semantics and a real ``bool`` dtype, which the masks need. Code in the same
+process that relies on the legacy ``mxnet.nd`` semantics would have to switch it back, which
+these layers refuse (they raise a ``RuntimeError`` asking for ``npx.set_np()``).
+
+MXNet 1.9.1, the last release, needs ``numpy<1.24``.
+"""
+
+from typing import Any
+
+from mxnet import npx
+
+npx.set_np()
+
+from backends.mxnet.layers import (  # noqa: E402 - after set_np(), which the layers need
+    AdditiveAttention,
+    AddNorm,
+    DotProductAttention,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    NadarayaWatson,
+    PositionalEncoding,
+    PositionWiseFFN,
+    TransformerEncoderBlock,
+)
+from backends.mxnet.ops import OPS, MXNetOps  # noqa: E402
+
+
+def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """Calls a layer, first initialising the parameters that never were (used by the CLI demo).
+
+    Gluon blocks are initialised explicitly; this helper lets generic code (``python -m
+    attention_core demo``) call a freshly built layer the way it calls one of any backend.
+    """
+    for param in layer.collect_params().values():
+        if param._data is None and not param._deferred_init:  # never initialised
+            param.initialize()
+    return layer(*args, **kwargs)
+
+
+__all__ = [
+    "OPS",
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "LearnedPositionalEncoding",
+    "MXNetOps",
+    "MultiHeadAttention",
+    "NadarayaWatson",
+    "PositionWiseFFN",
+    "PositionalEncoding",
+    "TransformerEncoderBlock",
+    "call_layer",
+]

@@ -1,0 +1,128 @@
+"""The MXNet implementation of the ops protocol, over MXNet's NumPy interface.
+
+One array API is used throughout: ``mxnet.numpy`` / ``mxnet.npx`` (imperative arrays) and
+their symbolic twins ``mxnet.symbol.numpy`` / ``mxnet.symbol.npx`` (graphs of a hybridized
+block). That interface has a real ``bool`` dtype, which the core's masks need. It is switched
+on process-wide by importing :mod:`backends.mxnet` (``npx.set_np()``).
+
+A :class:`MXNetOps` made without ``symbols`` works on ``mxnet.numpy.ndarray``; one made with
+``symbols`` builds a graph: its methods return Symbols, and the shapes and dtypes the core
+asks for are inferred from the known shapes and dtypes of the graph's inputs (``symbols``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+Symbol = mx.sym.Symbol
+
+
+class MXNetOps:
+    """``mxnet.numpy`` arrays, or Symbols when ``symbols`` is given.
+
+    Args:
+        symbols: For graph building: the name of every input variable of the graph (data and
+            parameters) -> its ``(shape, dtype name)``. None for imperative arrays.
+    """
+
+    name = "mxnet"
+
+    def __init__(self, symbols: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
+        self.symbolic = symbols is not None
+        self._known = dict(symbols or {})
+        self.np: Any = mx.sym.np if self.symbolic else mx.np
+        self.npx: Any = mx.sym.npx if self.symbolic else mx.npx
+
+    def from_numpy(self, x: np.ndarray, like: Any = None) -> Any:
+        x = np.asarray(x)
+        if self.symbolic:
+            raise TypeError("MXNetOps: cannot turn a NumPy array into a Symbol; pass arrays as inputs")
+        dtype = like.dtype if like is not None and x.dtype.kind == "f" else x.dtype
+        ctx = like.ctx if like is not None else None
+        return mx.np.array(x, dtype=dtype, ctx=ctx)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x.asnumpy() if isinstance(x, mx.np.ndarray) else np.asarray(x)
+
+    def concrete(self, x: Any) -> np.ndarray | None:
+        return None if isinstance(x, Symbol) else self.to_numpy(x)
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        if not isinstance(x, Symbol):
+            return tuple(x.shape)
+        _, (shape,), _ = x.infer_shape_partial(**self._inputs(x, 0))
+        if shape is None or any(d < 0 for d in shape):
+            raise TypeError(
+                "MXNetOps: the shape of a Symbol could not be inferred from its inputs; the "
+                "layers of backends.mxnet build their graph from NDArray inputs of known shapes"
+            )
+        return tuple(int(d) for d in shape)
+
+    def dtype_name(self, x: Any) -> str:
+        if not isinstance(x, Symbol):
+            return np.dtype(x.dtype).name
+        _, (dtype,), _ = x.infer_type_partial(**self._inputs(x, 1))
+        return np.dtype(dtype).name
+
+    def astype(self, x: Any, dtype: str) -> Any:
+        return x.astype(dtype) if isinstance(x, Symbol) else x.astype(dtype, copy=False)
+
+    def exp(self, x: Any) -> Any:
+        return self.np.exp(x)
+
+    def tanh(self, x: Any) -> Any:
+        return self.np.tanh(x)
+
+    def sqrt(self, x: Any) -> Any:
+        return self.np.sqrt(x)
+
+    def relu(self, x: Any) -> Any:
+        return self.npx.relu(x)
+
+    def where(self, cond: Any, x: Any, y: Any) -> Any:
+        if isinstance(y, (int, float)):  # MXNet 1.9's where(cond, x, scalar) has a wrong gradient
+            y = self.np.full_like(x, y)
+        return self.np.where(cond, x, y)
+
+    def logical_and(self, a: Any, b: Any) -> Any:
+        return a * b  # boolean product; MXNet 1.9 has no logical_and and no boolean bitwise_and
+
+    def max(self, x: Any, axis: int) -> Any:
+        return self.np.max(x, axis=axis, keepdims=True)
+
+    def sum(self, x: Any, axis: int) -> Any:
+        return self.np.sum(x, axis=axis, keepdims=True)
+
+    def mean(self, x: Any, axis: int) -> Any:
+        return self.np.mean(x, axis=axis, keepdims=True)
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        return self.np.matmul(a, b)
+
+    def reshape(self, x: Any, shape: tuple[Any, ...]) -> Any:
+        return self.np.reshape(x, tuple(int(d) for d in shape))
+
+    def transpose(self, x: Any, axes: tuple[int, ...]) -> Any:
+        return self.np.transpose(x, axes)
+
+    def expand_dims(self, x: Any, axis: int) -> Any:
+        return self.np.expand_dims(x, axis)
+
+    def arange(self, n: Any) -> Any:
+        return self.np.arange(int(n), dtype="int32")
+
+    def dropout(self, x: Any, rate: float) -> Any:
+        # Active only while recording in training mode (autograd.record()), as Gluon does.
+        return self.npx.dropout(x, p=rate)
+
+    def _inputs(self, x: Any, field: int) -> dict[str, Any]:
+        """The known shapes (field 0) or dtypes (field 1) of the inputs ``x`` depends on."""
+        return {n: self._known[n][field] for n in x.list_arguments() if n in self._known}
+
+
+#: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).
+OPS = MXNetOps()

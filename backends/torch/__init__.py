@@ -1,0 +1,28 @@
+"""The PyTorch backend: ``TorchOps`` and the layers as ``torch.nn.Module``s."""
+
+from backends.torch.layers import (
+    AdditiveAttention,
+    AddNorm,
+    DotProductAttention,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    NadarayaWatson,
+    PositionalEncoding,
+    PositionWiseFFN,
+    TransformerEncoderBlock,
+)
+from backends.torch.ops import OPS, TorchOps
+
+__all__ = [
+    "OPS",
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "LearnedPositionalEncoding",
+    "MultiHeadAttention",
+    "NadarayaWatson",
+    "PositionWiseFFN",
+    "PositionalEncoding",
+    "TorchOps",
+    "TransformerEncoderBlock",
+]

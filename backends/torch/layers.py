@@ -1,0 +1,709 @@
+"""PyTorch layers: ``torch.nn.Module``s that hold parameters and call the core.
+
+Parameters are kept in the canonical layout of DESIGN section 5, kernels ``(in, out)``, in
+submodules named like the canonical names (``W_q`` holds ``kernel`` and ``bias``). So
+``state_dict()`` has exactly the keys and shapes of ``get_weights()``, weights move between
+frameworks without a transpose, and the core's ``dense`` applies them as they are.
+
+Input sizes are inferred on the first call, like ``torch.nn.LazyLinear``: a kernel whose input
+size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in place (so a
+parameter captured before the first call stays the one trained). They may also be given
+(``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict`` before the first call.
+A call that raises changes nothing: kernels it materialised are turned back into placeholders.
+
+Dropout follows ``module.train()`` / ``module.eval()``. The attention layers keep the last
+call's weights, before dropout, in ``attention_weights`` ``(B, H, Q, K)``. With
+``keep_attention_weights=False`` (constructor argument or attribute), ``DotProductAttention``,
+``MultiHeadAttention`` and ``TransformerEncoderBlock`` calls that do not ask for the weights
+(``return_attention=False``) go through ``torch.nn.functional.scaled_dot_product_attention``
+instead, never forming the ``(B, H, Q, K)`` weights, and ``attention_weights`` is then None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import Parameter, UninitializedParameter, is_lazy
+
+from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import weights as W
+from backends.torch.ops import OPS, TorchOps
+
+Tensor = torch.Tensor
+T = TypeVar("T")
+
+
+def _ops(x: Tensor) -> TorchOps:
+    """Ops that create new arrays (``arange``, lengths given as lists) on ``x``'s device."""
+    return TorchOps(x.device)
+
+
+def _host(value: Any) -> Any:
+    """A torch tensor as NumPy data (bfloat16 widened exactly); anything else unchanged."""
+    return OPS.to_numpy(value) if isinstance(value, Tensor) else value
+
+
+class Dense(LazyModuleMixin, nn.Module):
+    """Holds a dense layer's ``kernel`` ``(in, out)`` and optional ``bias`` ``(out,)``.
+
+    It is never called: the owning layer passes the parameters to the core, which applies
+    them. An unknown input size makes ``kernel`` a :class:`~torch.nn.UninitializedParameter`
+    that the owner materialises; :class:`~torch.nn.modules.lazy.LazyModuleMixin` lets
+    ``state_dict`` / ``load_state_dict`` handle it meanwhile.
+
+    Args:
+        d_in: Input size, or None to learn it on the first call.
+        d_out: Output size.
+        bias: Whether there is a bias.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        d_in: int | None,
+        d_out: int,
+        bias: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.d_out = d_out
+        self.kernel = (
+            UninitializedParameter(**factory)
+            if d_in is None
+            else Parameter(torch.empty(d_in, d_out, **factory))
+        )
+        self.bias = Parameter(torch.empty(d_out, **factory)) if bias else None
+
+    @property
+    def d_in(self) -> int | None:
+        """The input size, None until known."""
+        unknown = isinstance(self.kernel, UninitializedParameter)  # (not is_lazy: dynamo)
+        return None if unknown else int(self.kernel.shape[0])
+
+    def materialize(self, d_in: int) -> None:
+        """Gives the kernel its shape ``(d_in, d_out)``, in place (values uninitialised)."""
+        assert isinstance(self.kernel, UninitializedParameter)
+        self.kernel.materialize((d_in, self.d_out))
+
+    def unmaterialize(self) -> None:
+        """Turns the kernel back into a placeholder, in place: undoes :meth:`materialize`."""
+        kernel = self.kernel
+        kernel.grad = None
+        kernel.data = torch.empty(0, device=kernel.device, dtype=kernel.dtype)
+        kernel.__class__ = UninitializedParameter
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_out={self.d_out}, bias={self.bias is not None}"
+
+
+class Norm(nn.Module):
+    """Holds layer normalisation's ``gamma`` and ``beta``, both ``(num_hiddens,)``."""
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.gamma = Parameter(torch.empty(num_hiddens, device=device, dtype=dtype))
+        self.beta = Parameter(torch.empty(num_hiddens, device=device, dtype=dtype))
+
+
+class Layer(nn.Module):
+    """Base of the torch layers: canonical weights, lazy input sizes, dropout by mode.
+
+    Args:
+        dropout: Dropout rate, applied in training mode only.
+        device: Device of the parameters (and buffers).
+        dtype: Dtype of the parameters (and buffers); torch's default dtype when None.
+
+    Attributes:
+        attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
+            (attention layers only); None before the first call and after a fused call.
+    """
+
+    def __init__(
+        self,
+        dropout: float = 0.0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dropout = checks.check_dropout(dropout)
+        self._factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.attention_weights: Tensor | None = None
+
+    def spec(self) -> W.Spec:
+        """Canonical names and shapes of this layer's weights (None = not known yet)."""
+        return {}
+
+    @property
+    def built(self) -> bool:
+        """Whether every weight's shape is known."""
+        return not any(is_lazy(p) for p in self.parameters())
+
+    def _weights(self) -> dict[str, Tensor]:
+        """The parameters by canonical name (the ``state_dict`` keys)."""
+        return dict(self.named_parameters())
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
+        if not self.built:
+            raise checks.not_built(type(self).__name__)
+        return {name: OPS.to_numpy(p).copy() for name, p in self.named_parameters()}
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Sets every weight from a canonical mapping; checks all names and shapes first.
+
+        Values may be NumPy arrays or tensors; they are cast to the parameters' dtype.
+        Setting the weights of a layer not called yet fixes its input sizes.
+        """
+        if isinstance(weights, Mapping):
+            weights = {name: _host(value) for name, value in weights.items()}
+        checked = W.check_weights(self.spec(), weights)
+        params = self._weights()
+        with torch.no_grad():
+            for name, value in checked.items():
+                param = params[name]
+                if isinstance(param, UninitializedParameter):
+                    param.materialize(value.shape)
+                param.copy_(OPS.from_numpy(value))
+
+    def reset_parameters(self) -> None:
+        """Draws initial values for every weight whose shape is known.
+
+        The rules of ``attention_core.weights.init_weights`` (Glorot-uniform kernels, zero
+        biases, ...), drawn from a generator seeded by torch's, so ``torch.manual_seed``
+        fixes them.
+        """
+        self._init([name for name, p in self.named_parameters() if not is_lazy(p)])
+
+    def _init(self, names: list[str]) -> None:
+        if not names:
+            return
+        spec = self.spec()
+        seed = int(torch.randint(0, 2**62, ()).item())
+        values = W.init_weights({n: spec[n] for n in names}, np.random.default_rng(seed), "float64")
+        params = self._weights()
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(torch.from_numpy(values[name]))
+
+    def _dense_for(self, dim: str) -> Dense:
+        module = self.get_submodule(W.INPUT_KERNELS[dim].rpartition(".")[0])
+        assert isinstance(module, Dense)
+        return module
+
+    def _build(self, **dims: Any) -> list[Dense]:
+        """Checks input sizes against the known ones; materialises the kernels of unknown ones.
+
+        Returns:
+            The kernels materialised now, to undo with :meth:`_run` if the call fails.
+        """
+        fresh: dict[str, Dense] = {}
+        for dim, size in dims.items():
+            dense = self._dense_for(dim)
+            known = dense.d_in
+            if known is None:
+                fresh[dim] = dense
+            else:
+                checks.check_built_size(W.INPUT_ARGS[dim], size, known)
+        if fresh:
+            self._materialize({dim: int(dims[dim]) for dim in fresh})
+        return list(fresh.values())
+
+    @torch.compiler.disable(  # type: ignore[untyped-decorator, no-untyped-call]
+        reason="input sizes are inferred eagerly: call the layer once, or set_weights, "
+        "before compiling with fullgraph=True"
+    )
+    def _materialize(self, dims: dict[str, int]) -> None:
+        """Gives the kernels of the unknown input sizes their shapes and initial values."""
+        for dim, size in dims.items():
+            self._dense_for(dim).materialize(size)
+        self._init([W.INPUT_KERNELS[dim] for dim in dims])
+
+    def _run(self, fresh: list[Dense], call: Callable[[], T]) -> T:
+        """Runs ``call``; if it raises, first undoes the kernels materialised for it."""
+        if not fresh:
+            return call()
+        try:
+            return call()
+        except BaseException:
+            for dense in fresh:
+                dense.unmaterialize()
+            raise
+
+    def _check_dtype(self, name: str, x: Tensor) -> None:
+        """Checks that an input has the parameters' dtype (torch does not mix them)."""
+        param = next(self.parameters(), None)
+        if param is not None and x.dtype != param.dtype:
+            got, want = OPS.dtype_name(x), OPS.dtype_name(param)
+            raise TypeError(
+                f"{name} dtype ({got}) must match the layer's dtype ({want}); "
+                f"convert the layer with .to(torch.{got}) or the input with .to(torch.{want})"
+            )
+
+    def _rate(self) -> float:
+        return self.dropout if self.training else 0.0
+
+
+class DotProductAttention(Layer):
+    """Scaled dot-product attention (no weights).
+
+    Args:
+        dropout: Dropout rate on the attention weights in training mode.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
+            False, calls without ``return_attention`` take the fused path.
+        device: Unused (no parameters); accepted like every torch layer.
+        dtype: Unused (no parameters); accepted like every torch layer.
+    """
+
+    def __init__(
+        self,
+        dropout: float = 0.0,
+        *,
+        keep_attention_weights: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.keep_attention_weights = bool(keep_attention_weights)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attends ``queries (B, Q, D)`` to ``keys (B, K, D)``; returns ``(B, Q, Dv)``."""
+        ops = _ops(queries)
+        checks.check_rank(ops, "queries", queries, (3,), "(B, Q, D)")
+        need = return_attention or self.keep_attention_weights
+        result = attention.dot_product_attention(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            dropout=self._rate(), return_weights=need, ops=ops,
+        )
+        out, self.attention_weights = result if need else (result, None)
+        return (out, self.attention_weights) if return_attention else out
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
+
+
+class AdditiveAttention(Layer):
+    """Additive (Bahdanau) attention with hidden size ``num_hiddens``.
+
+    Args:
+        num_hiddens: Size of the hidden features ``tanh(W_q q + W_k k)``.
+        dropout: Dropout rate on the attention weights in training mode.
+        q_in: Queries' size, or None to learn it on the first call.
+        k_in: Keys' size, or None to learn it on the first call.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        q_in: int | None = None,
+        k_in: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        W.additive_spec(num_hiddens, q_in, k_in)  # checks the sizes
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.num_hiddens = num_hiddens
+        self.W_q = Dense(q_in, num_hiddens, **self._factory)
+        self.W_k = Dense(k_in, num_hiddens, **self._factory)
+        self.w_v = Dense(num_hiddens, 1, **self._factory)
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.additive_spec(self.num_hiddens, self.W_q.d_in, self.W_k.d_in)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, Dv)``."""
+        ops = _ops(queries)
+        attention.check_projected_inputs(ops, queries, keys, values)
+        self._check_dtype("queries", queries)
+        fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1])
+        out, attn = self._run(fresh, lambda: attention.additive_attention(
+            queries, keys, values, self._weights(), valid_lens, mask=mask, causal=causal,
+            dropout=self._rate(), return_weights=True, ops=ops,
+        ))
+        self.attention_weights = attn
+        return (out, attn) if return_attention else out
+
+    def extra_repr(self) -> str:
+        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}"
+
+
+class MultiHeadAttention(Layer):
+    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features.
+
+    Args:
+        num_hiddens: Width h of the projections and of the output; divisible by num_heads.
+        num_heads: Number of heads H.
+        dropout: Dropout rate on the attention weights in training mode.
+        bias: Whether the four projections have biases.
+        q_in: Queries' size, or None to learn it on the first call.
+        k_in: Keys' size, or None to learn it on the first call.
+        v_in: Values' size, or None to learn it on the first call.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
+            False, calls without ``return_attention`` take the fused path.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        q_in: int | None = None,
+        k_in: int | None = None,
+        v_in: int | None = None,
+        keep_attention_weights: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        checks.check_heads(num_hiddens, num_heads)
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.W_q = Dense(q_in, num_hiddens, self.bias, **self._factory)
+        self.W_k = Dense(k_in, num_hiddens, self.bias, **self._factory)
+        self.W_v = Dense(v_in, num_hiddens, self.bias, **self._factory)
+        self.W_o = Dense(num_hiddens, num_hiddens, self.bias, **self._factory)
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.multi_head_spec(self.num_hiddens, self.num_heads, self.bias,
+                                 self.W_q.d_in, self.W_k.d_in, self.W_v.d_in)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, h)``."""
+        ops = _ops(queries)
+        attention.check_projected_inputs(ops, queries, keys, values)
+        self._check_dtype("queries", queries)
+        fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
+        rate = self._rate()
+        need = return_attention or self.keep_attention_weights
+        result = self._run(fresh, lambda: multihead.multi_head_attention(
+            queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
+            causal=causal, dropout=rate, return_weights=need, ops=ops,
+        ))
+        out, self.attention_weights = result if need else (result, None)
+        return (out, self.attention_weights) if return_attention else out
+
+    def extra_repr(self) -> str:
+        return (f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
+                f"dropout={self.dropout}, bias={self.bias}")
+
+
+class PositionalEncoding(Layer):
+    """Adds the sinusoidal table ``P`` (a non-persistent buffer ``(1, max_len, num_hiddens)``).
+
+    ``P`` follows ``.to()`` like any buffer and stays out of ``state_dict``. Changing its
+    dtype recomputes it from the float64 table, so ``.double()`` gives the exact table.
+
+    Args:
+        num_hiddens: Width d of the encoding.
+        dropout: Dropout rate on the sum, in training mode.
+        max_len: Number of positions in the table.
+        device: Device of ``P``.
+        dtype: Dtype of ``P``.
+    """
+
+    P: Tensor
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        table = torch.from_numpy(positional.sinusoidal_encoding(max_len, num_hiddens, "float64"))
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer("P", table[None].to(device=device, dtype=dtype), persistent=False)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PositionalEncoding:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.P.is_floating_point():  # a cast from float32 to float64 would keep float32 digits
+            table = positional.sinusoidal_encoding(self.max_len, self.num_hiddens, "float64")
+            self.P = torch.from_numpy(table[None]).to(device=self.P.device, dtype=self.P.dtype)
+        return self
+
+    def forward(self, X: Tensor) -> Tensor:
+        """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
+        return positional.add_positions(X, self.P, self._rate(), ops=_ops(X))
+
+    def extra_repr(self) -> str:
+        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}, max_len={self.max_len}"
+
+
+class LearnedPositionalEncoding(Layer):
+    """Adds a learned table ``P`` (a parameter ``(1, max_len, num_hiddens)``) to the input.
+
+    Args:
+        num_hiddens: Width d of the encoding.
+        dropout: Dropout rate on the sum, in training mode.
+        max_len: Number of positions in the table.
+        device: Device of ``P``.
+        dtype: Dtype of ``P``.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        W.learned_positional_spec(num_hiddens, max_len)  # checks the sizes
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.P = Parameter(torch.empty(1, max_len, num_hiddens, **self._factory))
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.learned_positional_spec(self.num_hiddens, self.max_len)
+
+    def forward(self, X: Tensor) -> Tensor:
+        """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
+        return positional.add_positions(X, self.P, self._rate(), ops=_ops(X))
+
+    def extra_repr(self) -> str:
+        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}, max_len={self.max_len}"
+
+
+class PositionWiseFFN(Layer):
+    """Two dense layers with a ReLU between, applied at every position.
+
+    Args:
+        ffn_num_hiddens: Width of the hidden layer.
+        ffn_num_outputs: Width of the output.
+        d_in: Input width, or None to learn it on the first call.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        ffn_num_hiddens: int,
+        ffn_num_outputs: int,
+        *,
+        d_in: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        W.ffn_spec(ffn_num_hiddens, ffn_num_outputs, d_in)  # checks the sizes
+        super().__init__(0.0, device=device, dtype=dtype)
+        self.ffn_num_hiddens, self.ffn_num_outputs = ffn_num_hiddens, ffn_num_outputs
+        self.dense1 = Dense(d_in, ffn_num_hiddens, True, **self._factory)
+        self.dense2 = Dense(ffn_num_hiddens, ffn_num_outputs, True, **self._factory)
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, self.dense1.d_in)
+
+    def forward(self, X: Tensor) -> Tensor:
+        """Returns ``dense2(relu(dense1(X)))`` for ``X (B, T, d)``."""
+        ops = _ops(X)
+        checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
+        self._check_dtype("X", X)
+        fresh = self._build(d_in=X.shape[-1])
+        return self._run(fresh, lambda: transformer.position_wise_ffn(X, self._weights(), ops=ops))
+
+    def extra_repr(self) -> str:
+        return f"ffn_num_hiddens={self.ffn_num_hiddens}, ffn_num_outputs={self.ffn_num_outputs}"
+
+
+class AddNorm(Layer):
+    """Residual connection then layer normalisation over the last axis (eps 1e-5).
+
+    Args:
+        num_hiddens: Width h of the inputs.
+        dropout: Dropout rate on ``Y``, in training mode.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        W.add_norm_spec(num_hiddens)  # checks the size
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.num_hiddens = num_hiddens
+        self.ln = Norm(num_hiddens, **self._factory)
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.add_norm_spec(self.num_hiddens)
+
+    def forward(self, X: Tensor, Y: Tensor) -> Tensor:
+        """Returns ``LayerNorm(dropout(Y) + X)`` for ``X``, ``Y`` of shape ``(B, T, h)``."""
+        ops = _ops(X)
+        checks.check_last_dim(ops, "X", X, self.num_hiddens)
+        self._check_dtype("X", X)
+        return transformer.add_norm(X, Y, self._weights(), self._rate(), ops=ops)
+
+    def extra_repr(self) -> str:
+        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}"
+
+
+class TransformerEncoderBlock(Layer):
+    """Self-attention and a position-wise FFN, each wrapped in add & norm (post-norm).
+
+    Its parts are the layers ``attention``, ``addnorm1``, ``ffn`` and ``addnorm2``, which is
+    where the canonical names ``attention.W_q.kernel`` etc. come from; the block calls the
+    core's ``transformer_encoder_block`` with their parameters.
+
+    Args:
+        num_hiddens: Width h of the block's input and output.
+        ffn_num_hiddens: Hidden width of the FFN.
+        num_heads: Heads of the self-attention.
+        dropout: Dropout rate of the attention weights and both residual branches.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's self-attention weights in
+            ``attention_weights``; when False, calls take the fused path.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        ffn_num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        W.encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias)  # checks the sizes
+        super().__init__(dropout, device=device, dtype=dtype)
+        h = num_hiddens
+        self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
+        self.num_heads, self.bias = num_heads, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.attention = MultiHeadAttention(h, num_heads, dropout, bias, q_in=h, k_in=h, v_in=h,
+                                            **self._factory)
+        self.addnorm1 = AddNorm(h, dropout, **self._factory)
+        self.ffn = PositionWiseFFN(ffn_num_hiddens, h, d_in=h, **self._factory)
+        self.addnorm2 = AddNorm(h, dropout, **self._factory)
+
+    def spec(self) -> W.Spec:
+        return W.encoder_block_spec(self.num_hiddens, self.ffn_num_hiddens, self.num_heads,
+                                    self.bias)
+
+    def forward(self, X: Tensor, valid_lens: Any = None, *, mask: Any = None) -> Tensor:
+        """Encodes ``X (B, T, h)``; returns ``(B, T, h)``."""
+        ops = _ops(X)
+        checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
+        checks.check_last_dim(ops, "X", X, self.num_hiddens)
+        self._check_dtype("X", X)
+        need = self.keep_attention_weights
+        result = transformer.transformer_encoder_block(
+            X, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
+            return_weights=need, ops=ops,
+        )
+        out, self.attention_weights = result if need else (result, None)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_hiddens={self.num_hiddens}, ffn_num_hiddens={self.ffn_num_hiddens}, "
+                f"num_heads={self.num_heads}, dropout={self.dropout}, bias={self.bias}")
+
+
+class NadarayaWatson(Layer):
+    """Nadaraya-Watson attention pooling with a Gaussian kernel.
+
+    Args:
+        parametric: Learn the kernel's inverse width ``w`` (a parameter of shape ``(1,)``).
+        device: Device of ``w``.
+        dtype: Dtype of ``w``.
+    """
+
+    def __init__(
+        self,
+        parametric: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(0.0, device=device, dtype=dtype)
+        self.parametric = bool(parametric)
+        self.w = Parameter(torch.empty(1, **self._factory)) if self.parametric else None
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.nadaraya_watson_spec(self.parametric)
+
+    def forward(self, queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """Predicts at ``queries (B, Q)`` or ``(Q,)`` from pairs ``keys``, ``values``."""
+        if self.w is not None:
+            self._check_dtype("queries", queries)
+        out, attn = attention.nadaraya_watson(
+            queries, keys, values, self.w, return_weights=True, ops=_ops(queries)
+        )
+        self.attention_weights = attn
+        return out
+
+    def extra_repr(self) -> str:
+        return f"parametric={self.parametric}"

@@ -1,0 +1,125 @@
+"""The PyTorch implementation of the ops protocol: one torch call per method."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """``torch.Tensor`` arrays; dropout draws from torch's global generator.
+
+    Args:
+        device: Where arrays made from nothing (``arange``) or from NumPy data without a
+            ``like`` go; the default device when None. Layers pass their input's device.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = None if device is None else torch.device(device)
+
+    def from_numpy(self, x: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":  # ml_dtypes: widen exactly, then narrow in torch
+            return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+        t = torch.from_numpy(np.array(x, order="C", copy=True))
+        if like is None:
+            return t if self.device is None else t.to(self.device)
+        dtype = like.dtype if t.is_floating_point() else t.dtype
+        return t.to(device=like.device, dtype=dtype)
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+    def concrete(self, x: torch.Tensor) -> np.ndarray | None:
+        return None if torch.compiler.is_compiling() else self.to_numpy(x)
+
+    def shape(self, x: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(x.shape)
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def astype(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(getattr(torch, dtype))
+
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+    def tanh(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    def sqrt(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+    def relu(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    def where(self, cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
+        return torch.where(cond, x, y)
+
+    def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.logical_and(a, b)
+
+    def max(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.amax(x, dim=axis, keepdim=True)
+
+    def sum(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.sum(x, dim=axis, keepdim=True)
+
+    def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.mean(x, dim=axis, keepdim=True)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b)
+
+    def reshape(self, x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
+        return torch.reshape(x, shape)
+
+    def transpose(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return torch.permute(x, axes)
+
+    def expand_dims(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.unsqueeze(x, axis)
+
+    def arange(self, n: Any) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.int32, device=self.device)
+
+    def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
+        return F.dropout(x, rate, training=True)
+
+    def fused_attention(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        visible: torch.Tensor | None,
+        scale: float,
+        dropout: float,
+    ) -> torch.Tensor:
+        """``matmul(dropout(softmax_visible(q k^T * scale, visible)), v)`` in one fused kernel.
+
+        Args:
+            queries: ``(B, H, Q, D)``.
+            keys: ``(B, H, K, D)``.
+            values: ``(B, H, K, Dv)``.
+            visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
+            scale: Multiplies the scores.
+            dropout: Dropout rate on the weights (0 for none).
+
+        Returns:
+            ``(B, H, Q, Dv)``; rows with no visible key are zero (torch's SDPA gives zeros
+            there, checked by tests/test_torch.py).
+        """
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
+        )
+
+
+#: The default torch ops (used by the functional API for torch tensors).
+OPS = TorchOps()

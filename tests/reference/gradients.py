@@ -1,0 +1,122 @@
+"""Generates the float64 reference gradients: ``python -m tests.reference.gradients`` (needs torch).
+
+For a few cases of ``MultiHeadAttention``, ``AdditiveAttention`` and ``TransformerEncoderBlock``
+(several mask kinds, a fully masked row among them), the inputs, call arguments and weights are
+read from the reference files of :mod:`tests.reference.generate`, a cotangent ``C`` of the
+output's shape is drawn from a generator seeded by the case's name, and the gradients of
+``loss = sum(output * C)`` with respect to every input and every weight are computed once, in
+float64, by torch autograd through the core's functional API. They are written to
+``tests/reference/data/gradients.npz`` with keys ``"<layer>/<case>::<name>"``, ``<name>`` being
+``cotangent``, ``input.<i>`` (inputs by position) or ``weight.<canonical name>``, the names the
+``gradients`` test hook returns. ``tests/test_gradients.py`` confirms the file by central
+finite differences on the NumPy core, and compares every autodiff backend with it.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import attention_core as ac
+from tests.reference.cases import CASES, Case
+from tests.reference.generate import load
+
+PATH = Path(__file__).parent / "data" / "gradients.npz"
+
+#: The cases with reference gradients, by layer (names from tests/reference/cases.py).
+GRADIENT_CASES = {
+    "MultiHeadAttention": (
+        "valid_lens_1d_bias", "mask_4d", "causal_valid_lens_bias", "fully_masked_row_bias"
+    ),
+    "AdditiveAttention": ("none", "valid_lens_2d", "causal", "fully_masked_row"),
+    "TransformerEncoderBlock": ("none", "valid_lens_1d", "mask_3d", "fully_masked_row"),
+}
+
+
+def gradient_cases() -> list[Case]:
+    """The :class:`Case` objects named in :data:`GRADIENT_CASES`, in that order."""
+    by_name = {(c.layer, c.name): c for c in CASES}
+    return [by_name[layer, name] for layer, names in GRADIENT_CASES.items() for name in names]
+
+
+def key(case: Case) -> str:
+    """The prefix of a case's entries in the gradients file."""
+    return f"{case.layer}/{case.name}"
+
+
+def case_data(case: Case) -> tuple[list[np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
+    """A case's float64 inputs (by position), weights and call arguments, from the files."""
+    ref = load(case.layer)[case.name]
+    inputs = [ref[f"input.{name}"] for name in case.inputs]
+    weights = {k[len("weight."):]: v for k, v in ref.items() if k.startswith("weight.")}
+    call: dict[str, Any] = {k[len("call."):]: v for k, v in ref.items() if k.startswith("call.")}
+    if "causal" in call:
+        call["causal"] = bool(call["causal"])
+    return inputs, weights, call
+
+
+def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[str, Any]) -> Any:
+    """The case's layer as the core's function of its inputs and weights (any backend)."""
+    heads = case.config.get("num_heads", 1)
+    if case.layer == "MultiHeadAttention":
+        queries, keys, values = inputs
+        return ac.multi_head_attention(queries, keys, values, weights, heads, **call)
+    if case.layer == "AdditiveAttention":
+        queries, keys, values = inputs
+        return ac.additive_attention(queries, keys, values, weights, **call)
+    if case.layer == "TransformerEncoderBlock":
+        (X,) = inputs
+        return ac.transformer_encoder_block(X, weights, heads, **call)
+    raise ValueError(f"no reference gradients for {case.layer}")
+
+
+def cotangent(case: Case, shape: tuple[int, ...]) -> np.ndarray:
+    """The cotangent ``C`` of a case, drawn from a generator seeded by the case's name."""
+    rng = np.random.default_rng(zlib.crc32(f"gradients/{key(case)}".encode()))
+    return rng.standard_normal(shape)
+
+
+def compute_case(case: Case) -> dict[str, np.ndarray]:
+    """The cotangent and the float64 gradients of one case, by torch autograd."""
+    import torch
+
+    inputs, weights, call = case_data(case)
+    x = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in inputs]
+    w = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in weights.items()}
+    out = forward(case, x, w, call)
+    C = cotangent(case, tuple(out.shape))
+    (out * torch.from_numpy(C)).sum().backward()
+    grads = {f"input.{i}": t.grad for i, t in enumerate(x)}
+    grads.update({f"weight.{n}": t.grad for n, t in w.items()})
+    record = {"cotangent": C}
+    for name, grad in grads.items():
+        assert grad is not None, name
+        record[name] = grad.numpy()
+    return record
+
+
+def load_gradients() -> dict[str, dict[str, np.ndarray]]:
+    """Reads the file: ``"<layer>/<case>"`` -> {name: array}."""
+    cases: dict[str, dict[str, np.ndarray]] = {}
+    with np.load(PATH) as data:
+        for full in data.files:
+            prefix, _, name = full.partition("::")
+            cases.setdefault(prefix, {})[name] = data[full]
+    return cases
+
+
+def main() -> int:
+    """Writes the gradients file."""
+    arrays = {f"{key(case)}::{name}": value
+              for case in gradient_cases() for name, value in compute_case(case).items()}
+    np.savez_compressed(PATH, **arrays)  # type: ignore[arg-type]
+    print(f"wrote {PATH} ({len(arrays)} arrays)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

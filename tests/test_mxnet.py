@@ -1,0 +1,400 @@
+"""Gluon habits of the MXNet backend: hybridize(), parameters files, autograd.record(), deferred init.
+
+The cross-backend files (test_reference_matrix, test_errors, test_weights, test_gradients, ...)
+already run on this backend imperatively; these tests cover what only Gluon has.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import test_backends
+
+if "mxnet" not in test_backends():
+    pytest.skip("the mxnet backend is not tested in this env", allow_module_level=True)
+
+import mxnet as mx
+from mxnet import autograd
+
+import attention_core as ac
+import backends.mxnet as gluon_layers
+import backends.numpy as numpy_layers
+from attention_core import weights as W
+from tests.harness import TOLERANCE, Harness, max_diff
+from tests.hooks import mxnet_hooks
+from tests.reference.cases import CASES, MASK_KINDS, Case, mask_arguments
+from tests.reference.generate import load
+from tests.reference.gradients import case_data, gradient_cases, key
+
+ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
+_FILES: dict[str, Any] = {}
+
+
+def reference(case: Case) -> dict[str, np.ndarray]:
+    if case.layer not in _FILES:
+        _FILES[case.layer] = load(case.layer)
+    return _FILES[case.layer][case.name]
+
+
+def arr(x: Any, dtype: str | None = None) -> Any:
+    x = np.asarray(x)
+    return mx.np.array(x, dtype=dtype if dtype and x.dtype.kind == "f" else x.dtype)
+
+
+def draw(*shapes: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def built(cls_name: str, config: dict[str, Any], weights: dict[str, np.ndarray], dtype: str,
+          hybridize: bool) -> Any:
+    """A Gluon layer built the Gluon way: initialize(), cast(), then the given weights."""
+    layer = getattr(gluon_layers, cls_name)(**config)
+    layer.initialize()
+    layer.cast(dtype)
+    if weights:
+        layer.set_weights({n: w.astype(dtype) for n, w in weights.items()})
+    if hybridize:
+        layer.hybridize()
+    return layer
+
+
+def run(layer: Any, case: Case, ref: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Calls a layer on a case's inputs; returns its output and attention weights as NumPy."""
+    inputs = [arr(ref[f"input.{name}"], dtype) for name in case.inputs]
+    kwargs = {k[5:]: (bool(v) if k == "call.causal" else arr(v))
+              for k, v in ref.items() if k.startswith("call.")}
+    got: dict[str, np.ndarray] = {}
+    if case.layer in ATTENTION:
+        out, attn = layer(*inputs, return_attention=True, **kwargs)
+        got["attention"] = attn.asnumpy()
+    else:
+        out = layer(*inputs, **kwargs)
+    if layer.attention_weights is not None:
+        got["attention_attr"] = layer.attention_weights.asnumpy()
+    got["out"] = out.asnumpy()
+    return got
+
+
+# -- hybridize(): the same numbers as imperative calls and the reference files -------------
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c.layer}-{c.name}") for c in CASES])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_hybridized_matches_imperative_and_reference(case: Case, dtype: str) -> None:
+    ref = reference(case)
+    weights = {k[7:]: v for k, v in ref.items() if k.startswith("weight.")}
+    imperative = built(case.layer, case.config, weights, dtype, hybridize=False)
+    hybrid = built(case.layer, case.config, weights, dtype, hybridize=True)
+    expected = run(imperative, case, ref, dtype)
+    run(hybrid, case, ref, dtype)
+    got = run(hybrid, case, ref, dtype)  # the second call runs the cached graph
+    assert hybrid._cached_op is not None, "hybridize() built no graph"
+    assert set(got) == set(expected)
+    for name in expected:
+        assert max_diff(got[name], expected[name]) <= TOLERANCE[dtype], name
+    assert max_diff(got["out"], ref["output.out"]) <= TOLERANCE[dtype]
+    if "output.attention" in ref:
+        assert max_diff(got["attention_attr"], ref["output.attention"]) <= TOLERANCE[dtype]
+
+
+def test_graph_is_rebuilt_for_new_shapes_and_options() -> None:
+    """One hybridized layer, calls alternating shapes, masks and causal: each as imperative."""
+    rng = np.random.default_rng(3)
+    weights = {n: rng.standard_normal((6, 8) if n != "W_o.kernel" else (8, 8))
+               for n in ("W_q.kernel", "W_k.kernel", "W_v.kernel", "W_o.kernel")}
+    imperative = built("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2}, weights, "float32",
+                       hybridize=False)
+    hybrid = built("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2}, weights, "float32",
+                   hybridize=True)
+    small, large = draw((2, 3, 6)), draw((3, 5, 6), seed=1)
+    calls = [(small, {}), (large, {}), (small, {"causal": True}), (small, {"valid_lens": [1, 3]}),
+             (large, {"mask": np.tril(np.ones((5, 5), bool))}), (small, {})]
+    for (x,), kwargs in calls:
+        kw = {k: (arr(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+        a = imperative(arr(x), arr(x), arr(x), **kw).asnumpy()
+        b = hybrid(arr(x), arr(x), arr(x), **kw).asnumpy()
+        assert b.shape == (x.shape[0], x.shape[1], 8)
+        assert max_diff(b, a) <= 1e-6, kwargs
+
+
+# -- the same canonical weights in NumPy and Gluon give the same outputs --------------------
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_numpy_and_gluon_multi_head_agree(kind: str, hybridize: bool) -> None:
+    rng = np.random.default_rng(11)
+    config = {"num_hiddens": 12, "num_heads": 3, "bias": True}
+    queries, keys, values = draw((2, 4, 10), (2, 6, 7), (2, 6, 9), seed=5)
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in W.multi_head_spec(
+        12, 3, True, 10, 7, 9).items()}
+    kwargs = mask_arguments(kind, rng, heads=3)
+    reference_layer = numpy_layers.MultiHeadAttention(**config)
+    reference_layer.set_weights(weights)
+    expected = reference_layer(queries, keys, values, **kwargs)
+    layer = gluon_layers.MultiHeadAttention(**config)
+    layer.set_weights(weights)  # before initialize() and the first call: sizes from the kernels
+    if hybridize:
+        layer.hybridize()
+    kw = {k: (arr(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+    for _ in range(2):
+        out = layer(arr(queries), arr(keys), arr(values), **kw)
+    assert max_diff(out.asnumpy(), expected) <= TOLERANCE["float32"]
+    assert max_diff(layer.attention_weights.asnumpy(),
+                    reference_layer.attention_weights) <= TOLERANCE["float32"]
+
+
+# -- the seeds' own usage ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_seed_multi_head_usage(hybridize: bool) -> None:
+    attention = gluon_layers.MultiHeadAttention(100, 5, 0.5)
+    attention.initialize()
+    if hybridize:
+        attention.hybridize()
+    X = mx.np.ones((2, 4, 100))
+    valid_lens = mx.np.array([3, 2], dtype="int32")
+    assert attention(X, X, X, valid_lens).shape == (2, 4, 100)
+    assert attention(X, X, X, [3, 2]).shape == (2, 4, 100)
+    w = attention.attention_weights.asnumpy()
+    np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
+    np.testing.assert_array_equal(w[1, :, :, 2:], 0.0)
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_float_valid_lens_are_refused(hybridize: bool) -> None:
+    """The d2l MXNet chapter passes float valid_lens; this library asks for integers."""
+    attention = gluon_layers.MultiHeadAttention(100, 5, 0.5)
+    attention.initialize()
+    if hybridize:
+        attention.hybridize()
+    X = mx.np.ones((2, 4, 100))
+    with pytest.raises(TypeError, match=r"^valid_lens must have an integer dtype, got float32$"):
+        attention(X, X, X, mx.np.array([3.0, 2.0]))
+
+
+def test_seed_positional_usage() -> None:
+    encoding = gluon_layers.PositionalEncoding(32, 0)
+    encoding.initialize()
+    X = encoding(mx.np.zeros((1, 60, 32)))
+    P = encoding.P
+    assert isinstance(P, mx.np.ndarray) and P.shape == (1, 1000, 32)
+    np.testing.assert_array_equal(X.asnumpy(), P.asnumpy()[:, :60])
+    np.testing.assert_allclose(P.asnumpy()[0, 2, :2], [np.sin(2.0), np.cos(2.0)], atol=1e-6)
+    # a constant: no gradient, not trained, not a canonical weight
+    (table,) = encoding.collect_params().values()
+    assert table.grad_req == "null"
+    assert encoding.get_weights() == {}
+
+
+# -- deferred initialisation -------------------------------------------------------------------
+
+
+def test_input_sizes_are_deferred_to_the_first_call() -> None:
+    layer = gluon_layers.AdditiveAttention(7)
+    layer.initialize()
+    params = layer.canonical_params()
+    assert params["W_q.kernel"].shape == (-1, 7) and params["w_v.kernel"].shape == (7, 1)
+    assert not layer.built
+    q, k, v = draw((2, 3, 5), (2, 4, 6), (2, 4, 2))
+    layer(arr(q), arr(k), arr(v))
+    assert params["W_q.kernel"].shape == (5, 7) and params["W_k.kernel"].shape == (6, 7)
+    assert {n: w.shape for n, w in layer.get_weights().items()} == {
+        "W_q.kernel": (5, 7), "W_k.kernel": (6, 7), "w_v.kernel": (7, 1)}
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_first_call_under_record_trains_the_weights_it_creates(hybridize: bool) -> None:
+    layer = gluon_layers.MultiHeadAttention(8, 2, bias=True)
+    layer.initialize()
+    if hybridize:
+        layer.hybridize()
+    q, k = (arr(x) for x in draw((2, 3, 5), (2, 4, 6)))
+    with autograd.record():
+        out = layer(q, k, k, [2, 4])
+    out.backward()
+    for name, param in layer.canonical_params().items():
+        assert np.abs(param.grad().asnumpy()).sum() > 0, name
+
+
+def test_failed_first_hybridized_call_builds_nothing() -> None:
+    layer = gluon_layers.MultiHeadAttention(8, 2)
+    layer.initialize()
+    layer.hybridize()
+    q, k, v = draw((2, 4, 8), (2, 6, 8), (2, 6, 5))
+    with pytest.raises(ValueError, match=r"valid_lens must be <= the number of keys \(6\), got 9"):
+        layer(arr(q), arr(k), arr(v), [9, 9])
+    assert not layer.built
+    q3 = draw((2, 4, 3))[0]
+    assert layer(arr(q3), arr(k), arr(v)).shape == (2, 4, 8)
+    assert layer.get_weights()["W_q.kernel"].shape == (3, 8)
+
+
+def test_uninitialized_layer_raises_gluons_error() -> None:
+    layer = gluon_layers.AddNorm(4)
+    x = mx.np.ones((1, 2, 4))
+    with pytest.raises(RuntimeError, match="has not been initialized"):
+        layer(x, x)
+
+
+def test_symbol_inputs_are_refused_with_a_reason() -> None:
+    layer = gluon_layers.DotProductAttention()
+    x = mx.sym.var("x").as_np_ndarray()
+    with pytest.raises(TypeError, match="build their graph from arrays of known shapes"):
+        layer(x, x, x)
+    parent = mx.gluon.nn.HybridSequential()
+    parent.add(gluon_layers.PositionalEncoding(8, max_len=10))
+    parent.initialize()
+    parent.hybridize()
+    with pytest.raises(TypeError, match=r"^PositionalEncoding was called with Symbols"):
+        parent(mx.np.zeros((2, 5, 8)))
+
+
+def test_hybridized_children_of_an_imperative_parent() -> None:
+    net = mx.gluon.nn.Sequential()
+    net.add(gluon_layers.PositionalEncoding(8, max_len=10), gluon_layers.PositionWiseFFN(12, 8))
+    net.initialize()
+    X = arr(draw((2, 5, 8))[0])
+    expected = net(X).asnumpy()
+    net.hybridize()  # hybridizes the children
+    for _ in range(2):
+        got = net(X).asnumpy()
+    assert all(child._cached_op is not None for child in net)
+    assert max_diff(got, expected) <= 1e-6
+
+
+# -- parameters files and export -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_save_and_load_parameters_round_trip(tmp_path: Path, hybridize: bool) -> None:
+    config = {"num_hiddens": 8, "ffn_num_hiddens": 10, "num_heads": 2, "bias": True}
+    src = gluon_layers.TransformerEncoderBlock(**config)
+    src.initialize()
+    if hybridize:
+        src.hybridize()
+    X = arr(draw((2, 3, 8))[0])
+    out = src(X, [2, 3]).asnumpy()
+    path = str(tmp_path / "block.params")
+    src.save_parameters(path)
+    assert sorted(mx.npx.load(path)) == sorted(src.spec())  # the file uses canonical names
+    dst = gluon_layers.TransformerEncoderBlock(**config)  # not initialized: the file does it
+    dst.load_parameters(path)
+    if hybridize:
+        dst.hybridize()
+    np.testing.assert_array_equal(dst(X, [2, 3]).asnumpy(), out)
+    for name, value in src.get_weights().items():
+        np.testing.assert_array_equal(dst.get_weights()[name], value)
+
+
+def test_load_parameters_into_a_deferred_layer_fixes_input_sizes(tmp_path: Path) -> None:
+    src = gluon_layers.MultiHeadAttention(6, 3)
+    src.initialize()
+    q, k, v = draw((1, 2, 4), (1, 3, 5), (1, 3, 2))
+    out = src(arr(q), arr(k), arr(v)).asnumpy()
+    src.save_parameters(str(tmp_path / "mha.params"))
+    dst = gluon_layers.MultiHeadAttention(6, 3)
+    dst.initialize()
+    dst.load_parameters(str(tmp_path / "mha.params"))
+    assert dst.built and dst.spec()["W_k.kernel"] == (5, 6)
+    np.testing.assert_array_equal(dst(arr(q), arr(k), arr(v)).asnumpy(), out)
+
+
+def test_export_and_symbol_block(tmp_path: Path) -> None:
+    layer = gluon_layers.MultiHeadAttention(8, 2, bias=True)
+    layer.initialize()
+    layer.hybridize()
+    q, k, v = (arr(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5)))
+    lens = mx.np.array([3, 6], dtype="int32")
+    out = layer(q, k, v, lens).asnumpy()
+    layer.export(str(tmp_path / "mha"))
+    imported = mx.gluon.SymbolBlock.imports(str(tmp_path / "mha-symbol.json"),
+                                            ["data0", "data1", "data2", "data3"],
+                                            str(tmp_path / "mha-0000.params"))
+    outputs = imported(q, k, v, lens)
+    np.testing.assert_array_equal(outputs[0].asnumpy(), out)
+
+
+# -- autograd.record() turns dropout on ------------------------------------------------------
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_dropout_only_while_recording_in_training_mode(hybridize: bool) -> None:
+    mx.random.seed(0)
+    layer = gluon_layers.PositionalEncoding(16, dropout=0.5, max_len=20)
+    layer.initialize()
+    if hybridize:
+        layer.hybridize()
+    X = arr(draw((4, 10, 16))[0])
+    clean = (X + layer.P[:, :10]).asnumpy()
+    np.testing.assert_array_equal(layer(X).asnumpy(), clean)
+    with autograd.record(train_mode=False):
+        np.testing.assert_array_equal(layer(X).asnumpy(), clean)
+    with autograd.record():
+        dropped = layer(X).asnumpy()
+    kept = dropped != 0
+    assert 0.4 < kept.mean() < 0.6
+    np.testing.assert_allclose(dropped[kept], 2 * clean[kept], rtol=1e-6)
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_attention_dropout_keeps_weights_before_dropout(hybridize: bool) -> None:
+    mx.random.seed(1)
+    layer = gluon_layers.DotProductAttention(dropout=0.5)
+    if hybridize:
+        layer.hybridize()
+    q, k, v = (arr(x) for x in draw((2, 3, 4), (2, 5, 4), (2, 5, 6)))
+    plain, w = layer(q, k, v, return_attention=True)
+    with autograd.record():
+        dropped, w_train = layer(q, k, v, return_attention=True)
+    np.testing.assert_array_equal(w_train.asnumpy(), w.asnumpy())
+    assert not np.allclose(dropped.asnumpy(), plain.asnumpy())
+
+
+# -- gradients: hybridized graphs and a fully masked row ------------------------------------
+
+
+@pytest.mark.parametrize("case", gradient_cases(), ids=key)
+def test_hybridized_gradients_equal_imperative(case: Case) -> None:
+    inputs, weights, call = case_data(case)
+    kwargs = {k: (v if k == "causal" else arr(v)) for k, v in call.items()}
+    ct = np.random.default_rng(0).standard_normal(reference(case)["output.out"].shape)
+    grads = []
+    for hybridize in (False, True):
+        layer = built(case.layer, case.config, weights, "float64", hybridize)
+        grads.append(mxnet_hooks.gradients(layer, [arr(x) for x in inputs], kwargs, ct))
+    assert set(grads[0]) == set(grads[1])
+    for name, g in grads[0].items():
+        assert max_diff(grads[1][name], g) <= TOLERANCE["float64"], name
+
+
+def test_masked_scores_get_no_gradient() -> None:
+    """Keys a query cannot see do not move its output: d out / d keys is zero for them.
+
+    MXNet 1.9's ``where(cond, x, scalar)`` sends the gradient to the wrong branch; the ops
+    avoid it, and this would catch it coming back.
+    """
+    q, k, v = draw((1, 2, 3), (1, 4, 3), (1, 4, 2))
+    keys = arr(k, "float64")
+    keys.attach_grad()
+    with autograd.record():
+        out = ac.dot_product_attention(arr(q, "float64"), keys, arr(v, "float64"),
+                                       mx.np.array([2], dtype="int32"))
+    out.backward()
+    grad = keys.grad.asnumpy()
+    np.testing.assert_array_equal(grad[0, 2:], 0.0)
+    assert np.all(np.abs(grad[0, :2]) > 0)
+
+
+def test_harness_layers_are_initialised_gluon_blocks() -> None:
+    h = Harness("mxnet")
+    layer = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2}, "float64")
+    assert isinstance(layer, mx.gluon.HybridBlock)
+    assert {p.dtype for p in layer.collect_params().values()} == {"float64"}
+    assert repr(layer) == "MultiHeadAttention(num_hiddens=8, num_heads=2, dropout=0.0, bias=False)"

@@ -1,0 +1,382 @@
+"""PyTorch-specific behaviour: the fused path, torch.compile, state_dict, dtypes, train/eval.
+
+Expected values come from the float64 reference files, the NumPy backend, tests/naive.py or
+the reference gradients, never from the torch code under test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import test_backends
+
+if "torch" not in test_backends():
+    pytest.skip("the torch backend is not tested in this env", allow_module_level=True)
+
+import torch
+from torch.nn.parameter import UninitializedParameter
+
+import backends.numpy as numpy_layers
+import backends.torch as torch_layers
+from backends.torch import OPS, TorchOps
+from tests import naive
+from tests.harness import TOLERANCE, Harness, max_diff
+from tests.reference.cases import CASES, MASK_KINDS, Case
+from tests.reference.generate import load
+from tests.reference.gradients import GRADIENT_CASES, case_data, gradient_cases, key, load_gradients
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64}
+FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
+_FILES: dict[str, Any] = {}
+
+
+def reference(case: Case, dtype: str) -> tuple[list[torch.Tensor], dict[str, np.ndarray],
+                                               dict[str, Any], dict[str, np.ndarray]]:
+    """A case's inputs (as torch tensors of ``dtype``), weights, call arguments and record."""
+    if case.layer not in _FILES:
+        _FILES[case.layer] = load(case.layer)
+    ref = _FILES[case.layer][case.name]
+    inputs = [torch.tensor(ref[f"input.{name}"], dtype=DTYPES[dtype]) for name in case.inputs]
+    weights = {k[len("weight."):]: v for k, v in ref.items() if k.startswith("weight.")}
+    call = {k[len("call."):]: (bool(v) if k == "call.causal" else torch.from_numpy(v))
+            for k, v in ref.items() if k.startswith("call.")}
+    return inputs, weights, call, ref
+
+
+def build(case: Case, dtype: str, **kwargs: Any) -> Any:
+    """The case's torch layer in ``dtype``, holding the reference weights."""
+    layer = getattr(torch_layers, case.layer)(**case.config, **kwargs, dtype=DTYPES[dtype])
+    _, weights, _, _ = reference(case, dtype)
+    if weights:
+        layer.set_weights(weights)
+    return layer
+
+
+def fusable_cases() -> list[Any]:
+    return [pytest.param(c, id=f"{c.layer}-{c.name}") for c in CASES if c.layer in FUSABLE]
+
+
+class CountSDPA:
+    """Counts calls of torch's scaled_dot_product_attention (to prove the fused path ran)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+
+
+def out_of(result: Any) -> np.ndarray:
+    return result.detach().double().numpy()
+
+
+# -- the fused path -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", fusable_cases())
+def test_fused_path_matches_reference(case: Case, dtype: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every mask kind, fully masked rows included, through SDPA equals the float64 files."""
+    layer = build(case, dtype, keep_attention_weights=False)
+    inputs, _, call, ref = reference(case, dtype)
+    sdpa = CountSDPA(monkeypatch)
+    out = layer(*inputs, **call)
+    assert sdpa.calls == 1
+    assert layer.attention_weights is None
+    assert max_diff(out_of(out), ref["output.out"]) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layer_name", FUSABLE)
+def test_weights_kept_or_asked_for_use_the_direct_path(layer_name: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    case = next(c for c in CASES if c.layer == layer_name and c.name == "valid_lens_2d")
+    inputs, _, call, ref = reference(case, "float32")
+    sdpa = CountSDPA(monkeypatch)
+    kept = build(case, "float32")
+    kept(*inputs, **call)
+    assert max_diff(out_of(kept.attention_weights), ref["output.attention"]) <= 1e-5
+    if layer_name != "TransformerEncoderBlock":  # the block has no return_attention
+        fused = build(case, "float32", keep_attention_weights=False)
+        _, weights = fused(*inputs, **call, return_attention=True)
+        assert max_diff(out_of(weights), ref["output.attention"]) <= 1e-5
+    assert sdpa.calls == 0
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fully_masked_rows_are_zero_on_both_paths(dtype: str) -> None:
+    case = next(c for c in CASES if c.layer == "DotProductAttention" and c.name == "fully_masked_row")
+    inputs, _, call, _ = reference(case, dtype)
+    for keep in (True, False):
+        layer = build(case, dtype, keep_attention_weights=keep)
+        inputs = [x.requires_grad_(True) for x in inputs]
+        out = layer(*inputs, **call)
+        assert torch.all(out[0, 1] == 0) and torch.all(out[1, 2] == 0)
+        out.sum().backward()
+        assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in inputs)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
+@pytest.mark.parametrize("layer_name", FUSABLE)
+def test_low_precision_never_nan_and_close(layer_name: str, keep: bool, dtype: str) -> None:
+    """Every mask kind in fp16/bf16: finite outputs and gradients, within the dtype's tolerance."""
+    for case in (c for c in CASES if c.layer == layer_name):
+        layer = build(case, dtype, keep_attention_weights=keep)
+        inputs, _, call, ref = reference(case, dtype)
+        inputs = [x.requires_grad_(True) for x in inputs]
+        out = layer(*inputs, **call)
+        assert max_diff(out_of(out), ref["output.out"]) <= TOLERANCE[dtype], case.name
+        out.float().square().sum().backward()
+        grads = [x.grad for x in inputs] + [p.grad for p in layer.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), case.name
+
+
+@pytest.mark.parametrize("case", [c for c in gradient_cases() if c.layer in FUSABLE], ids=key)
+def test_fused_path_gradients_match_reference(case: Case) -> None:
+    h = Harness("torch")
+    layer = build(case, "float32", keep_attention_weights=False)
+    inputs, _, call = case_data(case)
+    ref = load_gradients()[key(case)]
+    kwargs = {k: (v if k == "causal" else torch.from_numpy(v)) for k, v in call.items()}
+    got = h.hooks.gradients(layer, [torch.tensor(x, dtype=torch.float32) for x in inputs], kwargs,
+                            ref["cotangent"].astype(np.float32))
+    assert layer.attention_weights is None  # the fused path ran
+    for name, value in got.items():
+        assert max_diff(value, ref[name]) <= TOLERANCE["float32"], name
+
+
+def test_gradient_cases_include_fused_layers() -> None:
+    assert {"MultiHeadAttention", "TransformerEncoderBlock"} <= set(GRADIENT_CASES)
+
+
+# -- the same weights in NumPy and torch ----------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_numpy_and_torch_multi_head_agree(kind: str, keep: bool) -> None:
+    case = next(c for c in CASES if c.layer == "MultiHeadAttention" and c.name == kind + "_bias")
+    _, _, call, ref = reference(case, "float32")
+    inputs = [ref[f"input.{name}"].astype(np.float32) for name in case.inputs]
+    np_layer = numpy_layers.MultiHeadAttention(**case.config, seed=1)
+    np_out = np_layer(*inputs, **{k: (v if k == "causal" else v.numpy()) for k, v in call.items()})
+    t_layer = torch_layers.MultiHeadAttention(**case.config, keep_attention_weights=keep)
+    t_layer.set_weights(np_layer.get_weights())
+    t_out = t_layer(*(torch.from_numpy(x) for x in inputs), **call)
+    assert max_diff(out_of(t_out), np_out) <= 1e-5
+
+
+# -- torch.compile --------------------------------------------------------------------------
+
+
+def mha_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 5, 12, generator=g), torch.randn(2, 7, 10, generator=g), torch.tensor([3, 7])
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
+def test_no_graph_breaks(keep: bool) -> None:
+    q, kv, lens = mha_inputs()
+    mha = torch_layers.MultiHeadAttention(16, 4, keep_attention_weights=keep)
+    mha(q, kv, kv)  # input sizes are inferred eagerly
+    explained = torch._dynamo.explain(mha)(q, kv, kv, lens, causal=True)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    block = torch_layers.TransformerEncoderBlock(12, 20, 3, keep_attention_weights=keep)
+    explained = torch._dynamo.explain(block)(q, torch.tensor([[1, 2, 3, 4, 5], [0, 5, 5, 1, 1]]))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_compiled_multi_head_attention_fullgraph() -> None:
+    torch._dynamo.reset()
+    q, kv, lens = mha_inputs()
+    mha = torch_layers.MultiHeadAttention(16, 4, bias=True, keep_attention_weights=False).eval()
+    expected = mha(q, kv, kv, lens, causal=True)
+    compiled = torch.compile(mha, fullgraph=True)  # raises on any graph break
+    out = compiled(q, kv, kv, lens, causal=True)
+    assert max_diff(out_of(out), out_of(expected)) <= 1e-5
+
+
+def test_compiled_encoder_block_fullgraph_keeps_weights() -> None:
+    torch._dynamo.reset()
+    X = torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(1))
+    lens = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 1, 1, 6, 6, 6]])  # a fully masked row
+    block = torch_layers.TransformerEncoderBlock(12, 20, 3).eval()
+    expected = out_of(block(X, lens))
+    expected_weights = out_of(block.attention_weights)
+    block.attention_weights = None
+    out = torch.compile(block, fullgraph=True)(X, lens)
+    assert max_diff(out_of(out), expected) <= 1e-5
+    assert max_diff(out_of(block.attention_weights), expected_weights) <= 1e-6
+
+
+def test_unbuilt_layer_under_fullgraph_says_what_to_do() -> None:
+    q, kv, _ = mha_inputs()
+    mha = torch_layers.MultiHeadAttention(16, 4)
+    with pytest.raises(Exception, match="call the layer once, or set_weights"):
+        torch.compile(mha, fullgraph=True, backend="eager")(q, kv, kv)
+
+
+# -- state_dict, buffers, dtype and device moves ------------------------------------------------
+
+
+def test_state_dict_is_the_canonical_layout_and_round_trips() -> None:
+    q, kv, lens = mha_inputs()
+    src = torch_layers.MultiHeadAttention(16, 4, bias=True)
+    expected = out_of(src(q, kv, kv, lens))
+    state = src.state_dict()
+    canonical = src.get_weights()
+    assert list(state) == list(canonical)
+    for name, value in state.items():
+        np.testing.assert_array_equal(value.numpy(), canonical[name])
+    dst = torch_layers.MultiHeadAttention(16, 4, bias=True)  # not built: sizes from the state
+    dst.load_state_dict(state)
+    np.testing.assert_array_equal(out_of(dst(q, kv, kv, lens)), expected)
+
+
+def test_encoder_block_state_dict_keys_are_canonical() -> None:
+    block = torch_layers.TransformerEncoderBlock(8, 10, 2)
+    assert sorted(block.state_dict()) == sorted(block.get_weights()) == sorted(block.spec())
+
+
+def test_unbuilt_state_dict_holds_placeholders() -> None:
+    layer = torch_layers.AdditiveAttention(6)
+    state = layer.state_dict()
+    assert isinstance(state["W_q.kernel"], UninitializedParameter)
+    assert tuple(state["w_v.kernel"].shape) == (6, 1)
+    torch_layers.AdditiveAttention(6).load_state_dict(state)  # unbuilt into unbuilt
+
+
+def test_positional_table_is_a_non_persistent_buffer() -> None:
+    layer = torch_layers.PositionalEncoding(16, max_len=50)
+    assert "P" in dict(layer.named_buffers())
+    assert layer.state_dict() == {}
+    assert list(layer.parameters()) == []
+    layer.load_state_dict({})
+
+
+def test_to_float64_moves_P_and_keeps_it_exact() -> None:
+    layer = torch_layers.PositionalEncoding(16, max_len=50)
+    assert layer.P.dtype == torch.float32
+    layer.to(torch.float64)
+    assert layer.P.dtype == torch.float64
+    assert max_diff(layer.P[0].numpy(), naive.pe_table(50, 16)) <= 1e-12
+    out = layer(torch.zeros(1, 7, 16, dtype=torch.float64))
+    assert out.dtype == torch.float64
+
+
+def test_dtype_factory_argument() -> None:
+    layer = torch_layers.MultiHeadAttention(8, 2, dtype=torch.float64, q_in=5, k_in=5, v_in=5)
+    assert {p.dtype for p in layer.parameters()} == {torch.float64}
+    assert layer.built and layer.get_weights()["W_q.kernel"].shape == (5, 8)
+    with pytest.raises(TypeError, match=r"^queries dtype \(float32\) must match the layer's "
+                                        r"dtype \(float64\)"):
+        layer(torch.ones(1, 2, 5), torch.ones(1, 2, 5), torch.ones(1, 2, 5))
+
+
+# -- lazy input sizes ---------------------------------------------------------------------
+
+
+def test_first_call_materialises_in_place() -> None:
+    """A parameter captured before the first call is the one that is trained."""
+    layer = torch_layers.PositionWiseFFN(6, 4)
+    before = list(layer.parameters())
+    optimizer = torch.optim.SGD(before, lr=0.1)
+    assert isinstance(layer.dense1.kernel, UninitializedParameter) and not layer.built
+    out = layer(torch.ones(2, 3, 5))
+    assert [id(p) for p in layer.parameters()] == [id(p) for p in before]
+    initial = layer.get_weights()["dense1.kernel"]
+    out.sum().backward()
+    optimizer.step()
+    assert before[0].grad is not None and before[0].grad.shape == (5, 6)
+    assert not np.allclose(layer.get_weights()["dense1.kernel"], initial)
+
+
+def test_failed_first_call_leaves_placeholders() -> None:
+    layer = torch_layers.MultiHeadAttention(8, 2)
+    x = torch.ones(2, 4, 6)
+    with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
+        layer(x, x, x, torch.tensor([9, 9]))
+    assert isinstance(layer.W_q.kernel, UninitializedParameter) and not layer.built
+    with pytest.raises(ValueError, match="weights are created on the first call"):
+        layer.get_weights()
+
+
+# -- training mode --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
+def test_dropout_only_in_training_mode(keep: bool) -> None:
+    q, kv, lens = mha_inputs()
+    layer = torch_layers.MultiHeadAttention(16, 4, dropout=0.5, keep_attention_weights=keep)
+    plain = torch_layers.MultiHeadAttention(16, 4, dropout=0.0)
+    layer(q, kv, kv)
+    plain.set_weights(layer.get_weights())
+    expected = out_of(plain(q, kv, kv, lens))
+    assert layer.training
+    a, b = out_of(layer(q, kv, kv, lens)), out_of(layer(q, kv, kv, lens))
+    assert not np.allclose(a, b) and not np.allclose(a, expected)
+    layer.eval()
+    np.testing.assert_array_equal(out_of(layer(q, kv, kv, lens)), out_of(layer(q, kv, kv, lens)))
+    assert max_diff(out_of(layer(q, kv, kv, lens)), expected) <= 1e-6
+
+
+def test_attention_weights_are_taken_before_dropout() -> None:
+    q, kv, lens = mha_inputs()
+    layer = torch_layers.MultiHeadAttention(16, 4, dropout=0.5).train()
+    layer(q, kv, kv, lens)
+    first = out_of(layer.attention_weights)
+    layer(q, kv, kv, lens)
+    np.testing.assert_array_equal(out_of(layer.attention_weights), first)
+    np.testing.assert_allclose(first.sum(-1), 1.0, atol=1e-6)
+
+
+def test_positional_dropout_follows_mode() -> None:
+    layer = torch_layers.PositionalEncoding(8, dropout=0.5)
+    X = torch.zeros(1, 10, 8)
+    assert (layer(X) == 0).any()  # some entries of P dropped
+    layer.eval()
+    np.testing.assert_array_equal(layer(X).numpy(), layer.P[:, :10].numpy())
+
+
+# -- the seeds' usage, as written for torch ---------------------------------------------------
+
+
+def test_seed_usage() -> None:
+    attention = torch_layers.MultiHeadAttention(100, 5, 0.5)
+    X = torch.ones((2, 4, 100))
+    assert attention(X, X, X, torch.tensor([3, 2])).shape == (2, 4, 100)
+    encoding = torch_layers.PositionalEncoding(32, 0)
+    X = encoding(torch.zeros((1, 60, 32)))
+    np.testing.assert_array_equal(X.numpy(), encoding.P[:, :60].numpy())
+
+
+# -- the ops --------------------------------------------------------------------------------
+
+
+def test_ops_dtype_names_and_conversion() -> None:
+    for name, dtype in DTYPES.items():
+        assert OPS.dtype_name(torch.zeros(1, dtype=dtype)) == name
+    assert OPS.dtype_name(torch.tensor([1])) == "int64"
+    assert OPS.dtype_name(torch.tensor([True])) == "bool"
+    like = torch.zeros(1, dtype=torch.float64)
+    assert OPS.from_numpy(np.ones(2, np.float32), like=like).dtype == torch.float64
+    assert OPS.from_numpy(np.ones(2, np.int32), like=like).dtype == torch.int32
+    assert isinstance(OPS, TorchOps) and OPS.name == "torch"
+
+
+def test_concrete_is_none_under_compile() -> None:
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x + (1.0 if OPS.concrete(x) is None else 0.0)
+
+    x = torch.zeros(2)
+    assert probe(x).tolist() == [0.0, 0.0]
+    assert torch.compile(probe, fullgraph=True, backend="eager")(x).tolist() == [1.0, 1.0]
