@@ -145,10 +145,7 @@ class Layer(HybridBlock):
     def get_weights(self) -> dict[str, np.ndarray]:
         """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
         if not self.built:
-            raise ValueError(
-                f"{type(self).__name__}: weights are created on the first call; call the layer "
-                "or set_weights first"
-            )
+            raise checks.not_built(type(self).__name__)
         return {name: p.data().asnumpy() for name, p in self._weights.items()}
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
@@ -173,12 +170,7 @@ class Layer(HybridBlock):
         if self.built:
             known = self._dims()
             for name, size in dims.items():
-                checks.check_equal(
-                    f"{W.INPUT_ARGS[name]} last dimension ({size}) must be {known[name]}, "
-                    "the size this layer was built for",
-                    size,
-                    known[name],
-                )
+                checks.check_built_size(W.INPUT_ARGS[name], size, known[name])
             return {}, {}
         spec = self._spec({**self._dims(), **dims})
         weights, new = {}, {}
