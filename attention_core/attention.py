@@ -155,18 +155,22 @@ def dot_product_attention(
     dropout = checks.check_dropout(dropout)
     rank = len(ops.shape(queries))
     depth = ops.shape(queries)[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(depth)
+    if scale is None and not isinstance(depth, int):  # depth known only at run time
+        factor: Any = 1.0 / ops.sqrt(ops.astype(depth, ops.dtype_name(queries)))
+    elif scale is None:
+        factor = 1.0 / math.sqrt(depth)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    else:
+        factor = float(scale)
     fused = None if return_weights else getattr(ops, "fused_attention", None)
     if fused is not None:  # the backend's fused kernel: the weights are never formed
         q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))
         B, H, Q, _ = ops.shape(q)
         visible = masks.combine(ops, (B, H, Q, ops.shape(k)[2]), valid_lens, mask, causal)
-        out = fused(q, k, v, visible, float(scale), dropout)  # (B, H, Q, Dv)
+        out = fused(q, k, v, visible, factor, dropout)  # (B, H, Q, Dv)
         return out if rank == 4 else out[:, 0]
-    q = _lift(ops, queries, rank) * float(scale)  # (B, H, Q, D), scale folded into Q
+    q = _lift(ops, queries, rank) * factor  # (B, H, Q, D), scale folded into Q
     k_t = ops.transpose(_lift(ops, keys, rank), (0, 1, 3, 2))  # (B, H, D, K)
     scores = ops.matmul(q, k_t)  # (B, H, Q, K)
     out, weights = attend(ops, scores, _lift(ops, values, rank), valid_lens, mask, causal, dropout)

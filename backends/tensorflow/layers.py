@@ -1,0 +1,501 @@
+"""Keras 3 layers (TensorFlow backend) holding canonical weights and calling the core.
+
+Each layer keeps its parameters as Keras variables named by the canonical layout of DESIGN
+section 5 (``W_q.kernel``, ``ln.gamma``, ...), so ``layer.weights`` reads like the mapping.
+Input sizes are inferred by ``build()`` on the first call (or from the mapping given to
+``set_weights``); layers whose sizes are all known from the constructor create their weights
+in ``__init__``. A call that raises changes nothing: a first call that fails leaves the layer
+unbuilt, so the next call may still choose the input sizes.
+
+Weights, two forms that cannot be confused:
+
+* ``get_weights() -> dict[str, numpy.ndarray]`` and ``set_weights(mapping)`` use the canonical
+  layout shared by every backend (DESIGN section 5). ``set_weights`` takes a mapping only.
+* ``get_weight_list()`` and ``set_weight_list(list)`` are Keras' own list form (the values of
+  ``layer.weights`` in order), which ``keras.layers.Layer.get_weights`` gives elsewhere.
+
+Dropout is active only for ``training=True`` and draws from a ``keras.random.SeedGenerator``
+owned by the layer, so ``keras.utils.set_random_seed`` makes it (and the initial weights)
+reproducible, eagerly and under ``tf.function``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import weights as W
+from backends.tensorflow.ops import TensorFlowOps
+
+_serializable = keras.saving.register_keras_serializable(package="attention_core")
+
+
+class Layer(keras.layers.Layer):  # type: ignore[misc]
+    """Base of the Keras layers: canonical weights, dropout, and no change on a failed call.
+
+    Args:
+        dropout: Dropout rate, used only when called with ``training=True``.
+        **kwargs: Passed to ``keras.layers.Layer`` (``name``, ``dtype``, ``trainable``, ...).
+
+    Attributes:
+        attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
+            (attention layers only). Under ``tf.function`` this is the traced tensor; return
+            the weights with ``return_attention=True`` to get them out of a compiled function.
+    """
+
+    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+        dropout = checks.check_dropout(dropout)
+        super().__init__(**kwargs)
+        self.dropout = dropout
+        self.seed_generator = keras.random.SeedGenerator() if dropout > 0 else None
+        self._ops = TensorFlowOps(self.seed_generator)
+        self._dims: dict[str, int] = {}
+        self._params: dict[str, keras.Variable] = {}
+        self.attention_weights: tf.Tensor | None = None
+        # valid_lens may be a Python list, as in the NumPy layers
+        self._allow_non_tensor_positional_args = True
+
+    def spec(self) -> W.Spec:
+        """Canonical names and shapes of this layer's weights (None = not known yet)."""
+        return {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fresh = not self.built
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            if fresh and self.built:
+                self._unbuild()
+            raise
+
+    def _create(self, **dims: int | None) -> None:
+        """Creates every weight of the spec for the given input sizes (initial values from the core)."""
+        unknown = [W.INPUT_ARGS[dim] for dim, size in dims.items() if size is None]
+        if unknown:
+            names = f"{', '.join(unknown[:-1])} and {unknown[-1]}" if len(unknown) > 1 else unknown[0]
+            raise ValueError(
+                f"{type(self).__name__}: the last dimension of {names} must be known to create "
+                "the weights, got None"
+            )
+        known = {dim: int(size) for dim, size in dims.items() if size is not None}
+        saved, self._dims = self._dims, {**self._dims, **known}
+        try:
+            spec = self.spec()
+            rng = np.random.default_rng(random.getrandbits(64))  # seeded by set_random_seed
+            initial = W.init_weights(spec, rng, "float64")
+        except BaseException:
+            self._dims = saved
+            raise
+        for name, value in initial.items():
+            self._params[name] = self.add_weight(
+                shape=value.shape, initializer=_constant(value), dtype=self.variable_dtype,
+                name=name,
+            )
+
+    def _unbuild(self) -> None:
+        """Undoes the build of a first call that failed, so the call changes nothing."""
+        for variable in self._params.values():
+            self._untrack_variable(variable)
+        self._tracker.unlock()
+        self._params, self._dims = {}, {}
+        self._build_shapes_dict = None
+        self.built = False
+
+    def _input_shapes(self, dims: Mapping[str, int]) -> dict[str, tuple[int | None, ...]]:
+        """``build()`` arguments for input sizes read off a weight mapping."""
+        return {f"{W.INPUT_ARGS[dim]}_shape": (None, None, size) for dim, size in dims.items()}
+
+    def _check_built_for(self, **inputs: Any) -> None:
+        """Checks the last dimension of each input against the size the layer was built for."""
+        for dim, arg in W.INPUT_ARGS.items():
+            if arg in inputs and dim in self._dims:
+                size = self._ops.shape(inputs[arg])[-1]
+                checks.check_built_size(arg, size, self._dims[dim])
+
+    def _tensors(self) -> dict[str, Any]:
+        """The weights as the core takes them, read (and autocast) for this call."""
+        return {name: variable.value for name, variable in self._params.items()}
+
+    def _rate(self, training: bool | None) -> float:
+        return self.dropout if training else 0.0
+
+    @property
+    def canonical_variables(self) -> dict[str, keras.Variable]:
+        """The Keras variables by canonical name (e.g. for ``tf.GradientTape``)."""
+        return dict(self._params)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Returns a copy of the weights in the canonical layout (DESIGN section 5).
+
+        Unlike ``keras.layers.Layer.get_weights``, this is a mapping by canonical name; the
+        Keras list is :meth:`get_weight_list`.
+
+        Raises:
+            ValueError: The input sizes are not known yet (call the layer or set_weights).
+        """
+        if self.spec() and not self._params:
+            raise checks.not_built(type(self).__name__)
+        return {name: np.array(variable.numpy()) for name, variable in self._params.items()}
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Sets every weight from a canonical mapping; checks all names and shapes first.
+
+        Before the first call, the input sizes are read off the mapping and the layer is
+        built. A list (Keras' form) is refused: use :meth:`set_weight_list` for that.
+
+        Raises:
+            TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+            ValueError: Missing or unexpected names, or a wrong shape.
+        """
+        checked = W.check_weights(self.spec(), weights)
+        if not self._params and checked:
+            self.build(**self._input_shapes(W.dims_from_weights(checked)))
+        for name, value in checked.items():
+            self._params[name].assign(tf.cast(value, self._params[name].dtype))
+
+    def get_weight_list(self) -> list[np.ndarray]:
+        """Keras' list form: the values of ``layer.weights``, in order."""
+        return list(keras.layers.Layer.get_weights(self))
+
+    def set_weight_list(self, weights: list[Any]) -> None:
+        """Keras' list form: sets ``layer.weights`` in order (see :meth:`get_weight_list`)."""
+        keras.layers.Layer.set_weights(self, weights)
+
+    def compute_mask(self, inputs: Any, previous_mask: Any = None) -> None:
+        """Returns None: Keras padding masks are not propagated.
+
+        The ``mask`` call argument of these layers is an attention mask (DESIGN section 4),
+        not a Keras padding mask; returning None also keeps Keras from attaching it to the
+        output.
+        """
+        return None
+
+
+def _constant(value: np.ndarray) -> Any:
+    """A Keras initializer returning ``value`` cast to the variable's dtype."""
+    return lambda shape, dtype=None: tf.cast(value, dtype or "float32")
+
+
+class _Attention(Layer):
+    """Shared call of the attention layers: checks, the core, ``attention_weights``."""
+
+    def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def call(
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+        training: bool | None = None,
+    ) -> Any:
+        out, weights = self._attend(
+            queries, keys, values, valid_lens=valid_lens, mask=mask, causal=causal,
+            dropout=self._rate(training), return_weights=True, ops=self._ops,
+        )
+        self.attention_weights = weights
+        return (out, weights) if return_attention else out
+
+
+@_serializable
+class DotProductAttention(_Attention):
+    """Scaled dot-product attention (no weights).
+
+    Args:
+        dropout: Dropout rate on the attention weights in training.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
+        checks.check_rank(self._ops, "queries", queries, (3,), "(B, Q, D)")
+        return attention.dot_product_attention(queries, keys, values, **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "dropout": self.dropout}
+
+
+@_serializable
+class AdditiveAttention(_Attention):
+    """Additive (Bahdanau) attention with hidden size ``num_hiddens``.
+
+    Args:
+        num_hiddens: Size of the hidden features the scores are computed from.
+        dropout: Dropout rate on the attention weights in training.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens = checks.check_positive_int("num_hiddens", num_hiddens)
+
+    def spec(self) -> W.Spec:
+        return W.additive_spec(self.num_hiddens, self._dims.get("q_in"), self._dims.get("k_in"))
+
+    def build(self, queries_shape: Any, keys_shape: Any) -> None:
+        self._create(q_in=queries_shape[-1], k_in=keys_shape[-1])
+
+    def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
+        attention.check_projected_inputs(self._ops, queries, keys, values)
+        self._check_built_for(queries=queries, keys=keys)
+        return attention.additive_attention(queries, keys, values, self._tensors(), **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens, "dropout": self.dropout}
+
+
+@_serializable
+class MultiHeadAttention(_Attention):
+    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features.
+
+    Args:
+        num_hiddens: Width h of the projections and of the output.
+        num_heads: Number of heads H; must divide ``num_hiddens``.
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        checks.check_heads(num_hiddens, num_heads)
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+
+    def spec(self) -> W.Spec:
+        d = self._dims
+        return W.multi_head_spec(
+            self.num_hiddens, self.num_heads, self.bias, d.get("q_in"), d.get("k_in"), d.get("v_in")
+        )
+
+    def build(self, queries_shape: Any, keys_shape: Any, values_shape: Any) -> None:
+        self._create(q_in=queries_shape[-1], k_in=keys_shape[-1], v_in=values_shape[-1])
+
+    def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
+        attention.check_projected_inputs(self._ops, queries, keys, values)
+        self._check_built_for(queries=queries, keys=keys, values=values)
+        return multihead.multi_head_attention(
+            queries, keys, values, self._tensors(), self.num_heads, **kwargs
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens,
+                "num_heads": self.num_heads, "dropout": self.dropout, "bias": self.bias}
+
+
+@_serializable
+class PositionalEncoding(Layer):
+    """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
+
+    Args:
+        num_hiddens: Width of the input and of the table.
+        dropout: Dropout rate on the sum in training.
+        max_len: Number of positions in the table.
+        **kwargs: Passed to ``keras.layers.Layer``.
+
+    Attributes:
+        P: The table, a constant tensor in the layer's compute dtype (not a weight).
+    """
+
+    def __init__(
+        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, **kwargs: Any
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        table = positional.sinusoidal_encoding(max_len, num_hiddens, "float64")[None]
+        self.P = tf.cast(table, self.compute_dtype)
+
+    def call(self, X: Any, training: bool | None = None) -> Any:
+        return positional.add_positions(X, self.P, self._rate(training), ops=self._ops)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens, "dropout": self.dropout,
+                "max_len": self.max_len}
+
+
+@_serializable
+class LearnedPositionalEncoding(Layer):
+    """Adds a learned table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
+
+    Args:
+        num_hiddens: Width of the input and of the table.
+        dropout: Dropout rate on the sum in training.
+        max_len: Number of positions in the table.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(
+        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, **kwargs: Any
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self._create()
+        self.built = True
+
+    def spec(self) -> W.Spec:
+        return W.learned_positional_spec(self.num_hiddens, self.max_len)
+
+    @property
+    def P(self) -> keras.Variable:  # noqa: N802 - the name the source chapter uses
+        """The learned table, ``(1, max_len, num_hiddens)``."""
+        return self._params["P"]
+
+    def call(self, X: Any, training: bool | None = None) -> Any:
+        return positional.add_positions(X, self._tensors()["P"], self._rate(training), ops=self._ops)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens, "dropout": self.dropout,
+                "max_len": self.max_len}
+
+
+@_serializable
+class PositionWiseFFN(Layer):
+    """Two dense layers with a ReLU between, applied at every position.
+
+    Args:
+        ffn_num_hiddens: Width of the hidden layer.
+        ffn_num_outputs: Width of the output.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(self, ffn_num_hiddens: int, ffn_num_outputs: int, **kwargs: Any) -> None:
+        W.ffn_spec(ffn_num_hiddens, ffn_num_outputs)  # validates the sizes
+        super().__init__(0.0, **kwargs)
+        self.ffn_num_hiddens, self.ffn_num_outputs = ffn_num_hiddens, ffn_num_outputs
+
+    def spec(self) -> W.Spec:
+        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, self._dims.get("d_in"))
+
+    def build(self, X_shape: Any) -> None:
+        self._create(d_in=X_shape[-1])
+
+    def call(self, X: Any) -> Any:
+        checks.check_rank(self._ops, "X", X, (3,), "(B, T, d)")
+        self._check_built_for(X=X)
+        return transformer.position_wise_ffn(X, self._tensors(), ops=self._ops)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "ffn_num_hiddens": self.ffn_num_hiddens,
+                "ffn_num_outputs": self.ffn_num_outputs}
+
+
+@_serializable
+class AddNorm(Layer):
+    """Residual connection followed by layer normalisation over the last axis (eps 1e-5).
+
+    Args:
+        num_hiddens: Width of the normalised axis.
+        dropout: Dropout rate on the sublayer's output in training.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens = num_hiddens
+        self._create()
+        self.built = True
+
+    def spec(self) -> W.Spec:
+        return W.add_norm_spec(self.num_hiddens)
+
+    def call(self, X: Any, Y: Any, training: bool | None = None) -> Any:
+        checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
+        return transformer.add_norm(X, Y, self._tensors(), self._rate(training), ops=self._ops)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens, "dropout": self.dropout}
+
+
+@_serializable
+class TransformerEncoderBlock(Layer):
+    """Self-attention and a position-wise FFN, each wrapped in add & norm.
+
+    Args:
+        num_hiddens: Model width h.
+        ffn_num_hiddens: Hidden width of the FFN.
+        num_heads: Heads of the self-attention; must divide ``num_hiddens``.
+        dropout: Dropout rate of the attention weights and both residual branches.
+        bias: Whether the attention projections have biases.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        ffn_num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
+        self.num_heads, self.bias = num_heads, bool(bias)
+        self._create()
+        self.built = True
+
+    def spec(self) -> W.Spec:
+        return W.encoder_block_spec(
+            self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.bias
+        )
+
+    def call(
+        self, X: Any, valid_lens: Any = None, *, mask: Any = None, training: bool | None = None
+    ) -> Any:
+        if mask is not None and mask is getattr(X, "_keras_mask", None):
+            mask = None  # Keras filled in X's padding mask; `mask` is an attention mask
+        checks.check_rank(self._ops, "X", X, (3,), "(B, T, num_hiddens)")
+        checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
+        out, weights = transformer.transformer_encoder_block(
+            X, self._tensors(), self.num_heads, valid_lens, mask=mask,
+            dropout=self._rate(training), return_weights=True, ops=self._ops,
+        )
+        self.attention_weights = weights
+        return out
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens,
+                "ffn_num_hiddens": self.ffn_num_hiddens, "num_heads": self.num_heads,
+                "dropout": self.dropout, "bias": self.bias}
+
+
+@_serializable
+class NadarayaWatson(Layer):
+    """Nadaraya-Watson attention pooling with a Gaussian kernel.
+
+    Args:
+        parametric: Learn the kernel's inverse width ``w`` (weight ``w`` of shape ``(1,)``).
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(self, parametric: bool = False, **kwargs: Any) -> None:
+        super().__init__(0.0, **kwargs)
+        self.parametric = bool(parametric)
+        self._create()
+        self.built = True
+
+    def spec(self) -> W.Spec:
+        return W.nadaraya_watson_spec(self.parametric)
+
+    def call(self, queries: Any, keys: Any, values: Any) -> Any:
+        w = self._tensors().get("w")
+        out, weights = attention.nadaraya_watson(
+            queries, keys, values, w, return_weights=True, ops=self._ops
+        )
+        self.attention_weights = weights
+        return out
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "parametric": self.parametric}

@@ -1,0 +1,113 @@
+"""The TensorFlow implementation of the ops protocol.
+
+Each method is a TensorFlow one-liner. They work on eager tensors, on the symbolic tensors of a
+``tf.function`` trace (including ``jit_compile=True``) and on Keras variables, which convert
+to tensors when read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "backends.tensorflow needs the TensorFlow backend of Keras, but Keras is set to "
+        f"{keras.backend.backend()!r}; set the environment variable KERAS_BACKEND=tensorflow "
+        "(or \"backend\" in ~/.keras/keras.json) before keras is first imported"
+    )
+
+
+class TensorFlowOps:
+    """TensorFlow tensors; dropout draws from a Keras ``SeedGenerator`` when one is given.
+
+    Args:
+        seed_generator: The generator a layer owns, so that its dropout masks follow
+            ``keras.utils.set_random_seed`` and work under ``tf.function`` and XLA. Without
+            one, dropout uses TensorFlow's stateful ``tf.nn.dropout``.
+    """
+
+    name = "tensorflow"
+
+    def __init__(self, seed_generator: keras.random.SeedGenerator | None = None) -> None:
+        self.seed_generator = seed_generator
+
+    def from_numpy(self, x: np.ndarray, like: Any = None) -> tf.Tensor:
+        x = np.asarray(x)
+        return tf.cast(x, like.dtype) if like is not None and x.dtype.kind == "f" else tf.constant(x)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x.numpy() if hasattr(x, "numpy") else x)  # tensors and Keras variables
+
+    def concrete(self, x: Any) -> np.ndarray | None:
+        if isinstance(x, keras.KerasTensor):
+            return None
+        value = tf.get_static_value(x)  # values of eager tensors and graph constants, else None
+        return None if value is None else np.asarray(value)
+
+    def shape(self, x: Any) -> tuple[Any, ...]:
+        static = tuple(x.shape)
+        if all(d is not None for d in static):
+            return static
+        dynamic = tf.shape(x)
+        return tuple(d if d is not None else dynamic[i] for i, d in enumerate(static))
+
+    def dtype_name(self, x: Any) -> str:
+        return str(tf.as_dtype(x.dtype).name)
+
+    def astype(self, x: Any, dtype: str) -> tf.Tensor:
+        return tf.cast(x, dtype)
+
+    def exp(self, x: Any) -> tf.Tensor:
+        return tf.exp(x)
+
+    def tanh(self, x: Any) -> tf.Tensor:
+        return tf.tanh(x)
+
+    def sqrt(self, x: Any) -> tf.Tensor:
+        return tf.sqrt(x)
+
+    def relu(self, x: Any) -> tf.Tensor:
+        return tf.nn.relu(x)
+
+    def where(self, cond: Any, x: Any, y: Any) -> tf.Tensor:
+        return tf.where(cond, x, tf.convert_to_tensor(y, dtype=x.dtype))
+
+    def logical_and(self, a: Any, b: Any) -> tf.Tensor:
+        return tf.logical_and(a, b)
+
+    def max(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.reduce_max(x, axis=axis, keepdims=True)
+
+    def sum(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.reduce_sum(x, axis=axis, keepdims=True)
+
+    def mean(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.reduce_mean(x, axis=axis, keepdims=True)
+
+    def matmul(self, a: Any, b: Any) -> tf.Tensor:
+        return tf.matmul(a, b)
+
+    def reshape(self, x: Any, shape: tuple[Any, ...]) -> tf.Tensor:
+        return tf.reshape(x, shape)
+
+    def transpose(self, x: Any, axes: tuple[int, ...]) -> tf.Tensor:
+        return tf.transpose(x, axes)
+
+    def expand_dims(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.expand_dims(x, axis)
+
+    def arange(self, n: Any) -> tf.Tensor:
+        return tf.range(n, dtype=tf.int32)
+
+    def dropout(self, x: Any, rate: float) -> tf.Tensor:
+        if self.seed_generator is None:
+            return tf.nn.dropout(x, rate)
+        return keras.random.dropout(x, rate, seed=self.seed_generator)
+
+
+#: The default TensorFlow ops (used by the functional API for TensorFlow tensors).
+OPS = TensorFlowOps()
