@@ -5,6 +5,8 @@ Tolerances per dtype live here and nowhere else. Backend-specific test glue live
 
 * ``make(cls, config, dtype) -> layer``: build a layer computing in ``dtype`` (a NumPy name);
 * ``call(layer, *args, **kwargs)``: call a layer (default: ``layer(*args, **kwargs)``);
+* ``attention_weights(layer)``: the weights kept by the layer's last call
+  (default: ``layer.attention_weights``);
 * ``gradients(layer, inputs, kwargs, cotangent) -> dict``: gradients of
   ``sum(output * cotangent)`` with respect to each input (``"input.<i>"``, by position) and
   each weight (``"weight.<canonical name>"``), as NumPy arrays.
@@ -65,6 +67,12 @@ class Harness:
 
     def call(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         return self._call(layer, *args, **kwargs)
+
+    def attention_weights(self, layer: Any) -> Any:
+        """The attention weights the layer's last call kept."""
+        if self.hooks is not None and hasattr(self.hooks, "attention_weights"):
+            return self.hooks.attention_weights(layer)
+        return layer.attention_weights
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:

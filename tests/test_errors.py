@@ -36,10 +36,11 @@ BAD_CALLS: list[tuple[str, Callable[[Harness], Any], type[Exception], str]] = [
      "keys batch size (3) must equal queries batch size (2)"),
     ("queries_rank", lambda h: dpa(h, qkv(q=(4, 8))), ValueError,
      "queries must have shape (B, Q, D) or (B, H, Q, D), got (4, 8)"),
-    ("integer_queries", lambda h: dpa(h, [np.ones((2, 4, 8), np.int64), *qkv()[1:]]), TypeError,
-     "queries must be floating point (float16, bfloat16, float32, float64), got int64"),
-    ("dtype_mismatch", lambda h: dpa(h, qkv(dtypes=(F32, "float64", F32))), TypeError,
-     "keys dtype (float64) must match queries dtype (float32)"),
+    # int32 and float16: dtypes every backend has (JAX has no 64-bit types unless x64 is on)
+    ("integer_queries", lambda h: dpa(h, [np.ones((2, 4, 8), np.int32), *qkv()[1:]]), TypeError,
+     "queries must be floating point (float16, bfloat16, float32, float64), got int32"),
+    ("dtype_mismatch", lambda h: dpa(h, qkv(dtypes=(F32, "float16", F32))), TypeError,
+     "keys dtype (float16) must match queries dtype (float32)"),
     ("valid_lens_shape", lambda h: dpa(h, qkv(), valid_lens=np.array([1, 2, 3])), ValueError,
      "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got (3,)"),
     ("valid_lens_float", lambda h: dpa(h, qkv(), valid_lens=np.array([1.0, 2.0], F32)), TypeError,
@@ -95,7 +96,7 @@ def built_mha(h: Harness) -> Any:
 
 
 def snapshot(h: Harness, layer: Any) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    return layer.get_weights(), h.numpy(layer.attention_weights)
+    return layer.get_weights(), h.numpy(h.attention_weights(layer))
 
 
 def assert_unchanged(h: Harness, layer: Any, before: tuple[dict[str, np.ndarray], np.ndarray]) -> None:

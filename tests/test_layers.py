@@ -14,7 +14,7 @@ def test_seed_usage_multi_head(backend: str) -> None:
     valid_lens = h.array(np.array([3, 2]))
     out = h.call(attention, X, X, X, valid_lens)
     assert tuple(h.ops.shape(out)) == (2, 4, 100)
-    w = h.numpy(attention.attention_weights)
+    w = h.numpy(h.attention_weights(attention))
     assert w.shape == (2, 5, 4, 4)
     np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
     np.testing.assert_array_equal(w[0, :, :, 3], 0.0)

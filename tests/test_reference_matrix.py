@@ -34,11 +34,11 @@ def run_case(h: Harness, case: Case, dtype: str) -> tuple[dict[str, np.ndarray],
     if case.layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):
         out, attn = h.call(layer, *inputs, return_attention=True, **kwargs)
         got["attention"] = h.numpy(attn)
-        got["attention_attr"] = h.numpy(layer.attention_weights)
+        got["attention_attr"] = h.numpy(h.attention_weights(layer))
     else:
         out = h.call(layer, *inputs, **kwargs)
         if "output.attention" in ref:
-            got["attention_attr"] = h.numpy(layer.attention_weights)
+            got["attention_attr"] = h.numpy(h.attention_weights(layer))
     got["out"] = h.numpy(out)
     if "output.P" in ref:
         got["P"] = h.numpy(layer.P)[:, : ref["output.P"].shape[1]]

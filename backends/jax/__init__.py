@@ -1,0 +1,55 @@
+"""The JAX backend: ``jax.numpy`` ops and ``flax.linen`` layers over the core.
+
+Flax is functional, so the canonical weights are read and written on params pytrees by module
+functions rather than layer methods::
+
+    import jax, jax.numpy as jnp
+    from backends.jax import MultiHeadAttention, get_weights, set_weights
+
+    layer = MultiHeadAttention(100, 5, dropout=0.5)
+    X = jnp.ones((2, 4, 100))
+    variables = layer.init(jax.random.key(0), X, X, X, jnp.array([3, 2]))
+    Y = layer.apply(variables, X, X, X, jnp.array([3, 2]))            # (2, 4, 100)
+    weights = get_weights(variables)                                   # {'W_q.kernel': ...}
+    variables = set_weights(variables, weights)                        # a new pytree
+
+:func:`init_from_weights` builds the variables from a canonical mapping without ``init``;
+:func:`call_layer` inits and applies once (the CLI demo uses it).
+"""
+
+from backends.jax.layers import (
+    AdditiveAttention,
+    AddNorm,
+    DotProductAttention,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    NadarayaWatson,
+    PositionalEncoding,
+    PositionWiseFFN,
+    TransformerEncoderBlock,
+    call_layer,
+    get_weights,
+    init_from_weights,
+    init_weights,
+    set_weights,
+)
+from backends.jax.ops import OPS, JaxOps
+
+__all__ = [
+    "OPS",
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "JaxOps",
+    "LearnedPositionalEncoding",
+    "MultiHeadAttention",
+    "NadarayaWatson",
+    "PositionWiseFFN",
+    "PositionalEncoding",
+    "TransformerEncoderBlock",
+    "call_layer",
+    "get_weights",
+    "init_from_weights",
+    "init_weights",
+    "set_weights",
+]

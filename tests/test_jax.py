@@ -1,0 +1,491 @@
+"""Flax habits of the JAX backend: jit, grad, vmap, the 'dropout' rng, sow, functional weights.
+
+The cross-backend files (test_reference_matrix, test_errors, test_weights, ...) already run on
+this backend through tests/hooks/jax_hooks.py; these tests use the Flax API directly
+(``init``/``apply``, params pytrees) and cover what only JAX has.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import test_backends
+
+if "jax" not in test_backends():
+    pytest.skip("the jax backend is not tested in this env", allow_module_level=True)
+
+import flax
+import jax
+import jax.numpy as jnp
+
+import attention_core as ac
+import backends.jax as bj
+import backends.numpy as numpy_layers
+from tests import naive
+from tests.harness import TOLERANCE, max_diff
+from tests.reference.cases import MASK_KINDS
+from tests.reference.generate import load
+
+REPO = Path(__file__).resolve().parent.parent
+TOL = TOLERANCE["float32"]
+KEY = jax.random.PRNGKey(0)
+
+
+def draw(*shapes: tuple[int, ...], seed: int = 0) -> list[jax.Array]:
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+def diff(a: Any, b: Any) -> float:
+    """max |a - b| of two arrays of any framework."""
+    return max_diff(np.asarray(a), np.asarray(b))
+
+
+def tree_diff(a: Any, b: Any) -> float:
+    leaves = jax.tree_util.tree_leaves(jax.tree_util.tree_map(diff, a, b))
+    return float(max(leaves, default=0.0))
+
+
+@pytest.fixture(scope="module")
+def mha() -> tuple[bj.MultiHeadAttention, dict[str, Any], list[jax.Array]]:
+    """A built MHA with bias, its variables, and inputs ``q (2, 4, 6)``, ``kv (2, 5, 7)``."""
+    layer = bj.MultiHeadAttention(8, 2, dropout=0.5, bias=True)
+    q, kv = draw((2, 4, 6), (2, 5, 7))
+    return layer, jax.jit(layer.init)(KEY, q, kv, kv), [q, kv]
+
+
+@pytest.fixture(scope="module")
+def block() -> tuple[bj.TransformerEncoderBlock, dict[str, Any], jax.Array]:
+    layer = bj.TransformerEncoderBlock(8, 16, 2, dropout=0.3, bias=True)
+    (X,) = draw((2, 5, 8), seed=1)
+    return layer, jax.jit(layer.init)(KEY, X), X
+
+
+# -- the params pytree ------------------------------------------------------------------------
+
+
+def test_params_are_the_canonical_names_nested(mha: Any, block: Any) -> None:
+    variables = mha[1]
+    shapes = jax.tree_util.tree_map(jnp.shape, variables)
+    assert shapes == {"params": {
+        "W_q": {"kernel": (6, 8), "bias": (8,)}, "W_k": {"kernel": (7, 8), "bias": (8,)},
+        "W_v": {"kernel": (7, 8), "bias": (8,)}, "W_o": {"kernel": (8, 8), "bias": (8,)}}}
+    names = bj.get_weights(block[1])
+    assert names["attention.W_q.kernel"].shape == (8, 8)
+    assert names["ffn.dense1.kernel"].shape == (8, 16) and names["addnorm2.ln.gamma"].shape == (8,)
+    np.testing.assert_array_equal(names["ffn.dense2.bias"],
+                                  block[1]["params"]["ffn"]["dense2"]["bias"])
+
+
+def test_dataclass_fields_follow_the_design_order() -> None:
+    fields = [f for f in bj.MultiHeadAttention.__dataclass_fields__ if f not in ("parent", "name")]
+    assert fields[:4] == ["num_hiddens", "num_heads", "dropout", "bias"]
+    layer = bj.TransformerEncoderBlock(8, 16, 2, 0.1, True)
+    assert (layer.num_hiddens, layer.ffn_num_hiddens, layer.num_heads, layer.dropout, layer.bias) == (
+        8, 16, 2, 0.1, True)
+
+
+# -- jit, grad, vmap ----------------------------------------------------------------------------
+
+
+def test_jit_equals_eager_multi_head(mha: Any) -> None:
+    layer, variables, (q, kv) = mha
+    lens = jnp.array([[1, 2, 3, 5], [5, 4, 0, 2]])
+    mask = jnp.asarray(np.random.default_rng(3).random((4, 5)) < 0.7)
+
+    def run(variables: Any, q: jax.Array, kv: jax.Array, lens: jax.Array, mask: jax.Array) -> Any:
+        return layer.apply(variables, q, kv, kv, lens, mask=mask, causal=True, return_attention=True)
+
+    eager = run(variables, q, kv, lens, mask)
+    jitted = jax.jit(run)(variables, q, kv, lens, mask)
+    assert tree_diff(eager, jitted) <= 1e-6
+    assert np.all(np.asarray(eager[1])[1, :, 2] == 0.0)  # valid length 0: nothing visible
+
+
+def test_jit_equals_eager_encoder_block(block: Any) -> None:
+    layer, variables, X = block
+    lens = jnp.array([3, 5])
+    eager = layer.apply(variables, X, lens)
+    jitted = jax.jit(lambda v, x, n: layer.apply(v, x, n))(variables, X, lens)
+    assert diff(jitted, eager) <= 1e-6
+
+
+def loss(layer: Any, ct: jax.Array, **kwargs: Any) -> Any:
+    def f(params: Any, *inputs: jax.Array) -> jax.Array:
+        return jnp.sum(layer.apply({"params": params}, *inputs, **kwargs) * ct)
+    return f
+
+
+def test_grad_under_jit_equals_eager_grad(mha: Any) -> None:
+    layer, variables, (q, kv) = mha
+    (ct,) = draw((2, 4, 8), seed=5)
+    f = loss(layer, ct, valid_lens=jnp.array([2, 5]))
+    grad = jax.grad(f, argnums=(0, 1, 2))
+    assert tree_diff(grad(variables["params"], q, kv, kv),
+                     jax.jit(grad)(variables["params"], q, kv, kv)) <= 1e-6
+
+
+def central_difference(f: Any, x: np.ndarray, idx: tuple[int, ...], eps: float = 1e-6) -> float:
+    up, down = x.copy(), x.copy()
+    up[idx] += eps
+    down[idx] -= eps
+    return float(f(up) - f(down)) / (2 * eps)
+
+
+def test_encoder_block_jitted_grad_matches_finite_differences(block: Any) -> None:
+    layer, variables, X = block
+    w = {k: v.astype(np.float64) for k, v in bj.get_weights(variables).items()}
+    x, (ct,) = np.asarray(X, np.float64), draw((2, 5, 8), seed=6)
+    mask = np.tril(np.ones((5, 5), bool))
+    vis = naive.visible(2, 2, 5, 5, mask=mask)
+
+    def loss64(w: dict[str, np.ndarray], x: np.ndarray) -> float:
+        return float(np.sum(naive.encoder_block(x, w, 2, vis)[0] * np.asarray(ct, np.float64)))
+
+    grad = jax.jit(jax.grad(loss(layer, ct, mask=jnp.asarray(mask)), argnums=(0, 1)))
+    d_params, d_x = grad(variables["params"], X)
+    d_w = bj.get_weights(d_params)
+    for name, idx in [("attention.W_q.kernel", (1, 2)), ("attention.W_v.bias", (3,)),
+                      ("addnorm1.ln.gamma", (4,)), ("ffn.dense1.kernel", (5, 9))]:
+        fd = central_difference(lambda a, name=name: loss64({**w, name: a}, x), w[name], idx)
+        assert abs(float(d_w[name][idx]) - fd) <= 1e-4 * max(1.0, abs(fd)), name
+    fd = central_difference(lambda a: loss64(w, a), x, (1, 3, 6))
+    assert abs(float(d_x[1, 3, 6]) - fd) <= 1e-4 * max(1.0, abs(fd))
+
+
+def test_grad_matches_finite_differences_of_the_naive_float64_implementation() -> None:
+    rng = np.random.default_rng(7)
+    q, k, v, ct = (rng.standard_normal(s) for s in [(2, 3, 5), (2, 4, 6), (2, 4, 3), (2, 3, 4)])
+    w = {"W_q.kernel": rng.standard_normal((5, 4)), "W_k.kernel": rng.standard_normal((6, 4)),
+         "W_v.kernel": rng.standard_normal((3, 4)), "W_o.kernel": rng.standard_normal((4, 4))}
+    lens = np.array([2, 4])
+    vis = naive.visible(2, 2, 3, 4, lens)
+
+    def loss64(w: dict[str, np.ndarray], q: np.ndarray) -> float:
+        return float(np.sum(naive.multi_head(q, k, v, w, 2, vis)[0] * ct))
+
+    layer = bj.MultiHeadAttention(4, 2)
+    variables = bj.init_from_weights(layer, w)
+    f = loss(layer, jnp.asarray(ct, jnp.float32), valid_lens=jnp.asarray(lens))
+    as32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    d_params, d_q = jax.grad(f, argnums=(0, 1))(variables["params"], *as32)
+    for name, idx in [("W_q.kernel", (1, 2)), ("W_k.kernel", (4, 0)), ("W_v.kernel", (2, 3)),
+                      ("W_o.kernel", (3, 1))]:
+        fd = central_difference(lambda a, name=name: loss64({**w, name: a}, q), w[name], idx)
+        got = float(bj.get_weights(d_params)[name][idx])
+        assert abs(got - fd) <= 1e-4 * max(1.0, abs(fd)), name
+    fd = central_difference(lambda a: loss64(w, a), q, (1, 2, 3))
+    assert abs(float(d_q[1, 2, 3]) - fd) <= 1e-4 * max(1.0, abs(fd))
+
+
+def test_grad_through_fully_masked_rows_is_finite(mha: Any) -> None:
+    layer, variables, (q, kv) = mha
+    mask = jnp.ones((2, 4, 5), bool).at[0, 1].set(False)
+    f = loss(layer, jnp.ones((2, 4, 8)), mask=mask)
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(variables["params"], q, kv, kv)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
+    # query 1 of example 0 sees no key: its output is the W_o bias alone, whatever it asks
+    d_q = grads[1]
+    np.testing.assert_array_equal(np.asarray(d_q[0, 1]), 0.0)
+
+
+def test_vmap_over_an_extra_axis_equals_a_loop(mha: Any, block: Any) -> None:
+    layer, variables, (q, kv) = mha
+    qs = jnp.stack([q, q * 2.0, -q])
+    lens = jnp.array([3, 5])
+    mapped = jax.vmap(lambda x: layer.apply(variables, x, kv, kv, lens))(qs)
+    looped = jnp.stack([layer.apply(variables, x, kv, kv, lens) for x in qs])
+    assert diff(mapped, looped) <= 1e-6
+    blayer, bvars, X = block
+    Xs = jnp.stack([X, X + 1.0])
+    mapped = jax.jit(jax.vmap(lambda x: blayer.apply(bvars, x, lens)))(Xs)
+    looped = jnp.stack([blayer.apply(bvars, x, lens) for x in Xs])
+    assert diff(mapped, looped) <= 1e-5
+
+
+# -- dropout and the 'dropout' rng ------------------------------------------------------------
+
+
+def test_training_draws_dropout_from_the_dropout_rng(mha: Any) -> None:
+    layer, variables, (q, kv) = mha
+
+    @jax.jit
+    def train(key: jax.Array) -> Any:
+        return layer.apply(variables, q, kv, kv, rngs={"dropout": key}, training=True,
+                           return_attention=True)
+
+    plain, w_plain = layer.apply(variables, q, kv, kv, return_attention=True)
+    a, w_a = train(jax.random.PRNGKey(1))
+    a_again, _ = train(jax.random.PRNGKey(1))
+    b, _ = train(jax.random.PRNGKey(2))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(a_again))
+    assert diff(a, b) > 1e-3 and diff(a, plain) > 1e-3
+    assert diff(w_a, w_plain) <= 1e-6  # the weights are kept before dropout
+    evaluated = layer.apply(variables, q, kv, kv, rngs={"dropout": jax.random.PRNGKey(2)})
+    np.testing.assert_array_equal(np.asarray(evaluated), np.asarray(plain))  # rng unused
+    with pytest.raises(flax.errors.InvalidRngError, match="dropout"):
+        layer.apply(variables, q, kv, kv, training=True)
+
+
+def test_dropout_keeps_or_scales_each_weight() -> None:
+    """DotProductAttention's output with dropout is (w * keep / (1 - p)) @ V for a 0/1 keep."""
+    layer = bj.DotProductAttention(dropout=0.25)
+    q, k = draw((1, 3, 4), (1, 6, 4), seed=8)
+    v = jnp.eye(6)[None]  # the output rows are then the dropped weights themselves
+    out, w = jax.jit(lambda key: layer.apply({}, q, k, v, rngs={"dropout": key}, training=True,
+                                             return_attention=True))(jax.random.PRNGKey(3))
+    ratio = np.asarray(out, np.float64)[0] / np.asarray(w, np.float64)[0, 0]
+    dropped, kept = np.isclose(ratio, 0.0, atol=1e-6), np.isclose(ratio, 1 / 0.75, rtol=1e-5)
+    assert np.all(dropped | kept) and dropped.any() and kept.any()
+
+
+def test_encoder_block_dropout_follows_the_key(block: Any) -> None:
+    layer, variables, X = block
+    train = jax.jit(lambda key: layer.apply(variables, X, rngs={"dropout": key}, training=True))
+    a, b = train(jax.random.PRNGKey(4)), train(jax.random.PRNGKey(4))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert diff(a, train(jax.random.PRNGKey(5))) > 1e-3
+    assert diff(a, jax.jit(layer.apply)(variables, X)) > 1e-3
+
+
+def test_functional_dropout_needs_a_key() -> None:
+    q, k, v = draw((2, 3, 4), (2, 5, 4), (2, 5, 2))
+    with pytest.raises(ValueError, match=re.escape("dropout on JAX arrays needs a PRNG key")):
+        ac.dot_product_attention(q, k, v, dropout=0.5)
+
+    @jax.jit
+    def twice(key: jax.Array) -> tuple[Any, Any]:
+        ops = bj.JaxOps(rng=key)
+        first = ac.dot_product_attention(q, k, v, dropout=0.5, ops=ops)
+        return first, ac.dot_product_attention(q, k, v, dropout=0.5, ops=ops)  # the next draw
+
+    first, second = twice(jax.random.PRNGKey(0))
+    assert diff(first, second) > 1e-3
+    np.testing.assert_array_equal(np.asarray(twice(jax.random.PRNGKey(0))[0]), np.asarray(first))
+    assert diff(twice(jax.random.PRNGKey(1))[0], first) > 1e-3
+
+
+# -- sow and the seeds' usage -------------------------------------------------------------------
+
+
+def test_attention_weights_are_sown_into_intermediates(mha: Any, block: Any) -> None:
+    layer, variables, (q, kv) = mha
+    lens = jnp.array([3, 1])
+    (_, w), state = layer.apply(variables, q, kv, kv, lens, return_attention=True,
+                                  mutable=["intermediates"])
+    sown = state["intermediates"]["attention_weights"]
+    assert isinstance(sown, tuple) and len(sown) == 1
+    np.testing.assert_array_equal(np.asarray(sown[0]), np.asarray(w))
+    vis = naive.visible(2, 2, 4, 5, np.asarray(lens))
+    assert np.all(np.asarray(w)[~vis] == 0.0)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, atol=1e-6)
+    assert layer.apply(variables, q, kv, kv, lens).shape == (2, 4, 8)  # not mutable: not kept
+    blayer, bvars, X = block
+    _, bstate = blayer.apply(bvars, X, lens, mutable=["intermediates"])
+    assert bstate["intermediates"]["attention_weights"][0].shape == (2, 2, 5, 5)
+
+
+def test_seed_usage_multi_head_through_init_and_apply() -> None:
+    attention = bj.MultiHeadAttention(100, 5, 0.5)
+    X = jnp.ones((2, 4, 100))
+    valid_lens = jnp.array([3, 2])
+    variables = attention.init(KEY, X, X, X, valid_lens)
+    out, state = attention.apply(variables, X, X, X, valid_lens, training=False,
+                                 mutable=["intermediates"])
+    assert out.shape == (2, 4, 100)
+    w = np.asarray(state["intermediates"]["attention_weights"][0])
+    assert w.shape == (2, 5, 4, 4)
+    np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
+    np.testing.assert_array_equal(w[0, :, :, 3], 0.0)
+    np.testing.assert_allclose(w[1, :, :, :2], 1 / 2, atol=1e-6)
+    np.testing.assert_array_equal(w[1, :, :, 2:], 0.0)
+
+
+def test_seed_usage_positional_encoding() -> None:
+    encoding = bj.PositionalEncoding(32, 0)
+    P = np.asarray(encoding.P)  # a constant: no init needed
+    assert P.shape == (1, 1000, 32)
+    assert diff(P[0], naive.pe_table(1000, 32)) <= TOL
+    X = jnp.zeros((1, 60, 32))
+    variables = encoding.init(KEY, X)
+    assert jax.tree_util.tree_leaves(variables) == []  # no params
+    np.testing.assert_array_equal(np.asarray(encoding.apply(variables, X)), P[:, :60])
+    np.testing.assert_array_equal(np.asarray(jax.jit(encoding.apply)(variables, X)), P[:, :60])
+
+
+# -- the same weights in NumPy and Flax ---------------------------------------------------------
+
+
+MHA_CASES = [f"{kind}{suffix}" for kind in MASK_KINDS for suffix in ("", "_bias")]
+
+
+@pytest.fixture(scope="module")
+def mha_reference() -> dict[str, dict[str, np.ndarray]]:
+    return load("MultiHeadAttention")
+
+
+@pytest.mark.parametrize("case", MHA_CASES)
+def test_numpy_and_flax_multi_head_agree(mha_reference: Any, case: str) -> None:
+    ref = mha_reference[case]
+    weights = {k[7:]: v.astype(np.float32) for k, v in ref.items() if k.startswith("weight.")}
+    q, k, v = (ref[f"input.{n}"].astype(np.float32) for n in ("queries", "keys", "values"))
+    call = {k[5:]: v for k, v in ref.items() if k.startswith("call.")}
+    causal = bool(call.pop("causal", False))
+    config: dict[str, Any] = {"num_hiddens": 12, "num_heads": 3, "bias": case.endswith("_bias")}
+
+    numpy_layer = numpy_layers.MultiHeadAttention(**config, seed=0)
+    numpy_layer.set_weights(weights)
+    numpy_out = numpy_layer(q, k, v, causal=causal, **call)
+
+    flax_layer = bj.MultiHeadAttention(**config)
+    variables = bj.init_from_weights(flax_layer, weights)
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    kwargs: dict[str, Any] = {name: jnp.asarray(value) for name, value in call.items()}
+
+    def run(variables: Any, args: list[jax.Array], kwargs: dict[str, Any]) -> Any:
+        return flax_layer.apply(variables, *args, causal=causal, return_attention=True, **kwargs)
+
+    for out, attn in (run(variables, args, kwargs), jax.jit(run)(variables, args, kwargs)):
+        assert diff(out, numpy_out) <= TOL
+        assert diff(out, ref["output.out"]) <= TOL
+        assert diff(attn, ref["output.attention"]) <= TOL
+
+
+# -- functional weights -------------------------------------------------------------------------
+
+
+def test_set_weights_returns_a_new_tree_and_leaves_the_old_one(mha: Any) -> None:
+    layer, variables, (q, kv) = mha
+    before = bj.get_weights(variables)
+    fresh = {name: value + 1.0 for name, value in before.items()}
+    updated = bj.set_weights(variables, fresh)
+    for name, value in bj.get_weights(variables).items():
+        np.testing.assert_array_equal(value, before[name])
+    for name, value in bj.get_weights(updated).items():
+        np.testing.assert_array_equal(value, fresh[name])
+    bare = bj.set_weights(variables["params"], fresh)  # bare params in, bare params out
+    assert "params" not in bare
+    assert tree_diff(bare, updated["params"]) == 0.0
+    assert tree_diff(bj.init_from_weights(layer, fresh), updated) == 0.0
+    expected = ac.multi_head_attention(q, kv, kv, {k: jnp.asarray(v) for k, v in fresh.items()}, 2)
+    assert diff(layer.apply(updated, q, kv, kv), expected) <= 1e-6
+    got = bj.get_weights(updated)
+    got["W_q.kernel"][0, 0] = 123.0  # a copy: the params do not change
+    assert float(updated["params"]["W_q"]["kernel"][0, 0]) != 123.0
+
+
+@pytest.mark.parametrize("change", [
+    lambda w: {k: v for k, v in w.items() if k != "W_o.bias"},
+    lambda w: {**w, "extra": w["W_o.bias"]},
+    lambda w: {**w, "W_k.kernel": w["W_k.kernel"][:, :3]},
+    lambda w: {**w, "W_v.bias": w["W_v.bias"].astype(np.int32)},
+    lambda w: list(w.values()),
+], ids=["missing", "unexpected", "shape", "integer", "not_mapping"])
+def test_set_weights_errors_are_the_numpy_backends(mha: Any, change: Any) -> None:
+    layer, variables, (q, kv) = mha
+    weights = bj.get_weights(variables)
+    numpy_layer = numpy_layers.MultiHeadAttention(8, 2, bias=True, seed=0)
+    numpy_layer(*(np.asarray(x) for x in (q, kv, kv)))
+    with pytest.raises((TypeError, ValueError)) as numpy_error:
+        numpy_layer.set_weights(change(weights))
+    with pytest.raises(numpy_error.type, match="^" + re.escape(str(numpy_error.value)) + "$"):
+        bj.set_weights(variables, change(weights))
+    fresh = numpy_layers.MultiHeadAttention(8, 2, bias=True, seed=0)  # input sizes not known
+    with pytest.raises((TypeError, ValueError)) as fresh_error:
+        fresh.set_weights(change(weights))
+    with pytest.raises(fresh_error.type, match="^" + re.escape(str(fresh_error.value)) + "$"):
+        bj.init_from_weights(layer, change(weights))
+
+
+def test_weights_before_init() -> None:
+    layer = bj.MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "MultiHeadAttention: weights are created on the first call; call the layer or "
+            "set_weights first")):
+        bj.get_weights(None, layer=layer)
+    assert bj.get_weights({}, layer=bj.DotProductAttention()) == {}
+    with pytest.raises(ValueError, match=re.escape("W_q.kernel has unknown dimensions (?, 8)")):
+        bj.init_weights(layer)
+    variables = bj.init_weights(layer, seed=3, q_in=5, k_in=6, v_in=7)
+    numpy_layer = numpy_layers.MultiHeadAttention(8, 2, seed=3)
+    numpy_layer(*(np.zeros((1, 2, d), np.float32) for d in (5, 6, 7)))
+    for name, value in numpy_layer.get_weights().items():  # the same seed, the same weights
+        np.testing.assert_array_equal(bj.get_weights(variables)[name], value)
+
+
+def test_built_layer_refuses_other_widths_before_flax_does(mha: Any) -> None:
+    layer, variables, (_, kv) = mha
+    wide = jnp.zeros((2, 4, 9))
+    message = "queries last dimension (9) must be 6, the size this layer was built for"
+    # str(error) is exactly the message; JAX and Flax add a note on traceback filtering
+    with pytest.raises(ValueError, match="^" + re.escape(message)) as error:
+        layer.apply(variables, wide, kv, kv)
+    assert str(error.value) == message
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        jax.jit(lambda x: layer.apply(variables, x, kv, kv))(wide)
+
+
+def test_shape_checks_run_under_jit_value_checks_are_skipped(mha: Any) -> None:
+    layer, variables, (q, kv) = mha
+    run = jax.jit(lambda lens: layer.apply(variables, q, kv, kv, lens))
+    assert run(jnp.array([9, 9])).shape == (2, 4, 8)  # a value: not known while tracing
+    with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
+        layer.apply(variables, q, kv, kv, jnp.array([9, 9]))  # eager: checked
+    with pytest.raises(ValueError, match=re.escape("valid_lens must have shape (B,) or (B, Q)")):
+        run(jnp.array([1, 2, 3]))
+    seen = []
+
+    def spy(x: jax.Array) -> jax.Array:
+        seen.append(bj.OPS.concrete(x))
+        return x
+
+    jax.jit(spy)(jnp.ones(2))
+    assert seen == [None]
+    np.testing.assert_array_equal(bj.OPS.concrete(jnp.arange(3)), [0, 1, 2])
+
+
+def test_bfloat16_fully_masked_row_is_zero_under_jit() -> None:
+    layer = bj.MultiHeadAttention(8, 2, param_dtype=jnp.bfloat16)
+    q, kv = (x.astype(jnp.bfloat16) for x in draw((2, 3, 8), (2, 4, 8)))
+    lens = jnp.array([0, 4])
+    variables = jax.jit(layer.init)(KEY, q, kv, kv, lens)
+    out, w = jax.jit(lambda v: layer.apply(v, q, kv, kv, lens, return_attention=True))(variables)
+    assert out.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+    assert bool(jnp.isfinite(out).all())
+    np.testing.assert_array_equal(np.asarray(w[0], np.float32), 0.0)
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_importing_and_using_the_backend_leaves_x64_alone() -> None:
+    """In a fresh process: x64 stays off through import and use, and stays on once the user
+    turns it on, when float64 layers then match the NumPy core in float64."""
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np; seen = [jax.config.jax_enable_x64]\n"
+        "import backends.jax as bj, attention_core as ac\n"
+        "x = np.random.default_rng(0).standard_normal((2, 3, 4))\n"
+        "w = {n: np.random.default_rng(i).standard_normal((4, 4))\n"
+        "     for i, n in enumerate(['W_q.kernel', 'W_k.kernel', 'W_v.kernel', 'W_o.kernel'])}\n"
+        "def use(dtype):\n"
+        "    layer = bj.MultiHeadAttention(4, 2, param_dtype=dtype); X = jnp.asarray(x, dtype)\n"
+        "    bj.call_layer(layer, X, X, X); ac.dot_product_attention(X, X, X)\n"
+        "    out = layer.apply(bj.init_from_weights(layer, w), X, X, X, jnp.array([2, 3]))\n"
+        "    seen.append(jax.config.jax_enable_x64); return out\n"
+        "use(jnp.float32); jax.config.update('jax_enable_x64', True); out = use(jnp.float64)\n"
+        "diff = np.abs(np.asarray(out) - ac.multi_head_attention(x, x, x, w, 2, [2, 3])).max()\n"
+        "print(*seen, out.dtype, diff < 1e-12)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True", "float64", "True"]
