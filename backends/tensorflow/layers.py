@@ -36,7 +36,7 @@ from backends.tensorflow.ops import TensorFlowOps
 _serializable = keras.saving.register_keras_serializable(package="attention_core")
 
 
-class Layer(keras.layers.Layer):  # type: ignore[misc]
+class Layer(keras.layers.Layer):
     """Base of the Keras layers: canonical weights, dropout, and no change on a failed call.
 
     Args:

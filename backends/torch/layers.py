@@ -296,12 +296,12 @@ class DotProductAttention(Layer):
         ops = _ops(queries)
         checks.check_rank(ops, "queries", queries, (3,), "(B, Q, D)")
         need = return_attention or self.keep_attention_weights
-        result = attention.dot_product_attention(
+        result: Any = attention.dot_product_attention(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             dropout=self._rate(), return_weights=need, ops=ops,
         )
         out, self.attention_weights = result if need else (result, None)
-        return (out, self.attention_weights) if return_attention else out
+        return result if return_attention else out
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}"
@@ -430,12 +430,12 @@ class MultiHeadAttention(Layer):
         fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
         rate = self._rate()
         need = return_attention or self.keep_attention_weights
-        result = self._run(fresh, lambda: multihead.multi_head_attention(
+        result: Any = self._run(fresh, lambda: multihead.multi_head_attention(
             queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
             causal=causal, dropout=rate, return_weights=need, ops=ops,
         ))
         out, self.attention_weights = result if need else (result, None)
-        return (out, self.attention_weights) if return_attention else out
+        return result if return_attention else out
 
     def extra_repr(self) -> str:
         return (f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
@@ -659,7 +659,7 @@ class TransformerEncoderBlock(Layer):
         checks.check_last_dim(ops, "X", X, self.num_hiddens)
         self._check_dtype("X", X)
         need = self.keep_attention_weights
-        result = transformer.transformer_encoder_block(
+        result: Any = transformer.transformer_encoder_block(
             X, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
             return_weights=need, ops=ops,
         )
