@@ -72,3 +72,14 @@ def test_every_layer_has_reference_cases() -> None:
     from attention_core import LAYER_NAMES
 
     assert {c.layer for c in CASES} == set(LAYER_NAMES)
+
+
+@pytest.mark.parametrize("case", matrix_params())
+def test_same_weights_same_numbers_as_numpy(backend: str, case: Case) -> None:
+    """The same canonical weights in this backend's layer and the NumPy layer (both float32,
+    in this process) give outputs within 1e-5 of each other."""
+    got, _ = run_case(Harness(backend), case, "float32")
+    ours, _ = run_case(Harness("numpy"), case, "float32")
+    for key in got:
+        diff = max_diff(got[key], ours[key])
+        assert diff <= TOLERANCE["float32"], f"{key}: max |diff| from numpy {diff:.3g}"
