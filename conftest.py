@@ -1,8 +1,11 @@
-"""Test configuration: the ``backend`` fixture of DESIGN section 6.
+"""Test configuration: the ``backend`` fixture of DESIGN section 6, and the matrix report.
 
 ``ATTENTION_CORE_TEST_BACKENDS`` (a comma list) names the backends to test; unset, every
 installed backend is tested. A named backend that cannot be loaded fails its tests, it is
 never skipped.
+
+The plugin ``tests/report.py`` writes what the matrix measured to
+``$ATTENTION_CORE_REPORT_DIR/<backend>.json`` (default ``reports/``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import os
 import pytest
 
 from attention_core import registry
+
+pytest_plugins = ["tests.report"]
 
 
 def test_backends() -> list[str]:

@@ -1,16 +1,21 @@
-"""Command line: ``python -m attention_core {demo,info}``.
+"""Command line: ``python -m attention_core {demo,info,matrix}``.
 
 ``demo`` runs the source chapter's example (batch 2, 4 queries, 100 hiddens, 5 heads,
-``valid_lens`` [3, 2]) on a backend and prints what it computed; ``info`` lists the backends.
+``valid_lens`` [3, 2]) on a backend and prints what it computed; ``info`` lists the backends;
+``matrix`` turns the test matrix's measurements (JSON files written by the test suite, one per
+backend) into a Markdown table and writes it into README.md between its markers.
 Errors are printed as one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +79,177 @@ def demo(name: str | None = None) -> str:
     ])
 
 
+# -- matrix: the test matrix's measurements as a Markdown table ------------------------------
+
+#: The markers in README.md between which ``matrix`` writes its table.
+MATRIX_START, MATRIX_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+_DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
+_LAYER_ORDER = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention", "PositionalEncoding",
+                "LearnedPositionalEncoding", "PositionWiseFFN", "AddNorm", "TransformerEncoderBlock",
+                "NadarayaWatson")
+
+
+def load_reports(directory: str | Path) -> list[dict[str, Any]]:
+    """Reads the ``<backend>.json`` files the test suite wrote, in the registry's backend order."""
+    folder = Path(directory)
+    reports = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        document = json.loads(path.read_text())
+        if isinstance(document, dict) and document.get("schema") == 1 and "cells" in document:
+            reports.append(document)
+    if not reports:
+        raise ValueError(f"no test matrix reports (<backend>.json) in {folder}: run tox, or "
+                         "pytest with ATTENTION_CORE_REPORT_DIR set")
+    order = {name: i for i, name in enumerate(registry.BACKENDS)}
+    return sorted(reports, key=lambda r: (order.get(r["backend"], len(order)), r["backend"]))
+
+
+_NONE = "n/a"
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return _NONE
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def _largest(cells: list[dict[str, Any]], field: str) -> float | None:
+    values = [c[field] for c in cells if c.get(field) is not None]
+    return max(values) if values else None
+
+
+def _entry(cells: list[dict[str, Any]], autodiff: bool) -> str:
+    """``forward / gradient`` of a group of cells.
+
+    ``(x †)`` is the largest unbounded gradient; ✗ marks a group with a failing cell.
+    """
+    if not cells:
+        return _NONE
+    text = _fmt(_largest(cells, "forward"))
+    if autodiff:
+        bounded, unbounded = _largest(cells, "gradient"), _largest(cells, "gradient_unbounded")
+        text += " /" + ("" if bounded is None and unbounded is not None else f" {_fmt(bounded)}")
+        if unbounded is not None:
+            text += f" ({_fmt(unbounded)} †)"
+    return text if all(c["passed"] for c in cells) else f"**✗ {text}**"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(*columns: str) -> list[str]:
+    return [_row(list(columns)), _row(["---"] * len(columns))]
+
+
+def _run_row(report: dict[str, Any]) -> str:
+    """One backend's test run: when, which versions, which machine, how many cells passed."""
+    machine = report.get("machine", {})
+    versions = ", ".join([f"Python {report.get('python', '?')}"] +
+                         [f"{k} {v}" for k, v in report.get("versions", {}).items()])
+    cells = report["cells"]
+    run = f"{sum(c['passed'] for c in cells)} / {len(cells)}"
+    if len(cells) != report.get("cells_in_matrix", len(cells)):
+        run += f" (a partial run: the matrix has {report['cells_in_matrix']})"
+    finished = str(report.get("finished", "?"))[:16].replace("T", " ")
+    where = (f"{machine.get('system', '?')} {machine.get('machine', '')}, "
+             f"{machine.get('cpu', '?')}, {machine.get('cpus', '?')} CPUs")
+    env = f" (tox env `{report['tox_env']}`)" if report.get("tox_env") else ""
+    return _row([f"`{report['backend']}`{env}", finished, versions, where, run])
+
+
+def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = None) -> str:
+    """The Markdown section: where the numbers come from, then the tables.
+
+    Args:
+        reports: The documents of :func:`load_reports`.
+        now: The generation time (default: now, UTC).
+
+    Returns:
+        Markdown, without the README markers.
+    """
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    names = [r["backend"] for r in reports]
+    autodiff = {r["backend"]: any(c["gradient"] is not None for c in r["cells"]) for r in reports}
+    by_backend = {r["backend"]: r["cells"] for r in reports}
+
+    def entries(mode: str | None = None, **where: Any) -> list[str]:
+        """One entry per backend for the cells matching ``where`` (and eager or compiled)."""
+        out = []
+        for b in names:
+            cells = [c for c in by_backend[b] if all(c[k] == v for k, v in where.items())
+                     and (mode is None or (c["mode"] == "eager") == (mode == "eager"))]
+            out.append(_entry(cells, autodiff[b]))
+        return out
+
+    seen = {c["layer"] for b in names for c in by_backend[b]}
+    layers = [x for x in _LAYER_ORDER if x in seen] + sorted(seen - set(_LAYER_ORDER))
+    seen = {c["dtype"] for b in names for c in by_backend[b]}
+    dtypes = [d for d in _DTYPE_ORDER if d in seen] + sorted(seen - set(_DTYPE_ORDER))
+    tolerance = reports[0].get("tolerance", {})
+    bounds = ", ".join(f"{d} {tolerance[d]:.3g}" for d in dtypes if d in tolerance)
+    compiled = "; ".join(f"`{r['backend']}` {name}" for r in reports
+                         for m, name in r.get("modes", {}).items() if m != "eager")
+    lines = [
+        f"Generated {now:%Y-%m-%d %H:%M} UTC by `python -m attention_core matrix` (the last "
+        "env of `tox`) from what the test runs below measured; never typed by hand.",
+        "",
+        *_header("backend", "test run finished (UTC)", "versions", "machine", "cells passed"),
+        *(_run_row(r) for r in reports),
+        "",
+        "Each entry is the largest max |diff| from the float64 reference files, as **outputs "
+        "and attention weights / gradients** (by every input and weight; no gradients on "
+        f"NumPy). Bounds: {bounds}; for gradients, times the gradient's largest entry when "
+        "that is above 1. **✗** marks a group with a cell over its bound. (x †): the "
+        "float16/bfloat16 gradients of the encoder block, which must be finite but are not "
+        "bounded: a ReLU follows rounded stages and flips (see `tests/harness.py`). "
+        "`numpy` float64 is the reference itself, which `tests/naive.py` checks. "
+        f"Compiled modes: {compiled or 'none'}.",
+        "",
+        "**float32, every mode**, by layer:",
+        "",
+        *_header("layer", *(f"`{b}`" for b in names)),
+        *(_row([layer, *entries(layer=layer, dtype="float32")]) for layer in layers),
+        "",
+        "**By dtype and mode**, every layer:",
+        "",
+        *_header("dtype", "mode", *(f"`{b}`" for b in names)),
+    ]
+    groups = [(dtype, mode) for dtype in dtypes for mode in ("eager", "compiled")]
+    for dtype, mode in groups:
+        row = entries(mode, dtype=dtype)
+        if any(e != _NONE for e in row):
+            lines.append(_row([dtype, mode, *row]))
+    lines += ["", "<details><summary>Every layer, dtype and mode</summary>", "",
+              *_header("layer", "dtype", "mode", *(f"`{b}`" for b in names))]
+    for layer in layers:
+        for dtype, mode in groups:
+            row = entries(mode, dtype=dtype, layer=layer)
+            if any(e != _NONE for e in row):
+                lines.append(_row([layer, dtype, mode, *row]))
+    lines += ["", "</details>"]
+    return "\n".join(lines)
+
+
+def write_between_markers(path: str | Path, body: str) -> None:
+    """Replaces what lies between :data:`MATRIX_START` and :data:`MATRIX_END` in a file."""
+    file = Path(path)
+    text = file.read_text()
+    start, end = text.find(MATRIX_START), text.find(MATRIX_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{file} has no {MATRIX_START} ... {MATRIX_END} markers to write between")
+    head = text[: start + len(MATRIX_START)]
+    file.write_text(f"{head}\n{body}\n{text[end:]}")
+
+
+def matrix(directory: str | Path, readme: str | Path | None) -> str:
+    """Builds the table from a directory of reports; writes it into ``readme`` unless None."""
+    body = matrix_table(load_reports(directory))
+    if readme is not None:
+        write_between_markers(readme, body)
+    return body
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m attention_core", description=__doc__.split("\n")[0])
@@ -81,10 +257,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="run the chapter's example on a backend")
     p_demo.add_argument("--backend", help=f"backend name (default: ${registry.ENV_VAR}, else numpy)")
     sub.add_parser("info", help="list backends, versions and the active one")
+    p_matrix = sub.add_parser("matrix", help="the test matrix's measurements as a Markdown table, "
+                                             "written into README.md")
+    p_matrix.add_argument("directory", nargs="?", default="reports",
+                          help="where the test runs wrote <backend>.json (default: reports)")
+    p_matrix.add_argument("--readme", default="README.md",
+                          help=f"file to write the table into, between {MATRIX_START} and "
+                               f"{MATRIX_END} (default: README.md)")
+    p_matrix.add_argument("--stdout", action="store_true", help="print the table, write no file")
     args = parser.parse_args(argv)
     try:
-        print(demo(args.backend) if args.command == "demo" else info())
-    except (ValueError, TypeError, ImportError) as err:
+        if args.command == "demo":
+            print(demo(args.backend))
+        elif args.command == "matrix":
+            body = matrix(args.directory, None if args.stdout else args.readme)
+            print(body if args.stdout else f"wrote the test matrix table into {args.readme}")
+        else:
+            print(info())
+    except (ValueError, TypeError, ImportError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

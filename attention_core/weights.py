@@ -303,20 +303,108 @@ def _decode(code: str, raw: memoryview, shape: tuple[int, ...]) -> np.ndarray:
         return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def save_weights(path: str | os.PathLike[str], layer: HasWeights | Mapping[str, Any]) -> None:
-    """Saves a layer's canonical weights (or a canonical mapping) to a safetensors file."""
-    weights = layer if isinstance(layer, Mapping) else layer.get_weights()
-    write_safetensors(path, {k: np.asarray(v) for k, v in weights.items()})
+def flatten_tree(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> canonical names: ``{"W_q": {"kernel": a}}`` -> ``{"W_q.kernel": a}``.
+
+    Flat entries pass through unchanged, so a flat canonical mapping is its own result.
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise TypeError(f"weight names must be str, got {type(key).__name__} {key!r}")
+        if isinstance(value, Mapping):
+            out.update(flatten_tree(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
-def load_weights(path: str | os.PathLike[str], layer: HasWeights | None = None) -> dict[str, np.ndarray]:
-    """Reads canonical weights from a safetensors file and, if given a layer, sets them.
+#: Collections of a Flax variables dict that hold no weights and are left out of a file.
+NON_WEIGHT_COLLECTIONS = ("intermediates",)
 
-    The layer checks every name and shape before changing anything.
+
+def canonical_weights(
+    source: HasWeights | Mapping[str, Any], where: str = "save_weights"
+) -> dict[str, np.ndarray]:
+    """The flat canonical mapping of a layer, a canonical mapping or a Flax variables pytree.
+
+    Args:
+        source: A layer with ``get_weights()`` (numpy, torch, Keras, Gluon); a flat mapping of
+            canonical names; or nested mappings whose paths joined with dots are the canonical
+            names: Flax params (``{"W_q": {"kernel": ...}}``) or variables
+            (``{"params": {...}}``, other collections than ``'intermediates'`` refused).
+        where: The caller's name, for the messages.
 
     Returns:
-        The mapping read from the file.
+        Canonical name -> NumPy array (via ``numpy.asarray``; no framework is imported).
+
+    Raises:
+        TypeError: ``source`` is neither, or a leaf is not an array.
+        ValueError: Flax variables hold collections other than params.
     """
+    if isinstance(source, Mapping):
+        tree: Mapping[str, Any] = source
+        if isinstance(source.get("params"), Mapping):  # Flax variables; no canonical name is "params"
+            others = sorted(k for k, v in source.items()
+                            if k != "params" and k not in NON_WEIGHT_COLLECTIONS and v)
+            if others:
+                raise ValueError(
+                    f"{where}: the Flax variables hold collections {others} besides 'params'; "
+                    "the canonical layout has weights (params) only"
+                )
+            tree = source["params"]
+        flat = flatten_tree(tree)
+    elif callable(getattr(source, "get_weights", None)):
+        flat = dict(source.get_weights())
+    else:
+        raise TypeError(
+            f"{where}: expected a layer with get_weights() or a mapping of canonical name -> "
+            f"array (for Flax, the variables or params pytree), got {type(source).__name__}"
+        )
+    out = {}
+    for name, value in flat.items():
+        if value is None or isinstance(value, (str, bytes)):
+            raise TypeError(f"{where}: {name} must be an array, got {type(value).__name__}")
+        out[name] = np.asarray(value)
+    return out
+
+
+def save_weights(
+    path: str | os.PathLike[str], layer: HasWeights | Mapping[str, Any]
+) -> None:
+    """Saves canonical weights to one safetensors file, whatever the framework.
+
+    Args:
+        path: The file to write.
+        layer: A layer with ``get_weights()`` (numpy, torch, Keras, Gluon), a canonical mapping,
+            or, for Flax, what ``init`` returns (``{"params": ...}``) or the params tree:
+            its paths joined with dots are the canonical names.
+    """
+    write_safetensors(path, canonical_weights(layer, "save_weights"))
+
+
+def load_weights(
+    path: str | os.PathLike[str], layer: HasWeights | None = None
+) -> dict[str, np.ndarray]:
+    """Reads canonical weights from a safetensors file and, if given a layer, sets them.
+
+    The layer checks every name and shape before changing anything. Flax modules hold no
+    weights: call ``load_weights(path)`` and pass the mapping to
+    ``backends.jax.init_from_weights(module, mapping)`` or
+    ``backends.jax.set_weights(variables, mapping)``.
+
+    Returns:
+        The flat mapping read from the file (canonical name -> NumPy array).
+
+    Raises:
+        TypeError: ``layer`` has no ``set_weights`` (e.g. a Flax module).
+    """
+    if layer is not None and not callable(getattr(layer, "set_weights", None)):
+        raise TypeError(
+            f"load_weights: {type(layer).__name__} has no set_weights(); for a Flax module, "
+            "use backends.jax.init_from_weights(module, load_weights(path)) or "
+            "backends.jax.set_weights(variables, load_weights(path))"
+        )
     weights = read_safetensors(path)
     if layer is not None:
         layer.set_weights(weights)

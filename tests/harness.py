@@ -9,7 +9,14 @@ Tolerances per dtype live here and nowhere else. Backend-specific test glue live
   (default: ``layer.attention_weights``);
 * ``gradients(layer, inputs, kwargs, cotangent) -> dict``: gradients of
   ``sum(output * cotangent)`` with respect to each input (``"input.<i>"``, by position) and
-  each weight (``"weight.<canonical name>"``), as NumPy arrays.
+  each weight (``"weight.<canonical name>"``), as NumPy arrays;
+* ``forward_and_gradients(layer, forward, inputs, cotangent) -> (result, gradients)``: runs
+  ``forward(layer, *inputs)`` (a dict of arrays with an ``"out"`` entry) and differentiates
+  ``sum(result["out"] * cotangent)`` as ``gradients`` does, returning the backend's arrays so
+  that it also runs inside a compiled mode (every backend of :data:`AUTODIFF` must have it);
+* ``MODES``: mode name -> ``mode(layer, fn, arrays)``, which returns ``fn(layer, *arrays)``
+  run in that mode (``torch.compile``, ``tf.function(jit_compile=True)``, ``jax.jit``,
+  ``hybridize()``); the names are those of :data:`MODES` below.
 """
 
 from __future__ import annotations
@@ -22,17 +29,79 @@ import numpy as np
 
 from attention_core import registry
 
-#: Largest allowed max |difference| from the float64 reference, per compute dtype.
-TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
+#: Spacing of the floating-point numbers just above 1.0 (2**-mantissa bits), per dtype.
+EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
-#: Compute dtypes each backend is tested in against the reference files.
+#: Largest allowed max |difference| from the float64 reference, per compute dtype: for outputs
+#: and attention weights as it is; for gradients, times max(1, max |reference gradient|) of the
+#: array (gradients reach about 13 here, and their rounding error grows with their size).
+#:
+#: float64 (1e-10) and float32 (1e-5, about 84 eps) are the design's. float16 and bfloat16 get
+#: 16 eps (0.0156 and 0.125): inputs and weights are rounded to the dtype once (eps/2
+#: relative), outputs reach about 4 in size (LayerNorm; one rounding there costs 2 eps), and
+#: about five rounded stages lie between an input and an output (projections, scores,
+#: softmax, pooling, output projection or normalisation). The measured worst cases on NumPy,
+#: torch, Keras and Flax are 5.4 eps for outputs and 4.3 eps for gradients (relative): 16 eps
+#: leaves a margin of about three. (A masking mistake moves outputs by far more, and float32
+#: bounds the same code at 1e-5.)
+TOLERANCE = {
+    "float64": 1e-10,
+    "float32": 1e-5,
+    "float16": 16 * EPS["float16"],
+    "bfloat16": 16 * EPS["bfloat16"],
+}
+
+#: Layers whose gradients in float16 and bfloat16 are measured and must be finite, but are not
+#: bounded by :data:`TOLERANCE`: a ReLU (the encoder block's FFN) follows rounded stages, and
+#: its pre-activations come within 1e-3 of zero in the reference cases, closer than the
+#: forward error of those dtypes (~0.005 in float16, ~0.04 in bfloat16). A ReLU that flips
+#: changes the gradients by a whole term, however right the arithmetic is (measured: up to 1.2
+#: in float16, 660 eps relative, and up to 2 in bfloat16). Their outputs are bounded, and so
+#: are their float32 and float64 gradients.
+LOW_PRECISION_UNBOUNDED_GRADIENTS = ("TransformerEncoderBlock",)
+
+
+def tolerance(quantity: str, dtype: str, reference: np.ndarray) -> float:
+    """The bound on max |diff| of one compared quantity (``grad.*`` are gradients)."""
+    if quantity.startswith("grad."):
+        scale = float(np.max(np.abs(reference), initial=0.0))
+        return TOLERANCE[dtype] * max(1.0, scale)
+    return TOLERANCE[dtype]
+
+
+#: Compute dtypes each backend is tested in against the reference files: float32 on all,
+#: float64 where the framework computes in it (JAX only with ``jax_enable_x64``, a global switch
+#: the library leaves alone, so not here), float16 and bfloat16 where the layers take them
+#: (NumPy has no bfloat16; MXNet's CPU matrix product has neither).
 DTYPES = {
-    "numpy": ("float32", "float64"),
-    "torch": ("float32", "float64"),
-    "tensorflow": ("float32", "float64"),
-    "jax": ("float32",),
+    "numpy": ("float32", "float64", "float16"),
+    "torch": ("float32", "float64", "float16", "bfloat16"),
+    "tensorflow": ("float32", "float64", "float16", "bfloat16"),
+    "jax": ("float32", "float16", "bfloat16"),
     "mxnet": ("float32", "float64"),
 }
+
+#: Ways each backend runs a layer (``MODES`` of its hooks): ``eager`` everywhere, then the
+#: framework's compiled form.
+MODES = {
+    "numpy": ("eager",),
+    "torch": ("eager", "compile"),
+    "tensorflow": ("eager", "xla"),
+    "jax": ("eager", "jit"),
+    "mxnet": ("eager", "hybridize"),
+}
+
+#: What each mode name stands for, for reports.
+MODE_NAMES = {
+    "eager": "eager",
+    "compile": "torch.compile(fullgraph=True)",
+    "xla": "tf.function(jit_compile=True)",
+    "jit": "jax.jit",
+    "hybridize": "hybridize()",
+}
+
+#: Backends with automatic differentiation: their gradients are compared with the file too.
+AUTODIFF = ("torch", "tensorflow", "jax", "mxnet")
 
 
 class Harness:
@@ -50,9 +119,12 @@ class Harness:
         self._call = getattr(self.hooks, "call", default)
 
     def array(self, x: Any, dtype: str | None = None) -> Any:
-        """A backend array from NumPy data; floating data is cast to ``dtype`` if given."""
+        """A backend array from NumPy data; floating data is cast to ``dtype`` if given
+        (bfloat16, which NumPy lacks, by way of float32)."""
         x = np.asarray(x)
         if dtype is not None and x.dtype.kind == "f":
+            if dtype == "bfloat16":
+                return self.ops.astype(self.ops.from_numpy(x.astype(np.float32)), dtype)
             x = x.astype(dtype)
         return self.ops.from_numpy(x)
 
@@ -67,6 +139,24 @@ class Harness:
 
     def call(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         return self._call(layer, *args, **kwargs)
+
+    def run(self, mode: str, layer: Any, fn: Callable[..., Any], arrays: list[Any]) -> Any:
+        """``fn(layer, *arrays)`` run in one of the backend's :data:`MODES`."""
+        modes = getattr(self.hooks, "MODES", None)
+        if not modes or mode not in modes:
+            raise AssertionError(f"tests/hooks/{self.name}_hooks.py has no mode {mode!r} in MODES")
+        return modes[mode](layer, fn, arrays)
+
+    def forward_and_gradients(
+        self, layer: Any, forward: Callable[..., dict[str, Any]], inputs: list[Any],
+        cotangent: np.ndarray,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """See the module docstring; fails for an autodiff backend without the hook."""
+        hook = getattr(self.hooks, "forward_and_gradients", None)
+        if hook is None:
+            raise AssertionError(f"backend {self.name!r} has autodiff but tests/hooks/"
+                                 f"{self.name}_hooks.py has no forward_and_gradients")
+        return hook(layer, forward, inputs, cotangent)
 
     def attention_weights(self, layer: Any) -> Any:
         """The attention weights the layer's last call kept."""

@@ -1,4 +1,9 @@
-"""Every layer x every mask kind on every backend, against the float64 reference files."""
+"""The cross-backend matrix: every cell of tests/matrix.py against the float64 reference files.
+
+One test per cell (backend x mode x dtype x case). Each compares the output, the returned and
+the kept attention weights and, on a backend with autodiff, the gradients by every input and
+weight, and records its measurements for the report (tests/report.py) before asserting.
+"""
 
 from __future__ import annotations
 
@@ -7,65 +12,62 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.harness import DTYPES, TOLERANCE, Harness, max_diff
-from tests.reference.cases import CASES, Case
-from tests.reference.generate import load
-
-_FILES: dict[str, Any] = {}
-
-
-def reference(case: Case) -> dict[str, np.ndarray]:
-    if case.layer not in _FILES:
-        _FILES[case.layer] = load(case.layer)
-    return _FILES[case.layer][case.name]
-
-
-def run_case(h: Harness, case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Builds the layer, sets the reference weights, calls it; returns (got, expected)."""
-    ref = reference(case)
-    layer = h.make(case.layer, case.config, dtype)
-    weights = {k[len("weight."):]: v.astype(dtype) for k, v in ref.items() if k.startswith("weight.")}
-    if weights:
-        layer.set_weights(weights)
-    inputs = [h.array(ref[f"input.{name}"], dtype) for name in case.inputs]
-    extra = {k[len("call."):]: v for k, v in ref.items() if k.startswith("call.")}
-    kwargs: dict[str, Any] = {k: (bool(v) if k == "causal" else h.array(v)) for k, v in extra.items()}
-    got: dict[str, np.ndarray] = {}
-    if case.layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):
-        out, attn = h.call(layer, *inputs, return_attention=True, **kwargs)
-        got["attention"] = h.numpy(attn)
-        got["attention_attr"] = h.numpy(h.attention_weights(layer))
-    else:
-        out = h.call(layer, *inputs, **kwargs)
-        if "output.attention" in ref:
-            got["attention_attr"] = h.numpy(h.attention_weights(layer))
-    got["out"] = h.numpy(out)
-    if "output.P" in ref:
-        got["P"] = h.numpy(layer.P)[:, : ref["output.P"].shape[1]]
-    expected = {"out": ref["output.out"]}
-    if "output.attention" in ref:
-        expected["attention_attr"] = ref["output.attention"]
-        if "attention" in got:
-            expected["attention"] = ref["output.attention"]
-    if "output.P" in ref:
-        expected["P"] = ref["output.P"]
-    return got, expected
+from attention_core import registry
+from conftest import test_backends
+from tests import report
+from tests.harness import (
+    DTYPES,
+    LOW_PRECISION_UNBOUNDED_GRADIENTS,
+    MODES,
+    TOLERANCE,
+    Harness,
+    max_diff,
+    tolerance,
+)
+from tests.matrix import COMPILED_CASES, Cell, cells, differences, measure
+from tests.reference.cases import CASES, MASK_KINDS, Case
 
 
 def matrix_params() -> list[Any]:
-    return [pytest.param(c, id=f"{c.layer}-{c.name}") for c in CASES]
+    params = []
+    for name in test_backends():
+        if name not in DTYPES:  # an unknown backend name: one cell that fails
+            params.append(pytest.param(Cell(name, CASES[0], "float32", "eager"), id=name))
+            continue
+        params += [pytest.param(cell, id=cell.id) for cell in cells(name)]
+    return params
 
 
-@pytest.mark.parametrize("case", matrix_params())
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_layer_matches_reference(backend: str, case: Case, dtype: str) -> None:
-    if dtype not in DTYPES[backend]:
-        pytest.skip(f"{backend} is tested in {DTYPES[backend]}")
-    got, expected = run_case(Harness(backend), case, dtype)
-    assert set(got) == set(expected)
-    for key in expected:
-        diff = max_diff(got[key], expected[key])
-        assert diff <= TOLERANCE[dtype], f"{key}: max |diff| {diff:.3g} > {TOLERANCE[dtype]}"
+_HARNESSES: dict[str, Harness] = {}
+
+
+def harness(name: str) -> Harness:
+    if name not in _HARNESSES:
+        try:
+            registry.load(name)
+        except (ImportError, ValueError) as err:
+            pytest.fail(f"backend {name!r} was asked for in ATTENTION_CORE_TEST_BACKENDS: {err}")
+        _HARNESSES[name] = Harness(name)
+    return _HARNESSES[name]
+
+
+@pytest.mark.parametrize("cell", matrix_params())
+def test_cell_matches_reference(cell: Cell) -> None:
+    h = harness(cell.backend)
+    got, expected = measure(h, cell.case, cell.dtype, cell.mode)
+    diffs = differences(got, expected)
+    bounds = {q: tolerance(q, cell.dtype, expected[q]) for q in diffs}
+    unbounded = set()
+    if cell.dtype in ("float16", "bfloat16") and cell.case.layer in LOW_PRECISION_UNBOUNDED_GRADIENTS:
+        unbounded = {q for q in diffs if q.startswith("grad.")}
+    failures = [f"{q}: max |diff| {d:.3g} > {bounds[q]:.3g}" for q, d in diffs.items()
+                if q not in unbounded and not d <= bounds[q]]
+    failures += [f"{q}: not finite" for q in unbounded if not np.isfinite(got[q]).all()]
+    report.record(cell, diffs, bounds, unbounded, passed=not failures)
+    assert not failures, "; ".join(failures)
+
+
+# -- the table itself --------------------------------------------------------------------------
 
 
 def test_every_layer_has_reference_cases() -> None:
@@ -74,12 +76,42 @@ def test_every_layer_has_reference_cases() -> None:
     assert {c.layer for c in CASES} == set(LAYER_NAMES)
 
 
-@pytest.mark.parametrize("case", matrix_params())
+def test_every_attention_layer_has_every_mask_kind() -> None:
+    for layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):
+        assert {c.mask_kind for c in CASES if c.layer == layer and c.edge is None} == set(MASK_KINDS)
+    encoder = {c.mask_kind for c in CASES if c.layer == "TransformerEncoderBlock"}
+    assert encoder == {k for k in MASK_KINDS if not k.startswith("causal")}  # no causal argument
+
+
+def test_compiled_subset_names_real_cases_of_every_layer() -> None:
+    names = {(c.layer, c.name) for c in CASES}
+    assert set(COMPILED_CASES) == {c.layer for c in CASES}
+    for layer, cases in COMPILED_CASES.items():
+        assert all((layer, name) in names for name in cases), layer
+
+
+def test_every_backend_hook_provides_its_modes(backend: str) -> None:
+    h = Harness(backend)
+    assert tuple(getattr(h.hooks, "MODES", {})) == MODES[backend]
+
+
+def test_tolerances_follow_the_design() -> None:
+    assert TOLERANCE["float32"] == 1e-5  # DESIGN section 6
+
+
+# -- the same weights in two backends of one process ------------------------------------------
+
+
+def case_params() -> list[Any]:
+    return [pytest.param(c, id=f"{c.layer}-{c.name}") for c in CASES if c.edge is None]
+
+
+@pytest.mark.parametrize("case", case_params())
 def test_same_weights_same_numbers_as_numpy(backend: str, case: Case) -> None:
     """The same canonical weights in this backend's layer and the NumPy layer (both float32,
     in this process) give outputs within 1e-5 of each other."""
-    got, _ = run_case(Harness(backend), case, "float32")
-    ours, _ = run_case(Harness("numpy"), case, "float32")
+    got, _ = measure(Harness(backend), case, "float32", gradients=False)
+    ours, _ = measure(Harness("numpy"), case, "float32", gradients=False)
     for key in got:
         diff = max_diff(got[key], ours[key])
         assert diff <= TOLERANCE["float32"], f"{key}: max |diff| from numpy {diff:.3g}"

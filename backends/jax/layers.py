@@ -51,15 +51,8 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> canonical names, the inverse of :func:`nest`."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+#: Nested dicts -> canonical names, the inverse of :func:`nest` (one implementation, in the core).
+flatten = W.flatten_tree
 
 
 def _initializer(name: str) -> Callable[..., Array]:

@@ -9,7 +9,7 @@ a call succeeds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ import numpy as np
 
 import backends.jax as bj
 from backends.jax.layers import Layer, flatten
+from tests.hooks import eager
 
 RNGS = {"params": 0, "dropout": 1}
 
@@ -93,22 +94,64 @@ def attention_weights(layer: FlaxLayer | Layer) -> Any:
     return handle(layer).attention_weights
 
 
+def forward_and_gradients(layer: FlaxLayer | Layer, forward: Callable[..., dict[str, Any]],
+                          inputs: Sequence[Any], cotangent: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by ``jax.value_and_grad``, the
+    gradients of ``sum(out * cotangent)`` by input (``input.<i>``) and param
+    (``weight.<canonical name>``). Works eagerly and under ``jax.jit``."""
+    wrapper = handle(layer)
+    variables = wrapper.variables
+    assert variables is not None, "call the layer once (or set its weights) first"
+    ct = jnp.asarray(np.asarray(cotangent))
+
+    def loss(params: Any, xs: list[Any]) -> tuple[jax.Array, dict[str, Any]]:
+        wrapper.variables = {**variables, "params": params}
+        try:
+            result = forward(wrapper, *xs)
+        finally:
+            wrapper.variables = variables
+        out = result["out"]
+        return jnp.sum(out * ct.astype(out.dtype)), result
+
+    (_, result), (d_params, d_inputs) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        variables["params"], [jnp.asarray(x) for x in inputs])
+    wrapper.attention_weights = result.get("attention_attr")  # not the tracer seen by the trace
+    grads = {f"input.{i}": g for i, g in enumerate(d_inputs)}
+    grads.update({f"weight.{name}": g for name, g in flatten(d_params).items()})
+    return result, grads
+
+
 def gradients(layer: FlaxLayer | Layer, inputs: list[Any], kwargs: dict[str, Any],
               cotangent: Any) -> dict[str, np.ndarray]:
     """Gradients of ``sum(output * cotangent)`` by ``jax.grad``, keyed ``input.<i>``/``weight.<name>``."""
     wrapper = handle(layer)
     if wrapper.variables is None:
         wrapper(*inputs, **kwargs)
-    assert wrapper.variables is not None
-    params = wrapper.variables["params"]
-    ct = jnp.asarray(np.asarray(cotangent))
 
-    def loss(params: Any, inputs: list[Any]) -> jax.Array:
-        out = wrapper.module.apply({"params": params}, *inputs, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return jnp.sum(out * ct.astype(out.dtype))
+    def forward(m: FlaxLayer, *xs: Any) -> dict[str, Any]:
+        out = m(*xs, **kwargs)
+        return {"out": out[0] if isinstance(out, tuple) else out}
 
-    d_params, d_inputs = jax.grad(loss, argnums=(0, 1))(params, [jnp.asarray(x) for x in inputs])
-    result = {f"input.{i}": np.asarray(g) for i, g in enumerate(d_inputs)}
-    result.update({f"weight.{name}": np.asarray(g) for name, g in flatten(d_params).items()})
-    return result
+    _, grads = forward_and_gradients(wrapper, forward, inputs, cotangent)
+    return {name: np.asarray(g) for name, g in grads.items()}
+
+
+def jit(layer: FlaxLayer | Layer, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
+    """``fn(layer, *arrays)`` under ``jax.jit``, the variables and the arrays (inputs, lengths,
+    masks) as traced arguments: one XLA program, gradients included."""
+    wrapper = handle(layer)
+    variables = wrapper.variables
+    assert variables is not None, "call the layer once (or set its weights) first"
+
+    def traced(variables: Any, *arrays: Any) -> Any:
+        wrapper.variables = variables
+        return fn(wrapper, *arrays)
+
+    try:
+        return jax.jit(traced)(variables, *arrays)
+    finally:  # nothing traced may stay in the handle
+        wrapper.variables = variables
+        wrapper.attention_weights = None
+
+
+MODES = {"eager": eager, "jit": jit}

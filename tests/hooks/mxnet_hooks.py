@@ -7,6 +7,7 @@ on their first call by :func:`backends.mxnet.call_layer`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mxnet as mx
@@ -14,6 +15,7 @@ import numpy as np
 from mxnet import autograd
 
 import backends.mxnet as bm
+from tests.hooks import eager
 
 
 def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
@@ -26,18 +28,43 @@ def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
     return bm.call_layer(layer, *args, **kwargs)
 
 
-def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:
-    """Gradients of ``sum(layer(*inputs, **kwargs) * cotangent)`` by ``autograd``."""
+def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], inputs: Sequence[Any],
+                          cotangent: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by ``autograd``, the gradients
+    of ``sum(out * cotangent)`` by input (``input.<i>``) and weight (``weight.<name>``)."""
     xs = [x.copy() if isinstance(x, mx.np.ndarray) else mx.np.array(np.asarray(x)) for x in inputs]
     for x in xs:
         x.attach_grad()
     weights = layer.canonical_params()
     with autograd.record(train_mode=False):
-        out = bm.call_layer(layer, *xs, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
+        result = forward(layer, *xs)
+        out = result["out"]
         ct = mx.np.array(np.asarray(cotangent), dtype=out.dtype)
         loss = (out * ct).sum()
     loss.backward()
-    result = {f"input.{i}": x.grad.asnumpy() for i, x in enumerate(xs)}
-    result.update({f"weight.{name}": p.grad().asnumpy() for name, p in weights.items()})
+    grads = {f"input.{i}": x.grad for i, x in enumerate(xs)}
+    grads.update({f"weight.{name}": p.grad() for name, p in weights.items()})
+    return result, grads
+
+
+def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:
+    """Gradients of ``sum(layer(*inputs, **kwargs) * cotangent)`` by ``autograd``."""
+    def forward(m: Any, *xs: Any) -> dict[str, Any]:
+        out = bm.call_layer(m, *xs, **kwargs)
+        return {"out": out[0] if isinstance(out, tuple) else out}
+
+    _, grads = forward_and_gradients(layer, forward, inputs, cotangent)
+    return {name: g.asnumpy() for name, g in grads.items()}
+
+
+def hybridized(layer: Any, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
+    """``fn(layer, *arrays)`` after ``layer.hybridize()``: the first call builds the graph, the
+    second (whose results are returned) runs the cached graph again."""
+    layer.hybridize()
+    fn(layer, *arrays)
+    result = fn(layer, *arrays)
+    assert layer._cached_op is not None, "hybridize() built no graph"
     return result
+
+
+MODES = {"eager": eager, "hybridize": hybridized}

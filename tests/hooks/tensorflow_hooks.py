@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from tests.hooks import eager
 
 
 def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
     return cls(**config, dtype=dtype)
 
 
-def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:
-    """Gradients of ``sum(layer(*inputs, **kwargs) * cotangent)`` by ``tf.GradientTape``."""
+def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], inputs: Sequence[Any],
+                          cotangent: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by ``tf.GradientTape``, the
+    gradients of ``sum(out * cotangent)`` by input (``input.<i>``) and weight
+    (``weight.<name>``). Works eagerly and inside ``tf.function``."""
     xs = [tf.convert_to_tensor(x) for x in inputs]
     with tf.GradientTape() as tape:
         tape.watch(xs)
-        out = layer(*xs, **kwargs)
-        loss = tf.reduce_sum(out * tf.cast(cotangent, out.dtype))
-    variables = layer.canonical_variables
+        result = forward(layer, *xs)
+        out = result["out"]
+        loss = tf.reduce_sum(out * tf.cast(np.asarray(cotangent), out.dtype))
+    variables = layer.canonical_variables  # after the call: the first one builds the layer
     grads = tape.gradient(loss, [*xs, *variables.values()])
     names = [f"input.{i}" for i in range(len(xs))] + [f"weight.{n}" for n in variables]
-    return {name: np.asarray(g) for name, g in zip(names, grads, strict=True)}
+    return result, dict(zip(names, grads, strict=True))
+
+
+def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:
+    """Gradients of ``sum(layer(*inputs, **kwargs) * cotangent)`` by ``tf.GradientTape``."""
+    _, grads = forward_and_gradients(layer, lambda m, *xs: {"out": m(*xs, **kwargs)}, inputs,
+                                     cotangent)
+    return {name: np.asarray(g) for name, g in grads.items()}
+
+
+def xla(layer: Any, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
+    """``fn(layer, *arrays)`` inside ``tf.function(jit_compile=True)``, the arrays (inputs,
+    lengths, masks) as the function's arguments: one XLA program, gradients included."""
+    return tf.function(lambda *a: fn(layer, *a), jit_compile=True)(*arrays)
+
+
+MODES = {"eager": eager, "xla": xla}

@@ -29,11 +29,29 @@ MASK_KINDS = (
     "fully_masked_row",
 )
 
+#: Edge shapes of the attention layers, ``(batch, queries, keys)``; each runs with every mask
+#: kind. The cases named by the mask kind alone use ``(B, Q, K)``: keys longer than queries.
+#: With keys shorter than queries, ``causal`` aligns at the end, so the first ``Q - K`` queries
+#: see no key at all (fully masked rows made by the causal rule alone).
+EDGE_SHAPES = {
+    "keys_shorter": (2, 5, 2),
+    "batch_1": (1, 4, 6),
+    "length_1": (2, 1, 1),
+}
+
+#: Edge head layouts of ``MultiHeadAttention`` and ``TransformerEncoderBlock``,
+#: ``(num_hiddens, num_heads)``, with every mask kind and the ``(B, Q, K)`` shapes.
+EDGE_HEADS = {
+    "single_head": (6, 1),
+    "head_depth_1": (3, 3),
+}
+
 
 def mask_arguments(kind: str, rng: np.random.Generator, heads: int, q: int = Q,
-                   k: int = K) -> dict[str, Any]:
-    """Draws the masking arguments of one kind; every row keeps a visible key except in
-    ``fully_masked_row``."""
+                   k: int = K, b: int = B) -> dict[str, Any]:
+    """Draws the masking arguments of one kind for ``b`` examples of ``q`` queries and ``k``
+    keys; every row keeps a visible key except in ``fully_masked_row`` (and where ``causal``
+    with fewer keys than queries hides every key from the first queries)."""
     def random_mask(shape: tuple[int, ...]) -> np.ndarray:
         m = rng.random(shape) < 0.6
         m[..., 0] = True  # keep one visible key per row
@@ -42,24 +60,25 @@ def mask_arguments(kind: str, rng: np.random.Generator, heads: int, q: int = Q,
     if kind == "none":
         return {}
     if kind == "valid_lens_1d":
-        return {"valid_lens": np.array([3, k][:B] + [k] * (B - 2), dtype=np.int64)}
+        return {"valid_lens": np.array(([min(3, k), k] + [k] * b)[:b], dtype=np.int64)}
     if kind == "valid_lens_2d":
-        return {"valid_lens": rng.integers(1, k + 1, size=(B, q)).astype(np.int64)}
+        return {"valid_lens": rng.integers(1, k + 1, size=(b, q)).astype(np.int64)}
     if kind == "mask_2d":
         return {"mask": random_mask((q, k))}
     if kind == "mask_3d":
-        return {"mask": random_mask((B, q, k))}
+        return {"mask": random_mask((b, q, k))}
     if kind == "mask_4d":
-        return {"mask": random_mask((B, heads, q, k))}
+        return {"mask": random_mask((b, heads, q, k))}
     if kind == "causal":
         return {"causal": True}
     if kind == "causal_valid_lens":
-        return {"causal": True, "valid_lens": np.array([k - 1, 2][:B], dtype=np.int64)}
+        return {"causal": True,
+                "valid_lens": np.array(([k - 1, min(2, k)] + [k] * b)[:b], dtype=np.int64)}
     if kind == "fully_masked_row":
-        lens = rng.integers(1, k + 1, size=(B, q)).astype(np.int64)
-        lens[0, 1] = 0  # example 0, query 1 sees nothing
-        mask = random_mask((B, q, k))
-        mask[1, 2] = False  # example 1, query 2 sees nothing
+        lens = rng.integers(1, k + 1, size=(b, q)).astype(np.int64)
+        lens[0, min(1, q - 1)] = 0  # example 0, query 1 sees nothing
+        mask = random_mask((b, q, k))
+        mask[b - 1, min(2, q - 1)] = False  # the last example, query 2 sees nothing
         return {"valid_lens": lens, "mask": mask}
     raise ValueError(kind)
 
@@ -75,6 +94,15 @@ class Case:
     mask_kind: str | None = None
     heads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    edge: str | None = None  # the edge shape or head layout (EDGE_SHAPES, EDGE_HEADS), if any
+
+
+def _attention_inputs(layer: str, b: int, q: int, k: int) -> dict[str, tuple[int, ...]]:
+    """Input shapes of an attention layer for ``b`` examples, ``q`` queries and ``k`` keys."""
+    if layer == "DotProductAttention":
+        return {"queries": (b, q, 8), "keys": (b, k, 8), "values": (b, k, 5)}
+    return {"queries": (b, q, 10), "keys": (b, k, 7 if layer == "MultiHeadAttention" else 6),
+            "values": (b, k, 9 if layer == "MultiHeadAttention" else 5)}
 
 
 def build_cases() -> list[Case]:
@@ -82,14 +110,14 @@ def build_cases() -> list[Case]:
     cases: list[Case] = []
     for kind in MASK_KINDS:
         cases.append(Case("DotProductAttention", kind, {"dropout": 0.0},
-                          {"queries": (B, Q, 8), "keys": (B, K, 8), "values": (B, K, 5)}, kind))
+                          _attention_inputs("DotProductAttention", B, Q, K), kind))
         cases.append(Case("AdditiveAttention", kind, {"num_hiddens": 7, "dropout": 0.0},
-                          {"queries": (B, Q, 10), "keys": (B, K, 6), "values": (B, K, 5)}, kind))
+                          _attention_inputs("AdditiveAttention", B, Q, K), kind))
         for bias in (False, True):
             cases.append(Case(
                 "MultiHeadAttention", f"{kind}{'_bias' if bias else ''}",
                 {"num_hiddens": 12, "num_heads": 3, "dropout": 0.0, "bias": bias},
-                {"queries": (B, Q, 10), "keys": (B, K, 7), "values": (B, K, 9)}, kind, heads=3,
+                _attention_inputs("MultiHeadAttention", B, Q, K), kind, heads=3,
             ))
         if not kind.startswith("causal"):  # the encoder block's call has no causal argument
             cases.append(Case(
@@ -99,26 +127,74 @@ def build_cases() -> list[Case]:
             ))
     cases.append(Case("MultiHeadAttention", "single_head_depth_1",
                       {"num_hiddens": 1, "num_heads": 1, "dropout": 0.0, "bias": False},
-                      {"queries": (1, 1, 3), "keys": (1, 2, 3), "values": (1, 2, 3)}, "none"))
+                      {"queries": (1, 1, 3), "keys": (1, 2, 3), "values": (1, 2, 3)}, "none",
+                      edge="single_head_depth_1"))
     cases.append(Case("MultiHeadAttention", "keys_shorter",
                       {"num_hiddens": 8, "num_heads": 4, "dropout": 0.0, "bias": True},
-                      {"queries": (B, 5, 8), "keys": (B, 2, 8), "values": (B, 2, 8)}, "none"))
+                      {"queries": (B, 5, 8), "keys": (B, 2, 8), "values": (B, 2, 8)}, "none",
+                      edge="keys_shorter"))
+    # Edge shapes and head layouts, each with every mask kind.
+    for shape, (b, q, k) in EDGE_SHAPES.items():
+        for kind in MASK_KINDS:
+            name = f"{shape}-{kind}"
+            cases.append(Case("DotProductAttention", name, {"dropout": 0.0},
+                              _attention_inputs("DotProductAttention", b, q, k), kind, edge=shape))
+            cases.append(Case("AdditiveAttention", name, {"num_hiddens": 7, "dropout": 0.0},
+                              _attention_inputs("AdditiveAttention", b, q, k), kind, edge=shape))
+            cases.append(Case("MultiHeadAttention", name,
+                              {"num_hiddens": 12, "num_heads": 3, "dropout": 0.0, "bias": True},
+                              _attention_inputs("MultiHeadAttention", b, q, k), kind, heads=3,
+                              edge=shape))
+            # self-attention has one length for queries and keys, and no causal argument
+            if shape != "keys_shorter" and not kind.startswith("causal"):
+                cases.append(Case(
+                    "TransformerEncoderBlock", name,
+                    {"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3, "dropout": 0.0},
+                    {"X": (b, k, 12)}, kind, heads=3, edge=shape,
+                ))
+    for shape, (h, heads) in EDGE_HEADS.items():
+        for kind in MASK_KINDS:
+            name = f"{shape}-{kind}"
+            cases.append(Case("MultiHeadAttention", name,
+                              {"num_hiddens": h, "num_heads": heads, "dropout": 0.0, "bias": True},
+                              _attention_inputs("MultiHeadAttention", B, Q, K), kind, heads=heads,
+                              edge=shape))
+            if not kind.startswith("causal"):
+                cases.append(Case(
+                    "TransformerEncoderBlock", name,
+                    {"num_hiddens": h, "ffn_num_hiddens": 5, "num_heads": heads, "dropout": 0.0},
+                    {"X": (B, K, h)}, kind, heads=heads, edge=shape,
+                ))
     for width in (16, 7):
         cases.append(Case("PositionalEncoding", f"width_{width}",
                           {"num_hiddens": width, "dropout": 0.0, "max_len": 20},
                           {"X": (B, 5, width)}))
+    cases.append(Case("PositionalEncoding", "batch_1-length_1",
+                      {"num_hiddens": 16, "dropout": 0.0, "max_len": 20}, {"X": (1, 1, 16)},
+                      edge="batch_1-length_1"))
     cases.append(Case("LearnedPositionalEncoding", "basic",
                       {"num_hiddens": 16, "dropout": 0.0, "max_len": 20}, {"X": (B, 5, 16)}))
+    cases.append(Case("LearnedPositionalEncoding", "batch_1-length_1",
+                      {"num_hiddens": 16, "dropout": 0.0, "max_len": 20}, {"X": (1, 1, 16)},
+                      edge="batch_1-length_1"))
     cases.append(Case("PositionWiseFFN", "basic", {"ffn_num_hiddens": 16, "ffn_num_outputs": 9},
                       {"X": (B, 5, 12)}))
+    cases.append(Case("PositionWiseFFN", "batch_1-length_1",
+                      {"ffn_num_hiddens": 16, "ffn_num_outputs": 9}, {"X": (1, 1, 12)},
+                      edge="batch_1-length_1"))
     cases.append(Case("AddNorm", "basic", {"num_hiddens": 12, "dropout": 0.0},
                       {"X": (B, 5, 12), "Y": (B, 5, 12)}))
+    cases.append(Case("AddNorm", "batch_1-length_1", {"num_hiddens": 12, "dropout": 0.0},
+                      {"X": (1, 1, 12), "Y": (1, 1, 12)}, edge="batch_1-length_1"))
     for parametric in (False, True):
         tag = "parametric" if parametric else "plain"
         cases.append(Case("NadarayaWatson", tag, {"parametric": parametric},
                           {"queries": (B, 5), "keys": (B, 7), "values": (B, 7)}))
         cases.append(Case("NadarayaWatson", f"{tag}_unbatched", {"parametric": parametric},
                           {"queries": (9,), "keys": (11,), "values": (11,)}))
+        cases.append(Case("NadarayaWatson", f"{tag}_batch_1-one_key", {"parametric": parametric},
+                          {"queries": (1, 3), "keys": (1, 1), "values": (1, 1)},
+                          edge="batch_1-one_key"))
     return cases
 
 

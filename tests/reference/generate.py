@@ -34,9 +34,9 @@ def call_arguments(
     extra: dict[str, Any] = {}
     if case.mask_kind is not None:
         first = next(iter(case.inputs.values()))
-        q = first[1]
+        b, q = first[0], first[1]
         k = case.inputs["keys"][1] if "keys" in case.inputs else q
-        extra = mask_arguments(case.mask_kind, rng, case.heads, q=q, k=k)
+        extra = mask_arguments(case.mask_kind, rng, case.heads, q=q, k=k, b=b)
     return inputs, extra
 
 

@@ -1,11 +1,11 @@
 """Generates the float64 reference gradients: ``python -m tests.reference.gradients`` (needs torch).
 
-For a few cases of ``MultiHeadAttention``, ``AdditiveAttention`` and ``TransformerEncoderBlock``
-(several mask kinds, a fully masked row among them), the inputs, call arguments and weights are
-read from the reference files of :mod:`tests.reference.generate`, a cotangent ``C`` of the
-output's shape is drawn from a generator seeded by the case's name, and the gradients of
-``loss = sum(output * C)`` with respect to every input and every weight are computed once, in
-float64, by torch autograd through the core's functional API. They are written to
+For every case of :mod:`tests.reference.cases` (every layer, every mask kind, every edge shape),
+the inputs, call arguments and weights are read from the reference files of
+:mod:`tests.reference.generate`, a cotangent ``C`` of the output's shape is drawn from a
+generator seeded by the case's name, and the gradients of ``loss = sum(output * C)`` with
+respect to every input and every weight are computed once, in float64, by torch autograd
+through the core's functional API. They are written to
 ``tests/reference/data/gradients.npz`` with keys ``"<layer>/<case>::<name>"``, ``<name>`` being
 ``cotangent``, ``input.<i>`` (inputs by position) or ``weight.<canonical name>``, the names the
 ``gradients`` test hook returns. ``tests/test_gradients.py`` confirms the file by central
@@ -22,25 +22,38 @@ from typing import Any
 import numpy as np
 
 import attention_core as ac
+from attention_core.positional import add_positions
 from tests.reference.cases import CASES, Case
 from tests.reference.generate import load
 
 PATH = Path(__file__).parent / "data" / "gradients.npz"
 
-#: The cases with reference gradients, by layer (names from tests/reference/cases.py).
-GRADIENT_CASES = {
+#: Cases whose gradients are also checked entry by entry by finite differences (the others by
+#: directional differences and sampled entries, see tests/test_gradients.py), by layer.
+FULL_CHECK_CASES = {
+    "DotProductAttention": ("mask_4d", "keys_shorter-causal"),
     "MultiHeadAttention": (
         "valid_lens_1d_bias", "mask_4d", "causal_valid_lens_bias", "fully_masked_row_bias"
     ),
     "AdditiveAttention": ("none", "valid_lens_2d", "causal", "fully_masked_row"),
     "TransformerEncoderBlock": ("none", "valid_lens_1d", "mask_3d", "fully_masked_row"),
+    "PositionalEncoding": ("width_7",),
+    "LearnedPositionalEncoding": ("basic",),
+    "PositionWiseFFN": ("basic",),
+    "AddNorm": ("basic",),
+    "NadarayaWatson": ("parametric", "plain_unbatched"),
 }
 
 
 def gradient_cases() -> list[Case]:
-    """The :class:`Case` objects named in :data:`GRADIENT_CASES`, in that order."""
+    """Every case: each has floating inputs, so each has gradients to compare."""
+    return list(CASES)
+
+
+def full_check_cases() -> list[Case]:
+    """The :class:`Case` objects named in :data:`FULL_CHECK_CASES`, in that order."""
     by_name = {(c.layer, c.name): c for c in CASES}
-    return [by_name[layer, name] for layer, names in GRADIENT_CASES.items() for name in names]
+    return [by_name[layer, name] for layer, names in FULL_CHECK_CASES.items() for name in names]
 
 
 def key(case: Case) -> str:
@@ -48,9 +61,15 @@ def key(case: Case) -> str:
     return f"{case.layer}/{case.name}"
 
 
+_FILES: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+
+
 def case_data(case: Case) -> tuple[list[np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """A case's float64 inputs (by position), weights and call arguments, from the files."""
-    ref = load(case.layer)[case.name]
+    """A case's float64 inputs (by position), weights and call arguments, from the files
+    (copies: a caller may change them in place)."""
+    if case.layer not in _FILES:
+        _FILES[case.layer] = load(case.layer)
+    ref = {name: value.copy() for name, value in _FILES[case.layer][case.name].items()}
     inputs = [ref[f"input.{name}"] for name in case.inputs]
     weights = {k[len("weight."):]: v for k, v in ref.items() if k.startswith("weight.")}
     call: dict[str, Any] = {k[len("call."):]: v for k, v in ref.items() if k.startswith("call.")}
@@ -62,6 +81,9 @@ def case_data(case: Case) -> tuple[list[np.ndarray], dict[str, np.ndarray], dict
 def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[str, Any]) -> Any:
     """The case's layer as the core's function of its inputs and weights (any backend)."""
     heads = case.config.get("num_heads", 1)
+    if case.layer == "DotProductAttention":
+        queries, keys, values = inputs
+        return ac.dot_product_attention(queries, keys, values, **call)
     if case.layer == "MultiHeadAttention":
         queries, keys, values = inputs
         return ac.multi_head_attention(queries, keys, values, weights, heads, **call)
@@ -71,6 +93,21 @@ def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[s
     if case.layer == "TransformerEncoderBlock":
         (X,) = inputs
         return ac.transformer_encoder_block(X, weights, heads, **call)
+    if case.layer == "PositionalEncoding":
+        (X,) = inputs
+        return ac.positional_encoding(X)
+    if case.layer == "LearnedPositionalEncoding":
+        (X,) = inputs
+        return add_positions(X, weights["P"])
+    if case.layer == "PositionWiseFFN":
+        (X,) = inputs
+        return ac.position_wise_ffn(X, weights)
+    if case.layer == "AddNorm":
+        X, Y = inputs
+        return ac.add_norm(X, Y, weights)
+    if case.layer == "NadarayaWatson":
+        queries, keys, values = inputs
+        return ac.nadaraya_watson(queries, keys, values, weights.get("w"))
     raise ValueError(f"no reference gradients for {case.layer}")
 
 

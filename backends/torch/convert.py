@@ -1,0 +1,142 @@
+"""``torch.nn.MultiheadAttention`` <-> canonical MultiHeadAttention weights.
+
+torch keeps the query, key and value projections as ``(h, in)`` matrices, stacked into one
+``in_proj_weight (3h, h)`` (q, k, v in that order) when keys and values have the query width
+(``kdim == vdim == embed_dim``), and as ``q_proj_weight``, ``k_proj_weight``,
+``v_proj_weight`` otherwise; ``in_proj_bias (3h,)`` is stacked the same way; the output
+projection is ``out_proj`` (a ``Linear``, ``(h, h)``). ``bias=True`` (torch's default) gives all
+four projections a bias, as ``bias=True`` does here. Head ``i`` takes columns ``i*d:(i+1)*d``
+(``d = h / H``) of each projection, as here, and scores are scaled by ``1/sqrt(d)``.
+
+Masks: torch's ``attn_mask`` and ``key_padding_mask`` are True where attention is **blocked**;
+ours are True where it is allowed. For ``(B, T, D)`` inputs (``batch_first=True``)::
+
+    key_padding_mask = torch.arange(K)[None, :] >= valid_lens[:, None]   # valid_lens (B,)
+    attn_mask = ~mask                                                      # mask (Q, K)
+    attn_mask = torch.ones(Q, K, dtype=torch.bool).triu(1)                 # causal, Q == K
+
+torch's causal mask is aligned at the first key, ours at the last: they agree when Q == K.
+A query that sees no key gives NaN in torch and zeros here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from attention_core import convert as C
+from backends.torch.ops import OPS
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return np.asarray(OPS.to_numpy(t.detach()))
+
+
+def _check_module(module: Any, where: str) -> nn.MultiheadAttention:
+    if not isinstance(module, nn.MultiheadAttention):
+        raise TypeError(f"{where}: expected a torch.nn.MultiheadAttention, got "
+                        f"{type(module).__name__}")
+    if module.bias_k is not None or module.bias_v is not None:
+        raise ValueError(f"{where}: add_bias_kv=True is not supported: this library's "
+                         "MultiHeadAttention has no learned extra key and value")
+    if module.add_zero_attn:
+        raise ValueError(f"{where}: add_zero_attn=True is not supported: this library's "
+                         "MultiHeadAttention adds no zero key and value")
+    return module
+
+
+def torch_config(module: nn.MultiheadAttention) -> dict[str, Any]:
+    """Constructor arguments of this library's MultiHeadAttention equal to ``module``.
+
+    Returns:
+        ``{"num_hiddens": embed_dim, "num_heads", "dropout", "bias"}``.
+    """
+    module = _check_module(module, "torch_config")
+    return {"num_hiddens": int(module.embed_dim), "num_heads": int(module.num_heads),
+            "dropout": float(module.dropout), "bias": module.in_proj_bias is not None}
+
+
+def from_torch(module: nn.MultiheadAttention) -> dict[str, np.ndarray]:
+    """The canonical weights of a ``torch.nn.MultiheadAttention`` (copies, as NumPy arrays).
+
+    ``batch_first`` does not matter (it changes only how the module is called). Build the
+    matching layer with ``MultiHeadAttention(**torch_config(module))``.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
+        ValueError: ``add_bias_kv`` or ``add_zero_attn``, which have no counterpart here.
+    """
+    module = _check_module(module, "from_torch")
+    if module._qkv_same_embed_dim:
+        q, k, v = (_host(w) for w in module.in_proj_weight.chunk(3))
+    else:
+        q, k, v = (_host(w) for w in (module.q_proj_weight, module.k_proj_weight,
+                                      module.v_proj_weight))
+    matrices = {"W_q": q, "W_k": k, "W_v": v, "W_o": _host(module.out_proj.weight)}
+    biases = None
+    if module.in_proj_bias is not None:
+        bq, bk, bv = (_host(b) for b in module.in_proj_bias.chunk(3))
+        biases = {"W_q": bq, "W_k": bk, "W_v": bv, "W_o": _host(module.out_proj.bias)}
+    return C.from_out_in(matrices, biases, "from_torch")
+
+
+def to_torch(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    dropout: float = 0.0,
+    batch_first: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.MultiheadAttention:
+    """A ``torch.nn.MultiheadAttention`` holding canonical MultiHeadAttention weights.
+
+    Args:
+        weights: Canonical weights (``get_weights()``, ``load_weights(path)``, ...), with
+            biases on all four projections or none (torch's ``bias``).
+        num_heads: H.
+        dropout: torch's ``dropout`` (on the attention weights, in training mode).
+        batch_first: torch's ``batch_first``; True (not torch's default) takes ``(B, T, D)``
+            inputs, as this library's layers do.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters (torch's default dtype when None).
+
+    Raises:
+        ValueError: The weights are not a canonical MultiHeadAttention mapping, or queries are
+            not ``num_hiddens`` wide (torch's ``embed_dim`` is both widths).
+    """
+    matrices, biases = C.to_out_in(weights, num_heads, "to_torch")
+    h, q_in = matrices["W_q"].shape
+    if q_in != h:
+        raise ValueError(
+            f"to_torch: W_q.kernel has shape ({q_in}, {h}), but torch.nn.MultiheadAttention "
+            f"needs queries of width embed_dim = num_hiddens ({h})"
+        )
+    k_in, v_in = matrices["W_k"].shape[1], matrices["W_v"].shape[1]
+    module = nn.MultiheadAttention(
+        h, num_heads, dropout=dropout, bias=biases is not None, kdim=k_in, vdim=v_in,
+        batch_first=batch_first, device=device, dtype=dtype,
+    )
+    with torch.no_grad():
+        if module._qkv_same_embed_dim:
+            stacked = np.concatenate([matrices["W_q"], matrices["W_k"], matrices["W_v"]])
+            _copy(module.in_proj_weight, stacked)
+        else:
+            _copy(module.q_proj_weight, matrices["W_q"])
+            _copy(module.k_proj_weight, matrices["W_k"])
+            _copy(module.v_proj_weight, matrices["W_v"])
+        _copy(module.out_proj.weight, matrices["W_o"])
+        if biases is not None:
+            _copy(module.in_proj_bias, np.concatenate([biases["W_q"], biases["W_k"], biases["W_v"]]))
+            _copy(module.out_proj.bias, biases["W_o"])
+    return module
+
+
+def _copy(param: torch.Tensor, value: np.ndarray) -> None:
+    if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch cannot read
+        value = value.astype(np.float32)
+    param.copy_(torch.as_tensor(np.ascontiguousarray(value)).to(param.dtype))

@@ -1,0 +1,178 @@
+"""The cross-backend matrix, generated from one table: cases x dtypes x modes, per backend.
+
+* cases: :data:`tests.reference.cases.CASES` (every layer, every mask kind, the edge shapes);
+* dtypes: :data:`tests.harness.DTYPES` (tolerances in :data:`tests.harness.TOLERANCE`);
+* modes: :data:`tests.harness.MODES`, run by the ``MODES`` hook of each backend.
+
+Every cell builds the layer in its dtype, sets the reference weights, calls it on the reference
+inputs (in the cell's mode) and compares, with the float64 reference files, the output, the
+returned attention weights, the kept ones (attribute or sown), and, on a backend with autodiff,
+the gradients of ``sum(output * cotangent)`` by every input and every weight.
+
+Which cells run (:func:`cells`):
+
+* eager, and ``hybridize()`` (which costs milliseconds): every case in float32 and float64;
+  in float16 and bfloat16 every layer with every mask kind on the base shapes (the cases
+  whose ``edge`` is None). The edge shapes test shape handling (broadcasting, squeezing, the
+  causal end alignment), which does not depend on the dtype; the dtype's own risks (the fill
+  value of masked scores, fully masked rows, overflow) are in every mask kind. It also keeps
+  JAX within time: its eager mode compiles every primitive for each new shape and dtype
+  (about 30 ms each on two cores), so its cost grows with the number of shape families per
+  dtype (2 to 7 s each), hardly with the number of cells.
+* ``torch.compile``, ``tf.function(jit_compile=True)`` and ``jax.jit`` cost seconds per cell
+  (one compilation of the forward and backward program each; about 4 s for Inductor on two
+  cores), so they run :data:`COMPILED_CASES` in float32: every layer, the attention layers
+  with three mask kinds each, chosen so that together they cover 1-D and 2-D lengths, 2-D,
+  3-D and per-head boolean masks, causal alone and with lengths, fully masked rows, and the
+  causal end alignment with fewer keys than queries (its first queries see no key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tests.harness import AUTODIFF, DTYPES, MODES, Harness, max_diff
+from tests.reference.cases import CASES, Case
+from tests.reference.generate import load
+from tests.reference.gradients import key, load_gradients
+
+#: Modes cheap enough to run the whole matrix.
+FULL_MODES = ("eager", "hybridize")
+#: Dtypes that run every case in :data:`FULL_MODES`.
+FULL_DTYPES = ("float32", "float64")
+#: Dtypes of the other modes.
+COMPILED_DTYPES = ("float32",)
+#: Cases of the other modes, by layer.
+COMPILED_CASES = {
+    "DotProductAttention": ("mask_4d", "causal_valid_lens", "keys_shorter-causal"),
+    "AdditiveAttention": ("mask_2d", "causal", "fully_masked_row"),
+    "MultiHeadAttention": ("mask_4d_bias", "causal_valid_lens_bias", "fully_masked_row_bias"),
+    "TransformerEncoderBlock": ("valid_lens_1d", "mask_3d", "fully_masked_row"),
+    "PositionalEncoding": ("width_7",),
+    "LearnedPositionalEncoding": ("basic",),
+    "PositionWiseFFN": ("basic",),
+    "AddNorm": ("basic",),
+    "NadarayaWatson": ("parametric", "plain_unbatched"),
+}
+#: Layers whose call takes ``return_attention`` (the others keep or sow their weights only).
+RETURNS_ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the matrix."""
+
+    backend: str
+    case: Case
+    dtype: str
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-{self.mode}-{self.dtype}-{self.case.layer}-{self.case.name}"
+
+
+def runs(case: Case, dtype: str, mode: str) -> bool:
+    """Whether the matrix has the cell (see the module docstring)."""
+    if mode in FULL_MODES:
+        return dtype in FULL_DTYPES or case.edge is None
+    return dtype in COMPILED_DTYPES and case.name in COMPILED_CASES[case.layer]
+
+
+def cells(backend: str) -> list[Cell]:
+    """Every cell of one backend, mode by mode, dtype by dtype, case by case."""
+    return [Cell(backend, case, dtype, mode) for mode in MODES[backend]
+            for dtype in DTYPES[backend] for case in CASES if runs(case, dtype, mode)]
+
+
+_FILES: dict[str, Any] = {}
+_GRADIENTS: dict[str, dict[str, np.ndarray]] = {}
+
+
+def reference(case: Case) -> dict[str, np.ndarray]:
+    """The case's record in the reference files (``input.*``, ``call.*``, ``weight.*``, ``output.*``)."""
+    if case.layer not in _FILES:
+        _FILES[case.layer] = load(case.layer)
+    return _FILES[case.layer][case.name]
+
+
+def reference_gradients(case: Case) -> dict[str, np.ndarray]:
+    """The case's ``cotangent`` and float64 gradients (``input.<i>``, ``weight.<name>``)."""
+    if not _GRADIENTS:
+        _GRADIENTS.update(load_gradients())
+    return _GRADIENTS[key(case)]
+
+
+def weight_array(value: np.ndarray, dtype: str) -> np.ndarray:
+    """A reference weight rounded to ``dtype`` (bfloat16, which NumPy lacks: float32, which
+    every backend's ``set_weights`` casts to its parameters' dtype)."""
+    return value.astype(np.float32 if dtype == "bfloat16" else dtype)
+
+
+def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
+            gradients: bool | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Runs one cell; returns what it computed and what the reference files say, by quantity.
+
+    Quantities: ``out``, ``attention`` (returned), ``attention_attr`` (kept or sown), ``P``
+    (the positional table), and ``grad.input.<i>`` / ``grad.weight.<name>``.
+    """
+    ref = reference(case)
+    if gradients is None:
+        gradients = h.name in AUTODIFF
+    layer = h.make(case.layer, case.config, dtype)
+    weights = {k[len("weight."):]: weight_array(v, dtype)
+               for k, v in ref.items() if k.startswith("weight.")}
+    if weights:
+        layer.set_weights(weights)
+    inputs = [h.array(ref[f"input.{name}"], dtype) for name in case.inputs]
+    call = {k[len("call."):]: v for k, v in ref.items() if k.startswith("call.")}
+    static = {"causal": bool(call.pop("causal"))} if "causal" in call else {}
+    names = sorted(call)  # valid_lens, mask: arrays, passed to the mode like the inputs
+    arrays = [*inputs, *(h.array(call[n]) for n in names)]
+    n_inputs = len(inputs)
+    keeps = "output.attention" in ref
+    cotangent = reference_gradients(case)["cotangent"] if gradients else None
+
+    def fn(layer: Any, *arrays: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        kwargs = dict(zip(names, arrays[n_inputs:], strict=True), **static)
+
+        def forward(layer: Any, *xs: Any) -> dict[str, Any]:
+            if case.layer in RETURNS_ATTENTION:
+                out, attention = h.call(layer, *xs, return_attention=True, **kwargs)
+                return {"out": out, "attention": attention,
+                        "attention_attr": h.attention_weights(layer)}
+            result = {"out": h.call(layer, *xs, **kwargs)}
+            if keeps:
+                result["attention_attr"] = h.attention_weights(layer)
+            return result
+
+        xs = list(arrays[:n_inputs])
+        if cotangent is not None:
+            return h.forward_and_gradients(layer, forward, xs, cotangent)
+        return forward(layer, *xs), {}
+
+    result, grads = h.run(mode, layer, fn, arrays)
+    got = {name: h.numpy(value) for name, value in result.items()}
+    got.update({f"grad.{name}": h.numpy(value) for name, value in grads.items()})
+    expected = {"out": ref["output.out"]}
+    if keeps:
+        expected["attention_attr"] = ref["output.attention"]
+        if case.layer in RETURNS_ATTENTION:
+            expected["attention"] = ref["output.attention"]
+    if "output.P" in ref:
+        got["P"] = h.numpy(layer.P)[:, : ref["output.P"].shape[1]]
+        expected["P"] = ref["output.P"]
+    if cotangent is not None:
+        expected.update({f"grad.{k}": v for k, v in reference_gradients(case).items()
+                         if k != "cotangent"})
+    return got, expected
+
+
+def differences(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> dict[str, float]:
+    """max |got - expected| per quantity; the quantities must be the same."""
+    assert set(got) == set(expected), (
+        f"computed {sorted(got)}, the reference has {sorted(expected)}")
+    return {name: max_diff(got[name], expected[name]) for name in sorted(expected)}
