@@ -36,7 +36,7 @@ import numpy as np
 
 from tests.harness import AUTODIFF, DTYPES, MODES, Harness, max_diff
 from tests.reference.cases import CASES, Case
-from tests.reference.generate import load
+from tests.reference.generate import record
 from tests.reference.gradients import key, load_gradients
 
 #: Modes cheap enough to run the whole matrix.
@@ -88,15 +88,12 @@ def cells(backend: str) -> list[Cell]:
             for dtype in DTYPES[backend] for case in CASES if runs(case, dtype, mode)]
 
 
-_FILES: dict[str, Any] = {}
 _GRADIENTS: dict[str, dict[str, np.ndarray]] = {}
 
 
 def reference(case: Case) -> dict[str, np.ndarray]:
     """The case's record in the reference files (``input.*``, ``call.*``, ``weight.*``, ``output.*``)."""
-    if case.layer not in _FILES:
-        _FILES[case.layer] = load(case.layer)
-    return _FILES[case.layer][case.name]
+    return record(case)
 
 
 def reference_gradients(case: Case) -> dict[str, np.ndarray]:

@@ -9,7 +9,7 @@ import pytest
 import attention_core as ac
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.reference.cases import CASES, Case
-from tests.reference.generate import load
+from tests.reference.generate import record
 
 FUNCTIONAL = {
     "DotProductAttention": lambda x, w, cfg, kw: ac.dot_product_attention(
@@ -27,7 +27,6 @@ FUNCTIONAL = {
         x["queries"], x["keys"], x["values"], w.get("w"), return_weights=True),
 }
 
-_FILES: dict[str, Any] = {}
 
 
 def functional_cases() -> list[Any]:
@@ -39,9 +38,7 @@ def functional_cases() -> list[Any]:
 @pytest.mark.parametrize("case", functional_cases())
 def test_functional_matches_reference(backend: str, case: Case) -> None:
     h = Harness(backend)
-    if case.layer not in _FILES:
-        _FILES[case.layer] = load(case.layer)
-    ref = _FILES[case.layer][case.name]
+    ref = record(case)
     x = {k[6:]: h.array(v, "float32") for k, v in ref.items() if k.startswith("input.")}
     w = {k[7:]: h.array(v, "float32") for k, v in ref.items() if k.startswith("weight.")}
     kw = {k[5:]: (bool(v) if k == "call.causal" else h.array(v))

@@ -27,17 +27,11 @@ from attention_core import weights as W
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.hooks import mxnet_hooks
 from tests.reference.cases import CASES, MASK_KINDS, Case, mask_arguments
-from tests.reference.generate import load
+from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key
 
 ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
-_FILES: dict[str, Any] = {}
-
-
-def reference(case: Case) -> dict[str, np.ndarray]:
-    if case.layer not in _FILES:
-        _FILES[case.layer] = load(case.layer)
-    return _FILES[case.layer][case.name]
+reference = record
 
 
 def arr(x: Any, dtype: str | None = None) -> Any:

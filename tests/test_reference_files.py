@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
 from conftest import test_backends
 from tests import naive
 from tests.reference.cases import CASES, Case
-from tests.reference.generate import compute_case, load
+from tests.reference.generate import compute_case, load, record
 
 pytestmark = pytest.mark.skipif(
     "numpy" not in test_backends(), reason="the reference files are checked in the numpy env"
 )
 
-_FILES: dict[str, Any] = {}
-
-
-def stored(case: Case) -> dict[str, np.ndarray]:
-    if case.layer not in _FILES:
-        _FILES[case.layer] = load(case.layer)
-    return _FILES[case.layer][case.name]
+stored = record
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.layer}-{c.name}")

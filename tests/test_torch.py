@@ -25,21 +25,18 @@ from backends.torch import OPS, TorchOps
 from tests import naive
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.reference.cases import CASES, MASK_KINDS, Case
-from tests.reference.generate import load
+from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float64": torch.float64}
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
-_FILES: dict[str, Any] = {}
 
 
 def reference(case: Case, dtype: str) -> tuple[list[torch.Tensor], dict[str, np.ndarray],
                                                dict[str, Any], dict[str, np.ndarray]]:
     """A case's inputs (as torch tensors of ``dtype``), weights, call arguments and record."""
-    if case.layer not in _FILES:
-        _FILES[case.layer] = load(case.layer)
-    ref = _FILES[case.layer][case.name]
+    ref = record(case)
     inputs = [torch.tensor(ref[f"input.{name}"], dtype=DTYPES[dtype]) for name in case.inputs]
     weights = {k[len("weight."):]: v for k, v in ref.items() if k.startswith("weight.")}
     call = {k[len("call."):]: (bool(v) if k == "call.causal" else torch.from_numpy(v))

@@ -111,6 +111,17 @@ def load(layer: str) -> dict[str, dict[str, np.ndarray]]:
     return cases
 
 
+_LOADED: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+
+
+def record(case: Case) -> dict[str, np.ndarray]:
+    """One case's stored record (``input.*``, ``call.*``, ``weight.*``, ``output.*``), each
+    layer's file read once per process."""
+    if case.layer not in _LOADED:
+        _LOADED[case.layer] = load(case.layer)
+    return _LOADED[case.layer][case.name]
+
+
 def main() -> int:
     """Writes every reference file."""
     DATA.mkdir(exist_ok=True)
