@@ -12,19 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention_core import checks, masks
+from attention_core.blockwise import blockwise_attention
 from attention_core.linear import dense
+from attention_core.masks import FILL_VALUE
 from attention_core.ops import Array, Ops
 from attention_core.registry import ops_for
-
-#: Score given to masked keys before the max is taken: the most negative finite value of the
-#: dtype, so it never wins the max over a visible key (fp16 cannot hold -1e6).
-FILL_VALUE = {
-    "float16": -65504.0,
-    "bfloat16": -3.3895313892515355e38,
-    "float32": -3.4028234663852886e38,
-    "float64": -1.7976931348623157e308,
-}
-
 
 def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     """Softmax over the last axis counting only visible keys.
@@ -107,6 +99,21 @@ def attend(
         ``(output (B, H, Q, Dv), weights (B, H, Q, K))``, the weights taken before dropout.
     """
     visible = masks.combine(ops, ops.shape(scores), valid_lens, mask, causal)
+    return pool_visible(ops, scores, values, visible, dropout)
+
+
+def pool_visible(
+    ops: Ops, scores: Array, values: Array, visible: Array | None, dropout: float
+) -> tuple[Array, Array]:
+    """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
+
+    Args:
+        ops: The backend's ops.
+        scores: ``(B, H, Q, K)``.
+        values: ``(B, H, K, Dv)`` or broadcastable.
+        visible: Boolean mask broadcastable to the scores, or None.
+        dropout: Rate applied to the weights before pooling (0 for none).
+    """
     weights = softmax_visible(ops, scores, visible)
     dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
     return ops.matmul(dropped, values), weights
@@ -115,6 +122,89 @@ def attend(
 def _lift(ops: Ops, x: Array, rank: int) -> Array:
     """Adds the heads axis to a rank-3 array: ``(B, N, D) -> (B, 1, N, D)``."""
     return x if rank == 4 else ops.expand_dims(x, 1)
+
+
+#: The ways :func:`dot_product_attention` can pool; None lets :func:`choose_implementation` pick.
+IMPLEMENTATIONS = checks.IMPLEMENTATIONS
+
+#: Scores ``B * H * Q * K`` from which the automatic choice stops forming the weights (16 MiB
+#: of float32): below it the direct path's few large kernels are quickest, above it the
+#: blockwise path is as fast or faster and its memory stays flat (see the README's benchmarks).
+BLOCKWISE_MIN_SCORES = 2**22
+
+
+def choose_implementation(
+    ops: Ops, implementation: str | None, return_weights: bool, shape: tuple[Any, ...]
+) -> str:
+    """Picks how :func:`dot_product_attention` pools.
+
+    The rule: weights asked for -> ``direct`` (the only path that forms them). Otherwise an
+    explicit ``implementation`` is taken as given. Otherwise ``fused`` when the backend has a
+    fused kernel and prefers it for this shape (``ops.prefers_fused``, True when absent);
+    else ``blockwise`` when there are at least :data:`BLOCKWISE_MIN_SCORES` scores and Q and K
+    are known now; else ``direct``.
+
+    Args:
+        ops: The backend's ops.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``.
+        return_weights: Whether the weights are wanted.
+        shape: ``(B, H, Q, K)``; dimensions may be run-time tensors.
+
+    Raises:
+        ValueError: An unknown name, a path that cannot give what is asked, or ``fused`` on a
+            backend without a fused kernel.
+    """
+    checks.check_implementation(implementation)
+    if return_weights and implementation not in (None, "direct"):
+        raise ValueError(
+            f"implementation={implementation!r} never forms the attention weights: "
+            "return_weights=True needs implementation=None or 'direct'"
+        )
+    fused = getattr(ops, "fused_attention", None)
+    if implementation == "fused" and fused is None:
+        raise ValueError(
+            f"implementation='fused': the {ops.name} backend has no fused attention kernel; "
+            "use None, 'direct' or 'blockwise'"
+        )
+    known = all(isinstance(d, int) for d in shape)
+    if implementation == "blockwise" and not all(isinstance(d, int) for d in shape[2:]):
+        raise ValueError(
+            "implementation='blockwise' needs the numbers of queries and keys to be known "
+            f"when the call is traced, got (B, H, Q, K) = {checks.fmt_shape(shape)}"
+        )
+    if return_weights:
+        return "direct"
+    if implementation is not None:
+        return implementation
+    prefers = getattr(ops, "prefers_fused", None)
+    if fused is not None and (prefers is None or prefers(shape)):
+        return "fused"
+    B, H, Q, K = shape
+    return "blockwise" if known and B * H * Q * K >= BLOCKWISE_MIN_SCORES else "direct"
+
+
+def fused_pool(
+    ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float
+) -> Array:
+    """Pools with the backend's ``fused_attention``, zeroing rows with no visible key when the
+    kernel does not (``ops.fused_zeroes_empty_rows`` False: the kernel averages them)."""
+    out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    if visible is None or getattr(ops, "fused_zeroes_empty_rows", True):
+        return out
+    seen = ops.max(ops.astype(visible, ops.dtype_name(q)), -1) > 0  # (.., Q, 1): any key visible
+    return ops.where(seen, out, 0.0)
+
+
+def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
+    """The factor the scores are multiplied by: ``scale``, or ``1 / sqrt(D)`` when None."""
+    depth = ops.shape(queries)[-1]
+    if scale is None and not isinstance(depth, int):  # depth known only at run time
+        return 1.0 / ops.sqrt(ops.astype(depth, ops.dtype_name(queries)))
+    if scale is None:
+        return 1.0 / math.sqrt(depth)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    return float(scale)
 
 
 def dot_product_attention(
@@ -128,6 +218,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
+    implementation: str | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention: ``softmax(Q K^T * scale) V`` over the visible keys.
@@ -141,9 +232,13 @@ def dot_product_attention(
         causal: Query ``i`` sees keys ``j <= i + (K - Q)``.
         scale: Multiplies the scores; ``1 / sqrt(D)`` when None.
         dropout: Dropout rate on the attention weights (applied whenever > 0).
-        return_weights: Also return the weights, before dropout. Without it, a backend
-            whose ops have ``fused_attention`` (see :class:`~attention_core.ops.FusedAttentionOps`)
-            pools in one fused kernel instead.
+        return_weights: Also return the weights, before dropout (direct path only).
+        implementation: ``"direct"`` forms the ``(B, H, Q, K)`` weights; ``"blockwise"`` visits
+            the keys a block at a time with an online softmax and needs memory independent of
+            K (:mod:`attention_core.blockwise`); ``"fused"`` calls the backend's own fused
+            kernel (torch's ``scaled_dot_product_attention``, ...). None picks one by the rule
+            of :func:`choose_implementation`. All three give the same numbers within the
+            dtype's rounding.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
@@ -154,26 +249,20 @@ def dot_product_attention(
     checks.check_qkv(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
     rank = len(ops.shape(queries))
-    depth = ops.shape(queries)[-1]
-    if scale is None and not isinstance(depth, int):  # depth known only at run time
-        factor: Any = 1.0 / ops.sqrt(ops.astype(depth, ops.dtype_name(queries)))
-    elif scale is None:
-        factor = 1.0 / math.sqrt(depth)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    factor = _scale_factor(ops, queries, scale)
+    q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
+    B, H, Q, _ = ops.shape(q)
+    shape = (B, H, Q, ops.shape(k)[2])
+    path = choose_implementation(ops, implementation, return_weights, shape)
+    visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
+    weights = None
+    if path == "fused":  # the backend's fused kernel: the weights are never formed
+        out = fused_pool(ops, q, k, v, visible.full(), factor, dropout)
+    elif path == "blockwise":
+        out = blockwise_attention(ops, q * factor, k, v, visible, dropout)
     else:
-        factor = float(scale)
-    fused = None if return_weights else getattr(ops, "fused_attention", None)
-    if fused is not None:  # the backend's fused kernel: the weights are never formed
-        q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))
-        B, H, Q, _ = ops.shape(q)
-        visible = masks.combine(ops, (B, H, Q, ops.shape(k)[2]), valid_lens, mask, causal)
-        out = fused(q, k, v, visible, factor, dropout)  # (B, H, Q, Dv)
-        return out if rank == 4 else out[:, 0]
-    q = _lift(ops, queries, rank) * factor  # (B, H, Q, D), scale folded into Q
-    k_t = ops.transpose(_lift(ops, keys, rank), (0, 1, 3, 2))  # (B, H, D, K)
-    scores = ops.matmul(q, k_t)  # (B, H, Q, K)
-    out, weights = attend(ops, scores, _lift(ops, values, rank), valid_lens, mask, causal, dropout)
+        scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
+        out, weights = pool_visible(ops, scores, v, visible.full(), dropout)
     out = out if rank == 4 else out[:, 0]
     return (out, weights) if return_weights else out
 

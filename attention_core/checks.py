@@ -33,6 +33,19 @@ def check_dropout(dropout: float) -> float:
     return float(dropout)
 
 
+#: The values of every ``implementation`` argument (None = choose automatically).
+IMPLEMENTATIONS = ("direct", "blockwise", "fused")
+
+
+def check_implementation(implementation: Any) -> str | None:
+    """Checks an ``implementation`` argument: None, ``"direct"``, ``"blockwise"`` or ``"fused"``."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None, 'direct', 'blockwise' or 'fused', got {implementation!r}"
+        )
+    return implementation
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """Checks that a size argument is a positive int and returns it."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

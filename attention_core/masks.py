@@ -20,6 +20,16 @@ import numpy as np
 from attention_core.checks import fmt_shape
 from attention_core.ops import Array, Ops
 
+#: Score given to masked keys before the max is taken: the most negative finite value of the
+#: dtype, so it never wins the max over a visible key (fp16 cannot hold -1e6).
+FILL_VALUE = {
+    "float16": -65504.0,
+    "bfloat16": -3.3895313892515355e38,
+    "float32": -3.4028234663852886e38,
+    "float64": -1.7976931348623157e308,
+}
+
+
 _HOST_ARRAYS = (list, tuple, np.ndarray, np.generic, int)
 
 
@@ -45,8 +55,10 @@ def _is_integer(dtype: str) -> bool:
     return dtype.startswith(("int", "uint"))
 
 
-def valid_lens_mask(ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]) -> Array:
-    """Returns the mask ``key index < valid length``, broadcastable to ``(B, 1, Q, K)``.
+def lens_column(ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]) -> Array:
+    """Checks ``valid_lens`` and returns it as int32 of shape ``(B, 1, 1, 1)`` or ``(B, 1, Q, 1)``.
+
+    Key ``j`` of query ``i`` is visible when ``j < lens[b, 0, i or 0, 0]``.
 
     Args:
         ops: The backend's ops.
@@ -79,9 +91,7 @@ def valid_lens_mask(ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]) ->
             )
     lens = ops.expand_dims(ops.astype(valid_lens, "int32"), -1)  # (B, 1) or (B, Q, 1)
     lens = ops.expand_dims(lens, 1)  # (B, 1, 1) or (B, 1, Q, 1)
-    if len(shape) == 1:
-        lens = ops.expand_dims(lens, 1)  # (B, 1, 1, 1)
-    return ops.arange(K) < lens
+    return ops.expand_dims(lens, 1) if len(shape) == 1 else lens  # (B, 1, 1, 1)
 
 
 def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
@@ -110,15 +120,85 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
     return mask
 
 
-def causal_mask(ops: Ops, scores_shape: tuple[Any, ...]) -> Array:
-    """Returns ``j <= i + (K - Q)`` of shape ``(Q, K)``.
+class Visibility:
+    """The checked masks of one call, turned into boolean tiles on demand.
 
-    Query ``i`` sees keys up to its own position, the last query aligned with the last key.
+    The direct path asks for the whole ``(B, H, Q, K)`` mask once; the blockwise path asks
+    for one tile of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn`` at a time, so the
+    full mask is never formed. ``q0`` and ``k0`` may be run-time scalars (a loop index under
+    ``jax.lax.fori_loop``); ``qn`` and ``kn`` are ints.
+
+    Args:
+        ops: The backend's ops.
+        scores_shape: ``(B, H, Q, K)`` of the scores the masks apply to.
+        valid_lens: Optional integer lengths, ``(B,)`` or ``(B, Q)``.
+        mask: Optional boolean mask, True = may attend.
+        causal: Whether query ``i`` may only see keys ``j <= i + (K - Q)``.
     """
-    _, _, Q, K = scores_shape
-    rows = ops.expand_dims(ops.arange(Q), -1)  # (Q, 1)
-    cols = ops.expand_dims(ops.arange(K), 0)  # (1, K)
-    return cols <= rows + (K - Q)
+
+    def __init__(
+        self,
+        ops: Ops,
+        scores_shape: tuple[Any, ...],
+        valid_lens: Any = None,
+        mask: Any = None,
+        causal: bool = False,
+    ) -> None:
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
+        self.lens = None if valid_lens is None else lens_column(ops, valid_lens, scores_shape)
+        self.mask = None if mask is None else boolean_mask(ops, mask, scores_shape)
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing is masked."""
+        return self.lens is None and self.mask is None and not self.causal
+
+    def full(self) -> Array | None:
+        """The whole mask, broadcastable to ``(B, H, Q, K)``; None when nothing is masked."""
+        _, _, Q, K = self.shape
+        return self.tile(0, Q, 0, K)
+
+    def tile(self, q0: Any, qn: int, k0: Any, kn: int) -> Array | None:
+        """The mask of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``, broadcastable to
+        ``(B, H, qn, kn)``; None when nothing is masked."""
+        ops, (_, _, Q, K) = self.ops, self.shape
+        parts = []
+        if self.lens is not None:  # key index < length
+            lens = _rows(ops, self.lens, q0, qn, Q)  # (B, 1, 1 or qn, 1)
+            parts.append(_offset(ops, ops.arange(kn), k0) < lens)
+        if self.mask is not None:
+            parts.append(_rows(ops, _cols(ops, self.mask, k0, kn, K), q0, qn, Q))
+        if self.causal:  # key j <= query i + (K - Q)
+            rows = ops.expand_dims(_offset(ops, ops.arange(qn), q0), -1)  # (qn, 1)
+            cols = ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0)  # (1, kn)
+            parts.append(cols <= rows + (K - Q))
+        if not parts:
+            return None
+        combined = parts[0]
+        for part in parts[1:]:
+            combined = ops.logical_and(combined, part)
+        return combined
+
+
+def _offset(ops: Ops, index: Array, start: Any) -> Array:
+    """``index + start``, skipping the addition for a start of 0."""
+    return index if isinstance(start, int) and start == 0 else index + start
+
+
+def _rows(ops: Ops, x: Array, q0: Any, qn: int, Q: Any) -> Array:
+    """Rows ``q0 : q0 + qn`` (axis 2) of a rank-4 array, unless that axis broadcasts."""
+    size = ops.shape(x)[2]
+    whole = isinstance(q0, int) and q0 == 0 and qn == Q
+    return x if size == 1 or whole else ops.slice(x, 2, q0, qn)
+
+
+def _cols(ops: Ops, x: Array, k0: Any, kn: int, K: Any) -> Array:
+    """Columns ``k0 : k0 + kn`` (axis 3) of a rank-4 array, unless that axis broadcasts."""
+    size = ops.shape(x)[3]
+    whole = isinstance(k0, int) and k0 == 0 and kn == K
+    return x if size == 1 or whole else ops.slice(x, 3, k0, kn)
 
 
 def combine(
@@ -140,18 +220,4 @@ def combine(
     Returns:
         A boolean array broadcastable to ``scores_shape``, or None when nothing is masked.
     """
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    parts = []
-    if valid_lens is not None:
-        parts.append(valid_lens_mask(ops, valid_lens, scores_shape))
-    if mask is not None:
-        parts.append(boolean_mask(ops, mask, scores_shape))
-    if causal:
-        parts.append(causal_mask(ops, scores_shape))
-    if not parts:
-        return None
-    combined = parts[0]
-    for part in parts[1:]:
-        combined = ops.logical_and(combined, part)
-    return combined
+    return Visibility(ops, scores_shape, valid_lens, mask, causal).full()

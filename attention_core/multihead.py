@@ -47,6 +47,7 @@ def multi_head_attention(
     causal: bool = False,
     dropout: float = 0.0,
     return_weights: bool = False,
+    implementation: str | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Multi-head scaled dot-product attention with input and output projections.
@@ -63,6 +64,8 @@ def multi_head_attention(
         causal: Query ``i`` sees keys ``j <= i + (K - Q)``.
         dropout: Dropout rate on the attention weights.
         return_weights: Also return the weights ``(B, H, Q, K)``, before dropout.
+        implementation: How the heads pool; see
+            :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
@@ -77,7 +80,7 @@ def multi_head_attention(
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, h/H)
     pooled = dot_product_attention(
         q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
-        return_weights=return_weights, ops=ops,
+        return_weights=return_weights, implementation=implementation, ops=ops,
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)

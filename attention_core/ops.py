@@ -10,6 +10,7 @@ Q queries, K keys, D depth (Dv value depth).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -94,6 +95,10 @@ class Ops(Protocol):
         """Returns ``np.logical_and(a, b)`` with broadcasting."""
         ...
 
+    def maximum(self, a: Array, b: Array) -> Array:
+        """Returns ``np.maximum(a, b)`` with broadcasting."""
+        ...
+
     # -- reductions ---------------------------------------------------------------------
 
     def max(self, x: Array, axis: int) -> Array:
@@ -124,6 +129,17 @@ class Ops(Protocol):
 
     def expand_dims(self, x: Array, axis: int) -> Array:
         """Returns ``np.expand_dims(x, axis)``."""
+        ...
+
+    def slice(self, x: Array, axis: int, start: Any, size: int) -> Array:
+        """Returns ``x[..., start : start + size, ...]`` along ``axis``.
+
+        ``size`` is an int; ``start`` may be a run-time scalar (a loop index under tracing).
+        """
+        ...
+
+    def concatenate(self, xs: list[Array], axis: int) -> Array:
+        """Returns ``np.concatenate(xs, axis)``."""
         ...
 
     def arange(self, n: Any) -> Array:
@@ -166,4 +182,23 @@ class FusedAttentionOps(Ops, Protocol):
         Returns:
             ``(B, H, Q, Dv)``; rows with no visible key must be zero, never NaN.
         """
+        ...
+
+
+class LoopOps(Ops, Protocol):
+    """Optional: ops that run the blockwise path's loops as compiled loops.
+
+    Without these methods the core loops in Python, which is what eager frameworks want;
+    a tracing framework supplies them so a long sequence does not unroll into a huge graph.
+    """
+
+    def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:
+        """Returns ``carry`` after ``carry = body(i, carry)`` for ``i = 0 .. n - 1``.
+
+        ``carry`` is a tuple of arrays of fixed shapes; ``i`` may be a run-time scalar.
+        """
+        ...
+
+    def map_concat(self, fn: Callable[[Any], Array], n: int, axis: int) -> Array:
+        """Returns ``np.concatenate([fn(i) for i in range(n)], axis)``; ``i`` may be a run-time scalar."""
         ...

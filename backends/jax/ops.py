@@ -70,6 +70,9 @@ class JaxOps:
     def logical_and(self, a: Any, b: Any) -> jax.Array:
         return jnp.logical_and(a, b)
 
+    def maximum(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.maximum(a, b)
+
     def max(self, x: jax.Array, axis: int) -> jax.Array:
         return jnp.max(x, axis=axis, keepdims=True)
 
@@ -90,6 +93,12 @@ class JaxOps:
 
     def expand_dims(self, x: Any, axis: int) -> jax.Array:
         return jnp.expand_dims(x, axis)
+
+    def slice(self, x: jax.Array, axis: int, start: Any, size: int) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+    def concatenate(self, xs: list[jax.Array], axis: int) -> jax.Array:
+        return jnp.concatenate(xs, axis)
 
     def arange(self, n: Any) -> jax.Array:
         return jnp.arange(n, dtype=jnp.int32)

@@ -91,6 +91,9 @@ class MXNetOps:
     def logical_and(self, a: Any, b: Any) -> Any:
         return a * b  # boolean product; MXNet 1.9 has no logical_and and no boolean bitwise_and
 
+    def maximum(self, a: Any, b: Any) -> Any:
+        return self.np.maximum(a, b)
+
     def max(self, x: Any, axis: int) -> Any:
         return self.np.max(x, axis=axis, keepdims=True)
 
@@ -111,6 +114,12 @@ class MXNetOps:
 
     def expand_dims(self, x: Any, axis: int) -> Any:
         return self.np.expand_dims(x, axis)
+
+    def slice(self, x: Any, axis: int, start: Any, size: int) -> Any:
+        return x[(slice(None),) * axis + (slice(int(start), int(start) + size),)]
+
+    def concatenate(self, xs: list[Any], axis: int) -> Any:
+        return self.np.concatenate(xs, axis=axis)
 
     def arange(self, n: Any) -> Any:
         return self.np.arange(int(n), dtype="int32")

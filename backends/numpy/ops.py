@@ -54,6 +54,9 @@ class NumpyOps:
     def logical_and(self, a: Any, b: Any) -> np.ndarray:
         return np.logical_and(a, b)
 
+    def maximum(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.maximum(a, b)
+
     def max(self, x: np.ndarray, axis: int) -> np.ndarray:
         return np.max(x, axis=axis, keepdims=True)
 
@@ -74,6 +77,12 @@ class NumpyOps:
 
     def expand_dims(self, x: Any, axis: int) -> np.ndarray:
         return np.expand_dims(x, axis)
+
+    def slice(self, x: np.ndarray, axis: int, start: Any, size: int) -> np.ndarray:
+        return x[(slice(None),) * axis + (slice(start, start + size),)]
+
+    def concatenate(self, xs: list[np.ndarray], axis: int) -> np.ndarray:
+        return np.concatenate(xs, axis)
 
     def arange(self, n: Any) -> np.ndarray:
         return np.arange(n, dtype=np.int32)

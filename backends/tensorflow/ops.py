@@ -79,6 +79,9 @@ class TensorFlowOps:
     def logical_and(self, a: Any, b: Any) -> tf.Tensor:
         return tf.logical_and(a, b)
 
+    def maximum(self, a: Any, b: Any) -> tf.Tensor:
+        return tf.maximum(a, b)
+
     def max(self, x: Any, axis: int) -> tf.Tensor:
         return tf.reduce_max(x, axis=axis, keepdims=True)
 
@@ -99,6 +102,12 @@ class TensorFlowOps:
 
     def expand_dims(self, x: Any, axis: int) -> tf.Tensor:
         return tf.expand_dims(x, axis)
+
+    def slice(self, x: Any, axis: int, start: Any, size: int) -> tf.Tensor:
+        return x[(slice(None),) * axis + (slice(start, start + size),)]
+
+    def concatenate(self, xs: list[Any], axis: int) -> tf.Tensor:
+        return tf.concat(xs, axis)
 
     def arange(self, n: Any) -> tf.Tensor:
         return tf.range(n, dtype=tf.int32)

@@ -66,6 +66,9 @@ class TorchOps:
     def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.logical_and(a, b)
 
+    def maximum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b)
+
     def max(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return torch.amax(x, dim=axis, keepdim=True)
 
@@ -86,6 +89,12 @@ class TorchOps:
 
     def expand_dims(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return torch.unsqueeze(x, axis)
+
+    def slice(self, x: torch.Tensor, axis: int, start: Any, size: int) -> torch.Tensor:
+        return torch.narrow(x, axis, start, size)
+
+    def concatenate(self, xs: list[torch.Tensor], axis: int) -> torch.Tensor:
+        return torch.cat(xs, axis)
 
     def arange(self, n: Any) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int32, device=self.device)

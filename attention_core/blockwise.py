@@ -1,0 +1,150 @@
+"""Blockwise attention: exact softmax attention without forming the ``(Q, K)`` weights.
+
+The online softmax of Milakov & Gimelshein (2018), used by Rabe & Staats ("Self-attention
+does not need O(n^2) memory", 2021) and FlashAttention (Dao et al., 2022). Queries are taken a
+block at a time; for each block the keys are visited a block at a time, keeping per query row
+the running maximum ``m``, the running sum ``l`` of ``exp(s - m)`` and the running output
+``acc = sum exp(s - m) v``. When a new key block raises the maximum to ``m'``, the old ``l``
+and ``acc`` are rescaled by ``exp(m - m')``. At the end ``out = acc / l``, which is the
+softmax-weighted sum of the values, exactly as on the direct path.
+
+Masked scores are replaced by the dtype's most negative value, as on the direct path, so their
+exponential is exactly 0; a row with no visible key keeps ``l = 0`` and ``acc = 0`` and comes
+out as zeros. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
+state ``(B, H, q_block, Dv)``, whatever the sequence length.
+
+Shape legend: B batch, H heads, Q queries, K keys, D depth, Dv value depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from attention_core.masks import FILL_VALUE, Visibility
+from attention_core.ops import Array, Ops
+
+#: Largest number of scores in one tile, ``B * H * q_block * k_block``: 2**21 floats is 8 MiB
+#: in float32, small enough to stay near the caches and to keep peak memory flat in n.
+TILE_SCORES = 2**21
+
+#: Keys per block when the tile budget allows; a multiple of the SIMD widths of every backend.
+KEY_BLOCK = 1024
+
+#: Fewest queries per block: below this the matrix products get too thin to be efficient.
+MIN_QUERY_BLOCK = 16
+
+Carry = tuple[Array, Array, Array]
+
+
+def block_sizes(batch_heads: int, num_queries: int, num_keys: int) -> tuple[int, int]:
+    """Chooses ``(q_block, k_block)`` so that one tile holds at most :data:`TILE_SCORES` scores.
+
+    Args:
+        batch_heads: ``B * H``.
+        num_queries: Q.
+        num_keys: K.
+
+    Returns:
+        Block sizes, each at least 1 and at most the length it divides.
+    """
+    k_block = max(1, min(num_keys, KEY_BLOCK))
+    q_block = TILE_SCORES // max(1, batch_heads * k_block)
+    return max(1, min(num_queries, max(q_block, MIN_QUERY_BLOCK))), k_block
+
+
+def blockwise_attention(
+    ops: Ops,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    visible: Visibility,
+    dropout: float = 0.0,
+    q_block: int | None = None,
+    k_block: int | None = None,
+) -> Array:
+    """``softmax_visible(queries @ keys^T) @ values``, one tile of scores at a time.
+
+    Args:
+        ops: The backend's ops.
+        queries: ``(B, H, Q, D)``, already multiplied by the scale.
+        keys: ``(B, H, K, D)``.
+        values: ``(B, H, K, Dv)``.
+        visible: The call's masks (see :class:`~attention_core.masks.Visibility`).
+        dropout: Rate of inverted dropout on the weights (0 for none).
+        q_block: Queries per block; chosen by :func:`block_sizes` when None.
+        k_block: Keys per block; chosen by :func:`block_sizes` when None.
+
+    Returns:
+        ``(B, H, Q, Dv)``; rows with no visible key are zeros.
+    """
+    B, H, Q, _ = ops.shape(queries)
+    K = ops.shape(keys)[2]
+    auto_q, auto_k = block_sizes(B * H, Q, K)
+    q_block, k_block = q_block or auto_q, k_block or auto_k
+    fill = FILL_VALUE[ops.dtype_name(queries)]
+    keys_t = ops.transpose(keys, (0, 1, 3, 2))  # (B, H, D, K)
+
+    def scores(q: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
+        s = ops.matmul(q, ops.slice(keys_t, 3, k0, kn))  # (B, H, qn, kn)
+        mask = visible.tile(q0, qn, k0, kn)
+        return s if mask is None else ops.where(mask, s, fill)
+
+    def weigh(s: Array, m: Array) -> Array:
+        """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
+        return ops.exp(s - ops.where(m > fill, m, 0.0))
+
+    def pool(p: Array, k0: Any, kn: int) -> Array:
+        p = ops.dropout(p, dropout) if dropout > 0 else p
+        return ops.matmul(p, ops.slice(values, 2, k0, kn))  # (B, H, qn, Dv)
+
+    def query_block(q0: Any, qn: int) -> Array:
+        q = ops.slice(queries, 2, q0, qn)  # (B, H, qn, D)
+        kn = min(k_block, K)
+        s = scores(q, q0, qn, 0, kn)  # the first key block starts the running state
+        m = ops.max(s, -1)  # (B, H, qn, 1)
+        p = weigh(s, m)
+        start: Carry = (m, ops.sum(p, -1), pool(p, 0, kn))
+
+        def step(carry: Carry, k0: Any, kn: int) -> Carry:
+            m, total, acc = carry
+            s = scores(q, q0, qn, k0, kn)
+            m_new = ops.maximum(m, ops.max(s, -1))
+            rescale = ops.exp(m - m_new)  # 0 when m was the fill and m_new is not
+            p = weigh(s, m_new)
+            return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, k0, kn)
+
+        _, total, acc = _fold_blocks(ops, step, start, kn, K, k_block)
+        return acc / ops.where(total > 0, total, 1.0)
+
+    return _map_blocks(ops, query_block, Q, q_block, axis=2)
+
+
+def _fold_blocks(
+    ops: Ops, step: Callable[[Carry, Any, int], Carry], carry: Carry, start: int, total: int,
+    size: int,
+) -> Carry:
+    """Applies ``step(carry, k0, kn)`` to the blocks ``k0 = start, start + size, ...`` below
+    ``total``; full blocks run in the backend's loop (``ops.fold``) when it has one."""
+    full, tail = divmod(total - start, size)
+    fold = getattr(ops, "fold", None)
+    if fold is not None and full > 1:
+        carry = fold(lambda i, c: step(c, start + i * size, size), carry, full)
+    else:
+        for i in range(full):
+            carry = step(carry, start + i * size, size)
+    return step(carry, start + full * size, tail) if tail else carry
+
+
+def _map_blocks(ops: Ops, fn: Callable[[Any, int], Array], total: int, size: int, axis: int) -> Array:
+    """Concatenates ``fn(q0, qn)`` along ``axis`` over the blocks of ``size`` covering ``total``;
+    full blocks run in the backend's loop (``ops.map_concat``) when it has one."""
+    full, tail = divmod(total, size)
+    map_concat = getattr(ops, "map_concat", None)
+    if map_concat is not None and full > 1:
+        parts = [map_concat(lambda i: fn(i * size, size), full, axis)]
+    else:
+        parts = [fn(i * size, size) for i in range(full)]
+    if tail:
+        parts.append(fn(full * size, tail))
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis)
