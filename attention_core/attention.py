@@ -18,6 +18,7 @@ from attention_core.masks import FILL_VALUE
 from attention_core.ops import Array, Ops
 from attention_core.registry import ops_for
 
+
 def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     """Softmax over the last axis counting only visible keys.
 
@@ -186,8 +187,11 @@ def choose_implementation(
 def fused_pool(
     ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float
 ) -> Array:
-    """Pools with the backend's ``fused_attention``, zeroing rows with no visible key when the
-    kernel does not (``ops.fused_zeroes_empty_rows`` False: the kernel averages them)."""
+    """Pools with the backend's ``fused_attention``.
+
+    Rows with no visible key are zeroed here when the kernel does not zero them itself
+    (``ops.fused_zeroes_empty_rows`` False).
+    """
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
     if visible is None or getattr(ops, "fused_zeroes_empty_rows", True):
         return out

@@ -124,8 +124,10 @@ def _fold_blocks(
     ops: Ops, step: Callable[[Carry, Any, int], Carry], carry: Carry, start: int, total: int,
     size: int,
 ) -> Carry:
-    """Applies ``step(carry, k0, kn)`` to the blocks ``k0 = start, start + size, ...`` below
-    ``total``; full blocks run in the backend's loop (``ops.fold``) when it has one."""
+    """Applies ``step(carry, k0, kn)`` to the key blocks from ``start`` up to ``total``.
+
+    Full blocks run in the backend's loop (``ops.fold``) when it has one; the tail in Python.
+    """
     full, tail = divmod(total - start, size)
     fold = getattr(ops, "fold", None)
     if fold is not None and full > 1:
@@ -137,8 +139,10 @@ def _fold_blocks(
 
 
 def _map_blocks(ops: Ops, fn: Callable[[Any, int], Array], total: int, size: int, axis: int) -> Array:
-    """Concatenates ``fn(q0, qn)`` along ``axis`` over the blocks of ``size`` covering ``total``;
-    full blocks run in the backend's loop (``ops.map_concat``) when it has one."""
+    """Concatenates ``fn(q0, qn)`` along ``axis`` over the query blocks covering ``total``.
+
+    Full blocks run in the backend's loop (``ops.map_concat``) when it has one; the tail in Python.
+    """
     full, tail = divmod(total, size)
     map_concat = getattr(ops, "map_concat", None)
     if map_concat is not None and full > 1:

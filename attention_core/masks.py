@@ -161,8 +161,11 @@ class Visibility:
         return self.tile(0, Q, 0, K)
 
     def tile(self, q0: Any, qn: int, k0: Any, kn: int) -> Array | None:
-        """The mask of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``, broadcastable to
-        ``(B, H, qn, kn)``; None when nothing is masked."""
+        """The mask of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``.
+
+        Returns:
+            Boolean, broadcastable to ``(B, H, qn, kn)``; None when nothing is masked.
+        """
         ops, (_, _, Q, K) = self.ops, self.shape
         parts = []
         if self.lens is not None:  # key index < length
