@@ -100,7 +100,8 @@ def blockwise_attention(
 
     def query_block(q0: Any, qn: int) -> Array:
         q = ops.slice(queries, 2, q0, qn)  # (B, H, qn, D)
-        kn = min(k_block, K)
+        limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
+        kn = min(k_block, limit)
         s = scores(q, q0, qn, 0, kn)  # the first key block starts the running state
         m = ops.max(s, -1)  # (B, H, qn, 1)
         p = weigh(s, m)
@@ -114,7 +115,7 @@ def blockwise_attention(
             p = weigh(s, m_new)
             return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, k0, kn)
 
-        _, total, acc = _fold_blocks(ops, step, start, kn, K, k_block)
+        _, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block)
         return acc / ops.where(total > 0, total, 1.0)
 
     return _map_blocks(ops, query_block, Q, q_block, axis=2)

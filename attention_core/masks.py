@@ -149,6 +149,29 @@ class Visibility:
         self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
         self.lens = None if valid_lens is None else lens_column(ops, valid_lens, scores_shape)
         self.mask = None if mask is None else boolean_mask(ops, mask, scores_shape)
+        known = None if self.lens is None else ops.concrete(self.lens)
+        #: ``(shortest, longest)`` valid length when known now (not under tracing), else None.
+        self.lens_bounds = (
+            (int(known.min()), int(known.max())) if known is not None and known.size else None
+        )
+
+    def key_limit(self, q0: Any, qn: int) -> int:
+        """Keys from this index on are hidden from every query ``q0 : q0 + qn``.
+
+        As far as is known now: the longest valid length, and the causal edge of the block's
+        last query (when ``q0`` is an int).
+
+        Returns:
+            An int in ``[1, K]`` (at least 1, so that a block with nothing visible still
+            yields its zero rows).
+        """
+        _, _, Q, K = self.shape
+        limit = K
+        if self.lens_bounds is not None:
+            limit = min(limit, self.lens_bounds[1])
+        if self.causal and isinstance(q0, int):  # query i sees keys j <= i + (K - Q)
+            limit = min(limit, q0 + qn + (K - Q))
+        return max(1, limit)
 
     @property
     def empty(self) -> bool:
@@ -163,17 +186,22 @@ class Visibility:
     def tile(self, q0: Any, qn: int, k0: Any, kn: int) -> Array | None:
         """The mask of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``.
 
+        Parts known now to hide nothing in the tile (every key below the shortest valid
+        length, or below the causal edge of the tile's first query) are left out.
+
         Returns:
             Boolean, broadcastable to ``(B, H, qn, kn)``; None when nothing is masked.
         """
         ops, (_, _, Q, K) = self.ops, self.shape
+        static = isinstance(q0, int) and isinstance(k0, int)
         parts = []
-        if self.lens is not None:  # key index < length
+        shortest = None if self.lens_bounds is None else self.lens_bounds[0]
+        if self.lens is not None and not (static and shortest is not None and k0 + kn <= shortest):
             lens = _rows(ops, self.lens, q0, qn, Q)  # (B, 1, 1 or qn, 1)
             parts.append(_offset(ops, ops.arange(kn), k0) < lens)
         if self.mask is not None:
             parts.append(_rows(ops, _cols(ops, self.mask, k0, kn, K), q0, qn, Q))
-        if self.causal:  # key j <= query i + (K - Q)
+        if self.causal and not (static and k0 + kn - 1 <= q0 + (K - Q)):  # j <= i + (K - Q)
             rows = ops.expand_dims(_offset(ops, ops.arange(qn), q0), -1)  # (qn, 1)
             cols = ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0)  # (1, kn)
             parts.append(cols <= rows + (K - Q))

@@ -74,6 +74,7 @@ def transformer_encoder_block(
     mask: Any = None,
     dropout: float = 0.0,
     return_weights: bool = False,
+    implementation: str | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """One post-norm Transformer encoder block.
@@ -88,6 +89,8 @@ def transformer_encoder_block(
         mask: Boolean self-attention mask, True = may attend.
         dropout: Dropout rate of the attention weights and both residual branches.
         return_weights: Also return the self-attention weights ``(B, H, T, T)``.
+        implementation: How the heads pool; see
+            :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
@@ -96,7 +99,8 @@ def transformer_encoder_block(
     ops = ops or ops_for(X)
     result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
-        mask=mask, dropout=dropout, return_weights=return_weights, ops=ops,
+        mask=mask, dropout=dropout, return_weights=return_weights, implementation=implementation,
+        ops=ops,
     )
     attended, attn = result if return_weights else (result, None)
     Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)

@@ -93,7 +93,24 @@ class Layer:
 
 
 class _Attention(Layer):
-    """Shared call of the attention layers: check, create weights if needed, attend, keep."""
+    """Shared call of the attention layers: check, create weights if needed, attend, keep.
+
+    Args:
+        dropout: Dropout rate on the attention weights in training.
+        keep_attention_weights: Keep each call's weights in ``attention_weights`` (the
+            default, as DESIGN section 3 asks). When False, calls without ``return_attention``
+            never form the weights, so the core may pool blockwise (see
+            :func:`attention_core.attention.choose_implementation`); ``attention_weights`` is
+            then None.
+        **kwargs: ``seed``, ``dtype``.
+    """
+
+    #: How the core pools when the weights are not needed (None = its automatic rule).
+    implementation: str | None = None
+
+    def __init__(self, dropout: float = 0.0, *, keep_attention_weights: bool = True, **kwargs: Any):
+        super().__init__(dropout, **kwargs)
+        self.keep_attention_weights = bool(keep_attention_weights)
 
     def __call__(
         self,
@@ -109,10 +126,13 @@ class _Attention(Layer):
     ) -> Any:
         attention.check_projected_inputs(self._ops, queries, keys, values)
         weights = self._current(**self._input_sizes(queries, keys, values))
-        out, attn = self._attend(
+        need = return_attention or self.keep_attention_weights
+        pooling = {} if self.implementation is None else {"implementation": self.implementation}
+        result = self._attend(
             weights, queries, keys, values, valid_lens, mask=mask, causal=causal,
-            dropout=self._rate(training), return_weights=True, ops=self._ops,
+            dropout=self._rate(training), return_weights=need, ops=self._ops, **pooling,
         )
+        out, attn = result if need else (result, None)
         self._commit(weights)
         self.attention_weights = attn
         return (out, attn) if return_attention else out
@@ -129,7 +149,18 @@ class DotProductAttention(_Attention):
 
     Args:
         dropout: Dropout rate on the attention weights in training.
+        keep_attention_weights: See :class:`_Attention`.
+        implementation: ``"direct"``, ``"blockwise"`` or ``"fused"`` for calls that do not
+            need the weights; None (default) lets the core choose.
+        **kwargs: ``seed``, ``dtype``.
     """
+
+    def __init__(
+        self, dropout: float = 0.0, *, keep_attention_weights: bool = True,
+        implementation: str | None = None, **kwargs: Any,
+    ):
+        super().__init__(dropout, keep_attention_weights=keep_attention_weights, **kwargs)
+        self.implementation = checks.check_implementation(implementation)
 
     def _attend(self, weights: dict[str, np.ndarray], *args: Any, **kwargs: Any) -> Any:
         return attention.dot_product_attention(*args, **kwargs)
@@ -154,14 +185,25 @@ class AdditiveAttention(_Attention):
 
 
 class MultiHeadAttention(_Attention):
-    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features."""
+    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features.
+
+    Args:
+        num_hiddens: h, the width of the projections and of the output.
+        num_heads: H; must divide ``num_hiddens``.
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        keep_attention_weights: See :class:`_Attention`.
+        implementation: See :class:`DotProductAttention`.
+        **kwargs: ``seed``, ``dtype``.
+    """
 
     def __init__(
-        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False,
-        **kwargs: Any,
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        keep_attention_weights: bool = True, implementation: str | None = None, **kwargs: Any,
     ):
         checks.check_heads(num_hiddens, num_heads)
-        super().__init__(dropout, **kwargs)
+        self.implementation = checks.check_implementation(implementation)
+        super().__init__(dropout, keep_attention_weights=keep_attention_weights, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
 
     def spec(self) -> W.Spec:
@@ -252,7 +294,19 @@ class AddNorm(Layer):
 
 
 class TransformerEncoderBlock(Layer):
-    """Self-attention and a position-wise FFN, each wrapped in add & norm."""
+    """Self-attention and a position-wise FFN, each wrapped in add & norm.
+
+    Args:
+        num_hiddens: h, the model width.
+        ffn_num_hiddens: Width of the FFN's hidden layer.
+        num_heads: H; must divide ``num_hiddens``.
+        dropout: Dropout rate of the attention weights and both residual branches, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's self-attention weights in
+            ``attention_weights``; False lets the core pool without forming them.
+        implementation: See :class:`DotProductAttention`.
+        **kwargs: ``seed``, ``dtype``.
+    """
 
     def __init__(
         self,
@@ -261,9 +315,14 @@ class TransformerEncoderBlock(Layer):
         num_heads: int,
         dropout: float = 0.0,
         bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        implementation: str | None = None,
         **kwargs: Any,
     ):
+        self.implementation = checks.check_implementation(implementation)
         super().__init__(dropout, **kwargs)
+        self.keep_attention_weights = bool(keep_attention_weights)
         self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
         self.num_heads, self.bias = num_heads, bool(bias)
         self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
@@ -279,11 +338,13 @@ class TransformerEncoderBlock(Layer):
         checks.check_rank(self._ops, "X", X, (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
         assert self._weights is not None
-        out, attn = transformer.transformer_encoder_block(
+        need = self.keep_attention_weights
+        result = transformer.transformer_encoder_block(
             X, self._weights, self.num_heads, valid_lens, mask=mask,
-            dropout=self._rate(training), return_weights=True, ops=self._ops,
+            dropout=self._rate(training), return_weights=need,
+            implementation=self.implementation, ops=self._ops,
         )
-        self.attention_weights = attn
+        out, self.attention_weights = result if need else (result, None)
         return out
 
 

@@ -266,6 +266,9 @@ class DotProductAttention(Layer):
         dropout: Dropout rate on the attention weights in training mode.
         keep_attention_weights: Keep each call's weights in ``attention_weights``; when
             False, calls without ``return_attention`` take the fused path.
+        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
+            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
+            core choose (fused on torch).
         device: Unused (no parameters); accepted like every torch layer.
         dtype: Unused (no parameters); accepted like every torch layer.
     """
@@ -275,11 +278,13 @@ class DotProductAttention(Layer):
         dropout: float = 0.0,
         *,
         keep_attention_weights: bool = True,
+        implementation: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dropout, device=device, dtype=dtype)
         self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
 
     def forward(
         self,
@@ -298,7 +303,8 @@ class DotProductAttention(Layer):
         need = return_attention or self.keep_attention_weights
         result: Any = attention.dot_product_attention(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            dropout=self._rate(), return_weights=need, ops=ops,
+            dropout=self._rate(), return_weights=need, implementation=self.implementation,
+            ops=ops,
         )
         out, self.attention_weights = result if need else (result, None)
         return result if return_attention else out
@@ -380,6 +386,9 @@ class MultiHeadAttention(Layer):
         v_in: Values' size, or None to learn it on the first call.
         keep_attention_weights: Keep each call's weights in ``attention_weights``; when
             False, calls without ``return_attention`` take the fused path.
+        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
+            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
+            core choose (fused on torch).
         device: Device of the parameters.
         dtype: Dtype of the parameters.
     """
@@ -395,6 +404,7 @@ class MultiHeadAttention(Layer):
         k_in: int | None = None,
         v_in: int | None = None,
         keep_attention_weights: bool = True,
+        implementation: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -402,6 +412,7 @@ class MultiHeadAttention(Layer):
         super().__init__(dropout, device=device, dtype=dtype)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
         self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
         self.W_q = Dense(q_in, num_hiddens, self.bias, **self._factory)
         self.W_k = Dense(k_in, num_hiddens, self.bias, **self._factory)
         self.W_v = Dense(v_in, num_hiddens, self.bias, **self._factory)
@@ -432,7 +443,8 @@ class MultiHeadAttention(Layer):
         need = return_attention or self.keep_attention_weights
         result: Any = self._run(fresh, lambda: multihead.multi_head_attention(
             queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
-            causal=causal, dropout=rate, return_weights=need, ops=ops,
+            causal=causal, dropout=rate, return_weights=need, implementation=self.implementation,
+            ops=ops,
         ))
         out, self.attention_weights = result if need else (result, None)
         return result if return_attention else out
@@ -620,6 +632,9 @@ class TransformerEncoderBlock(Layer):
         bias: Whether the attention projections have biases.
         keep_attention_weights: Keep each call's self-attention weights in
             ``attention_weights``; when False, calls take the fused path.
+        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
+            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
+            core choose (fused on torch).
         device: Device of the parameters.
         dtype: Dtype of the parameters.
     """
@@ -633,6 +648,7 @@ class TransformerEncoderBlock(Layer):
         bias: bool = False,
         *,
         keep_attention_weights: bool = True,
+        implementation: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -642,6 +658,7 @@ class TransformerEncoderBlock(Layer):
         self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
         self.num_heads, self.bias = num_heads, bool(bias)
         self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
         self.attention = MultiHeadAttention(h, num_heads, dropout, bias, q_in=h, k_in=h, v_in=h,
                                             **self._factory)
         self.addnorm1 = AddNorm(h, dropout, **self._factory)
@@ -661,7 +678,7 @@ class TransformerEncoderBlock(Layer):
         need = self.keep_attention_weights
         result: Any = transformer.transformer_encoder_block(
             X, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
-            return_weights=need, ops=ops,
+            return_weights=need, implementation=self.implementation, ops=ops,
         )
         out, self.attention_weights = result if need else (result, None)
         return out

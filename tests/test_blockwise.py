@@ -1,0 +1,201 @@
+"""The three ways of pooling (direct, blockwise, fused) give the float64 reference's numbers.
+
+Every reference case of ``DotProductAttention`` and ``MultiHeadAttention`` (every mask kind,
+fully masked rows and the edge shapes included) runs through the functional API with each
+implementation the backend has, with blocks made small enough that every case spans several
+query and key blocks with ragged tails. The reference files come from the direct float64
+path and are confirmed by the loop-by-loop code of ``tests/naive.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import attention_core as ac
+from attention_core import blockwise, masks
+from attention_core.attention import BLOCKWISE_MIN_SCORES, choose_implementation
+from backends.numpy.ops import OPS as NP
+from tests.harness import TOLERANCE, Harness, max_diff
+from tests.reference.cases import CASES, Case
+from tests.reference.generate import record
+
+#: ``(KEY_BLOCK, TILE_SCORES)``: one key and one query per tile; ragged key blocks of 4 with one
+#: query per tile; key blocks of 4 with all queries in one block.
+BLOCKINGS = {"1x1": (1, 1), "1x4": (4, 1), "Qx4": (4, 10**6)}
+
+
+def attention_cases() -> list[Any]:
+    return [pytest.param(c, id=f"{c.layer}-{c.name}") for c in CASES
+            if c.layer in ("DotProductAttention", "MultiHeadAttention")]
+
+
+def _inputs(h: Harness, case: Case) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    ref = record(case)
+    x = {k[6:]: h.array(v, "float32") for k, v in ref.items() if k.startswith("input.")}
+    w = {k[7:]: h.array(v, "float32") for k, v in ref.items() if k.startswith("weight.")}
+    kw = {k[5:]: (bool(v) if k == "call.causal" else h.array(v))
+          for k, v in ref.items() if k.startswith("call.")}
+    return x, w, kw
+
+
+def _run(case: Case, x: dict[str, Any], w: dict[str, Any], kw: dict[str, Any], impl: str) -> Any:
+    if case.layer == "DotProductAttention":
+        return ac.dot_product_attention(x["queries"], x["keys"], x["values"], implementation=impl,
+                                        **kw)
+    return ac.multi_head_attention(x["queries"], x["keys"], x["values"], w,
+                                   case.config["num_heads"], implementation=impl, **kw)
+
+
+@pytest.mark.parametrize("blocking", list(BLOCKINGS))
+@pytest.mark.parametrize("case", attention_cases())
+def test_every_implementation_matches_reference(backend: str, case: Case, blocking: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    key_block, tile = BLOCKINGS[blocking]
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", key_block)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", tile)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    h = Harness(backend)
+    x, w, kw = _inputs(h, case)
+    expected = record(case)["output.out"]
+    impls = ["direct", "blockwise"] + (["fused"] if hasattr(h.ops, "fused_attention") else [])
+    for impl in impls:
+        out = h.numpy(_run(case, x, w, kw, impl))
+        assert not np.isnan(out).any(), impl
+        assert max_diff(out, expected) <= TOLERANCE["float32"], impl
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_blockwise_in_every_dtype(backend: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(backend)
+    if dtype == "float64" and backend in ("jax", "mxnet"):
+        pytest.skip(f"{backend} runs float32 here")
+    if dtype != "float64" and backend not in ("numpy", "torch"):
+        pytest.skip("half precisions are exercised on numpy and torch")
+    if dtype == "bfloat16" and backend == "numpy":
+        pytest.skip("NumPy has no bfloat16 matmul")
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 3)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", 2 * 2 * 3)
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 2, n, 8)) for n in (7, 10, 10))
+    lens = np.array([0, 9])  # the first example sees nothing: zero rows, no NaN
+    expected = ac.dot_product_attention(q, k, v, lens, causal=True)
+    args = [h.array(a, dtype) for a in (q, k, v)]
+    out = h.numpy(ac.dot_product_attention(*args, h.array(lens), causal=True,
+                                           implementation="blockwise"))
+    assert not np.isnan(out).any()
+    assert np.all(out[0] == 0)
+    assert max_diff(out, expected) <= TOLERANCE[dtype] * 4
+
+
+def test_large_scores_and_far_apart_blocks(backend: str) -> None:
+    """Scores of a few hundred (exp overflows without the running max), the largest in the
+    last key block, so every earlier block is rescaled by exp(m - m') << 1."""
+    h = Harness(backend)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, 5, 4)) * 10
+    k = rng.standard_normal((1, 2, 2100, 4)) * 10
+    k[..., -1, :] = q[..., 0:1, :].mean(axis=2) * 3  # a dominant key at the very end
+    v = rng.standard_normal((1, 2, 2100, 3))
+    expected = ac.dot_product_attention(q, k, v, scale=1.0)
+    out = ac.dot_product_attention(*(h.array(a, "float32") for a in (q, k, v)), scale=1.0,
+                                   implementation="blockwise")
+    assert max_diff(h.numpy(out), expected) <= TOLERANCE["float32"] * 10
+
+
+def test_tiles_equal_slices_of_the_full_mask() -> None:
+    rng = np.random.default_rng(3)
+    B, H, Q, K = 2, 3, 9, 11
+    user = rng.random((B, 1, Q, K)) < 0.7
+    lens = rng.integers(0, K + 1, (B, Q))
+    vis = masks.Visibility(NP, (B, H, Q, K), lens, user, causal=True)
+    full = np.broadcast_to(vis.full(), (B, H, Q, K))
+    for q0, qn, k0, kn in [(0, Q, 0, K), (2, 3, 4, 5), (8, 1, 0, 1), (0, 4, 7, 4), (5, 4, 0, 11)]:
+        tile = np.broadcast_to(vis.tile(q0, qn, k0, kn), (B, H, qn, kn))
+        np.testing.assert_array_equal(tile, full[:, :, q0:q0 + qn, k0:k0 + kn])
+
+
+def test_known_lengths_skip_hidden_key_blocks() -> None:
+    """Keys past the longest valid length, or past the causal edge, are never visited."""
+    vis = masks.Visibility(NP, (2, 1, 8, 100), np.array([30, 70]))
+    assert vis.key_limit(0, 8) == 70
+    causal = masks.Visibility(NP, (1, 1, 8, 8), None, None, causal=True)
+    assert [causal.key_limit(q0, 2) for q0 in (0, 2, 6)] == [2, 4, 8]
+    assert masks.Visibility(NP, (1, 1, 4, 6), np.array([0])).key_limit(0, 4) == 1
+    # a tile wholly inside every length and below the causal edge needs no mask at all
+    both = masks.Visibility(NP, (2, 1, 8, 8), np.array([6, 8]), None, causal=True)
+    assert both.tile(4, 4, 0, 4) is None
+    assert both.tile(0, 4, 0, 4) is not None
+
+
+def test_the_rule() -> None:
+    class Fused:
+        name = "fake"
+
+        def fused_attention(self, *args: Any) -> Any:
+            raise AssertionError
+
+    small, large = (1, 1, 4, 4), (1, 8, 1024, 1024)
+    assert BLOCKWISE_MIN_SCORES <= 8 * 1024 * 1024
+    assert choose_implementation(NP, None, False, small) == "direct"
+    assert choose_implementation(NP, None, False, large) == "blockwise"
+    assert choose_implementation(NP, None, True, large) == "direct"
+    assert choose_implementation(Fused(), None, False, small) == "fused"  # type: ignore[arg-type]
+    assert choose_implementation(NP, "blockwise", False, small) == "blockwise"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"implementation": "flash"},
+     "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"),
+    ({"implementation": "blockwise", "return_weights": True},
+     "implementation='blockwise' never forms the attention weights: return_weights=True needs "
+     "implementation=None or 'direct'"),
+])
+def test_bad_implementation(backend: str, kwargs: dict[str, Any], message: str) -> None:
+    h = Harness(backend)
+    x = h.array(np.ones((1, 2, 3)), "float32")
+    with pytest.raises(ValueError) as err:
+        ac.dot_product_attention(x, x, x, **kwargs)
+    assert str(err.value) == message
+
+
+def test_fused_on_a_backend_without_a_kernel(backend: str) -> None:
+    h = Harness(backend)
+    if hasattr(h.ops, "fused_attention"):
+        pytest.skip(f"{backend} has a fused kernel")
+    x = h.array(np.ones((1, 2, 3)), "float32")
+    with pytest.raises(ValueError) as err:
+        ac.dot_product_attention(x, x, x, implementation="fused")
+    assert str(err.value) == (f"implementation='fused': the {h.ops.name} backend has no fused "
+                              "attention kernel; use None, 'direct' or 'blockwise'")
+
+
+def test_block_sizes_respect_the_tile_budget() -> None:
+    for bh, q, k in [(1, 128, 128), (8, 4096, 4096), (4, 65536, 65536), (64, 10, 100000)]:
+        qb, kb = blockwise.block_sizes(bh, q, k)
+        assert 1 <= qb <= q and 1 <= kb <= k
+        assert bh * qb * kb <= max(blockwise.TILE_SCORES, bh * blockwise.MIN_QUERY_BLOCK * kb)
+
+
+def test_layers_without_kept_weights_pool_blockwise(backend: str) -> None:
+    """A layer told not to keep its weights gives the same output and keeps None."""
+    h = Harness(backend)
+    layer_kw: dict[str, Any] = {"keep_attention_weights": False, "implementation": "blockwise"}
+    try:
+        fast = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2, **layer_kw})
+    except TypeError as err:
+        pytest.fail(f"{backend}: MultiHeadAttention has no keep_attention_weights/implementation: {err}")
+    slow = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2})
+    rng = np.random.default_rng(4)
+    x = h.array(rng.standard_normal((2, 5, 8)), "float32")
+    lens = h.array(np.array([2, 5]))
+    out_slow = h.call(slow, x, x, x, lens)
+    h.call(fast, x, x, x, lens)  # builds it
+    fast.set_weights(slow.get_weights())
+    out_fast = h.call(fast, x, x, x, lens)
+    assert max_diff(h.numpy(out_fast), h.numpy(out_slow)) <= TOLERANCE["float32"]
+    assert h.attention_weights(fast) is None
+    assert h.attention_weights(slow) is not None
