@@ -90,9 +90,11 @@ def blockwise_attention(
         mask = visible.tile(q0, qn, k0, kn)
         return s if mask is None else ops.where(mask, s, fill)
 
+    exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
+
     def weigh(s: Array, m: Array) -> Array:
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
-        return ops.exp(s - ops.where(m > fill, m, 0.0))
+        return exp_diff(s, ops.where(m > fill, m, 0.0))  # s is not read again
 
     def pool(p: Array, k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p

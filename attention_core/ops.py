@@ -202,3 +202,15 @@ class LoopOps(Ops, Protocol):
     def map_concat(self, fn: Callable[[Any], Array], n: int, axis: int) -> Array:
         """Returns ``np.concatenate([fn(i) for i in range(n)], axis)``; ``i`` may be a run-time scalar."""
         ...
+
+
+class InPlaceOps(Ops, Protocol):
+    """Optional: ops that can reuse a temporary's memory (NumPy, which has no autograd).
+
+    The blockwise path calls ``exp_diff`` on score tiles it never reads again, so a backend
+    may compute it in place and save a tile-sized allocation and a pass over memory.
+    """
+
+    def exp_diff(self, x: Array, y: Array) -> Array:
+        """Returns ``np.exp(x - y)`` (``y`` broadcast); may overwrite ``x`` with the result."""
+        ...

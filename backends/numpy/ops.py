@@ -51,6 +51,9 @@ class NumpyOps:
     def where(self, cond: Any, x: np.ndarray, y: Any) -> np.ndarray:
         return np.where(cond, x, np.asarray(y, dtype=x.dtype))
 
+    def exp_diff(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return np.exp(np.subtract(x, y, out=x), out=x)  # in place: see ops.InPlaceOps
+
     def logical_and(self, a: Any, b: Any) -> np.ndarray:
         return np.logical_and(a, b)
 
