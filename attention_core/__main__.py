@@ -1,9 +1,10 @@
-"""Command line: ``python -m attention_core {demo,info,matrix}``.
+"""Command line: ``python -m attention_core {demo,info,matrix,bench}``.
 
 ``demo`` runs the source chapter's example (batch 2, 4 queries, 100 hiddens, 5 heads,
 ``valid_lens`` [3, 2]) on a backend and prints what it computed; ``info`` lists the backends;
 ``matrix`` turns the test matrix's measurements (JSON files written by the test suite, one per
-backend) into a Markdown table and writes it into README.md between its markers.
+backend) into a Markdown table and writes it into README.md between its markers; ``bench``
+runs the benchmarks (:mod:`attention_core.bench.cli`), or merges their results into README.md.
 Errors are printed as one line and exit with status 2.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import registry
+from attention_core.bench import cli as bench_cli
 
 
 def _version(module: str) -> str | None:
@@ -265,8 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help=f"file to write the table into, between {MATRIX_START} and "
                                f"{MATRIX_END} (default: README.md)")
     p_matrix.add_argument("--stdout", action="store_true", help="print the table, write no file")
+    p_bench = sub.add_parser("bench", help="benchmarks: speed against the native layers, memory, "
+                                           "GEMM fraction (or --merge the results into README.md)")
+    bench_cli.configure(p_bench)
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            return bench_cli.run(args)
         if args.command == "demo":
             print(demo(args.backend))
         elif args.command == "matrix":

@@ -18,6 +18,7 @@ Shape legend: B batch, H heads, Q queries, K keys, D depth, Dv value depth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,13 +81,14 @@ def blockwise_attention(
     """
     B, H, Q, _ = ops.shape(queries)
     K = ops.shape(keys)[2]
-    auto_q, auto_k = block_sizes(B * H, Q, K)
+    batch_heads = math.prod(d if isinstance(d, int) else 1 for d in (B, H))  # unknown: 1
+    auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
     fill = FILL_VALUE[ops.dtype_name(queries)]
-    keys_t = ops.transpose(keys, (0, 1, 3, 2))  # (B, H, D, K)
 
     def scores(q: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        s = ops.matmul(q, ops.slice(keys_t, 3, k0, kn))  # (B, H, qn, kn)
+        k_t = ops.transpose(ops.slice(keys, 2, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
+        s = ops.matmul(q, k_t)  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
         return s if mask is None else ops.where(mask, s, fill)
 

@@ -193,7 +193,7 @@ class Visibility:
             Boolean, broadcastable to ``(B, H, qn, kn)``; None when nothing is masked.
         """
         ops, (_, _, Q, K) = self.ops, self.shape
-        static = isinstance(q0, int) and isinstance(k0, int)
+        static = all(isinstance(d, int) for d in (q0, k0, qn, kn, Q, K))
         parts = []
         shortest = None if self.lens_bounds is None else self.lens_bounds[0]
         if self.lens is not None and not (static and shortest is not None and k0 + kn <= shortest):
@@ -220,16 +220,27 @@ def _offset(ops: Ops, index: Array, start: Any) -> Array:
 
 def _rows(ops: Ops, x: Array, q0: Any, qn: int, Q: Any) -> Array:
     """Rows ``q0 : q0 + qn`` (axis 2) of a rank-4 array, unless that axis broadcasts."""
-    size = ops.shape(x)[2]
-    whole = isinstance(q0, int) and q0 == 0 and qn == Q
-    return x if size == 1 or whole else ops.slice(x, 2, q0, qn)
+    return x if _broadcasts(ops.shape(x)[2]) or _whole(q0, qn, Q) else ops.slice(x, 2, q0, qn)
 
 
 def _cols(ops: Ops, x: Array, k0: Any, kn: int, K: Any) -> Array:
     """Columns ``k0 : k0 + kn`` (axis 3) of a rank-4 array, unless that axis broadcasts."""
-    size = ops.shape(x)[3]
-    whole = isinstance(k0, int) and k0 == 0 and kn == K
-    return x if size == 1 or whole else ops.slice(x, 3, k0, kn)
+    return x if _broadcasts(ops.shape(x)[3]) or _whole(k0, kn, K) else ops.slice(x, 3, k0, kn)
+
+
+def _broadcasts(size: Any) -> bool:
+    """Whether an axis of this size broadcasts (size 1 known now; a run-time size never)."""
+    return isinstance(size, int) and size == 1
+
+
+def _whole(start: Any, size: Any, total: Any) -> bool:
+    """Whether ``start : start + size`` is the whole axis of length ``total``, as known now.
+
+    ``size`` and ``total`` may be the same run-time tensor (``full()`` under tracing).
+    """
+    if not (isinstance(start, int) and start == 0):
+        return False
+    return size is total or (isinstance(size, int) and isinstance(total, int) and size == total)
 
 
 def combine(

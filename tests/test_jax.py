@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import attention_core as ac
 import backends.jax as bj
 import backends.numpy as numpy_layers
+from attention_core import blockwise, checks
+from attention_core.attention import choose_implementation
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
 from tests.reference.cases import MASK_KINDS
@@ -461,6 +463,229 @@ def test_bfloat16_fully_masked_row_is_zero_under_jit() -> None:
     assert out.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
     assert bool(jnp.isfinite(out).all())
     np.testing.assert_array_equal(np.asarray(w[0], np.float32), 0.0)
+
+
+# -- implementations: blockwise loops, the fused kernel, the layers' choice ---------------------
+
+#: ``(B, H, Q, K, D)`` spanning two full query blocks and a tail, and a first key block, two
+#: more in the compiled loop and a tail, with the blocks of :func:`small_blocks`.
+SHAPE = (2, 2, 7, 15, 4)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 3 queries and 4 keys for ``B * H = 4``, so small inputs span several."""
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 4)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", 4 * 3 * 4)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+
+
+def masking(kind: str) -> dict[str, Any]:
+    """Call arguments of one mask kind for :data:`SHAPE` (the fully masked rows included)."""
+    B, H, Q, K, _ = SHAPE
+    rng = np.random.default_rng(11)
+    lens_2d = jnp.asarray(rng.integers(0, K + 1, (B, Q)).astype(np.int32)).at[0, 3].set(0)
+    row_mask = jnp.asarray(rng.random((B, Q, K)) < 0.6).at[1, 2].set(False)
+    return {
+        "none": {},
+        "valid_lens_1d": {"valid_lens": jnp.array([0, 9])},
+        "valid_lens_2d": {"valid_lens": lens_2d},
+        "mask_2d": {"mask": jnp.asarray(rng.random((Q, K)) < 0.5).at[4].set(False)},
+        "mask_3d": {"mask": row_mask},
+        "mask_4d": {"mask": jnp.asarray(rng.random((B, H, Q, K)) < 0.5).at[0, 1, 6].set(False)},
+        "causal": {"causal": True},
+        "combined": {"valid_lens": lens_2d, "mask": row_mask, "causal": True},
+    }[kind]
+
+
+MASKINGS = ["none", "valid_lens_1d", "valid_lens_2d", "mask_2d", "mask_3d", "mask_4d", "causal",
+            "combined"]
+
+
+def attend_jitted(implementation: str, **kwargs: Any) -> Any:
+    """``dot_product_attention`` under ``jax.jit``, masks as traced arguments."""
+    causal = kwargs.pop("causal", False)
+
+    @jax.jit
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, kw: dict[str, Any]) -> Any:
+        return ac.dot_product_attention(q, k, v, causal=causal, implementation=implementation,
+                                        **kw)
+    return lambda q, k, v: run(q, k, v, kwargs)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("kind", MASKINGS)
+def test_jitted_blockwise_and_fused_equal_direct(kind: str) -> None:
+    B, H, Q, K, D = SHAPE
+    q, k, v = draw((B, H, Q, D), (B, H, K, D), (B, H, K, 3 * D), seed=6)
+    kw = masking(kind)
+    direct = attend_jitted("direct", **kw)(q, k, v)
+    vis = naive.visible(B, H, Q, K, kw.get("valid_lens"), kw.get("mask"), kw.get("causal", False))
+    assert np.all(np.asarray(direct)[~vis.any(-1)] == 0.0)
+    for implementation, dv in (("blockwise", 3 * D), ("fused", D)):  # the kernel needs Dv == D
+        got = attend_jitted(implementation, **kw)(q, k, v[..., :dv])
+        assert bool(jnp.isfinite(got).all())
+        assert diff(got, direct[..., :dv]) <= TOL, implementation
+
+
+def test_the_blockwise_loops_are_compiled_not_unrolled(small_blocks: None) -> None:
+    def jaxpr(n: int) -> str:
+        q, k = draw((1, 4, n, 4), (1, 4, n, 4))
+
+        def f(q: jax.Array, k: jax.Array) -> Any:
+            return ac.dot_product_attention(q, k, k, causal=True, implementation="blockwise")
+        return str(jax.make_jaxpr(f)(q, k))
+
+    short, long = jaxpr(13), jaxpr(61)  # 4 query x 3 key blocks, then 20 x 15
+    assert "scan" in long or "while" in long
+    assert long.count("dot_general") == short.count("dot_general") <= 12
+
+
+def test_blockwise_gradient_equals_the_direct_gradient(small_blocks: None) -> None:
+    B, H, Q, K, D = SHAPE
+    q, k, v, ct = draw((B, H, Q, D), (B, H, K, D), (B, H, K, D), (B, H, Q, D), seed=7)
+    kw = masking("combined")
+
+    def grads(implementation: str) -> Any:
+        def f(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            out = ac.dot_product_attention(q, k, v, implementation=implementation, **kw)
+            return jnp.sum(out * ct)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+    direct = grads("direct")
+    for implementation in ("blockwise", "fused"):
+        got = grads(implementation)
+        assert all(bool(jnp.isfinite(g).all()) for g in got)
+        assert tree_diff(got, direct) <= TOL, implementation
+
+
+def test_the_kernel_averages_rows_with_no_visible_key_so_the_core_zeroes_them() -> None:
+    q, k, v = draw((1, 2, 1, 4), (1, 3, 1, 4), (1, 3, 1, 4))
+    mask = jnp.array([[True, False, True], [False, False, False]])[None, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    assert diff(out[0, 1], v[0].mean(0)) <= TOL  # (B, T, N, H): the empty row is the mean
+    assert bj.OPS.fused_zeroes_empty_rows is False
+    lens = jnp.array([0])
+    fused = ac.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), lens,
+                                     implementation="fused")
+    np.testing.assert_array_equal(np.asarray(fused), 0.0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the rule measured on CPU")
+def test_the_automatic_choice_on_cpu_never_takes_the_measured_slower_kernel() -> None:
+    for shape in [(1, 1, 8, 8), (1, 8, 512, 512), (1, 8, 4096, 4096)]:
+        assert not bj.OPS.prefers_fused(shape)
+    assert choose_implementation(bj.OPS, None, False, (1, 8, 128, 128)) == "direct"
+    assert choose_implementation(bj.OPS, None, False, (1, 4, 16384, 16384)) == "blockwise"
+
+
+@pytest.mark.parametrize(("dropout", "dv"), [(0.5, 4), (0.0, 3)])
+def test_fused_without_a_kernel_for_the_call_is_the_direct_path(dropout: float, dv: int) -> None:
+    """jax.nn.dot_product_attention has no dropout and needs Dv == D: the direct path then,
+    with the same dropout draws."""
+    q, k, v = draw((2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, dv), seed=9)
+
+    def run(implementation: str) -> Any:
+        return jax.jit(lambda key: ac.dot_product_attention(
+            q, k, v, jnp.array([2, 6]), dropout=dropout, implementation=implementation,
+            ops=bj.JaxOps(rng=key)))(jax.random.PRNGKey(3))
+
+    np.testing.assert_array_equal(np.asarray(run("fused")), np.asarray(run("direct")))
+
+
+def test_loop_hooks_equal_python_loops() -> None:
+    ops = bj.JaxOps()
+    parts = draw((2, 3, 4), (2, 3, 4), (2, 3, 4), seed=2)
+    stacked = jnp.stack(parts)
+    for axis in range(3):
+        got = jax.jit(lambda s, a=axis: ops.map_concat(lambda i: s[i], 3, a))(stacked)
+        np.testing.assert_array_equal(np.asarray(got), np.concatenate(parts, axis))
+    total = jax.jit(lambda s: ops.fold(lambda i, c: (c[0] + s[i] * i,), (jnp.zeros((2, 3, 4)),),
+                                       3))(stacked)
+    assert diff(total[0], parts[1] + 2 * parts[2]) <= TOL
+
+
+def test_dropout_inside_the_loops_draws_a_new_mask_per_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``V = I`` the output rows are the dropped weights ``w * keep / (1 - p)``."""
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 8)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", 8 * 8)
+    Q = K = 64  # 8 query blocks (compiled map) x 8 key blocks (the first, then a compiled fold)
+    q, k = draw((1, 1, Q, 4), (1, 1, K, 4), seed=10)
+    v = jnp.eye(K)[None, None]
+
+    @jax.jit
+    def run(key: jax.Array) -> jax.Array:
+        ops = bj.JaxOps(rng=key)
+        return ac.dot_product_attention(q, k, v, dropout=0.5, implementation="blockwise", ops=ops)
+
+    w = ac.dot_product_attention(q, k, v, return_weights=True)[1]
+    out = run(jax.random.PRNGKey(0))
+    ratio = np.asarray(out, np.float64)[0, 0] / np.asarray(w)[0, 0]
+    keep = np.isclose(ratio, 2.0, rtol=1e-4)
+    assert np.all(keep | np.isclose(ratio, 0.0, atol=1e-6))
+    tiles = keep.reshape(8, 8, 8, 8).transpose(0, 2, 1, 3).reshape(64, 64)  # one row per tile
+    assert len({t.tobytes() for t in tiles}) == 64  # every tile its own mask
+    assert abs(keep.mean() - 0.5) < 0.03 and abs(ratio.mean() - 1.0) < 0.06
+    np.testing.assert_array_equal(np.asarray(run(jax.random.PRNGKey(0))), np.asarray(out))
+    assert diff(run(jax.random.PRNGKey(1)), out) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["DotProductAttention", "MultiHeadAttention"])
+def test_layers_form_the_weights_only_where_they_are_kept(name: str) -> None:
+    """A blockwise layer runs wherever the weights are not needed; where they are (returned,
+    or kept in a mutable 'intermediates'), the core refuses the blockwise path."""
+    q, kv = draw((2, 4, 8), (2, 5, 8), seed=12)
+    lens = jnp.array([2, 5])
+
+    def make(**kw: Any) -> Any:
+        return getattr(bj, name)(*((8, 2) if name == "MultiHeadAttention" else ()), **kw)
+
+    plain = make()
+    variables = plain.init(KEY, q, kv, kv, lens)
+    reference = plain.apply(variables, q, kv, kv, lens)
+    kept = plain.apply(variables, q, kv, kv, lens, mutable=["intermediates"])[1]
+    assert kept["intermediates"]["attention_weights"][0].shape == (2, 2 if len(variables) else 1, 4, 5)
+    fast = make(implementation="blockwise")
+    assert diff(jax.jit(lambda v: fast.apply(v, q, kv, kv, lens))(variables), reference) <= TOL
+    with pytest.raises(ValueError, match="never forms the attention weights"):
+        fast.apply(variables, q, kv, kv, lens, mutable=["intermediates"])
+    with pytest.raises(ValueError, match="never forms the attention weights"):
+        fast.apply(variables, q, kv, kv, lens, return_attention=True)
+    unkept = make(implementation="blockwise", keep_attention_weights=False)
+    out, state = unkept.apply(variables, q, kv, kv, lens, mutable=["intermediates"])
+    assert diff(out, reference) <= TOL and "intermediates" not in state
+    out, w = make(keep_attention_weights=False).apply(variables, q, kv, kv, lens,
+                                                      return_attention=True)
+    assert diff(out, reference) <= TOL and w.shape[-2:] == (4, 5)
+
+
+def test_encoder_block_keeps_weights_only_when_mutable_and_asked(block: Any) -> None:
+    layer, variables, X = block
+    lens = jnp.array([3, 5])
+    reference, state = layer.apply(variables, X, lens, mutable=["intermediates"])
+    assert state["intermediates"]["attention_weights"][0].shape == (2, 2, 5, 5)
+    for kw in ({"implementation": "blockwise"}, {"implementation": "fused"},
+               {"keep_attention_weights": False}):
+        other = bj.TransformerEncoderBlock(8, 16, 2, dropout=0.3, bias=True, **kw)
+        assert diff(jax.jit(lambda v, o=other: o.apply(v, X, lens))(variables), reference) <= TOL
+    unkept = bj.TransformerEncoderBlock(8, 16, 2, bias=True, keep_attention_weights=False)
+    assert "intermediates" not in unkept.apply(variables, X, lens, mutable=["intermediates"])[1]
+
+
+@pytest.mark.parametrize("name", ["DotProductAttention", "MultiHeadAttention",
+                                  "TransformerEncoderBlock"])
+def test_layers_check_the_implementation_like_every_backend(name: str) -> None:
+    args = {"DotProductAttention": (), "MultiHeadAttention": (8, 2),
+            "TransformerEncoderBlock": (8, 16, 2)}[name]
+    with pytest.raises(ValueError) as err:
+        getattr(bj, name)(*args, implementation="flash")
+    with pytest.raises(ValueError) as expected:
+        checks.check_implementation("flash")
+    assert str(err.value) == str(expected.value)
+    assert str(err.value) == (
+        "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'")
 
 
 # -- configuration ------------------------------------------------------------------------------

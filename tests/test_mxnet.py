@@ -23,6 +23,7 @@ from mxnet import autograd
 import attention_core as ac
 import backends.mxnet as gluon_layers
 import backends.numpy as numpy_layers
+from attention_core import blockwise
 from attention_core import weights as W
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.hooks import mxnet_hooks
@@ -392,3 +393,141 @@ def test_harness_layers_are_initialised_gluon_blocks() -> None:
     assert isinstance(layer, mx.gluon.HybridBlock)
     assert {p.dtype for p in layer.collect_params().values()} == {"float64"}
     assert repr(layer) == "MultiHeadAttention(num_hiddens=8, num_heads=2, dropout=0.0, bias=False)"
+
+
+# -- the blockwise path: imperative and hybridized, equal to the direct path ------------------
+
+#: Ragged blocks: 13 queries in blocks of 4 (3 full and 1), 19 keys in blocks of 5 (3 and 4).
+BB, BH, BQ, BK = 2, 3, 13, 19
+BLOCK_KINDS = (*MASK_KINDS, "combined")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 4 queries and 5 keys, so the loops run several times with a ragged tail."""
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", BB * BH * 4 * 5)
+
+
+def block_masks(kind: str) -> dict[str, Any]:
+    rng = np.random.default_rng(len(kind))
+    if kind == "combined":  # every way of masking at once, ANDed
+        drawn = {**mask_arguments("valid_lens_2d", rng, BH, BQ, BK, BB),
+                 **mask_arguments("mask_3d", rng, BH, BQ, BK, BB), "causal": True}
+    else:
+        drawn = mask_arguments(kind, rng, BH, BQ, BK, BB)
+    return {name: x if name == "causal" else arr(x) for name, x in drawn.items()}
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_blockwise_equals_direct(small_blocks: None, kind: str) -> None:
+    q, k, v = (arr(x) for x in draw((BB, BH, BQ, 8), (BB, BH, BK, 8), (BB, BH, BK, 5)))
+    masks = block_masks(kind)
+    got = ac.dot_product_attention(q, k, v, implementation="blockwise", **masks).asnumpy()
+    direct, weights = ac.dot_product_attention(q, k, v, return_weights=True, **masks)
+    assert np.isfinite(got).all()
+    assert max_diff(got, direct.asnumpy()) <= TOLERANCE["float32"]
+    empty = weights.asnumpy().sum(axis=-1) == 0  # (B, H, Q): rows with no visible key
+    assert empty.any() or kind != "fully_masked_row"
+    np.testing.assert_array_equal(got[empty], 0.0)
+
+
+def light_and_kept(implementation: str | None = "blockwise") -> tuple[Any, Any]:
+    """Two multi-head layers with the same weights: one keeps its weights, one does not."""
+    kept = gluon_layers.MultiHeadAttention(12, BH)
+    light = gluon_layers.MultiHeadAttention(12, BH, keep_attention_weights=False,
+                                            implementation=implementation)
+    for layer in (kept, light):
+        layer.initialize()
+    x = arr(draw((BB, BQ, 10))[0])
+    y = arr(draw((BB, BK, 10), seed=1)[0])
+    kept(x, y, y)
+    light.set_weights(kept.get_weights())
+    return kept, light
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_hybridized_blockwise_layer_equals_direct(small_blocks: None, kind: str) -> None:
+    """Under hybridize() the blockwise loops are unrolled into the graph: same numbers."""
+    kept, light = light_and_kept()
+    light.hybridize()
+    x = arr(draw((BB, BQ, 10))[0])
+    y = arr(draw((BB, BK, 10), seed=1)[0])
+    masks = block_masks(kind)
+    want = kept(x, y, y, **masks).asnumpy()
+    for _ in range(2):  # builds the graph, then runs the cached one
+        got = light(x, y, y, **masks).asnumpy()
+        assert light.attention_weights is None
+        assert np.isfinite(got).all()
+        assert max_diff(got, want) <= TOLERANCE["float32"]
+    assert light._cached_op is not None
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_blockwise_gradients_equal_direct(small_blocks: None, hybridize: bool) -> None:
+    kept, light = light_and_kept()
+    if hybridize:
+        light.hybridize()
+    x, y = arr(draw((BB, BQ, 10))[0]), arr(draw((BB, BK, 10), seed=1)[0])
+    masks = block_masks("combined")
+    ct = arr(draw((BB, BQ, 12), seed=2)[0])
+    grads = []
+    for layer in (kept, light):
+        inputs = [x.copy(), y.copy()]
+        for a in inputs:
+            a.attach_grad()
+        with autograd.record():
+            out = layer(inputs[0], inputs[1], inputs[1], **masks)
+            loss = (out * ct).sum()
+        loss.backward()
+        params = layer.canonical_params()
+        grads.append({"x": inputs[0].grad.asnumpy(), "y": inputs[1].grad.asnumpy(),
+                      **{n: p.grad().asnumpy() for n, p in params.items()}})
+    for name, g in grads[0].items():
+        assert max_diff(grads[1][name], g) <= TOLERANCE["float32"], name
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+@pytest.mark.parametrize("layer", ["DotProductAttention", "MultiHeadAttention",
+                                   "TransformerEncoderBlock"])
+def test_layers_not_keeping_weights(small_blocks: None, layer: str, hybridize: bool) -> None:
+    config = {"DotProductAttention": {}, "MultiHeadAttention": {"num_hiddens": 8, "num_heads": 2},
+              "TransformerEncoderBlock": {"num_hiddens": 8, "ffn_num_hiddens": 6,
+                                          "num_heads": 2}}[layer]
+    cls = getattr(gluon_layers, layer)
+    kept = cls(**config)
+    light = cls(**config, keep_attention_weights=False, implementation="blockwise")
+    X = arr(draw((BB, BK, 8))[0])
+    lens = arr(np.array([5, BK], np.int32))
+
+    def call(m: Any, **kwargs: Any) -> Any:
+        if layer == "TransformerEncoderBlock":
+            return m(X, lens)
+        return m(X, X, X, lens, **kwargs)
+
+    kept.initialize()
+    want = call(kept).asnumpy()
+    light.initialize()
+    light.set_weights(kept.get_weights())
+    if hybridize:
+        light.hybridize()
+    assert kept.attention_weights is not None
+    got = call(light)
+    assert light.attention_weights is None
+    assert max_diff(got.asnumpy(), want) <= TOLERANCE["float32"]
+    if layer != "TransformerEncoderBlock":  # asked for, the weights come from the direct path
+        _, weights = call(light, return_attention=True)
+        assert max_diff(weights.asnumpy(), kept.attention_weights.asnumpy()) == 0.0
+        assert light.attention_weights is weights
+    assert "keep_attention_weights=False, implementation='blockwise'" in repr(light)
+
+
+@pytest.mark.parametrize("layer, args", [("DotProductAttention", ()),
+                                         ("MultiHeadAttention", (8, 2)),
+                                         ("TransformerEncoderBlock", (8, 6, 2))])
+def test_invalid_implementation_gives_the_core_message(layer: str, args: tuple[int, ...]) -> None:
+    message = "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"
+    with pytest.raises(ValueError) as err:
+        getattr(gluon_layers, layer)(*args, implementation="flash")
+    assert str(err.value) == message

@@ -26,6 +26,8 @@ import tensorflow as tf
 import attention_core as ac
 import backends.numpy as numpy_layers
 import backends.tensorflow as keras_layers
+from attention_core import attention, blockwise
+from backends.tensorflow.ops import OPS, TensorFlowOps
 from tests.harness import TOLERANCE, max_diff
 from tests.reference.cases import MASK_KINDS, mask_arguments
 from tests.reference.generate import load
@@ -238,10 +240,18 @@ CONFIGS = [
     ("TransformerEncoderBlock", {"num_hiddens": 6, "ffn_num_hiddens": 10, "num_heads": 2,
                                  "dropout": 0.1, "bias": False}),
     ("NadarayaWatson", {"parametric": True}),
+    ("DotProductAttention", {"dropout": 0.0, "keep_attention_weights": False,
+                             "implementation": "blockwise"}),
+    ("MultiHeadAttention", {"num_hiddens": 12, "num_heads": 3, "dropout": 0.0, "bias": False,
+                            "keep_attention_weights": False, "implementation": "direct"}),
+    ("TransformerEncoderBlock", {"num_hiddens": 6, "ffn_num_hiddens": 10, "num_heads": 2,
+                                 "dropout": 0.0, "bias": False, "keep_attention_weights": False,
+                                 "implementation": "blockwise"}),
 ]
 
 
-@pytest.mark.parametrize("layer, config", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("layer, config", CONFIGS,
+                         ids=[f"{c[0]}-{len(c[1])}" for c in CONFIGS])
 def test_config_round_trip(layer: str, config: dict[str, Any]) -> None:
     cls = getattr(keras_layers, layer)
     original = cls(**config, name="original", dtype="float64")
@@ -385,3 +395,190 @@ def test_unknown_input_width_cannot_build() -> None:
         fn(np.ones((1, 2, 4), np.float32))
     assert not layer.built and not layer.weights
     assert layer(*[np.ones((1, 2, 3), np.float32)] * 3).shape == (1, 2, 8)
+
+
+# -- the blockwise path: tf.while_loop under tf.function and XLA, equal to the direct path ----
+
+#: Ragged blocks: 13 queries in blocks of 4 (3 full and 1), 19 keys in blocks of 5 (3 and 4).
+BQ, BH, BLQ, BLK, DEPTH = 2, 3, 13, 19, 8
+BLOCK_KINDS = (*MASK_KINDS, "combined")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 4 queries and 5 keys, so the loops run several times with a ragged tail."""
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", BQ * BH * 4 * 5)
+
+
+def block_masks(kind: str, q: int = BLQ, k: int = BLK) -> dict[str, Any]:
+    rng = np.random.default_rng(len(kind))
+    if kind == "combined":  # every way of masking at once, ANDed
+        return {**mask_arguments("valid_lens_2d", rng, BH, q, k, BQ),
+                **mask_arguments("mask_3d", rng, BH, q, k, BQ), "causal": True}
+    return mask_arguments(kind, rng, BH, q, k, BQ)
+
+
+def block_inputs(q: int = BLQ, k: int = BLK) -> list[tf.Tensor]:
+    shapes = (BQ, BH, q, DEPTH), (BQ, BH, k, DEPTH), (BQ, BH, k, 5)
+    return [tf.constant(x) for x in draw(*shapes, seed=q + k)]
+
+
+def pooled(implementation: str, q: Any, k: Any, v: Any, masks: dict[str, Any]) -> tf.Tensor:
+    return attention.dot_product_attention(q, k, v, implementation=implementation, ops=OPS,
+                                           **masks)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_blockwise_equals_direct(small_blocks: None, kind: str, mode: str) -> None:
+    q, k, v = block_inputs()
+    masks = {name: tf.constant(x) if name != "causal" else x
+             for name, x in block_masks(kind).items()}
+    direct = pooled("direct", q, k, v, masks).numpy()
+    run = pooled if mode == "eager" else tf.function(pooled, autograph=False)
+    got = run("blockwise", q, k, v, masks).numpy()
+    assert np.isfinite(got).all()
+    assert max_diff(got, direct) <= TOLERANCE["float32"]
+    _, weights = attention.dot_product_attention(q, k, v, return_weights=True, ops=OPS, **masks)
+    empty = weights.numpy().sum(axis=-1) == 0  # (B, H, Q): rows with no visible key
+    assert empty.any() or kind != "fully_masked_row"
+    np.testing.assert_array_equal(got[empty], 0.0)
+
+
+@pytest.mark.parametrize("kind", ["valid_lens_2d", "mask_4d", "combined"])
+def test_blockwise_under_xla(small_blocks: None, kind: str) -> None:
+    q, k, v = block_inputs()
+    masks = {name: tf.constant(x) if name != "causal" else x
+             for name, x in block_masks(kind).items()}
+    direct = pooled("direct", q, k, v, masks).numpy()
+    compiled = tf.function(pooled, jit_compile=True, autograph=False)
+    assert max_diff(compiled("blockwise", q, k, v, masks).numpy(), direct) <= TOLERANCE["float32"]
+
+
+def graph_op_types(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, lens: tf.Tensor) -> list[str]:
+    traced = tf.function(lambda q, k, v, lens: pooled("blockwise", q, k, v, {"valid_lens": lens}),
+                         autograph=False)
+    return [op.type for op in traced.get_concrete_function(q, k, v, lens).graph.get_operations()]
+
+
+def test_blockwise_graph_is_a_loop_not_unrolled(small_blocks: None) -> None:
+    """The traced graph holds While loops and has the same size for 4x longer sequences."""
+    sizes = []
+    for n in (24, 96):  # 6 and 24 query blocks, 5 and 20 key blocks (a few x 4 or 5 for each)
+        q, k, v = block_inputs(n, n)
+        types = graph_op_types(q, k, v, tf.constant([n - 3, n], tf.int32))
+        assert {"While", "StatelessWhile"} & set(types), sorted(set(types))
+        sizes.append(len(types))
+    assert sizes[0] == sizes[1]
+
+
+def test_blockwise_with_an_unknown_batch(small_blocks: None) -> None:
+    q, k, v = block_inputs()
+    lens = tf.constant([7, BLK], tf.int32)
+    specs = [tf.TensorSpec([None, *x.shape[1:]], x.dtype) for x in (q, k, v)]
+    traced = tf.function(lambda q, k, v, lens: pooled("blockwise", q, k, v, {"valid_lens": lens}),
+                         input_signature=[*specs, tf.TensorSpec([None], tf.int32)])
+    direct = pooled("direct", q, k, v, {"valid_lens": lens}).numpy()
+    assert max_diff(traced(q, k, v, lens).numpy(), direct) <= TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_blockwise_gradients_equal_direct(small_blocks: None, mode: str) -> None:
+    q, k, v = block_inputs()
+    masks = {name: tf.constant(x) if name != "causal" else x
+             for name, x in block_masks("combined").items()}
+    ct = tf.constant(draw((BQ, BH, BLQ, 5), seed=9)[0])
+
+    def grads(implementation: str, q: Any, k: Any, v: Any) -> list[tf.Tensor]:
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            loss = tf.reduce_sum(pooled(implementation, q, k, v, masks) * ct)
+        return list(tape.gradient(loss, [q, k, v]))
+
+    run = grads if mode == "eager" else tf.function(grads, autograph=False)
+    for got, want in zip(run("blockwise", q, k, v), grads("direct", q, k, v), strict=True):
+        assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
+
+
+def test_dropout_in_loops_draws_fresh_masks_each_iteration() -> None:
+    """``keras.random.dropout`` with a SeedGenerator inside tf.while_loop: new masks per step."""
+    ops = TensorFlowOps(keras.random.SeedGenerator(3))
+    n = 6
+
+    @tf.function
+    def masks() -> tuple[tf.Tensor, tf.Tensor]:
+        mapped = ops.map_concat(lambda i: ops.dropout(tf.ones((1, 64)), 0.5), n, 0)
+
+        def step(i: Any, carry: tuple[tf.Tensor]) -> tuple[tf.Tensor]:
+            row = tf.one_hot(i, n)[:, None] * ops.dropout(tf.ones((1, 64)), 0.5)
+            return (carry[0] + row,)
+
+        (folded,) = ops.fold(step, (tf.zeros((n, 64)),), n)
+        return mapped, folded
+
+    first, second = masks(), masks()
+    for rows in (*first, *second):
+        assert set(np.unique(rows.numpy())) == {0.0, 2.0}
+        assert len({r.tobytes() for r in rows.numpy()}) == n  # every iteration its own mask
+    assert not np.array_equal(first[0].numpy(), second[0].numpy())  # and every call
+
+
+def test_blockwise_dropout_in_a_layer_under_tf_function(small_blocks: None) -> None:
+    keras.utils.set_random_seed(0)
+    layer = keras_layers.DotProductAttention(0.5, keep_attention_weights=False,
+                                             implementation="blockwise")
+    q, k, v = draw((BQ, BLQ, DEPTH), (BQ, BLK, DEPTH), (BQ, BLK, 1), seed=1)
+    v = np.ones_like(v)  # each output is then the sum of the kept weights, 0 or 2 each
+    step = tf.function(lambda: layer(q, k, v, training=True))
+    outs = [step().numpy() for _ in range(2)]
+    assert not np.allclose(outs[0], outs[1])
+    assert 0.5 < float(np.mean(outs[0])) < 1.5  # inverted dropout keeps the mean near 1
+
+
+# -- keep_attention_weights and implementation on the layers -----------------------------------
+
+
+@pytest.mark.parametrize("layer", ["DotProductAttention", "MultiHeadAttention",
+                                   "TransformerEncoderBlock"])
+def test_layers_not_keeping_weights(small_blocks: None, layer: str) -> None:
+    config = {"DotProductAttention": {}, "MultiHeadAttention": {"num_hiddens": 8, "num_heads": 2},
+              "TransformerEncoderBlock": {"num_hiddens": 8, "ffn_num_hiddens": 6,
+                                          "num_heads": 2}}[layer]
+    cls = getattr(keras_layers, layer)
+    kept = cls(**config)
+    light = cls(**config, keep_attention_weights=False, implementation="blockwise")
+    X = draw((BQ, BLK, 8))[0]
+    lens = np.array([5, BLK], np.int32)
+    want = kept(X, lens) if layer == "TransformerEncoderBlock" else kept(X, X, X, lens)
+    light.set_weights(kept.get_weights())
+    assert kept.attention_weights is not None
+    for run in (lambda f: f(), lambda f: tf.function(f)()):
+        if layer == "TransformerEncoderBlock":
+            got = run(lambda: light(X, lens))
+        else:
+            got = run(lambda: light(X, X, X, lens))
+        assert light.attention_weights is None
+        assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
+    if layer != "TransformerEncoderBlock":  # asked for, the weights come from the direct path
+        _, weights = light(X, X, X, lens, return_attention=True)
+        assert max_diff(weights.numpy(), kept.attention_weights.numpy()) == 0.0
+        assert light.attention_weights is weights
+
+
+@pytest.mark.parametrize("layer, args", [("DotProductAttention", ()),
+                                         ("MultiHeadAttention", (8, 2)),
+                                         ("TransformerEncoderBlock", (8, 6, 2))])
+def test_invalid_implementation_gives_the_core_message(layer: str, args: tuple[int, ...]) -> None:
+    message = "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"
+    with pytest.raises(ValueError) as err:
+        getattr(keras_layers, layer)(*args, implementation="flash")
+    assert str(err.value) == message
+
+
+def test_fused_is_refused_by_the_core_on_first_use() -> None:
+    layer = keras_layers.DotProductAttention(keep_attention_weights=False, implementation="fused")
+    X = draw((1, 2, 4))[0]
+    with pytest.raises(ValueError, match="the tensorflow backend has no fused attention kernel"):
+        layer(X, X, X)

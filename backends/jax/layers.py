@@ -17,6 +17,14 @@ Calls take ``training: bool = False`` (static under ``jax.jit``). With ``trainin
 dropout rate above 0, dropout draws from the ``'dropout'`` rng (``rngs={"dropout": key}``).
 Attention weights, before dropout, are ``sow``n into ``'intermediates'`` as
 ``attention_weights``; ``return_attention=True`` also returns them.
+
+``DotProductAttention``, ``MultiHeadAttention`` and ``TransformerEncoderBlock`` form the
+``(B, H, Q, K)`` weights only when they are used: when ``return_attention=True``, or when
+``keep_attention_weights=True`` (the default) and ``'intermediates'`` is mutable
+(``apply(..., mutable=["intermediates"])``), since sowing into an immutable collection keeps
+nothing. Other calls pool by ``implementation`` (a field; None lets the core choose between
+the direct and the blockwise path, see :func:`attention_core.attention.choose_implementation`),
+never forming the weights on the blockwise path.
 """
 
 from __future__ import annotations
@@ -238,6 +246,8 @@ class Layer(nn.Module):
         """Checks the constructor arguments (as the other backends' constructors do)."""
         if hasattr(self, "dropout"):
             checks.check_dropout(self.dropout)
+        if hasattr(self, "implementation"):
+            checks.check_implementation(self.implementation)
         self.spec()
 
     def spec(self, **dims: int | None) -> W.Spec:
@@ -273,7 +283,27 @@ class Layer(nn.Module):
             return JaxOps(rng=self.make_rng("dropout")), rate
         return OPS, 0.0
 
-    def _keep_attention(self, out: Array, attn: Array, return_attention: bool) -> Any:
+    def _pooling(self, return_attention: bool) -> dict[str, Any]:
+        """``return_weights`` and ``implementation`` for the core.
+
+        The weights are formed only when returned, or kept (``keep_attention_weights``) where a
+        sow would keep them: a sow into an immutable ``'intermediates'`` keeps nothing.
+        """
+        keep = getattr(self, "keep_attention_weights", True)
+        need = return_attention or (keep and self.is_mutable_collection("intermediates"))
+        return {"return_weights": need, "implementation": getattr(self, "implementation", None)}
+
+    def _keep_attention(self, result: Any, need: bool, return_attention: bool) -> Any:
+        """Sows the weights of a result that has them and returns the output.
+
+        Args:
+            result: ``(out, weights)`` when ``need``, else ``out``.
+            need: Whether the weights were formed.
+            return_attention: Return ``(out, weights)`` rather than ``out``.
+        """
+        if not need:
+            return result
+        out, attn = result
         self.sow("intermediates", "attention_weights", attn)
         return (out, attn) if return_attention else out
 
@@ -312,11 +342,12 @@ class _Attention(Layer):
         attention.check_projected_inputs(OPS, queries, keys, values)
         weights = self._weights(**self._input_sizes(queries, keys, values))
         ops, rate = self._ops(training)
-        out, attn = self._attend(
+        pooling = self._pooling(return_attention)
+        result = self._attend(
             weights, queries, keys, values, valid_lens, mask=mask, causal=causal,
-            dropout=rate, return_weights=True, ops=ops,
+            dropout=rate, ops=ops, **pooling,
         )
-        return self._keep_attention(out, attn, return_attention)
+        return self._keep_attention(result, pooling["return_weights"], return_attention)
 
     def _input_sizes(self, queries: Array, keys: Array, values: Array) -> dict[str, int]:
         return {}
@@ -331,10 +362,18 @@ class DotProductAttention(_Attention):
     Attributes:
         dropout: Dropout rate on the attention weights when ``training=True``.
         param_dtype: Unused (no weights); kept for a uniform signature.
+        keep_attention_weights: Sow each call's weights into ``'intermediates'`` when that
+            collection is mutable; when False, calls without ``return_attention`` never form
+            them.
+        implementation: How calls that do not need the weights pool: ``"blockwise"``,
+            ``"direct"`` or ``"fused"`` (``jax.nn.dot_product_attention``); None lets the core
+            choose (direct, or blockwise for large scores, on CPU).
     """
 
     dropout: float = 0.0
     param_dtype: DTypeLike = jnp.float32
+    keep_attention_weights: bool = True
+    implementation: str | None = None
 
     def _attend(self, weights: dict[str, Array], *args: Any, **kwargs: Any) -> Any:
         return attention.dot_product_attention(*args, **kwargs)
@@ -361,6 +400,7 @@ class AdditiveAttention(_Attention):
 
     def _attend(self, weights: dict[str, Array], *args: Any, **kwargs: Any) -> Any:
         q, k, v, valid_lens = args
+        kwargs.pop("implementation")  # additive scores are always formed
         return attention.additive_attention(q, k, v, weights, valid_lens, **kwargs)
 
 
@@ -376,6 +416,12 @@ class MultiHeadAttention(_Attention):
         dropout: Dropout rate on the attention weights when ``training=True``.
         bias: Whether the projections have biases.
         param_dtype: Dtype of the weights.
+        keep_attention_weights: Sow each call's weights into ``'intermediates'`` when that
+            collection is mutable; when False, calls without ``return_attention`` never form
+            them.
+        implementation: How calls that do not need the weights pool: ``"blockwise"``,
+            ``"direct"`` or ``"fused"`` (``jax.nn.dot_product_attention``); None lets the core
+            choose (direct, or blockwise for large scores, on CPU).
     """
 
     num_hiddens: int
@@ -383,6 +429,8 @@ class MultiHeadAttention(_Attention):
     dropout: float = 0.0
     bias: bool = False
     param_dtype: DTypeLike = jnp.float32
+    keep_attention_weights: bool = True
+    implementation: str | None = None
 
     def check_arguments(self) -> None:
         checks.check_heads(self.num_hiddens, self.num_heads)
@@ -511,7 +559,7 @@ class TransformerEncoderBlock(Layer):
     """Self-attention and a position-wise FFN, each wrapped in add & norm.
 
     Params: ``attention`` (as :class:`MultiHeadAttention`), ``addnorm1``, ``ffn``,
-    ``addnorm2``. The self-attention weights are sown as ``attention_weights``.
+    ``addnorm2``. The self-attention weights are sown as ``attention_weights`` (when kept).
 
     Attributes:
         num_hiddens: Model width h.
@@ -520,6 +568,12 @@ class TransformerEncoderBlock(Layer):
         dropout: Dropout rate of the attention weights and both residual branches.
         bias: Whether the attention projections have biases.
         param_dtype: Dtype of the weights.
+        keep_attention_weights: Sow each call's self-attention weights into
+            ``'intermediates'`` when that collection is mutable; when False, calls never form
+            them.
+        implementation: How calls that do not need the weights pool: ``"blockwise"``,
+            ``"direct"`` or ``"fused"`` (``jax.nn.dot_product_attention``); None lets the core
+            choose (direct, or blockwise for large scores, on CPU).
     """
 
     num_hiddens: int
@@ -528,6 +582,8 @@ class TransformerEncoderBlock(Layer):
     dropout: float = 0.0
     bias: bool = False
     param_dtype: DTypeLike = jnp.float32
+    keep_attention_weights: bool = True
+    implementation: str | None = None
 
     def spec(self, **dims: int | None) -> W.Spec:
         return W.encoder_block_spec(self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.bias)
@@ -541,11 +597,11 @@ class TransformerEncoderBlock(Layer):
         checks.check_last_dim(OPS, "X", X, self.num_hiddens)
         weights = self._weights()
         ops, rate = self._ops(training)
-        out, attn = transformer.transformer_encoder_block(
-            X, weights, self.num_heads, valid_lens, mask=mask, dropout=rate,
-            return_weights=True, ops=ops,
+        pooling = self._pooling(False)
+        result = transformer.transformer_encoder_block(
+            X, weights, self.num_heads, valid_lens, mask=mask, dropout=rate, ops=ops, **pooling,
         )
-        return self._keep_attention(out, attn, False)
+        return self._keep_attention(result, pooling["return_weights"], False)
 
 
 class NadarayaWatson(Layer):
@@ -566,5 +622,5 @@ class NadarayaWatson(Layer):
     def __call__(self, queries: Array, keys: Array, values: Array) -> Array:
         """Predicts at ``queries`` ``(B, Q)`` or ``(Q,)`` from ``keys`` and ``values``."""
         w = self._weights()["w"] if self.parametric else None
-        out, attn = attention.nadaraya_watson(queries, keys, values, w, return_weights=True, ops=OPS)
-        return self._keep_attention(out, attn, False)
+        result = attention.nadaraya_watson(queries, keys, values, w, return_weights=True, ops=OPS)
+        return self._keep_attention(result, True, False)

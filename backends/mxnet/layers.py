@@ -5,6 +5,14 @@ created by ``initialize()`` (input sizes deferred to the first call, like
 ``nn.Dense(flatten=False)``), ``save_parameters``/``load_parameters`` round-trip, dropout is on
 inside ``autograd.record()``, and ``attention_weights`` holds the last call's weights.
 
+With ``keep_attention_weights=False`` (constructor argument or attribute),
+``DotProductAttention``, ``MultiHeadAttention`` and ``TransformerEncoderBlock`` calls that do
+not ask for the weights (``return_attention=False``) pool by ``implementation`` instead (None
+lets the core choose, see :func:`attention_core.attention.choose_implementation`; the
+``"blockwise"`` path never forms the ``(B, H, Q, K)`` weights), and ``attention_weights`` is
+then None. MXNet has no loop the core can use, so a hybridized graph holds the blockwise
+path's loops unrolled: one copy of the tile computation per (query block, key block).
+
 Parameters are registered under their canonical names (``W_q.kernel``, ``attention.W_q.kernel``,
 ..., DESIGN section 5), which are also the names in a ``save_parameters`` file; kernels are
 ``(in, out)``, not Gluon's ``(out, in)``.
@@ -259,6 +267,16 @@ class Layer(HybridBlock):
         return {"dropout": self.dropout}
 
 
+def _path_config(layer: Any) -> dict[str, Any]:
+    """``keep_attention_weights`` and ``implementation`` for ``repr``, when not the defaults."""
+    config: dict[str, Any] = {}
+    if not layer.keep_attention_weights:
+        config["keep_attention_weights"] = False
+    if layer.implementation is not None:
+        config["implementation"] = layer.implementation
+    return config
+
+
 def _initial_value(param: Parameter, shape: tuple[int | None, ...], ctx: Any) -> Any:
     """A new value for a deferred parameter, as its deferred initialisation would make it."""
     init, _, default_init, data = param._deferred_init
@@ -274,6 +292,16 @@ def _initial_value(param: Parameter, shape: tuple[int | None, ...], ctx: Any) ->
 
 class _Attention(Layer):
     """Shared call of the attention layers: check, create weights if needed, attend, keep."""
+
+    #: Whether calls keep their weights in ``attention_weights`` (always, for additive attention).
+    keep_attention_weights = True
+    #: How calls that form no weights pool (None: the core chooses).
+    implementation: str | None = None
+
+    def _init_paths(self, keep_attention_weights: bool, implementation: str | None) -> None:
+        """Sets the two pooling options of the layers that have them."""
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
 
     def __call__(
         self,
@@ -301,9 +329,10 @@ class _Attention(Layer):
             The output ``(B, Q, Dv)`` (``(B, Q, num_hiddens)`` for multi-head attention), and the
             weights if asked.
         """
-        out, attn = self._run([queries, keys, values, valid_lens, mask], causal=causal)
-        self.attention_weights = attn
-        return (out, attn) if return_attention else out
+        need = return_attention or self.keep_attention_weights
+        result = self._run([queries, keys, values, valid_lens, mask], causal=causal, weights=need)
+        out, self.attention_weights = result if need else (result, None)
+        return result if return_attention else out
 
     def _check_inputs(self, arrays: list[Any]) -> dict[str, int]:
         attention.check_projected_inputs(OPS, *arrays[:3])
@@ -316,7 +345,7 @@ class _Attention(Layer):
                  options: Mapping[str, Any]) -> Any:
         q, k, v, valid_lens, mask = arrays
         return self._attend(weights, q, k, v, valid_lens, mask=mask, causal=options["causal"],
-                            dropout=self.dropout, return_weights=True, ops=ops)
+                            dropout=self.dropout, return_weights=options["weights"], ops=ops)
 
     def _attend(self, weights: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -327,10 +356,26 @@ class DotProductAttention(_Attention):
 
     Args:
         dropout: Dropout rate on the attention weights in training.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
+            False, calls without ``return_attention`` pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
+        **kwargs: See :class:`Layer`.
     """
 
+    def __init__(
+        self, dropout: float = 0.0, *, keep_attention_weights: bool = True,
+        implementation: str | None = None, **kwargs: Any,
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        self._init_paths(keep_attention_weights, implementation)
+
     def _attend(self, weights: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        return attention.dot_product_attention(*args, **kwargs)
+        implementation = None if kwargs["return_weights"] else self.implementation
+        return attention.dot_product_attention(*args, implementation=implementation, **kwargs)
+
+    def _config(self) -> dict[str, Any]:
+        return {"dropout": self.dropout, **_path_config(self)}
 
 
 class AdditiveAttention(_Attention):
@@ -369,16 +414,21 @@ class MultiHeadAttention(_Attention):
         num_heads: Number of heads H; must divide h.
         dropout: Dropout rate on the attention weights in training.
         bias: Whether the four projections have biases.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
+            False, calls without ``return_attention`` pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
         **kwargs: See :class:`Layer`.
     """
 
     def __init__(
-        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False,
-        **kwargs: Any,
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        keep_attention_weights: bool = True, implementation: str | None = None, **kwargs: Any,
     ) -> None:
         checks.check_heads(num_hiddens, num_heads)
         super().__init__(dropout, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self._init_paths(keep_attention_weights, implementation)
         self._declare()
 
     def _spec(self, dims: Mapping[str, int | None]) -> W.Spec:
@@ -390,11 +440,14 @@ class MultiHeadAttention(_Attention):
 
     def _attend(self, weights: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         q, k, v, valid_lens = args
-        return multihead.multi_head_attention(q, k, v, weights, self.num_heads, valid_lens, **kwargs)
+        implementation = None if kwargs["return_weights"] else self.implementation
+        return multihead.multi_head_attention(q, k, v, weights, self.num_heads, valid_lens,
+                                              implementation=implementation, **kwargs)
 
     def _config(self) -> dict[str, Any]:
         return {"num_hiddens": self.num_hiddens, "num_heads": self.num_heads,
-                "dropout": self.dropout, "bias": self.bias}
+                "dropout": self.dropout, "bias": self.bias,
+                **_path_config(self)}
 
 
 class PositionalEncoding(Layer):
@@ -556,6 +609,10 @@ class TransformerEncoderBlock(Layer):
         num_heads: Heads of the self-attention.
         dropout: Dropout rate of the attention weights and both residual branches, in training.
         bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's self-attention weights in
+            ``attention_weights``; when False, calls pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
         **kwargs: See :class:`Layer`.
     """
 
@@ -566,11 +623,16 @@ class TransformerEncoderBlock(Layer):
         num_heads: int,
         dropout: float = 0.0,
         bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        implementation: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(dropout, **kwargs)
         self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
         self.num_heads, self.bias = num_heads, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
         self._declare()
 
     def _spec(self, dims: Mapping[str, int | None]) -> W.Spec:
@@ -578,8 +640,9 @@ class TransformerEncoderBlock(Layer):
 
     def __call__(self, X: Any, valid_lens: Any = None, *, mask: Any = None) -> Any:
         """Encodes ``X`` ``(B, T, num_hiddens)``; ``valid_lens`` and ``mask`` limit the self-attention."""
-        out, attn = self._run([X, valid_lens, mask])
-        self.attention_weights = attn
+        need = self.keep_attention_weights
+        result = self._run([X, valid_lens, mask], weights=need)
+        out, self.attention_weights = result if need else (result, None)
         return out
 
     def _check_inputs(self, arrays: list[Any]) -> dict[str, int]:
@@ -590,14 +653,16 @@ class TransformerEncoderBlock(Layer):
     def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
                  options: Mapping[str, Any]) -> Any:
         X, valid_lens, mask = arrays
+        need = options["weights"]
         return transformer.transformer_encoder_block(
             X, weights, self.num_heads, valid_lens, mask=mask, dropout=self.dropout,
-            return_weights=True, ops=ops,
+            return_weights=need, implementation=None if need else self.implementation, ops=ops,
         )
 
     def _config(self) -> dict[str, Any]:
         return {"num_hiddens": self.num_hiddens, "ffn_num_hiddens": self.ffn_num_hiddens,
-                "num_heads": self.num_heads, "dropout": self.dropout, "bias": self.bias}
+                "num_heads": self.num_heads, "dropout": self.dropout, "bias": self.bias,
+                **_path_config(self)}
 
 
 class NadarayaWatson(Layer):

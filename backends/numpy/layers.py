@@ -339,13 +339,13 @@ class TransformerEncoderBlock(Layer):
         checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
         assert self._weights is not None
         need = self.keep_attention_weights
-        result = transformer.transformer_encoder_block(
+        result: Any = transformer.transformer_encoder_block(
             X, self._weights, self.num_heads, valid_lens, mask=mask,
             dropout=self._rate(training), return_weights=need,
             implementation=self.implementation, ops=self._ops,
         )
         out, self.attention_weights = result if need else (result, None)
-        return out
+        return np.asarray(out)
 
 
 class NadarayaWatson(Layer):

@@ -17,6 +17,14 @@ Weights, two forms that cannot be confused:
 Dropout is active only for ``training=True`` and draws from a ``keras.random.SeedGenerator``
 owned by the layer, so ``keras.utils.set_random_seed`` makes it (and the initial weights)
 reproducible, eagerly and under ``tf.function``.
+
+The attention layers keep the last call's weights, before dropout, in ``attention_weights``
+``(B, H, Q, K)``. With ``keep_attention_weights=False`` (constructor argument or attribute),
+``DotProductAttention``, ``MultiHeadAttention`` and ``TransformerEncoderBlock`` calls that do
+not ask for the weights (``return_attention=False``) pool by ``implementation`` instead (None
+lets the core choose, see :func:`attention_core.attention.choose_implementation`; the
+``"blockwise"`` path never forms the ``(B, H, Q, K)`` weights and runs its loops as
+``tf.while_loop`` under ``tf.function``), and ``attention_weights`` is then None.
 """
 
 from __future__ import annotations
@@ -185,6 +193,16 @@ def _constant(value: np.ndarray) -> Any:
 class _Attention(Layer):
     """Shared call of the attention layers: checks, the core, ``attention_weights``."""
 
+    #: Whether calls keep their weights in ``attention_weights`` (always, for additive attention).
+    keep_attention_weights = True
+    #: How calls that form no weights pool (None: the core chooses).
+    implementation: str | None = None
+
+    def _init_paths(self, keep_attention_weights: bool, implementation: str | None) -> None:
+        """Sets the two pooling options of the layers that have them."""
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
+
     def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
@@ -200,12 +218,13 @@ class _Attention(Layer):
         return_attention: bool = False,
         training: bool | None = None,
     ) -> Any:
-        out, weights = self._attend(
+        need = return_attention or self.keep_attention_weights
+        result = self._attend(
             queries, keys, values, valid_lens=valid_lens, mask=mask, causal=causal,
-            dropout=self._rate(training), return_weights=True, ops=self._ops,
+            dropout=self._rate(training), return_weights=need, ops=self._ops,
         )
-        self.attention_weights = weights
-        return (out, weights) if return_attention else out
+        out, self.attention_weights = result if need else (result, None)
+        return result if return_attention else out
 
 
 @_serializable
@@ -214,15 +233,31 @@ class DotProductAttention(_Attention):
 
     Args:
         dropout: Dropout rate on the attention weights in training.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
+            False, calls without ``return_attention`` pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
         **kwargs: Passed to ``keras.layers.Layer``.
     """
 
+    def __init__(
+        self, dropout: float = 0.0, *, keep_attention_weights: bool = True,
+        implementation: str | None = None, **kwargs: Any,
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        self._init_paths(keep_attention_weights, implementation)
+
     def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
         checks.check_rank(self._ops, "queries", queries, (3,), "(B, Q, D)")
-        return attention.dot_product_attention(queries, keys, values, **kwargs)
+        implementation = None if kwargs["return_weights"] else self.implementation
+        return attention.dot_product_attention(
+            queries, keys, values, implementation=implementation, **kwargs
+        )
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "dropout": self.dropout}
+        return {**super().get_config(), "dropout": self.dropout,
+                "keep_attention_weights": self.keep_attention_weights,
+                "implementation": self.implementation}
 
 
 @_serializable
@@ -263,16 +298,21 @@ class MultiHeadAttention(_Attention):
         num_heads: Number of heads H; must divide ``num_hiddens``.
         dropout: Dropout rate on the attention weights in training.
         bias: Whether the four projections have biases.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
+            False, calls without ``return_attention`` pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
         **kwargs: Passed to ``keras.layers.Layer``.
     """
 
     def __init__(
-        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False,
-        **kwargs: Any,
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        keep_attention_weights: bool = True, implementation: str | None = None, **kwargs: Any,
     ) -> None:
         checks.check_heads(num_hiddens, num_heads)
         super().__init__(dropout, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self._init_paths(keep_attention_weights, implementation)
 
     def spec(self) -> W.Spec:
         d = self._dims
@@ -286,13 +326,17 @@ class MultiHeadAttention(_Attention):
     def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
         attention.check_projected_inputs(self._ops, queries, keys, values)
         self._check_built_for(queries=queries, keys=keys, values=values)
+        implementation = None if kwargs["return_weights"] else self.implementation
         return multihead.multi_head_attention(
-            queries, keys, values, self._tensors(), self.num_heads, **kwargs
+            queries, keys, values, self._tensors(), self.num_heads,
+            implementation=implementation, **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "num_hiddens": self.num_hiddens,
-                "num_heads": self.num_heads, "dropout": self.dropout, "bias": self.bias}
+                "num_heads": self.num_heads, "dropout": self.dropout, "bias": self.bias,
+                "keep_attention_weights": self.keep_attention_weights,
+                "implementation": self.implementation}
 
 
 @_serializable
@@ -428,6 +472,10 @@ class TransformerEncoderBlock(Layer):
         num_heads: Heads of the self-attention; must divide ``num_hiddens``.
         dropout: Dropout rate of the attention weights and both residual branches.
         bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's self-attention weights in
+            ``attention_weights``; when False, calls pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
         **kwargs: Passed to ``keras.layers.Layer``.
     """
 
@@ -438,11 +486,16 @@ class TransformerEncoderBlock(Layer):
         num_heads: int,
         dropout: float = 0.0,
         bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        implementation: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(dropout, **kwargs)
         self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
         self.num_heads, self.bias = num_heads, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
         self._create()
         self.built = True
 
@@ -458,17 +511,21 @@ class TransformerEncoderBlock(Layer):
             mask = None  # Keras filled in X's padding mask; `mask` is an attention mask
         checks.check_rank(self._ops, "X", X, (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
-        out, weights = transformer.transformer_encoder_block(
+        need = self.keep_attention_weights
+        result = transformer.transformer_encoder_block(
             X, self._tensors(), self.num_heads, valid_lens, mask=mask,
-            dropout=self._rate(training), return_weights=True, ops=self._ops,
+            dropout=self._rate(training), return_weights=need,
+            implementation=None if need else self.implementation, ops=self._ops,
         )
-        self.attention_weights = weights
+        out, self.attention_weights = result if need else (result, None)
         return out
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "num_hiddens": self.num_hiddens,
                 "ffn_num_hiddens": self.ffn_num_hiddens, "num_heads": self.num_heads,
-                "dropout": self.dropout, "bias": self.bias}
+                "dropout": self.dropout, "bias": self.bias,
+                "keep_attention_weights": self.keep_attention_weights,
+                "implementation": self.implementation}
 
 
 @_serializable

@@ -7,6 +7,7 @@ to tensors when read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -104,13 +105,58 @@ class TensorFlowOps:
         return tf.expand_dims(x, axis)
 
     def slice(self, x: Any, axis: int, start: Any, size: int) -> tf.Tensor:
-        return x[(slice(None),) * axis + (slice(start, start + size),)]
+        if isinstance(start, int):
+            return x[(slice(None),) * axis + (slice(start, start + size),)]
+        rank = len(x.shape)  # a run-time start: one dynamic slice whose static shape is kept
+        begin = tf.stack([tf.cast(start, tf.int32) if a == axis else 0 for a in range(rank)])
+        out = tf.slice(x, begin, [size if a == axis else -1 for a in range(rank)])
+        out.set_shape([*x.shape[:axis], size, *x.shape[axis + 1 :]])
+        return out
 
     def concatenate(self, xs: list[Any], axis: int) -> tf.Tensor:
         return tf.concat(xs, axis)
 
     def arange(self, n: Any) -> tf.Tensor:
         return tf.range(n, dtype=tf.int32)
+
+    def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:
+        if tf.executing_eagerly():  # eager: a Python loop is what tf.while_loop would run
+            carry = init
+            for i in range(n):
+                carry = body(i, carry)
+            return carry
+
+        def step(i: tf.Tensor, carry: tuple[tf.Tensor, ...]) -> tuple[Any, ...]:
+            new = tuple(body(i, carry))
+            for value, old in zip(new, carry, strict=True):
+                value.set_shape(old.shape)  # the carry keeps its static shapes
+            return i + 1, new
+
+        _, carry = tf.while_loop(
+            lambda i, _: i < n, step, (tf.constant(0), tuple(init)), maximum_iterations=n,
+            parallel_iterations=1,
+        )
+        return carry
+
+    def map_concat(self, fn: Callable[[Any], Any], n: int, axis: int) -> tf.Tensor:
+        if tf.executing_eagerly():
+            return tf.concat([fn(i) for i in range(n)], axis)
+        first = fn(0)  # traced outside the loop: gives the parts' dtype and static shape
+        parts = tf.TensorArray(first.dtype, size=n - 1, element_shape=first.shape)
+
+        def step(i: tf.Tensor, parts: tf.TensorArray) -> tuple[Any, tf.TensorArray]:
+            return i + 1, parts.write(i - 1, fn(i))
+
+        _, parts = tf.while_loop(
+            lambda i, _: i < n, step, (tf.constant(1), parts), maximum_iterations=n - 1,
+            parallel_iterations=1,
+        )
+        stacked = parts.stack()  # (n - 1, *first.shape)
+        rank = len(first.shape)
+        moved = tf.transpose(stacked, [*range(1, axis + 1), 0, *range(axis + 1, rank + 1)])
+        dims = self.shape(moved)
+        rest = tf.reshape(moved, [*dims[:axis], (n - 1) * first.shape[axis], *dims[axis + 2 :]])
+        return tf.concat([first, rest], axis)
 
     def dropout(self, x: Any, rate: float) -> tf.Tensor:
         if self.seed_generator is None:

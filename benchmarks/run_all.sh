@@ -1,0 +1,18 @@
+#!/bin/sh
+# Runs the benchmarks of issue 6 on every backend, each in its own environment and process,
+# then merges the results into README.md (between <!-- bench:start --> and <!-- bench:end -->)
+# and benchmarks/results/bench.png.
+#
+#   benchmarks/run_all.sh                 # tox envs bench-numpy ... bench-mxnet, then the merge
+#   benchmarks/run_all.sh --quick         # the same with tiny sizes (a smoke test)
+#
+# Extra arguments go to every `python -m attention_core bench` (e.g. --threads 4, --suite speed).
+# Without tox, run `python -m attention_core bench --backend NAME --out benchmarks/results` in
+# each framework's environment yourself, then `python -m attention_core bench --merge
+# benchmarks/results` (this needs matplotlib for the plot).
+set -eu
+cd "$(dirname "$0")/.."
+for env in numpy torch tensorflow jax mxnet; do
+    tox -e "bench-$env" -- "$@"
+done
+tox -e bench-merge
