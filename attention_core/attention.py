@@ -263,7 +263,7 @@ def dot_product_attention(
     if path == "fused":  # the backend's fused kernel: the weights are never formed
         out = fused_pool(ops, q, k, v, visible.full(), factor, dropout)
     elif path == "blockwise":
-        out = blockwise_attention(ops, q * factor, k, v, visible, dropout)
+        out = blockwise_attention(ops, q, k, v, visible, dropout, scale=factor)
     else:
         scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
         out, weights = pool_visible(ops, scores, v, visible.full(), dropout)

@@ -63,18 +63,22 @@ def blockwise_attention(
     dropout: float = 0.0,
     q_block: int | None = None,
     k_block: int | None = None,
+    *,
+    scale: Any = 1.0,
 ) -> Array:
     """``softmax_visible(queries @ keys^T) @ values``, one tile of scores at a time.
 
     Args:
         ops: The backend's ops.
-        queries: ``(B, H, Q, D)``, already multiplied by the scale.
+        queries: ``(B, H, Q, D)``.
         keys: ``(B, H, K, D)``.
         values: ``(B, H, K, Dv)``.
         visible: The call's masks (see :class:`~attention_core.masks.Visibility`).
         dropout: Rate of inverted dropout on the weights (0 for none).
         q_block: Queries per block; chosen by :func:`block_sizes` when None.
         k_block: Keys per block; chosen by :func:`block_sizes` when None.
+        scale: Multiplies the scores; folded into each block of queries, so no scaled copy
+            of all the queries is made.
 
     Returns:
         ``(B, H, Q, Dv)``; rows with no visible key are zeros.
@@ -103,7 +107,7 @@ def blockwise_attention(
         return ops.matmul(p, ops.slice(values, 2, k0, kn))  # (B, H, qn, Dv)
 
     def query_block(q0: Any, qn: int) -> Array:
-        q = ops.slice(queries, 2, q0, qn)  # (B, H, qn, D)
+        q = ops.slice(queries, 2, q0, qn) * scale  # (B, H, qn, D)
         limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
         kn = min(k_block, limit)
         s = scores(q, q0, qn, 0, kn)  # the first key block starts the running state
