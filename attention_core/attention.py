@@ -142,8 +142,9 @@ def choose_implementation(
     The rule: weights asked for -> ``direct`` (the only path that forms them). Otherwise an
     explicit ``implementation`` is taken as given. Otherwise ``fused`` when the backend has a
     fused kernel and prefers it for this shape (``ops.prefers_fused``, True when absent);
-    else ``blockwise`` when there are at least :data:`BLOCKWISE_MIN_SCORES` scores and Q and K
-    are known now; else ``direct``.
+    else ``blockwise`` when there are at least ``ops.blockwise_min_scores`` scores
+    (:data:`BLOCKWISE_MIN_SCORES` when the ops do not say) and Q and K are known now; else
+    ``direct``.
 
     Args:
         ops: The backend's ops.
@@ -181,7 +182,8 @@ def choose_implementation(
     if fused is not None and (prefers is None or prefers(shape)):
         return "fused"
     B, H, Q, K = shape
-    return "blockwise" if known and B * H * Q * K >= BLOCKWISE_MIN_SCORES else "direct"
+    threshold = getattr(ops, "blockwise_min_scores", BLOCKWISE_MIN_SCORES)
+    return "blockwise" if known and B * H * Q * K >= threshold else "direct"
 
 
 def fused_pool(

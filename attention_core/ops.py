@@ -162,7 +162,16 @@ class FusedAttentionOps(Ops, Protocol):
     """Optional: ops that pool attention in one fused kernel, never forming the weights.
 
     The core looks for ``fused_attention`` with ``getattr`` (so tracing stays cheap) and uses it
-    when the weights are not asked for; backends without it take the direct path.
+    when the weights are not asked for; backends without it take the direct path. Two optional
+    attributes refine that:
+
+    * ``prefers_fused(shape) -> bool``: whether the automatic choice should take the kernel for
+      scores of ``shape`` ``(B, H, Q, K)`` (True when absent);
+    * ``fused_zeroes_empty_rows: bool``: False when the kernel does not zero the rows with no
+      visible key (then the core zeroes them; True when absent).
+
+    And any ops may set ``blockwise_min_scores: int``, the number of scores from which the
+    automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`).
     """
 
     def fused_attention(
@@ -190,6 +199,8 @@ class LoopOps(Ops, Protocol):
 
     Without these methods the core loops in Python, which is what eager frameworks want;
     a tracing framework supplies them so a long sequence does not unroll into a huge graph.
+    A body is traced once, so the ops must make the dropout calls inside it draw a fresh mask
+    in every iteration (JAX folds the loop index into its key).
     """
 
     def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:

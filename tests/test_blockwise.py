@@ -138,13 +138,20 @@ def test_the_rule() -> None:
         def fused_attention(self, *args: Any) -> Any:
             raise AssertionError
 
+    class Plain:
+        name = "plain"
+
     small, large = (1, 1, 4, 4), (1, 8, 1024, 1024)
+    plain: Any = Plain()
     assert BLOCKWISE_MIN_SCORES <= 8 * 1024 * 1024
-    assert choose_implementation(NP, None, False, small) == "direct"
-    assert choose_implementation(NP, None, False, large) == "blockwise"
-    assert choose_implementation(NP, None, True, large) == "direct"
+    assert choose_implementation(plain, None, False, small) == "direct"
+    assert choose_implementation(plain, None, False, large) == "blockwise"
+    assert choose_implementation(plain, None, True, large) == "direct"
+    assert choose_implementation(plain, None, False, (None, 8, 1024, 1024)) == "direct"
     assert choose_implementation(Fused(), None, False, small) == "fused"  # type: ignore[arg-type]
-    assert choose_implementation(NP, "blockwise", False, small) == "blockwise"
+    assert choose_implementation(plain, "blockwise", False, small) == "blockwise"
+    assert choose_implementation(NP, None, False, small) == "blockwise"  # NumPy: always
+    assert choose_implementation(NP, None, True, small) == "direct"
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
