@@ -36,6 +36,9 @@ def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     Returns:
         The weights, shape and dtype of ``scores``.
     """
+    softmax = getattr(ops, "softmax", None)
+    if softmax is not None:  # the framework's one-kernel softmax
+        return _softmax_then_zero(ops, softmax, scores, visible)
     if visible is None:
         e = ops.exp(scores - ops.max(scores, -1))
         return e / ops.sum(e, -1)
@@ -45,6 +48,19 @@ def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     e = ops.exp(ops.where(visible, scores - top, fill))  # exactly 0 where masked
     total = ops.sum(e, -1)
     return e / ops.where(total > 0, total, 1.0)
+
+
+def _softmax_then_zero(ops: Ops, softmax: Any, scores: Array, visible: Array | None) -> Array:
+    """:func:`softmax_visible` by a framework's softmax kernel (``ops.softmax(x)``, last axis).
+
+    Masked scores become the dtype's most negative value, whose exponential after the row's
+    visible maximum is subtracted is exactly 0; rows with no visible key, which the kernel
+    makes uniform, are set to 0.
+    """
+    if visible is None:
+        return softmax(scores)
+    weights = softmax(ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)]))
+    return ops.where(_any_visible(ops, visible), weights, 0.0)
 
 
 def masked_softmax(
@@ -104,9 +120,18 @@ def attend(
 
 
 def pool_visible(
-    ops: Ops, scores: Array, values: Array, visible: Array | None, dropout: float
-) -> tuple[Array, Array]:
+    ops: Ops,
+    scores: Array,
+    values: Array,
+    visible: Array | None,
+    dropout: float,
+    want_weights: bool = True,
+) -> tuple[Array, Array | None]:
     """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
+
+    Backends with a softmax kernel (``ops.softmax``) normalise in one pass; the rows with no
+    visible key, which that kernel makes uniform, are then zeroed in the output (and in the
+    weights only when they are wanted).
 
     Args:
         ops: The backend's ops.
@@ -114,10 +139,24 @@ def pool_visible(
         values: ``(B, H, K, Dv)`` or broadcastable.
         visible: Boolean mask broadcastable to the scores, or None.
         dropout: Rate applied to the weights before pooling (0 for none).
+        want_weights: Whether the weights are returned; None is returned in their place
+            otherwise (when that saves work).
     """
-    weights = softmax_visible(ops, scores, visible)
-    dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
-    return ops.matmul(dropped, values), weights
+    softmax = getattr(ops, "softmax", None)
+    if softmax is None or visible is None:
+        weights = softmax_visible(ops, scores, visible)
+        dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
+        return ops.matmul(dropped, values), weights
+    raw = softmax(ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)]))
+    dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
+    seen = _any_visible(ops, visible)
+    out = ops.where(seen, ops.matmul(dropped, values), 0.0)
+    return out, (ops.where(seen, raw, 0.0) if want_weights else None)
+
+
+def _any_visible(ops: Ops, visible: Array) -> Array:
+    """Boolean ``(..., Q, 1)``: whether the query row has a visible key."""
+    return ops.max(ops.astype(visible, "int32"), -1) > 0
 
 
 def _lift(ops: Ops, x: Array, rank: int) -> Array:
@@ -183,7 +222,7 @@ def choose_implementation(
         return "fused"
     B, H, Q, K = shape
     threshold = getattr(ops, "blockwise_min_scores", BLOCKWISE_MIN_SCORES)
-    return "blockwise" if known and B * H * Q * K >= threshold else "direct"
+    return "blockwise" if known and threshold <= B * H * Q * K else "direct"
 
 
 def fused_pool(
@@ -268,7 +307,7 @@ def dot_product_attention(
         out = blockwise_attention(ops, q, k, v, visible, dropout, scale=factor)
     else:
         scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
-        out, weights = pool_visible(ops, scores, v, visible.full(), dropout)
+        out, weights = pool_visible(ops, scores, v, visible.full(), dropout, return_weights)
     out = out if rank == 4 else out[:, 0]
     return (out, weights) if return_weights else out
 

@@ -171,7 +171,9 @@ class FusedAttentionOps(Ops, Protocol):
       visible key (then the core zeroes them; True when absent).
 
     And any ops may set ``blockwise_min_scores: int``, the number of scores from which the
-    automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`).
+    automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`),
+    and define ``softmax(x)`` (over the last axis, ``scipy.special.softmax(x, -1)``), a
+    one-kernel softmax the direct path then uses.
     """
 
     def fused_attention(
