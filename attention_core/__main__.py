@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_core import registry
+from attention_core import markdown, registry
 from attention_core.bench import cli as bench_cli
 
 
@@ -235,13 +235,7 @@ def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = 
 
 def write_between_markers(path: str | Path, body: str) -> None:
     """Replaces what lies between :data:`MATRIX_START` and :data:`MATRIX_END` in a file."""
-    file = Path(path)
-    text = file.read_text()
-    start, end = text.find(MATRIX_START), text.find(MATRIX_END)
-    if start < 0 or end < start:
-        raise ValueError(f"{file} has no {MATRIX_START} ... {MATRIX_END} markers to write between")
-    head = text[: start + len(MATRIX_START)]
-    file.write_text(f"{head}\n{body}\n{text[end:]}")
+    markdown.write_between_markers(path, body, MATRIX_START, MATRIX_END)
 
 
 def matrix(directory: str | Path, readme: str | Path | None) -> str:

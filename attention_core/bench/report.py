@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attention_core import registry
+from attention_core import markdown, registry
 from attention_core.bench import MEMORY_QUADRATIC_MAX
 from attention_core.bench.run import SCHEMA
 
@@ -275,17 +275,8 @@ def _widest(ratios: Sequence[dict[str, Any]]) -> str:
 
 def write_between_markers(path: str | Path, body: str, start: str = BENCH_START,
                           end: str = BENCH_END) -> None:
-    """Replaces what lies between the markers in a file.
-
-    Raises:
-        ValueError: The file lacks the markers.
-    """
-    file = Path(path)
-    text = file.read_text()
-    i, j = text.find(start), text.find(end)
-    if i < 0 or j < i:
-        raise ValueError(f"{file} has no {start} ... {end} markers to write between")
-    file.write_text(f"{text[: i + len(start)]}\n{body}\n{text[j:]}")
+    """Replaces what lies between the bench markers in a file (see :mod:`attention_core.markdown`)."""
+    markdown.write_between_markers(path, body, start, end)
 
 
 # -- plot -------------------------------------------------------------------------------------
