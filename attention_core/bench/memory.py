@@ -3,10 +3,10 @@
 The parent (:func:`measure`) starts ``python -m attention_core.bench.memory --backend NAME
 --path PATH --n N --heads H --threads T``, with ``MALLOC_MMAP_THRESHOLD_=65536`` in its
 environment so that freed large blocks go back to the operating system at once. The child
-creates the inputs, warms the call up once (JAX: at the same shape, which compiles it; the
-others at ``min(n // 2, 4096)``, which keeps the largest points short; TensorFlow then traces
-the measured shape inside the measured call, because its oneDNN allocator keeps the memory a
-same-shape warm-up freed and would hide the call's own), then writes ``5`` to
+creates the inputs, warms the call up once (JAX: at the same shape, which compiles it;
+TensorFlow and MXNet, whose allocators keep freed memory for reuse, at 16 keys only, so the
+measured call, which TensorFlow traces, cannot fit in what a warm-up left; the others at
+``min(n // 2, 4096)``, which keeps the largest points short), then writes ``5`` to
 ``/proc/self/clear_refs`` (which resets the peak resident set size
 ``VmHWM`` to the current one), reads ``VmRSS`` as the baseline, runs the call once, waits for
 its result and reads ``VmHWM``. Extra memory is ``VmHWM - baseline``: everything the call
@@ -43,6 +43,13 @@ def _status(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
+#: Frameworks whose allocator keeps what was freed for reuse (TensorFlow's, MXNet's pool):
+#: a large warm-up would leave a pool the measured call fits in, so they warm up at
+#: :data:`TINY_WARMUP` keys (starting the runtime only) and trace the measured shape in it.
+POOLED = ("tensorflow", "mxnet")
+TINY_WARMUP = 16
+
+
 def child(backend: str, path: str, n: int, heads: int, threads: int) -> dict[str, Any]:
     """Measures one point in this process (the framework is imported here).
 
@@ -54,7 +61,8 @@ def child(backend: str, path: str, n: int, heads: int, threads: int) -> dict[str
     harness = make_harness(backend, threads)
     harness.thread_settings()
     same = harness.name == "jax"
-    warm_n = n if same else max(1, min(n // 2, WARMUP_MAX))
+    pooled = harness.name in POOLED  # keeps freed memory: warm up small, or it hides the call's
+    warm_n = n if same else TINY_WARMUP if pooled else max(1, min(n // 2, WARMUP_MAX))
     call = harness.attention_call(path, *harness.qkv(heads, n))
     if same:
         call()
