@@ -208,8 +208,8 @@ class Harness:
 
     def linear_memory(self, path: str, heads: int, n: int) -> bool:
         """Whether the path needs memory linear in n (it never forms the ``(n, n)`` scores)."""
-        return self.resolved(path, heads, n) in ("blockwise", "fused") or (
-            path == "native" and self.name == "torch")
+        resolved = self.resolved(path, heads, n)  # only torch's fused kernel is flash-style
+        return resolved == "blockwise" or (self.name == "torch" and resolved in ("fused", "native"))
 
     def qkv(self, heads: int, n: int, seed: int = 0) -> tuple[Any, Any, Any, Any]:
         """Random ``(1, heads, n, 64)`` queries, keys, values and ``valid_lens``."""
