@@ -124,7 +124,15 @@ def machine_line(doc: dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
     return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['system']}; "
             f"Python {m['python']}, {versions}; {doc['threads']['count']} threads; "
-            f"commit {m['git_commit']}; {m['date']}")
+            f"commit {m['git_commit']}; {m['date']}" + _memory_run(doc))
+
+
+def _memory_run(doc: dict[str, Any]) -> str:
+    """Where the memory suite ran in a pass of its own (``memory.run``), its commit and date."""
+    run = doc.get("memory", {}).get("run")
+    if not run:
+        return ""
+    return f"; memory suite: commit {run['machine']['git_commit']}, {run['machine']['date']}"
 
 
 def backend_report(doc: dict[str, Any]) -> str:
