@@ -57,10 +57,15 @@ def _softmax_then_zero(ops: Ops, softmax: Any, scores: Array, visible: Array | N
     visible maximum is subtracted is exactly 0; rows with no visible key, which the kernel
     makes uniform, are set to 0.
     """
+    weights = _filled_softmax(ops, softmax, scores, visible)
+    return weights if visible is None else ops.where(_any_visible(ops, visible), weights, 0.0)
+
+
+def _filled_softmax(ops: Ops, softmax: Any, scores: Array, visible: Array | None) -> Array:
+    """``softmax`` of the scores with masked ones set to the fill; uniform on empty rows."""
     if visible is None:
         return softmax(scores)
-    weights = softmax(ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)]))
-    return ops.where(_any_visible(ops, visible), weights, 0.0)
+    return softmax(ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)]))
 
 
 def masked_softmax(
@@ -147,7 +152,7 @@ def pool_visible(
         weights = softmax_visible(ops, scores, visible)
         dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
         return ops.matmul(dropped, values), weights
-    raw = softmax(ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)]))
+    raw = _filled_softmax(ops, softmax, scores, visible)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
     seen = _any_visible(ops, visible)
     out = ops.where(seen, ops.matmul(dropped, values), 0.0)
@@ -236,8 +241,7 @@ def fused_pool(
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
     if visible is None or getattr(ops, "fused_zeroes_empty_rows", True):
         return out
-    seen = ops.max(ops.astype(visible, ops.dtype_name(q)), -1) > 0  # (.., Q, 1): any key visible
-    return ops.where(seen, out, 0.0)
+    return ops.where(_any_visible(ops, visible), out, 0.0)
 
 
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:

@@ -55,10 +55,13 @@ def _is_integer(dtype: str) -> bool:
     return dtype.startswith(("int", "uint"))
 
 
-def lens_column(ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]) -> Array:
+def lens_column(
+    ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]
+) -> tuple[Array, tuple[int, int] | None]:
     """Checks ``valid_lens`` and returns it as int32 of shape ``(B, 1, 1, 1)`` or ``(B, 1, Q, 1)``.
 
-    Key ``j`` of query ``i`` is visible when ``j < lens[b, 0, i or 0, 0]``.
+    Key ``j`` of query ``i`` is visible when ``j < lens[b, 0, i or 0, 0]``. Also returns the
+    ``(shortest, longest)`` length when the values are known now (not under tracing), else None.
 
     Args:
         ops: The backend's ops.
@@ -91,7 +94,9 @@ def lens_column(ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]) -> Arr
             )
     lens = ops.expand_dims(ops.astype(valid_lens, "int32"), -1)  # (B, 1) or (B, Q, 1)
     lens = ops.expand_dims(lens, 1)  # (B, 1, 1) or (B, 1, Q, 1)
-    return ops.expand_dims(lens, 1) if len(shape) == 1 else lens  # (B, 1, 1, 1)
+    lens = ops.expand_dims(lens, 1) if len(shape) == 1 else lens  # (B, 1, 1, 1)
+    bounds = (int(values.min()), int(values.max())) if values is not None and values.size else None
+    return lens, bounds
 
 
 def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
@@ -147,13 +152,12 @@ class Visibility:
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
-        self.lens = None if valid_lens is None else lens_column(ops, valid_lens, scores_shape)
-        self.mask = None if mask is None else boolean_mask(ops, mask, scores_shape)
-        known = None if self.lens is None else ops.concrete(self.lens)
+        self.lens: Array | None = None
         #: ``(shortest, longest)`` valid length when known now (not under tracing), else None.
-        self.lens_bounds = (
-            (int(known.min()), int(known.max())) if known is not None and known.size else None
-        )
+        self.lens_bounds: tuple[int, int] | None = None
+        if valid_lens is not None:
+            self.lens, self.lens_bounds = lens_column(ops, valid_lens, scores_shape)
+        self.mask = None if mask is None else boolean_mask(ops, mask, scores_shape)
 
     def key_limit(self, q0: Any, qn: int) -> int:
         """Keys from this index on are hidden from every query ``q0 : q0 + qn``.
