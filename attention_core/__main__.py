@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -93,17 +92,12 @@ _LAYER_ORDER = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"
 
 def load_reports(directory: str | Path) -> list[dict[str, Any]]:
     """Reads the ``<backend>.json`` files the test suite wrote, in the registry's backend order."""
-    folder = Path(directory)
-    reports = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        document = json.loads(path.read_text())
-        if isinstance(document, dict) and document.get("schema") == 1 and "cells" in document:
-            reports.append(document)
-    if not reports:
-        raise ValueError(f"no test matrix reports (<backend>.json) in {folder}: run tox, or "
-                         "pytest with ATTENTION_CORE_REPORT_DIR set")
-    order = {name: i for i, name in enumerate(registry.BACKENDS)}
-    return sorted(reports, key=lambda r: (order.get(r["backend"], len(order)), r["backend"]))
+    return markdown.load_backend_documents(
+        directory, "*.json",
+        lambda doc: isinstance(doc, dict) and doc.get("schema") == 1 and "cells" in doc,
+        f"no test matrix reports (<backend>.json) in {Path(directory)}: run tox, or "
+        "pytest with ATTENTION_CORE_REPORT_DIR set",
+    )
 
 
 _NONE = "n/a"

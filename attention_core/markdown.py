@@ -1,8 +1,39 @@
-"""Writing generated tables into a Markdown file, between two marker comments."""
+"""Generated tables: reading the per-backend JSON results, writing Markdown between markers."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from attention_core import registry
+
+
+def load_backend_documents(
+    directory: str | Path, pattern: str, accept: Callable[[Any], bool], missing: str
+) -> list[dict[str, Any]]:
+    """Reads the JSON documents of a directory that ``accept`` takes, in the registry's order.
+
+    Args:
+        directory: Where the runs wrote their files (a missing directory holds none).
+        pattern: Glob of the file names, e.g. ``bench-*.json``.
+        accept: Whether a parsed document is one of those wanted (schema, fields).
+        missing: The error message when none is found.
+
+    Returns:
+        The documents, sorted by their ``backend`` in :data:`registry.BACKENDS` order.
+
+    Raises:
+        ValueError: ``missing``, when no document is accepted.
+    """
+    folder = Path(directory)
+    docs = [doc for path in (sorted(folder.glob(pattern)) if folder.is_dir() else [])
+            if accept(doc := json.loads(path.read_text()))]
+    if not docs:
+        raise ValueError(missing)
+    order = {name: i for i, name in enumerate(registry.BACKENDS)}
+    return sorted(docs, key=lambda d: (order.get(d["backend"], len(order)), d["backend"]))
 
 
 def write_between_markers(path: str | Path, body: str, start: str, end: str) -> None:

@@ -102,16 +102,13 @@ def plain_mha(xp: Any, X: Any, lens: Any, weights: Mapping[str, Any], num_heads:
     return xp.matmul(out, weights["W_o.kernel"]) + weights["W_o.bias"]
 
 
-def _layer(cls: Any, **kwargs: Any) -> tuple[Any, bool]:
-    """``cls(**kwargs, keep_attention_weights=False)``, or without it if not accepted yet.
+def our_mha(module: Any) -> Any:
+    """This library's ``MultiHeadAttention(512, 8, bias=True)`` from a backend module.
 
-    Returns:
-        The layer and whether ``keep_attention_weights=False`` was accepted.
+    It is told not to keep its weights, so that the core may pool without forming them.
     """
-    try:
-        return cls(**kwargs, keep_attention_weights=False), True
-    except TypeError:
-        return cls(**kwargs), False
+    return module.MultiHeadAttention(num_hiddens=NUM_HIDDENS, num_heads=NUM_HEADS, bias=True,
+                                     keep_attention_weights=False)
 
 
 class Harness:
@@ -125,7 +122,6 @@ class Harness:
         self.threads = threads
         self.module = registry.load(self.name)
         self.ops = self.module.OPS
-        self.keep_flag = True
 
     # -- framework specifics (overridden) ------------------------------------------------------
 
@@ -157,8 +153,7 @@ class Harness:
 
     def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
         """This library's MultiHeadAttention, called on ``(X, X, X, lens)``."""
-        layer, self.keep_flag = _layer(self.module.MultiHeadAttention, num_hiddens=NUM_HIDDENS,
-                                       num_heads=NUM_HEADS, bias=True)
+        layer = our_mha(self.module)
         layer.set_weights(weights)
         return lambda: self.sync(layer(X, X, X, lens))
 
@@ -266,8 +261,7 @@ class TorchHarness(Harness):
 
     def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
         """This library's layer (see the base class)."""
-        layer, self.keep_flag = _layer(self.module.MultiHeadAttention, num_hiddens=NUM_HIDDENS,
-                                       num_heads=NUM_HEADS, bias=True)
+        layer = our_mha(self.module)
         layer.set_weights(weights)
         layer.eval()
         return self._infer(lambda: layer(X, X, X, lens))
@@ -326,8 +320,7 @@ class TensorFlowHarness(Harness):
 
     def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
         """This library's layer (see the base class)."""
-        layer, self.keep_flag = _layer(self.module.MultiHeadAttention, num_hiddens=NUM_HIDDENS,
-                                       num_heads=NUM_HEADS, bias=True)
+        layer = our_mha(self.module)
         layer(X[:, :2], X[:, :2], X[:, :2])  # builds the weights
         layer.set_weights(weights)
         fn = self.tf.function(lambda x, lens: layer(x, x, x, lens), autograph=False)
@@ -384,8 +377,7 @@ class JaxHarness(Harness):
 
     def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
         """This library's layer (see the base class)."""
-        layer, self.keep_flag = _layer(self.module.MultiHeadAttention, num_hiddens=NUM_HIDDENS,
-                                       num_heads=NUM_HEADS, bias=True)
+        layer = our_mha(self.module)
         variables = self.module.init_from_weights(layer, weights)
         fn = self.jax.jit(lambda variables, x, lens: layer.apply(variables, x, x, x, lens))
         return lambda: self.sync(fn(variables, X, lens))

@@ -8,12 +8,11 @@ without it :func:`plot` says so and returns None.
 from __future__ import annotations
 
 import datetime
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attention_core import markdown, registry
+from attention_core import markdown
 from attention_core.bench import MEMORY_QUADRATIC_MAX
 from attention_core.bench.run import SCHEMA
 
@@ -38,17 +37,11 @@ def load(directory: str | Path) -> list[dict[str, Any]]:
     Raises:
         ValueError: None found.
     """
-    folder = Path(directory)
-    docs = []
-    for path in sorted(folder.glob("bench-*.json")) if folder.is_dir() else []:
-        doc = json.loads(path.read_text())
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
-            docs.append(doc)
-    if not docs:
-        raise ValueError(f"no benchmark results (bench-<backend>.json) in {folder}: run "
-                         "python -m attention_core bench --out DIR first")
-    order = {name: i for i, name in enumerate(registry.BACKENDS)}
-    return sorted(docs, key=lambda d: (order.get(d["backend"], len(order)), d["backend"]))
+    return markdown.load_backend_documents(
+        directory, "bench-*.json", lambda doc: isinstance(doc, dict) and doc.get("schema") == SCHEMA,
+        f"no benchmark results (bench-<backend>.json) in {Path(directory)}: run "
+        "python -m attention_core bench --out DIR first",
+    )
 
 
 # -- formatting -------------------------------------------------------------------------------
@@ -142,10 +135,8 @@ def backend_report(doc: dict[str, Any]) -> str:
         parts.append("(--quick: tiny sizes and few rounds; the numbers mean nothing)")
     if "speed" in doc:
         s = doc["speed"]
-        flag = "" if s["keep_attention_weights_false"] else (
-            " (this layer has no keep_attention_weights argument yet: it forms the weights)")
         parts += ["", f"speed: MultiHeadAttention({s['num_hiddens']}, {s['heads']}) forward, "
-                  f"ours / {s['native']}{flag}", render(speed_table(doc), False)]
+                  f"ours / {s['native']}", render(speed_table(doc), False)]
     if "flops" in doc:
         g = doc["flops"]["gemm"]
         parts += ["", f"flops: attention core (1, {doc['flops']['heads']}, n, 64), GFLOP/s "
