@@ -17,7 +17,7 @@ from attention_core.attention import (
     masked_softmax,
     nadaraya_watson,
 )
-from attention_core.multihead import multi_head_attention
+from attention_core.multihead import multi_head_attention, relative_multi_head_attention
 from attention_core.positional import positional_encoding, relative_rotation, sinusoidal_encoding
 from attention_core.registry import (
     BACKENDS,
@@ -28,7 +28,12 @@ from attention_core.registry import (
     set_backend,
     use_backend,
 )
-from attention_core.transformer import add_norm, position_wise_ffn, transformer_encoder_block
+from attention_core.transformer import (
+    add_norm,
+    position_wise_ffn,
+    transformer_encoder,
+    transformer_encoder_block,
+)
 from attention_core.weights import load_weights, save_weights
 
 __version__ = "0.1.0"
@@ -38,11 +43,13 @@ LAYER_NAMES = (
     "DotProductAttention",
     "AdditiveAttention",
     "MultiHeadAttention",
+    "RelativeMultiHeadAttention",
     "PositionalEncoding",
     "LearnedPositionalEncoding",
     "PositionWiseFFN",
     "AddNorm",
     "TransformerEncoderBlock",
+    "TransformerEncoder",
     "NadarayaWatson",
 )
 
@@ -62,10 +69,12 @@ __all__ = [
     "nadaraya_watson",
     "position_wise_ffn",
     "positional_encoding",
+    "relative_multi_head_attention",
     "relative_rotation",
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",
+    "transformer_encoder",
     "transformer_encoder_block",
     "use_backend",
     *LAYER_NAMES,

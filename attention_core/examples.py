@@ -79,7 +79,7 @@ def leave_one_out_loss(w: float, data: RegressionData) -> float:
     """Mean of ``(f_w(x_i) - y_i)^2 / 2`` over training points, each predicted from the others."""
     keys, values = leave_one_out(data.x_train.astype(np.float64), data.y_train.astype(np.float64))
     queries = data.x_train.astype(np.float64)[:, None]  # (n, 1): one query per row
-    predicted = nadaraya_watson(queries, keys, values, np.array([w]))[:, 0]
+    predicted = np.asarray(nadaraya_watson(queries, keys, values, np.array([w])))[:, 0]
     return float(np.mean((predicted - data.y_train) ** 2) / 2)
 
 
@@ -114,3 +114,16 @@ def fit_width(data: RegressionData, low: float = 0.05, high: float = 50.0, steps
             d = a + ratio * (b - a)
             fd = leave_one_out_loss(math.exp(d), data)
     return math.exp((a + b) / 2)
+
+
+def training_arrays(data: RegressionData) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What every backend's fit of ``w`` trains on: each training point against the others.
+
+    Returns:
+        ``queries`` ``(n, 1)`` (one query per row: the point's input), ``keys`` and ``values``
+        ``(n, n - 1)`` from :func:`leave_one_out`, and ``targets`` ``(n,)`` (the point's
+        target), all float32.
+    """
+    keys, values = leave_one_out(data.x_train, data.y_train)
+    return (data.x_train[:, None].astype(np.float32), keys.astype(np.float32),
+            values.astype(np.float32), data.y_train.astype(np.float32))

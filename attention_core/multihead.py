@@ -1,4 +1,4 @@
-"""Multi-head attention over the canonical weight mapping.
+"""Multi-head attention over the canonical weight mapping, with absolute or relative positions.
 
 Head ``i`` uses columns ``i*h/H : (i+1)*h/H`` of the projected queries, keys and values,
 where h = num_hiddens and H = num_heads (DESIGN section 5).
@@ -6,13 +6,15 @@ where h = num_hiddens and H = num_heads (DESIGN section 5).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
-from attention_core import checks
-from attention_core.attention import check_projected_inputs, dot_product_attention
+from attention_core import checks, masks
+from attention_core.attention import check_projected_inputs, dot_product_attention, softmax_visible
 from attention_core.linear import dense
 from attention_core.ops import Array, Ops
+from attention_core.positional import relative_offsets
 from attention_core.registry import ops_for
 
 
@@ -83,5 +85,93 @@ def multi_head_attention(
         return_weights=return_weights, implementation=implementation, ops=ops,
     )
     out, attn = pooled if return_weights else (pooled, None)
+    out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
+    return (out, attn) if return_weights else out
+
+
+def per_query(ops: Ops, x: Array, table: Array) -> Array:
+    """``y[b, h, i] = x[b, h, i] @ table[i]``: a different matrix for every query.
+
+    Args:
+        ops: The backend's ops.
+        x: ``(B, H, Q, A)``.
+        table: ``(Q, A, C)``.
+
+    Returns:
+        ``(B, H, Q, C)``, by one batched product over the queries.
+    """
+    heads = ops.shape(x)[1]
+    rows = ops.shape(table)[0]
+    columns = ops.shape(table)[2]
+    by_query = ops.reshape(ops.transpose(x, (2, 0, 1, 3)), (rows, -1, ops.shape(x)[3]))  # (Q, BH, A)
+    y = ops.reshape(ops.matmul(by_query, table), (rows, -1, heads, columns))  # (Q, B, H, C)
+    return ops.transpose(y, (1, 2, 0, 3))
+
+
+def relative_multi_head_attention(
+    queries: Array,
+    keys: Array,
+    values: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    valid_lens: Any = None,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+    ops: Ops | None = None,
+) -> Array | tuple[Array, Array]:
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    With ``a_ij = E[clip(j - i, -m, m) + m]`` the learned vector of the offset between key ``j``
+    and query ``i`` (:func:`~attention_core.positional.relative_offsets`), each head computes
+
+    ``e_ij = q_i . (k_j + aK_ij) / sqrt(d)``, ``w_i = softmax over visible j of e_ij``,
+    ``o_i = sum_j w_ij (v_j + aV_ij)``,
+
+    the value term only when the mapping has ``rel_v.embedding``. The tables are shared by
+    every head. The weights are always formed (the offsets' terms need them), so there is no
+    blockwise or fused path.
+
+    Args:
+        queries: ``(B, Q, Dq)``.
+        keys: ``(B, K, Dk)``.
+        values: ``(B, K, Dv)``.
+        weights: Those of :func:`multi_head_attention`, plus ``rel_k.embedding (2m + 1, h/H)``
+            and, optionally, ``rel_v.embedding (2m + 1, h/H)``.
+        num_heads: H; must divide h.
+        valid_lens: See :func:`multi_head_attention`.
+        mask: See :func:`multi_head_attention`.
+        causal: See :func:`multi_head_attention`.
+        dropout: Dropout rate on the attention weights (both value terms use the dropped ones).
+        return_weights: Also return the weights ``(B, H, Q, K)``, before dropout.
+        ops: The backend's ops; found from ``queries`` when omitted.
+
+    Returns:
+        The output ``(B, Q, h)``, and the weights if asked.
+    """
+    ops = ops or ops_for(queries)
+    check_projected_inputs(ops, queries, keys, values)
+    dropout = checks.check_dropout(dropout)
+    num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
+    checks.check_heads(num_hiddens, num_heads)
+    table_k, table_v = weights["rel_k.embedding"], weights.get("rel_v.embedding")
+    q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
+    k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)
+    v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, d)
+    B, H, Q, depth = ops.shape(q)
+    K = ops.shape(k)[2]
+    offsets = relative_offsets(ops, Q, K, (ops.shape(table_k)[0] - 1) // 2, like=q)  # (Q, K, R)
+    q = q * (1.0 / math.sqrt(depth))
+    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
+    by_offset = ops.matmul(q, ops.transpose(table_k, (1, 0)))  # (B, H, Q, R)
+    scores = scores + per_query(ops, by_offset, ops.transpose(offsets, (0, 2, 1)))
+    visible = masks.Visibility(ops, (B, H, Q, K), valid_lens, mask, causal).full()
+    attn = softmax_visible(ops, scores, visible)  # (B, H, Q, K)
+    dropped = ops.dropout(attn, dropout) if dropout > 0 else attn
+    out = ops.matmul(dropped, v)  # (B, H, Q, d)
+    if table_v is not None:
+        out = out + ops.matmul(per_query(ops, dropped, offsets), table_v)  # (B, H, Q, R) @ (R, d)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
     return (out, attn) if return_weights else out

@@ -146,6 +146,14 @@ class Ops(Protocol):
         """Returns ``np.arange(n, dtype=np.int32)``; ``n`` may be a run-time scalar."""
         ...
 
+    def take(self, table: Array, indices: Array) -> Array:
+        """Returns ``np.take(table, indices, axis=0)``, an embedding lookup.
+
+        Rows of ``table`` ``(V, D)`` picked by an integer array of any shape S, giving
+        ``S + (D,)``. Indices are checked by the caller; the gradient flows to ``table``.
+        """
+        ...
+
     # -- randomness ---------------------------------------------------------------------
 
     def dropout(self, x: Array, rate: float) -> Array:

@@ -1,11 +1,16 @@
-"""Positional encodings: the sinusoidal table, its rotation property, and adding a table.
+"""Positional encodings: sinusoidal table, rotation property, learned and relative positions.
 
 The sinusoidal table of Vaswani et al. has, for position ``i`` and column pair ``j``,
 ``P[i, 2j] = sin(i * w_j)`` and ``P[i, 2j+1] = cos(i * w_j)`` with ``w_j = 1 / 10000^(2j/d)``.
 Lower columns oscillate faster, like the low bits of a binary counter.
+
+Relative representations (Shaw et al., 2018) learn one vector per offset ``j - i`` between a
+key and a query, clipped to ``[-m, m]``: ``2m + 1`` vectors serve any length.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -104,3 +109,35 @@ def positional_encoding(X: Array, dropout: float = 0.0, *, ops: Ops | None = Non
         raise ValueError("X must have a known number of positions and width")
     table = ops.from_numpy(sinusoidal_encoding(steps, width, "float64")[None], like=X)
     return add_positions(X, table, dropout, ops=ops)
+
+
+#: Stands for minus and plus infinity in the integer bounds of the clipped offsets.
+_UNBOUNDED = 2**30
+
+
+def relative_offsets(
+    ops: Ops, num_queries: Any, num_keys: Any, max_relative_position: int, like: Array
+) -> Array:
+    """One-hot ``(Q, K, 2m + 1)`` of the clipped offset between each query and key.
+
+    Query ``i`` stands at position ``i + (K - Q)`` (aligned at the end, like ``causal``), key
+    ``j`` at ``j``. Entry ``[i, j, r]`` is 1 when ``clip(j - i - (K - Q), -m, m) == r - m``, else
+    0. Contracting the keys axis with it gathers per-offset embeddings by matrix products,
+    which every backend differentiates.
+
+    Args:
+        ops: The backend's ops.
+        num_queries: Q (an int, or a run-time scalar).
+        num_keys: K (an int, or a run-time scalar).
+        max_relative_position: m >= 1; offsets beyond it share the edge vectors.
+        like: An array whose floating dtype and device the result takes.
+    """
+    m = checks.check_positive_int("max_relative_position", max_relative_position)
+    rows = ops.expand_dims(ops.arange(num_queries), -1) + (num_keys - num_queries)  # (Q, 1)
+    offsets = ops.expand_dims(ops.expand_dims(ops.arange(num_keys), 0) - rows, -1)  # (Q, K, 1)
+    low = np.arange(-m, m + 1, dtype=np.int32)
+    high = low.copy()
+    low[0], high[-1] = -_UNBOUNDED, _UNBOUNDED  # the edge vectors take every offset beyond m
+    hit = ops.logical_and(offsets >= ops.from_numpy(low, like=like),
+                          offsets <= ops.from_numpy(high, like=like))  # (Q, K, 2m + 1)
+    return ops.astype(hit, ops.dtype_name(like))

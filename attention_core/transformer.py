@@ -1,10 +1,11 @@
-"""The Transformer encoder block: position-wise FFN, add & norm, and their composition.
+"""The Transformer encoder: position-wise FFN, add & norm, the block, and the stack of blocks.
 
 Shape legend: B batch, T positions, h = num_hiddens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,7 @@ from attention_core import checks
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import multi_head_attention
 from attention_core.ops import Array, Ops
+from attention_core.positional import positional_encoding
 from attention_core.registry import ops_for
 from attention_core.weights import subset
 
@@ -107,3 +109,77 @@ def transformer_encoder_block(
     out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
                    subset(weights, "addnorm2"), dropout, ops=ops)
     return (out, attn) if return_weights else out
+
+
+def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
+    """Looks up token ids in an embedding table, checking them first.
+
+    Args:
+        tokens: Integer ids ``(B, T)``, each in ``[0, V)``.
+        table: ``(V, h)``.
+        ops: The backend's ops.
+
+    Returns:
+        ``(B, T, h)``.
+    """
+    checks.check_rank(ops, "tokens", tokens, (2,), "(B, T) token ids")
+    dtype = ops.dtype_name(tokens)
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"tokens must be integer token ids, got dtype {dtype}")
+    vocab_size = ops.shape(table)[0]
+    values = ops.concrete(tokens)
+    if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
+        bad = int(values.min()) if values.min() < 0 else int(values.max())
+        raise ValueError(f"tokens must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+    return ops.take(table, tokens)
+
+
+def transformer_encoder(
+    tokens: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    valid_lens: Any = None,
+    *,
+    mask: Any = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+    implementation: str | None = None,
+    ops: Ops | None = None,
+) -> Array | tuple[Array, list[Array]]:
+    """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
+
+    ``X = dropout(E[tokens] * sqrt(h) + P)``, with ``P`` the sinusoidal table (the scale brings
+    the embeddings to the size of the table's entries, which lie in [-1, 1]); then
+    ``X = block_i(X)`` for ``i = 0 .. num_blks - 1``.
+
+    Args:
+        tokens: Integer ids ``(B, T)``.
+        weights: ``token.embedding (V, h)`` and ``blks.<i>.*`` for each block
+            (:func:`transformer_encoder_block`'s names).
+        num_heads: Heads of every block's self-attention.
+        valid_lens: Integer lengths of the sequences, ``(B,)`` or ``(B, T)``.
+        mask: Boolean self-attention mask, True = may attend.
+        dropout: Dropout rate of the positional encoding's sum and inside every block.
+        return_weights: Also return each block's self-attention weights ``(B, H, T, T)``.
+        implementation: How the blocks' heads pool; see
+            :func:`~attention_core.attention.dot_product_attention`.
+        ops: The backend's ops; found from ``tokens`` when omitted.
+
+    Returns:
+        ``(B, T, h)``, and the list of the blocks' attention weights if asked.
+    """
+    ops = ops or ops_for(tokens)
+    table = weights["token.embedding"]
+    num_hiddens = ops.shape(table)[1]
+    X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
+    X = positional_encoding(X, dropout, ops=ops)
+    num_blks = len({name.split(".")[1] for name in weights if name.startswith("blks.")})
+    attention_weights = []
+    for i in range(num_blks):
+        result = transformer_encoder_block(
+            X, subset(weights, f"blks.{i}"), num_heads, valid_lens, mask=mask, dropout=dropout,
+            return_weights=return_weights, implementation=implementation, ops=ops,
+        )
+        X, attn = result if return_weights else (result, None)
+        attention_weights.append(attn)
+    return (X, attention_weights) if return_weights else X

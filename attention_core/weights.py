@@ -101,6 +101,50 @@ def encoder_block_spec(
     }
 
 
+def relative_multi_head_spec(
+    num_hiddens: int,
+    num_heads: int,
+    max_relative_position: int,
+    bias: bool = False,
+    relative_values: bool = True,
+    q_in: int | None = None,
+    k_in: int | None = None,
+    v_in: int | None = None,
+) -> Spec:
+    """:func:`multi_head_spec` plus one vector per clipped offset, shared by the heads.
+
+    ``rel_k.embedding (2m + 1, h/H)`` and, with ``relative_values``,
+    ``rel_v.embedding (2m + 1, h/H)``.
+    """
+    spec = multi_head_spec(num_hiddens, num_heads, bias, q_in, k_in, v_in)
+    offsets = 2 * check_positive_int("max_relative_position", max_relative_position) + 1
+    spec["rel_k.embedding"] = (offsets, num_hiddens // num_heads)
+    if relative_values:
+        spec["rel_v.embedding"] = (offsets, num_hiddens // num_heads)
+    return spec
+
+
+def transformer_encoder_spec(
+    vocab_size: int,
+    num_hiddens: int,
+    ffn_num_hiddens: int,
+    num_heads: int,
+    num_blks: int,
+    bias: bool = False,
+) -> Spec:
+    """``token.embedding (vocab_size, h)`` and each block's weights.
+
+    Block ``i`` has the names of :func:`encoder_block_spec` under ``blks.<i>.``.
+    """
+    check_positive_int("vocab_size", vocab_size)
+    check_positive_int("num_hiddens", num_hiddens)
+    spec: Spec = {"token.embedding": (vocab_size, num_hiddens)}
+    for i in range(check_positive_int("num_blks", num_blks)):
+        block = encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias)
+        spec.update(prefixed(block, f"blks.{i}"))
+    return spec
+
+
 def learned_positional_spec(num_hiddens: int, max_len: int) -> Spec:
     """``P (1, max_len, h)``."""
     check_positive_int("num_hiddens", num_hiddens)
@@ -148,7 +192,8 @@ def init_weights(spec: Spec, rng: np.random.Generator, dtype: str = "float32") -
     """Draws initial weights for a fully known spec.
 
     Kernels are Glorot-uniform, biases and ``beta`` zero, ``gamma`` one, a learned table
-    ``P`` normal with std 0.02, a kernel width ``w`` uniform in [0, 1).
+    ``P`` normal with std 0.02, an ``embedding`` table ``(N, D)`` normal with std
+    ``1 / sqrt(D)`` (unit-norm rows on average), a kernel width ``w`` uniform in [0, 1).
     """
     out: dict[str, Any] = {}
     for name, shape in spec.items():
@@ -163,6 +208,8 @@ def init_weights(spec: Spec, rng: np.random.Generator, dtype: str = "float32") -
             value = np.ones(dims)
         elif leaf == "P":
             value = rng.normal(0.0, 0.02, dims)
+        elif leaf == "embedding":
+            value = rng.normal(0.0, 1.0 / np.sqrt(dims[-1]), dims)
         else:
             value = rng.uniform(0.0, 1.0, dims)
         out[name] = value.astype(dtype)

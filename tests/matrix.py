@@ -36,7 +36,7 @@ import numpy as np
 
 from tests.harness import AUTODIFF, DTYPES, MODES, Harness, max_diff
 from tests.reference.cases import CASES, Case
-from tests.reference.generate import record
+from tests.reference.generate import RETURNS_ATTENTION, record
 from tests.reference.gradients import key, load_gradients
 
 #: Modes cheap enough to run the whole matrix.
@@ -51,14 +51,14 @@ COMPILED_CASES = {
     "AdditiveAttention": ("mask_2d", "causal", "fully_masked_row"),
     "MultiHeadAttention": ("mask_4d_bias", "causal_valid_lens_bias", "fully_masked_row_bias"),
     "TransformerEncoderBlock": ("valid_lens_1d", "mask_3d", "fully_masked_row"),
+    "RelativeMultiHeadAttention": ("valid_lens_2d", "causal", "keys_only-fully_masked_row"),
+    "TransformerEncoder": ("mask_2d",),
     "PositionalEncoding": ("width_7",),
     "LearnedPositionalEncoding": ("basic",),
     "PositionWiseFFN": ("basic",),
     "AddNorm": ("basic",),
     "NadarayaWatson": ("parametric", "plain_unbatched"),
 }
-#: Layers whose call takes ``return_attention`` (the others keep or sow their weights only).
-RETURNS_ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
         return forward(layer, *xs), {}
 
     result, grads = h.run(mode, layer, fn, arrays)
-    got = {name: h.numpy(value) for name, value in result.items()}
+    got = {name: _stacked(h, value) for name, value in result.items()}
     got.update({f"grad.{name}": h.numpy(value) for name, value in grads.items()})
     expected = {"out": ref["output.out"]}
     if keeps:
@@ -166,6 +166,13 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
         expected.update({f"grad.{k}": v for k, v in reference_gradients(case).items()
                          if k != "cotangent"})
     return got, expected
+
+
+def _stacked(h: Harness, value: Any) -> np.ndarray:
+    """A computed array as float64 NumPy; a list (one array per encoder block) stacked first."""
+    if isinstance(value, (list, tuple)):
+        return np.stack([h.numpy(v) for v in value])
+    return h.numpy(value)
 
 
 def differences(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> dict[str, float]:

@@ -161,3 +161,47 @@ def nadaraya_watson(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
             weights[b, 0, i] = softmax_row(s, np.ones(len(s), bool))
             out[b, i] = float(weights[b, 0, i] @ v2[b])
     return (out if queries.ndim == 2 else out[0]), weights
+
+
+def relative_multi_head(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                        w: dict[str, np.ndarray], H: int,
+                        vis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Shaw et al. (2018): e_ij = q_i.(k_j + aK[clip(j - i)]) / sqrt(d), o_i = sum_j w_ij (v_j +
+    aV[clip(j - i)]), query i at position i + K - Q; one pair (i, j) at a time."""
+    q, k, v = linear(queries, w, "W_q"), linear(keys, w, "W_k"), linear(values, w, "W_v")
+    table_k, table_v = w["rel_k.embedding"], w.get("rel_v.embedding")
+    m = (len(table_k) - 1) // 2
+    B, Q, h = q.shape
+    K = k.shape[1]
+    d = h // H
+    weights = np.zeros((B, H, Q, K))
+    out = np.zeros((B, Q, h))
+    for b in range(B):
+        for head in range(H):
+            cols = slice(head * d, (head + 1) * d)
+            for i in range(Q):
+                r = [min(max(j - (i + K - Q), -m), m) + m for j in range(K)]
+                s = np.array([float(q[b, i, cols] @ (k[b, j, cols] + table_k[r[j]])) / math.sqrt(d)
+                              for j in range(K)])
+                weights[b, head, i] = softmax_row(s, vis[b, head, i])
+                for j in range(K):
+                    vec = v[b, j, cols] + (table_v[r[j]] if table_v is not None else 0.0)
+                    out[b, i, cols] += weights[b, head, i, j] * vec
+    return linear(out, w, "W_o"), weights
+
+
+def transformer_encoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
+                        vis: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Embedding row per token times sqrt(h), plus the sinusoidal table, then each block."""
+    table = w["token.embedding"]
+    B, T = tokens.shape
+    h = table.shape[1]
+    P = pe_table(T, h)
+    x = np.array([[table[tokens[b, t]] * math.sqrt(h) + P[t] for t in range(T)]
+                  for b in range(B)])
+    blocks = sorted({int(name.split(".")[1]) for name in w if name.startswith("blks.")})
+    all_weights = []
+    for i in blocks:
+        x, weights = encoder_block(x, sub(w, f"blks.{i}"), H, vis)
+        all_weights.append(weights)
+    return x, all_weights

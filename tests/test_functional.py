@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 import attention_core as ac
@@ -18,8 +19,12 @@ FUNCTIONAL = {
         x["queries"], x["keys"], x["values"], w, return_weights=True, **kw),
     "MultiHeadAttention": lambda x, w, cfg, kw: ac.multi_head_attention(
         x["queries"], x["keys"], x["values"], w, cfg["num_heads"], return_weights=True, **kw),
+    "RelativeMultiHeadAttention": lambda x, w, cfg, kw: ac.relative_multi_head_attention(
+        x["queries"], x["keys"], x["values"], w, cfg["num_heads"], return_weights=True, **kw),
     "TransformerEncoderBlock": lambda x, w, cfg, kw: ac.transformer_encoder_block(
         x["X"], w, cfg["num_heads"], return_weights=True, **kw),
+    "TransformerEncoder": lambda x, w, cfg, kw: ac.transformer_encoder(
+        x["tokens"], w, cfg["num_heads"], return_weights=True, **kw),
     "PositionWiseFFN": lambda x, w, cfg, kw: ac.position_wise_ffn(x["X"], w),
     "AddNorm": lambda x, w, cfg, kw: ac.add_norm(x["X"], x["Y"], w),
     "PositionalEncoding": lambda x, w, cfg, kw: ac.positional_encoding(x["X"]),
@@ -47,12 +52,14 @@ def test_functional_matches_reference(backend: str, case: Case) -> None:
     out, attn = result if isinstance(result, tuple) else (result, None)
     assert max_diff(h.numpy(out), ref["output.out"]) <= TOLERANCE["float32"]
     if attn is not None:
-        assert max_diff(h.numpy(attn), ref["output.attention"]) <= TOLERANCE["float32"]
+        got = np.stack([h.numpy(a) for a in attn]) if isinstance(attn, list) else h.numpy(attn)
+        assert max_diff(got, ref["output.attention"]) <= TOLERANCE["float32"]
 
 
 def test_every_public_function_is_covered() -> None:
     covered = {"dot_product_attention", "additive_attention", "multi_head_attention",
-               "transformer_encoder_block", "position_wise_ffn", "add_norm",
+               "relative_multi_head_attention", "transformer_encoder", "transformer_encoder_block",
+               "position_wise_ffn", "add_norm",
                "positional_encoding", "nadaraya_watson"}
     functions = {name for name in ac.__all__ if callable(getattr(ac, name, None))
                  and getattr(ac, name).__module__.startswith("attention_core.")

@@ -53,6 +53,18 @@ def naive_outputs(case: Case, ref: dict[str, np.ndarray]) -> dict[str, np.ndarra
         vis = naive.visible(q.shape[0], H, q.shape[1], k.shape[1], **masks)
         out, att = naive.multi_head(q, k, x["values"], w, H, vis)
         return {"output.out": out, "output.attention": att}
+    if case.layer == "RelativeMultiHeadAttention":
+        q, k = x["queries"], x["keys"]
+        H = case.config["num_heads"]
+        vis = naive.visible(q.shape[0], H, q.shape[1], k.shape[1], **masks)
+        out, att = naive.relative_multi_head(q, k, x["values"], w, H, vis)
+        return {"output.out": out, "output.attention": att}
+    if case.layer == "TransformerEncoder":
+        tokens = x["tokens"]
+        H = case.config["num_heads"]
+        vis = naive.visible(tokens.shape[0], H, tokens.shape[1], tokens.shape[1], **masks)
+        out, atts = naive.transformer_encoder(tokens, w, H, vis)
+        return {"output.out": out, "output.attention": np.stack(atts)}
     if case.layer == "TransformerEncoderBlock":
         X = x["X"]
         H = case.config["num_heads"]

@@ -118,6 +118,9 @@ class JaxOps:
     def arange(self, n: Any) -> jax.Array:
         return jnp.arange(n, dtype=jnp.int32)
 
+    def take(self, table: jax.Array, indices: jax.Array) -> jax.Array:
+        return jnp.take(table, indices, axis=0)
+
     # -- the fused kernel (attention_core.ops.FusedAttentionOps) -----------------------------
 
     #: ``jax.nn.dot_product_attention`` gives a row with no visible key the mean of the values

@@ -128,6 +128,9 @@ class MXNetOps:
     def arange(self, n: Any) -> Any:
         return self.np.arange(int(n), dtype="int32")
 
+    def take(self, table: Any, indices: Any) -> Any:
+        return self.np.take(table, indices, axis=0)
+
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
         return self.npx.dropout(x, p=rate)

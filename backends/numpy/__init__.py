@@ -9,6 +9,8 @@ from backends.numpy.layers import (
     NadarayaWatson,
     PositionalEncoding,
     PositionWiseFFN,
+    RelativeMultiHeadAttention,
+    TransformerEncoder,
     TransformerEncoderBlock,
 )
 from backends.numpy.ops import OPS, NumpyOps
@@ -24,5 +26,7 @@ __all__ = [
     "NumpyOps",
     "PositionWiseFFN",
     "PositionalEncoding",
+    "RelativeMultiHeadAttention",
+    "TransformerEncoder",
     "TransformerEncoderBlock",
 ]

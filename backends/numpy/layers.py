@@ -220,6 +220,48 @@ class MultiHeadAttention(_Attention):
         return multihead.multi_head_attention(q, k, v, weights, self.num_heads, valid_lens, **kwargs)
 
 
+class RelativeMultiHeadAttention(_Attention):
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    Args:
+        num_hiddens: h, the width of the projections and of the output.
+        num_heads: H; must divide ``num_hiddens``.
+        max_relative_position: m: offsets between a key and a query are clipped to [-m, m].
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        relative_values: Also add the offsets' vectors to the values (weight ``rel_v.embedding``).
+        keep_attention_weights: Keep each call's weights in ``attention_weights``.
+        **kwargs: ``seed``, ``dtype``.
+    """
+
+    def __init__(
+        self, num_hiddens: int, num_heads: int, max_relative_position: int, dropout: float = 0.0,
+        bias: bool = False, *, relative_values: bool = True, keep_attention_weights: bool = True,
+        **kwargs: Any,
+    ):
+        W.relative_multi_head_spec(num_hiddens, num_heads, max_relative_position)  # validates
+        super().__init__(dropout, keep_attention_weights=keep_attention_weights, **kwargs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self.max_relative_position = max_relative_position
+        self.relative_values = bool(relative_values)
+
+    def spec(self) -> W.Spec:
+        d = self._dims
+        return W.relative_multi_head_spec(
+            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
+            self.relative_values, d.get("q_in"), d.get("k_in"), d.get("v_in"),
+        )
+
+    def _input_sizes(self, queries: Any, keys: Any, values: Any) -> dict[str, int]:
+        return {"q_in": queries.shape[-1], "k_in": keys.shape[-1], "v_in": values.shape[-1]}
+
+    def _attend(self, weights: dict[str, np.ndarray], *args: Any, **kwargs: Any) -> Any:
+        q, k, v, valid_lens = args
+        return multihead.relative_multi_head_attention(
+            q, k, v, weights, self.num_heads, valid_lens, **kwargs
+        )
+
+
 class PositionalEncoding(Layer):
     """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input."""
 
@@ -345,6 +387,58 @@ class TransformerEncoderBlock(Layer):
             implementation=self.implementation, ops=self._ops,
         )
         out, self.attention_weights = result if need else (result, None)
+        return np.asarray(out)
+
+
+class TransformerEncoder(Layer):
+    """The Transformer encoder: scaled token embedding, sinusoidal encoding, ``num_blks`` blocks.
+
+    Args:
+        vocab_size: V, the number of token ids.
+        num_hiddens: h, the model width.
+        ffn_num_hiddens: Width of the blocks' FFN hidden layers.
+        num_heads: H; must divide ``num_hiddens``.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the encoding's sum and inside every block, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each block's self-attention weights, in
+            ``attention_weights`` (a list, one ``(B, H, T, T)`` array per block).
+        implementation: See :class:`DotProductAttention`.
+        **kwargs: ``seed``, ``dtype``.
+    """
+
+    def __init__(
+        self, vocab_size: int, num_hiddens: int, ffn_num_hiddens: int, num_heads: int,
+        num_blks: int, dropout: float = 0.0, bias: bool = False, *,
+        keep_attention_weights: bool = True, implementation: str | None = None, **kwargs: Any,
+    ):
+        self.implementation = checks.check_implementation(implementation)
+        super().__init__(dropout, **kwargs)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.vocab_size, self.num_hiddens, self.ffn_num_hiddens = vocab_size, num_hiddens, ffn_num_hiddens
+        self.num_heads, self.num_blks, self.bias = num_heads, num_blks, bool(bias)
+        self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
+        self.attention_weights: list[np.ndarray | None] = [None] * num_blks  # type: ignore[assignment]
+
+    def spec(self) -> W.Spec:
+        return W.transformer_encoder_spec(
+            self.vocab_size, self.num_hiddens, self.ffn_num_hiddens, self.num_heads,
+            self.num_blks, self.bias,
+        )
+
+    def __call__(
+        self, tokens: np.ndarray, valid_lens: Any = None, *, mask: Any = None,
+        training: bool = False,
+    ) -> np.ndarray:
+        assert self._weights is not None
+        need = self.keep_attention_weights
+        result: Any = transformer.transformer_encoder(
+            tokens, self._weights, self.num_heads, valid_lens, mask=mask,
+            dropout=self._rate(training), return_weights=need,
+            implementation=self.implementation, ops=self._ops,
+        )
+        out, weights = result if need else (result, [None] * self.num_blks)
+        self.attention_weights = list(weights)
         return np.asarray(out)
 
 

@@ -96,6 +96,9 @@ class NumpyOps:
     def arange(self, n: Any) -> np.ndarray:
         return np.arange(n, dtype=np.int32)
 
+    def take(self, table: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        return np.take(table, indices, axis=0)
+
     def dropout(self, x: np.ndarray, rate: float) -> np.ndarray:
         keep = self.rng.random(x.shape) >= rate
         return np.where(keep, x / np.asarray(1.0 - rate, x.dtype), np.zeros((), x.dtype))

@@ -128,6 +128,9 @@ class TensorFlowOps:
     def arange(self, n: Any) -> tf.Tensor:
         return tf.range(n, dtype=tf.int32)
 
+    def take(self, table: Any, indices: Any) -> tf.Tensor:
+        return tf.gather(table, indices)
+
     def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:
         if tf.executing_eagerly():  # eager: a Python loop is what tf.while_loop would run
             carry = init

@@ -99,6 +99,9 @@ class TorchOps:
     def arange(self, n: Any) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int32, device=self.device)
 
+    def take(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return F.embedding(indices, table)
+
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
         return F.dropout(x, rate, training=True)
 

@@ -97,12 +97,25 @@ class Case:
     edge: str | None = None  # the edge shape or head layout (EDGE_SHAPES, EDGE_HEADS), if any
 
 
+#: Inputs holding integer token ids (drawn in ``[0, vocab_size)``; they have no gradient).
+INTEGER_INPUTS = ("tokens",)
+
+#: Constructor arguments of the relative-position attention cases: with 6 keys and 4 queries,
+#: offsets run from -5 to 2, so m = 2 clips on both sides.
+RELATIVE = {"num_hiddens": 12, "num_heads": 3, "max_relative_position": 2, "dropout": 0.0}
+
+#: Constructor arguments of the encoder cases: two blocks, so a block's input is another's output.
+ENCODER = {"vocab_size": 11, "num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3,
+           "num_blks": 2, "dropout": 0.0}
+
+
 def _attention_inputs(layer: str, b: int, q: int, k: int) -> dict[str, tuple[int, ...]]:
     """Input shapes of an attention layer for ``b`` examples, ``q`` queries and ``k`` keys."""
     if layer == "DotProductAttention":
         return {"queries": (b, q, 8), "keys": (b, k, 8), "values": (b, k, 5)}
-    return {"queries": (b, q, 10), "keys": (b, k, 7 if layer == "MultiHeadAttention" else 6),
-            "values": (b, k, 9 if layer == "MultiHeadAttention" else 5)}
+    multihead = layer in ("MultiHeadAttention", "RelativeMultiHeadAttention")
+    return {"queries": (b, q, 10), "keys": (b, k, 7 if multihead else 6),
+            "values": (b, k, 9 if multihead else 5)}
 
 
 def build_cases() -> list[Case]:
@@ -119,12 +132,22 @@ def build_cases() -> list[Case]:
                 {"num_hiddens": 12, "num_heads": 3, "dropout": 0.0, "bias": bias},
                 _attention_inputs("MultiHeadAttention", B, Q, K), kind, heads=3,
             ))
+        cases.append(Case("RelativeMultiHeadAttention", kind, {**RELATIVE, "bias": True},
+                          _attention_inputs("RelativeMultiHeadAttention", B, Q, K), kind, heads=3))
         if not kind.startswith("causal"):  # the encoder block's call has no causal argument
             cases.append(Case(
                 "TransformerEncoderBlock", kind,
                 {"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3, "dropout": 0.0},
                 {"X": (B, K, 12)}, kind, heads=3,
             ))
+            cases.append(Case("TransformerEncoder", kind, ENCODER, {"tokens": (B, K)}, kind,
+                              heads=3))
+    for kind in ("none", "causal", "fully_masked_row"):  # keys only, no bias, m = 1
+        cases.append(Case(
+            "RelativeMultiHeadAttention", f"keys_only-{kind}",
+            {**RELATIVE, "max_relative_position": 1, "relative_values": False},
+            _attention_inputs("RelativeMultiHeadAttention", B, Q, K), kind, heads=3,
+        ))
     cases.append(Case("MultiHeadAttention", "single_head_depth_1",
                       {"num_hiddens": 1, "num_heads": 1, "dropout": 0.0, "bias": False},
                       {"queries": (1, 1, 3), "keys": (1, 2, 3), "values": (1, 2, 3)}, "none",
@@ -145,6 +168,9 @@ def build_cases() -> list[Case]:
                               {"num_hiddens": 12, "num_heads": 3, "dropout": 0.0, "bias": True},
                               _attention_inputs("MultiHeadAttention", b, q, k), kind, heads=3,
                               edge=shape))
+            cases.append(Case("RelativeMultiHeadAttention", name, RELATIVE,
+                              _attention_inputs("RelativeMultiHeadAttention", b, q, k), kind,
+                              heads=3, edge=shape))
             # self-attention has one length for queries and keys, and no causal argument
             if shape != "keys_shorter" and not kind.startswith("causal"):
                 cases.append(Case(
@@ -152,6 +178,8 @@ def build_cases() -> list[Case]:
                     {"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3, "dropout": 0.0},
                     {"X": (b, k, 12)}, kind, heads=3, edge=shape,
                 ))
+                cases.append(Case("TransformerEncoder", name, ENCODER, {"tokens": (b, k)}, kind,
+                                  heads=3, edge=shape))
     for shape, (h, heads) in EDGE_HEADS.items():
         for kind in MASK_KINDS:
             name = f"{shape}-{kind}"
@@ -159,6 +187,10 @@ def build_cases() -> list[Case]:
                               {"num_hiddens": h, "num_heads": heads, "dropout": 0.0, "bias": True},
                               _attention_inputs("MultiHeadAttention", B, Q, K), kind, heads=heads,
                               edge=shape))
+            cases.append(Case("RelativeMultiHeadAttention", name,
+                              {**RELATIVE, "num_hiddens": h, "num_heads": heads},
+                              _attention_inputs("RelativeMultiHeadAttention", B, Q, K), kind,
+                              heads=heads, edge=shape))
             if not kind.startswith("causal"):
                 cases.append(Case(
                     "TransformerEncoderBlock", name,

@@ -17,9 +17,13 @@ from typing import Any
 import numpy as np
 
 import backends.numpy as np_layers
-from tests.reference.cases import CASES, Case, mask_arguments
+from tests.reference.cases import CASES, INTEGER_INPUTS, Case, mask_arguments
 
 DATA = Path(__file__).parent / "data"
+
+#: Layers whose call takes ``return_attention`` (the others keep their weights only).
+RETURNS_ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention",
+                     "RelativeMultiHeadAttention")
 
 
 def _rng(case: Case) -> np.random.Generator:
@@ -29,8 +33,10 @@ def _rng(case: Case) -> np.random.Generator:
 def call_arguments(
     case: Case, rng: np.random.Generator
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Draws a case's inputs (float64) and masking arguments."""
-    inputs = {name: rng.standard_normal(shape) for name, shape in case.inputs.items()}
+    """Draws a case's inputs (float64, or int64 token ids) and masking arguments."""
+    inputs = {name: (rng.integers(0, case.config["vocab_size"], shape) if name in INTEGER_INPUTS
+                     else rng.standard_normal(shape))
+              for name, shape in case.inputs.items()}
     extra: dict[str, Any] = {}
     if case.mask_kind is not None:
         first = next(iter(case.inputs.values()))
@@ -60,12 +66,14 @@ def run(
 ) -> dict[str, np.ndarray]:
     """Calls a NumPy layer the way the case says; returns its output and attention weights."""
     args = list(inputs.values())
-    if case.layer in ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention"):
+    if case.layer in RETURNS_ATTENTION:
         out, attn = layer(*args, return_attention=True, **extra)
         return {"out": out, "attention": attn}
     out = layer(*args, **extra)
     result = {"out": out}
-    if layer.attention_weights is not None:
+    if isinstance(layer.attention_weights, list):  # one array per block: (blocks, B, H, T, T)
+        result["attention"] = np.stack(layer.attention_weights)
+    elif layer.attention_weights is not None:
         result["attention"] = layer.attention_weights
     return result
 

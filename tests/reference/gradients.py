@@ -37,6 +37,8 @@ FULL_CHECK_CASES = {
     ),
     "AdditiveAttention": ("none", "valid_lens_2d", "causal", "fully_masked_row"),
     "TransformerEncoderBlock": ("none", "valid_lens_1d", "mask_3d", "fully_masked_row"),
+    "RelativeMultiHeadAttention": ("valid_lens_2d", "mask_4d", "causal", "keys_only-fully_masked_row"),
+    "TransformerEncoder": ("valid_lens_1d", "fully_masked_row"),
     "PositionalEncoding": ("width_7",),
     "LearnedPositionalEncoding": ("basic",),
     "PositionWiseFFN": ("basic",),
@@ -46,7 +48,7 @@ FULL_CHECK_CASES = {
 
 
 def gradient_cases() -> list[Case]:
-    """Every case: each has floating inputs, so each has gradients to compare."""
+    """Every case: each has floating inputs or weights, so each has gradients to compare."""
     return list(CASES)
 
 
@@ -87,6 +89,12 @@ def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[s
     if case.layer == "MultiHeadAttention":
         queries, keys, values = inputs
         return ac.multi_head_attention(queries, keys, values, weights, heads, **call)
+    if case.layer == "RelativeMultiHeadAttention":
+        queries, keys, values = inputs
+        return ac.relative_multi_head_attention(queries, keys, values, weights, heads, **call)
+    if case.layer == "TransformerEncoder":
+        (tokens,) = inputs
+        return ac.transformer_encoder(tokens, weights, heads, **call)
     if case.layer == "AdditiveAttention":
         queries, keys, values = inputs
         return ac.additive_attention(queries, keys, values, weights, **call)
@@ -122,12 +130,13 @@ def compute_case(case: Case) -> dict[str, np.ndarray]:
     import torch
 
     inputs, weights, call = case_data(case)
-    x = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in inputs]
+    x = [torch.tensor(a) if a.dtype.kind in "iu"  # token ids: no gradient
+         else torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in inputs]
     w = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in weights.items()}
     out = forward(case, x, w, call)
     C = cotangent(case, tuple(out.shape))
     (out * torch.from_numpy(C)).sum().backward()
-    grads = {f"input.{i}": t.grad for i, t in enumerate(x)}
+    grads = {f"input.{i}": t.grad for i, t in enumerate(x) if t.is_floating_point()}
     grads.update({f"weight.{n}": t.grad for n, t in w.items()})
     record = {"cotangent": C}
     for name, grad in grads.items():
