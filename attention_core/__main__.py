@@ -1,10 +1,13 @@
 """Command line: ``python -m attention_core {demo,info,matrix,bench}``.
 
 ``demo`` runs the source chapter's example (batch 2, 4 queries, 100 hiddens, 5 heads,
-``valid_lens`` [3, 2]) on a backend and prints what it computed; ``info`` lists the backends;
+``valid_lens`` [3, 2]) on a backend and prints what it computed (with ``--out DIR`` it also draws
+the notes' pictures into DIR, see :func:`demo_figures`); ``info`` lists the backends;
 ``matrix`` turns the test matrix's measurements (JSON files written by the test suite, one per
 backend) into a Markdown table and writes it into README.md between its markers; ``bench``
-runs the benchmarks (:mod:`attention_core.bench.cli`), or merges their results into README.md.
+runs the benchmarks (:mod:`attention_core.bench.cli`), or merges their results into README.md;
+``bench complexity`` times a convolution, an RNN and self-attention against n on one backend
+(:mod:`attention_core.bench.complexity`).
 Errors are printed as one line and exit with status 2.
 """
 
@@ -16,12 +19,16 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attention_core import markdown, registry
+from attention_core import examples, markdown, plot, registry
+from attention_core.attention import nadaraya_watson
 from attention_core.bench import cli as bench_cli
+
+if TYPE_CHECKING:  # matplotlib is the optional "plot" extra
+    from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
 
 
 def _version(module: str) -> str | None:
@@ -51,8 +58,20 @@ def info() -> str:
     return "\n".join(lines)
 
 
-def demo(name: str | None = None) -> str:
-    """Runs the chapter's multi-head attention and positional encoding examples."""
+def demo(name: str | None = None, out: str | Path | None = None) -> str:
+    """Runs the chapter's multi-head attention and positional encoding examples.
+
+    Args:
+        name: The backend (default: the active one).
+        out: Also write the pictures of :func:`demo_figures` into this directory (created if
+            missing) as PNG files, and add the notes' binary table of 0..7 to the text. Needs
+            matplotlib.
+
+    Returns:
+        What to print.
+    """
+    if out is not None:
+        plot.require_matplotlib()  # fail before the work, with what to install
     key = registry.canonical_name(name) if name else registry.backend()
     module = registry.load(key)
     ops = module.OPS
@@ -61,23 +80,77 @@ def demo(name: str | None = None) -> str:
     attention = module.MultiHeadAttention(num_hiddens, num_heads, 0.5)
     X = ops.from_numpy(np.ones((batch, num_queries, num_hiddens), np.float32))
     valid_lens = ops.from_numpy(np.array([3, 2], np.int32))
-    out, weights = call(attention, X, X, X, valid_lens, return_attention=True)
+    output, weights = call(attention, X, X, X, valid_lens, return_attention=True)
     weights = ops.to_numpy(weights)
     encoding = module.PositionalEncoding(32, 0.0)
     P = call(encoding, ops.from_numpy(np.zeros((1, 60, 32), np.float32)))
     np.set_printoptions(precision=4, suppress=True)
-    return "\n".join([
+    lines = [
         f"backend: {key}",
         f"MultiHeadAttention({num_hiddens}, {num_heads}, 0.5) on ones{(batch, num_queries, num_hiddens)}"
         " with valid_lens [3, 2]",
-        f"  output shape: {tuple(ops.shape(out))}",
+        f"  output shape: {tuple(ops.shape(output))}",
         f"  attention weights shape: {weights.shape} (batch, heads, queries, keys)",
         f"  example 0, head 0, query 0: {weights[0, 0, 0]}  (keys 3.. masked)",
         f"  example 1, head 0, query 0: {weights[1, 0, 0]}  (keys 2.. masked)",
         "PositionalEncoding(32, 0) on zeros(1, 60, 32)",
         f"  output shape: {tuple(ops.shape(P))}; table P shape: {tuple(ops.shape(encoding.P))}",
         f"  row 1, columns 0..3: {ops.to_numpy(P)[0, 1, :4]}",
-    ])
+    ]
+    if out is not None:
+        lines += ["Binary representations of 0..7 (lower bits flip faster, like lower encoding columns):",
+                  *(f"  {line}" for line in plot.binary_table(8).splitlines())]
+        figures, fitted = demo_figures(ops, weights, [3, 2], ops.to_numpy(P)[0])
+        lines.append(fitted)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        for filename, figure in figures.items():
+            figure.savefig(Path(out) / filename)
+            lines.append(f"wrote {Path(out) / filename}")
+    return "\n".join(lines)
+
+
+def demo_figures(ops: Any, weights: np.ndarray, valid_lens: Sequence[int],
+                 table: np.ndarray) -> tuple[dict[str, Figure], str]:
+    """The pictures of ``demo --out``, by file name.
+
+    The positional-encoding columns and heatmap of ``table``; the multi-head weights as (example
+    rows, head columns) heatmaps; and the Nadaraya-Watson example of the notes, computed on the
+    backend of ``ops``: the non-parametric fit (``w = 1``) and the parametric one, whose width
+    :func:`attention_core.examples.fit_width` fits on NumPy by minimising the leave-one-out loss
+    with a golden-section search on ``log w`` (no autodiff), and the weights of both fits.
+
+    Args:
+        ops: The backend's ops (the Nadaraya-Watson pooling runs on this backend).
+        weights: The multi-head layer's weights ``(B, H, Q, K)``.
+        valid_lens: The ``valid_lens`` of the demo, one per example, for the row labels.
+        table: The positional-encoding rows the layer added, ``(positions, columns)``.
+
+    Returns:
+        The figures, keyed by file name, and a line saying which width was fitted.
+    """
+    data = examples.nadaraya_watson_data(seed=0)
+    x_train, y_train, x_test = (ops.from_numpy(a) for a in (data.x_train, data.y_train, data.x_test))
+    w = examples.fit_width(data)
+    fits = {label: nadaraya_watson(x_test, x_train, y_train, width, return_weights=True, ops=ops)
+            for label, width in (("Non-parametric (w = 1)", None), (f"Parametric (w = {w:.2f})", w))}
+    fit_weights = np.stack([ops.to_numpy(a)[0, 0] for _, a in fits.values()])[None]  # (1, 2, Q, K)
+    heads = [f"Head {h + 1}" for h in range(weights.shape[1])]
+    rows = [f"Example {b + 1} ({n} valid keys)" for b, n in enumerate(valid_lens)]
+    figures = {
+        "encoding_columns.png": plot.plot_encoding_columns(table),
+        "encoding_heatmap.png": plot.plot_encoding_heatmap(table),
+        "attention_heatmaps.png": plot.show_heatmaps(weights, "Keys", "Queries", heads, row_titles=rows,
+                                                     colorbar_label="Attention weight"),
+        "nadaraya_watson_fit.png": plot.plot_kernel_regression(
+            data.x_train, data.y_train, data.x_test, data.y_truth, {k: y for k, (y, _) in fits.items()}),
+        "nadaraya_watson_weights.png": plot.show_heatmaps(
+            fit_weights, "Sorted training inputs", "Sorted test inputs", list(fits), figsize=(8.0, 3.8),
+            colorbar_label="Attention weight"),
+    }
+    fitted = (f"Nadaraya-Watson: w = {w:.4f} minimises the leave-one-out loss "
+              f"({examples.leave_one_out_loss(w, data):.4f}; {examples.leave_one_out_loss(1.0, data):.4f} "
+              "at w = 1)")
+    return figures, fitted
 
 
 # -- matrix: the test matrix's measurements as a Markdown table ------------------------------
@@ -246,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run the chapter's example on a backend")
     p_demo.add_argument("--backend", help=f"backend name (default: ${registry.ENV_VAR}, else numpy)")
+    p_demo.add_argument("--out", metavar="DIR",
+                        help="also draw the pictures into DIR as PNG files and print the binary table "
+                             f"of 0..7 (needs matplotlib: {plot.INSTALL_HINT})")
     sub.add_parser("info", help="list backends, versions and the active one")
     p_matrix = sub.add_parser("matrix", help="the test matrix's measurements as a Markdown table, "
                                              "written into README.md")
@@ -256,14 +332,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                f"{MATRIX_END} (default: README.md)")
     p_matrix.add_argument("--stdout", action="store_true", help="print the table, write no file")
     p_bench = sub.add_parser("bench", help="benchmarks: speed against the native layers, memory, "
-                                           "GEMM fraction (or --merge the results into README.md)")
+                                           "GEMM fraction (or --merge the results into README.md); "
+                                           "bench complexity: conv vs RNN vs self-attention")
     bench_cli.configure(p_bench)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
             return bench_cli.run(args)
         if args.command == "demo":
-            print(demo(args.backend))
+            print(demo(args.backend, args.out))
         elif args.command == "matrix":
             body = matrix(args.directory, None if args.stdout else args.readme)
             print(body if args.stdout else f"wrote the test matrix table into {args.readme}")

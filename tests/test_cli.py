@@ -1,10 +1,12 @@
-"""``python -m attention_core``: demo and info, and one-line errors."""
+"""``python -m attention_core``: demo (and its pictures), info, and one-line errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,7 @@ def test_demo_default_is_numpy() -> None:
     assert "output shape: (2, 4, 100)" in out.stdout
     assert "attention weights shape: (2, 5, 4, 4)" in out.stdout
     assert "table P shape: (1, 1000, 32)" in out.stdout
+    assert "in binary is" not in out.stdout and "wrote" not in out.stdout  # pictures only with --out
 
 
 def test_demo_on_each_backend(backend: str) -> None:
@@ -35,6 +38,34 @@ def test_demo_on_each_backend(backend: str) -> None:
     line0 = next(x for x in out.stdout.splitlines() if "example 0, head 0" in x)
     line1 = next(x for x in out.stdout.splitlines() if "example 1, head 0" in x)
     assert line0.count("0.3333") == 3 and line1.count("0.5") == 2
+
+
+PICTURES = ["attention_heatmaps.png", "encoding_columns.png", "encoding_heatmap.png",
+            "nadaraya_watson_fit.png", "nadaraya_watson_weights.png"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_demo_out_on_each_backend(backend: str, tmp_path: Path) -> None:
+    out = cli("demo", "--backend", backend, "--out", str(tmp_path / "pictures"))
+    assert out.returncode == 0, out.stderr
+    assert f"backend: {backend}" in out.stdout and "output shape: (2, 4, 100)" in out.stdout
+    assert "  5 in binary is 101" in out.stdout.splitlines()
+    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == PICTURES
+    for name in PICTURES:
+        assert f"wrote {tmp_path / 'pictures' / name}" in out.stdout
+        assert (tmp_path / "pictures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_out_without_matplotlib_is_a_one_line_error(tmp_path: Path) -> None:
+    code = ("import sys\nsys.modules['matplotlib'] = None  # as if not installed\n"
+            "from attention_core.__main__ import main\nsys.exit(main(sys.argv[1:]))")
+    full = {k: v for k, v in os.environ.items() if k != "ATTENTION_CORE_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code, "demo", "--out", str(tmp_path / "pictures")],
+                         capture_output=True, text=True, cwd=REPO, env=full, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr == ('error: plotting needs matplotlib, which is not installed: '
+                          'pip install "attention-core[plot]"\n')
+    assert not (tmp_path / "pictures").exists()
 
 
 def test_demo_follows_env_var() -> None:
