@@ -28,10 +28,10 @@ from attention_core import weights as W
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.hooks import mxnet_hooks
 from tests.reference.cases import CASES, MASK_KINDS, Case, mask_arguments
-from tests.reference.generate import record
+from tests.reference.generate import RETURNS_ATTENTION, record
 from tests.reference.gradients import case_data, gradient_cases, key
 
-ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
+ATTENTION = RETURNS_ATTENTION
 reference = record
 
 
@@ -69,8 +69,11 @@ def run(layer: Any, case: Case, ref: dict[str, np.ndarray], dtype: str) -> dict[
         got["attention"] = attn.asnumpy()
     else:
         out = layer(*inputs, **kwargs)
-    if layer.attention_weights is not None:
-        got["attention_attr"] = layer.attention_weights.asnumpy()
+    kept = layer.attention_weights
+    if isinstance(kept, list):  # the encoder: one array per block
+        got["attention_attr"] = np.stack([w.asnumpy() for w in kept])
+    elif kept is not None:
+        got["attention_attr"] = kept.asnumpy()
     got["out"] = out.asnumpy()
     return got
 
@@ -531,3 +534,203 @@ def test_invalid_implementation_gives_the_core_message(layer: str, args: tuple[i
     with pytest.raises(ValueError) as err:
         getattr(gluon_layers, layer)(*args, implementation="flash")
     assert str(err.value) == message
+
+
+# -- RelativeMultiHeadAttention and TransformerEncoder: the Gluon habits ----------------------
+
+ENCODER = {"vocab_size": 9, "num_hiddens": 8, "ffn_num_hiddens": 10, "num_heads": 2, "num_blks": 2}
+RELATIVE = {"num_hiddens": 8, "num_heads": 2, "max_relative_position": 3}
+
+
+def tokens(*shape: int, high: int = 9, seed: int = 0, dtype: str = "int64") -> Any:
+    return mx.np.array(np.random.default_rng(seed).integers(0, high, shape), dtype=dtype)
+
+
+def new_layer(name: str, hybridize: bool = False, **config: Any) -> Any:
+    layer = getattr(gluon_layers, name)(**config)
+    layer.initialize()
+    if hybridize:
+        layer.hybridize()
+    return layer
+
+
+def relative_call(layer: Any, seed: int = 0) -> Any:
+    q, k = draw((2, 3, 5), (2, 4, 6), seed=seed)
+    return layer(arr(q), arr(k), arr(k), [2, 4])
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+@pytest.mark.parametrize("name", ["RelativeMultiHeadAttention", "TransformerEncoder"])
+def test_new_layers_save_and_load_parameters(tmp_path: Path, name: str, hybridize: bool) -> None:
+    config = ENCODER if name == "TransformerEncoder" else {**RELATIVE, "bias": True}
+    src = new_layer(name, hybridize, **config)
+
+    def call(layer: Any) -> np.ndarray:
+        if name == "TransformerEncoder":
+            return layer(tokens(2, 5), [3, 5]).asnumpy()
+        return relative_call(layer).asnumpy()
+
+    out = call(src)
+    path = str(tmp_path / "layer.params")
+    src.save_parameters(path)
+    assert sorted(mx.npx.load(path)) == sorted(src.spec())  # canonical names, nothing else
+    dst = getattr(gluon_layers, name)(**config)  # not initialized: the file does it
+    dst.load_parameters(path)
+    if hybridize:
+        dst.hybridize()
+    for _ in range(2):
+        np.testing.assert_array_equal(call(dst), out)
+    for weight, value in src.get_weights().items():
+        np.testing.assert_array_equal(dst.get_weights()[weight], value)
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+@pytest.mark.parametrize("name", ["RelativeMultiHeadAttention", "TransformerEncoder"])
+def test_new_layers_dropout_only_while_recording_in_training_mode(name: str, hybridize: bool) -> None:
+    mx.random.seed(2)
+    config = ENCODER if name == "TransformerEncoder" else RELATIVE
+    layer = new_layer(name, hybridize, **config, dropout=0.5)
+
+    def call() -> tuple[np.ndarray, list[np.ndarray]]:
+        out = layer(tokens(2, 5)) if name == "TransformerEncoder" else relative_call(layer)
+        kept = layer.attention_weights
+        return out.asnumpy(), [w.asnumpy() for w in (kept if isinstance(kept, list) else [kept])]
+
+    plain, weights = call()
+    np.testing.assert_array_equal(call()[0], plain)  # inference: deterministic
+    with autograd.record(train_mode=False):
+        np.testing.assert_array_equal(call()[0], plain)
+    with autograd.record():
+        dropped, weights_train = call()
+        again = call()[0]
+    assert not np.allclose(dropped, plain)
+    assert not np.allclose(again, dropped)  # a new mask per call
+    if name == "RelativeMultiHeadAttention":  # kept before dropout: the same weights
+        np.testing.assert_allclose(weights_train[0], weights[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_encoder_keeps_each_blocks_attention_weights(hybridize: bool) -> None:
+    """Block i's weights are those of a TransformerEncoderBlock run on block i-1's output,
+    starting from the embedding scaled by sqrt(h) plus the sinusoidal table (NumPy)."""
+    encoder = new_layer("TransformerEncoder", hybridize, **ENCODER)
+    ids = tokens(2, 5)
+    lens = mx.np.array([3, 5], dtype="int32")
+    for _ in range(2):
+        out = encoder(ids, lens)
+    kept = encoder.attention_weights
+    assert isinstance(kept, list) and len(kept) == 2
+    weights = encoder.get_weights()
+    h = ENCODER["num_hiddens"]
+    t = np.arange(5)[:, None]
+    angle = t / np.power(10000.0, np.arange(0, h, 2) / h)
+    table = np.zeros((5, h))
+    table[:, 0::2], table[:, 1::2] = np.sin(angle), np.cos(angle)
+    X = arr(weights["token.embedding"][ids.asnumpy()] * np.sqrt(h) + table, "float32")
+    for i, got in enumerate(kept):
+        block = gluon_layers.TransformerEncoderBlock(h, ENCODER["ffn_num_hiddens"], ENCODER["num_heads"])
+        block.set_weights(W.subset(weights, f"blks.{i}"))
+        X = block(X, lens)
+        assert got.shape == (2, 2, 5, 5)
+        assert max_diff(got.asnumpy(), block.attention_weights.asnumpy()) <= 1e-6, i
+        np.testing.assert_array_equal(got.asnumpy()[0, :, :, 3:], 0.0)  # valid_lens 3
+    assert max_diff(out.asnumpy(), X.asnumpy()) <= 1e-5
+    assert max_diff(kept[0].asnumpy(), kept[1].asnumpy()) > 1e-3  # two blocks, two sets
+
+
+def test_encoder_not_keeping_weights() -> None:
+    kept = new_layer("TransformerEncoder", **ENCODER)
+    light = gluon_layers.TransformerEncoder(**ENCODER, keep_attention_weights=False)
+    ids = tokens(2, 6)
+    want = kept(ids).asnumpy()
+    light.set_weights(kept.get_weights())
+    light.hybridize()
+    assert max_diff(light(ids).asnumpy(), want) <= TOLERANCE["float32"]
+    assert light.attention_weights == [None, None]
+    assert "keep_attention_weights=False" in repr(light)
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_one_step_trains_the_rows_of_the_tokens_used_and_no_others(hybridize: bool) -> None:
+    encoder = new_layer("TransformerEncoder", hybridize, **ENCODER)
+    ids = tokens(2, 4, high=5, seed=3)  # ids < 5: rows 5..8 are never used
+    used = np.unique(ids.asnumpy())
+    before = encoder.get_weights()
+    trainer = mx.gluon.Trainer(encoder.collect_params(), "sgd", {"learning_rate": 0.5})
+    with autograd.record():
+        loss = (encoder(ids, [2, 4]) * arr(draw((2, 4, 8), seed=4)[0])).sum()
+    loss.backward()
+    trainer.step(1)
+    after = encoder.get_weights()
+    moved = np.abs(after["token.embedding"] - before["token.embedding"]).sum(axis=1) > 0
+    np.testing.assert_array_equal(np.flatnonzero(moved), used)
+    for name in before:  # every block's weights take part too
+        assert not np.array_equal(after[name], before[name]), name
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_one_step_trains_the_rows_of_the_offsets_that_occur(hybridize: bool) -> None:
+    """3 queries, 4 keys (query i at position i + 1): offsets -3..2, clipped to m = 3: the
+    rows r = offset + m in 0..5 train, row 6 (offset +3) never occurs."""
+    layer = new_layer("RelativeMultiHeadAttention", hybridize, **RELATIVE)
+    relative_call(layer)
+    before = layer.get_weights()
+    trainer = mx.gluon.Trainer(layer.collect_params(), "sgd", {"learning_rate": 0.5})
+    with autograd.record():
+        loss = (relative_call(layer) * arr(draw((2, 3, 8), seed=4)[0])).sum()
+    loss.backward()
+    trainer.step(1)
+    after = layer.get_weights()
+    for name in ("rel_k.embedding", "rel_v.embedding"):
+        moved = np.abs(after[name] - before[name]).sum(axis=1) > 0
+        np.testing.assert_array_equal(np.flatnonzero(moved), np.arange(6), err_msg=name)
+
+
+def test_hybridized_encoder_rebuilds_its_graph_and_constants() -> None:
+    """New lengths need a new sinusoidal table, a cast a new graph: each call as imperative."""
+    imperative = new_layer("TransformerEncoder", **ENCODER)
+    hybrid = gluon_layers.TransformerEncoder(**ENCODER)
+    ids5, ids3 = tokens(2, 5), tokens(3, 3, seed=1, dtype="int32")
+    imperative(ids5)
+    hybrid.set_weights(imperative.get_weights())
+    hybrid.hybridize()
+    for ids in (ids5, ids3, ids5, ids3):
+        assert max_diff(hybrid(ids).asnumpy(), imperative(ids).asnumpy()) <= 1e-6
+    assert [c.shape for c in hybrid._constants] == [(1, 3, 8)]
+    for layer in (imperative, hybrid):
+        layer.cast("float64")
+    want = imperative(ids3)
+    got = hybrid(ids3)
+    assert got.dtype == np.float64 and hybrid._constants[0].dtype == np.float64
+    assert max_diff(got.asnumpy(), want.asnumpy()) <= 1e-12
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_encoder_token_ids_are_checked_on_every_call(hybridize: bool) -> None:
+    encoder = new_layer("TransformerEncoder", hybridize, **ENCODER)
+    ids = tokens(2, 5)
+    encoder(ids)
+    encoder(ids)  # hybridized: the cached graph runs from now on
+    bad = ids.asnumpy()
+    bad[1, 2] = 9
+    with pytest.raises(ValueError, match=r"^tokens must be in \[0, vocab_size\) = \[0, 9\), got 9$"):
+        encoder(mx.np.array(bad))
+    bad[1, 2] = -1
+    with pytest.raises(ValueError, match=r"got -1$"):
+        encoder(mx.np.array(bad))
+    with pytest.raises(TypeError, match=r"^tokens must be integer token ids, got dtype float32$"):
+        encoder(ids.astype("float32"))
+    assert encoder([[1, 2, 3]]).shape == (1, 3, 8)  # a Python list of ids is fine
+
+
+def test_new_layers_repr_and_initial_tables() -> None:
+    layer = gluon_layers.RelativeMultiHeadAttention(8, 2, 3, relative_values=False)
+    assert repr(layer) == ("RelativeMultiHeadAttention(num_hiddens=8, num_heads=2, "
+                           "max_relative_position=3, dropout=0.0, bias=False, relative_values=False)")
+    assert sorted(layer.spec()) == ["W_k.kernel", "W_o.kernel", "W_q.kernel", "W_v.kernel",
+                                    "rel_k.embedding"]
+    encoder = gluon_layers.TransformerEncoder(500, 64, 8, 4, 1)
+    encoder.initialize()
+    table = encoder.canonical_params()["token.embedding"].data().asnumpy()
+    assert table.shape == (500, 64)
+    assert abs(table.std() - 1 / 8) < 0.01  # N(0, 1/sqrt(D)): rows of unit norm on average

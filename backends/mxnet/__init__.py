@@ -24,6 +24,8 @@ from backends.mxnet.layers import (  # noqa: E402 - after set_np(), which the la
     NadarayaWatson,
     PositionalEncoding,
     PositionWiseFFN,
+    RelativeMultiHeadAttention,
+    TransformerEncoder,
     TransformerEncoderBlock,
 )
 from backends.mxnet.ops import OPS, MXNetOps  # noqa: E402
@@ -52,6 +54,8 @@ __all__ = [
     "NadarayaWatson",
     "PositionWiseFFN",
     "PositionalEncoding",
+    "RelativeMultiHeadAttention",
+    "TransformerEncoder",
     "TransformerEncoderBlock",
     "call_layer",
 ]

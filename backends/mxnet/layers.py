@@ -22,7 +22,15 @@ them only once that call has succeeded), then goes through ``HybridBlock.__call_
 ``hybrid_forward`` calls the core with :class:`~backends.mxnet.ops.MXNetOps` on arrays, or on
 Symbols while a hybridized block builds its graph. A graph is built for given input shapes,
 dtypes and call options (``causal``); a call with others builds a new one, as ``jax.jit``
-retraces. Value checks (e.g. ``valid_lens`` <= the number of keys) run in imperative calls only.
+retraces. Value checks (e.g. ``valid_lens`` <= the number of keys) run in imperative calls only,
+except the token ids of ``TransformerEncoder``, checked on every call (MXNet's ``take`` would
+wrap bad ids around instead of failing).
+
+Host constants: where the core turns a NumPy array into an array (``ops.from_numpy``: the
+sinusoidal table of ``TransformerEncoder``, the offsets' bounds of
+``RelativeMultiHeadAttention``), a Symbol cannot hold it, so those layers trace their graph
+once before building it, collect the constants, and pass them to the graph as extra inputs
+(after the call's own; an ``export()`` ed graph expects them too).
 
 MXNet 1.9.1 is the last release, so a few of its internals are relied on: ``Block._reg_params``
 (registering under canonical names, which contain dots), ``Parameter._load_init`` (what
@@ -53,8 +61,9 @@ class CanonicalInit(mx.init.Initializer):
     """The initial values of :func:`attention_core.weights.init_weights`, as a Gluon initializer.
 
     Kernels are Glorot-uniform, biases and ``beta`` zero, ``gamma`` one, a learned table ``P``
-    normal with std 0.02, a kernel width ``w`` uniform in [0, 1). Values are drawn in float32
-    and cast, so every parameter dtype works (MXNet's own ``Xavier`` fails on float64).
+    normal with std 0.02, an ``embedding`` table ``(N, D)`` normal with std ``1 / sqrt(D)``, a
+    kernel width ``w`` uniform in [0, 1). Values are drawn in float32 and cast, so every
+    parameter dtype works (MXNet's own ``Xavier`` fails on float64).
 
     Args:
         leaf: The last part of the canonical name (``kernel``, ``bias``, ``gamma``, ...).
@@ -75,6 +84,8 @@ class CanonicalInit(mx.init.Initializer):
             value = mx.np.ones(shape)
         elif self.leaf == "P":
             value = mx.np.random.normal(0.0, 0.02, size=shape)
+        elif self.leaf == "embedding":
+            value = mx.np.random.normal(0.0, 1.0 / float(np.sqrt(shape[-1])), size=shape)
         else:
             value = mx.np.random.uniform(0.0, 1.0, size=shape)
         arr[:] = value.astype(arr.dtype)
@@ -82,6 +93,44 @@ class CanonicalInit(mx.init.Initializer):
 
 def _has_data(param: Parameter) -> bool:
     return param._data is not None
+
+
+class _GraphOps(MXNetOps):
+    """Graph-building ops that take the computation's host constants as inputs of the graph.
+
+    A Symbol cannot hold an array's values, so :class:`MXNetOps` refuses ``from_numpy`` on
+    Symbols. A tracing pass (``constants`` None) records every array the core turns into one
+    and hands out a placeholder for it; the graph is then built with those arrays as extra
+    inputs, which ``from_numpy`` hands out in the same order (the core is deterministic).
+
+    Args:
+        symbols: As for :class:`MXNetOps` (the constants' inputs included).
+        constants: The graph's constant inputs, or None to record them.
+    """
+
+    def __init__(self, symbols: Mapping[str, tuple[tuple[int, ...], str]],
+                 constants: list[Any] | None = None) -> None:
+        super().__init__(symbols)
+        self.recorded: list[np.ndarray] = []
+        self._constants = constants
+
+    def from_numpy(self, x: np.ndarray, like: Any = None) -> Any:
+        x = np.asarray(x)
+        dtype = self.dtype_name(like) if like is not None and x.dtype.kind == "f" else x.dtype.name
+        if self._constants is None:  # tracing: record, and stand in a placeholder
+            name = f"constant{len(self.recorded)}"
+            self.recorded.append(x.astype(dtype))
+            self._known[name] = (x.shape, dtype)
+            return mx.sym.var(name).as_np_ndarray()
+        index = len(self.recorded)
+        if index == len(self._constants):  # none traced (the layer has no _host_constants)
+            return super().from_numpy(x, like)  # refuses, with the reason
+        symbol = self._constants[index]
+        if self._known[symbol.name] != (x.shape, dtype):
+            raise RuntimeError(f"MXNetOps: host constant {index} of the graph is "
+                               f"{self._known[symbol.name]}, its trace had {(x.shape, dtype)}")
+        self.recorded.append(x)
+        return symbol
 
 
 class Layer(HybridBlock):
@@ -94,7 +143,7 @@ class Layer(HybridBlock):
 
     Attributes:
         attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
-            (attention layers and the encoder block).
+            (attention layers and the encoder block; the encoder keeps a list, one per block).
     """
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32", **kwargs: Any) -> None:
@@ -107,6 +156,8 @@ class Layer(HybridBlock):
         self._weights: dict[str, Parameter] = {}
         self._options: dict[str, Any] = {}
         self._inputs: list[Any] = []
+        self._n_data = 0
+        self._constants: list[Any] = []
         self._graph_key: Any = None
         self.attention_weights: Any = None
 
@@ -198,6 +249,10 @@ class Layer(HybridBlock):
 
     # -- calls ------------------------------------------------------------------------------
 
+    #: Whether the computation turns host constants into arrays (``ops.from_numpy``), which a
+    #: hybridized graph then takes as extra inputs (see the module docstring).
+    _host_constants = False
+
     def _run(self, arrays: list[Any], **options: Any) -> Any:
         """Checks the inputs and calls the core on them through ``HybridBlock.__call__``.
 
@@ -231,9 +286,13 @@ class Layer(HybridBlock):
         if self._active and key != self._graph_key:
             self._clear_cached_op()
             self._graph_key = key
-        self._options, self._inputs = options, arrays  # read by hybrid_forward
+        if self._active and self._host_constants and not self._cached_graph:  # a graph is due
+            self._constants = self._trace_constants(arrays, options)
+        constants = self._constants if self._active else []
+        # read by hybrid_forward
+        self._options, self._inputs, self._n_data = options, [*arrays, *constants], len(arrays)
         try:
-            out = super().__call__(*arrays)
+            out = super().__call__(*arrays, *constants)
         finally:
             self._inputs = []
         return tuple(out) if isinstance(out, (list, tuple)) else out
@@ -244,15 +303,38 @@ class Layer(HybridBlock):
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Calls the core with arrays (imperative) or Symbols (building the hybridized graph)."""
+        data = list(arrays[: self._n_data])
         ops = OPS
         if F is mx.sym:
-            known = {s.name: (a.shape, np.dtype(a.dtype).name)
-                     for s, a in zip(arrays, self._inputs, strict=True) if s is not None}
-            for name, s in params.items():
-                param = self._reg_params[name]
-                known[s.name] = (param.shape, np.dtype(param.dtype).name)
-            ops = MXNetOps(known)
-        return self._compute(ops, list(arrays), params, self._options)
+            ops = self._graph_ops(list(arrays), params, list(arrays[self._n_data:]))
+        return self._compute(ops, data, params, self._options)
+
+    def _graph_ops(self, symbols: list[Any], params: Mapping[str, Any],
+                   constants: list[Any] | None) -> _GraphOps:
+        """Ops for building a graph from its data and parameter Symbols.
+
+        Shapes and dtypes come from :attr:`_inputs` and the parameters; ``constants`` are the
+        graph's constant inputs (None while tracing them).
+        """
+        known = {s.name: (a.shape, np.dtype(a.dtype).name)
+                 for s, a in zip(symbols, self._inputs, strict=True) if s is not None}
+        for name, s in params.items():
+            param = self._reg_params[name]
+            known[s.name] = (param.shape, np.dtype(param.dtype).name)
+        return _GraphOps(known, constants)
+
+    def _trace_constants(self, arrays: list[Any], options: Mapping[str, Any]) -> list[Any]:
+        """Builds the call's graph once, to collect the host constants it needs, as arrays."""
+        symbols = [None if a is None else mx.sym.var(f"trace{i}").as_np_ndarray()
+                   for i, a in enumerate(arrays)]
+        params = {name: param.var() for name, param in self._reg_params.items()}
+        self._inputs = arrays
+        try:
+            ops = self._graph_ops(symbols, params, None)
+            self._compute(ops, symbols, params, options)
+        finally:
+            self._inputs = []
+        return [mx.np.array(x, dtype=x.dtype, ctx=arrays[0].ctx) for x in ops.recorded]
 
     def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
                  options: Mapping[str, Any]) -> Any:
@@ -448,6 +530,63 @@ class MultiHeadAttention(_Attention):
         return {"num_hiddens": self.num_hiddens, "num_heads": self.num_heads,
                 "dropout": self.dropout, "bias": self.bias,
                 **_path_config(self)}
+
+
+class RelativeMultiHeadAttention(_Attention):
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    The weights of :class:`MultiHeadAttention` plus one learned vector per clipped offset
+    between a key and a query, shared by the heads: ``rel_k.embedding`` ``(2m + 1, h/H)``, added
+    to the keys, and with ``relative_values`` ``rel_v.embedding``, added to the values. The
+    attention weights are always formed (the offsets' terms need them).
+
+    Args:
+        num_hiddens: Width h of the projections and the output.
+        num_heads: Number of heads H; must divide h.
+        max_relative_position: m: offsets between a key and a query are clipped to [-m, m].
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        relative_values: Also add the offsets' vectors to the values.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``.
+        **kwargs: See :class:`Layer`.
+    """
+
+    _host_constants = True  # the offsets' bounds
+
+    def __init__(
+        self, num_hiddens: int, num_heads: int, max_relative_position: int, dropout: float = 0.0,
+        bias: bool = False, *, relative_values: bool = True, keep_attention_weights: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        W.relative_multi_head_spec(num_hiddens, num_heads, max_relative_position)  # checks them
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self.max_relative_position = max_relative_position
+        self.relative_values = bool(relative_values)
+        self._init_paths(keep_attention_weights, None)
+        self._declare()
+
+    def _spec(self, dims: Mapping[str, int | None]) -> W.Spec:
+        return W.relative_multi_head_spec(
+            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
+            self.relative_values, dims.get("q_in"), dims.get("k_in"), dims.get("v_in"),
+        )
+
+    def _input_sizes(self, queries: Any, keys: Any, values: Any) -> dict[str, int]:
+        return {"q_in": queries.shape[-1], "k_in": keys.shape[-1], "v_in": values.shape[-1]}
+
+    def _attend(self, weights: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        q, k, v, valid_lens = args
+        return multihead.relative_multi_head_attention(q, k, v, weights, self.num_heads,
+                                                       valid_lens, **kwargs)
+
+    def _config(self) -> dict[str, Any]:
+        config = {"num_hiddens": self.num_hiddens, "num_heads": self.num_heads,
+                  "max_relative_position": self.max_relative_position,
+                  "dropout": self.dropout, "bias": self.bias}
+        if not self.relative_values:
+            config["relative_values"] = False
+        return {**config, **_path_config(self)}
 
 
 class PositionalEncoding(Layer):
@@ -662,6 +801,94 @@ class TransformerEncoderBlock(Layer):
     def _config(self) -> dict[str, Any]:
         return {"num_hiddens": self.num_hiddens, "ffn_num_hiddens": self.ffn_num_hiddens,
                 "num_heads": self.num_heads, "dropout": self.dropout, "bias": self.bias,
+                **_path_config(self)}
+
+
+class TransformerEncoder(Layer):
+    """The Transformer encoder: scaled token embedding, sinusoidal encoding, ``num_blks`` blocks.
+
+    ``X = dropout(E[tokens] * sqrt(h) + P)``, then every :class:`TransformerEncoderBlock` in
+    turn. Its weights are ``token.embedding`` ``(vocab_size, h)`` and block ``i`` 's under
+    ``blks.<i>.``; all sizes are known at construction.
+
+    Args:
+        vocab_size: V, the number of token ids.
+        num_hiddens: Model width h.
+        ffn_num_hiddens: Hidden width of the blocks' FFNs.
+        num_heads: Heads of every block's self-attention.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the encoding's sum and inside every block, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's self-attention weights in
+            ``attention_weights``, a list with one ``(B, H, T, T)`` array per block (a list of
+            None when False); when False, calls pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
+        **kwargs: See :class:`Layer`.
+    """
+
+    _host_constants = True  # the sinusoidal table
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_hiddens: int,
+        ffn_num_hiddens: int,
+        num_heads: int,
+        num_blks: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        implementation: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        W.transformer_encoder_spec(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks)
+        super().__init__(dropout, **kwargs)
+        self.vocab_size, self.num_hiddens, self.ffn_num_hiddens = vocab_size, num_hiddens, ffn_num_hiddens
+        self.num_heads, self.num_blks, self.bias = num_heads, num_blks, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
+        self.attention_weights = [None] * num_blks
+        self._declare()
+
+    def _spec(self, dims: Mapping[str, int | None]) -> W.Spec:
+        return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
+                                          self.num_heads, self.num_blks, self.bias)
+
+    def __call__(self, tokens: Any, valid_lens: Any = None, *, mask: Any = None) -> Any:
+        """Encodes integer token ids ``(B, T)`` into ``(B, T, num_hiddens)``.
+
+        Args:
+            tokens: Integer ids in ``[0, vocab_size)``, ``(B, T)``.
+            valid_lens: Integer lengths, ``(B,)`` or ``(B, T)``, limiting the self-attention.
+            mask: Boolean self-attention mask, True = may attend.
+        """
+        need = self.keep_attention_weights
+        result = self._run([tokens, valid_lens, mask], weights=need)
+        out, weights = result if need else (result, [None] * self.num_blks)
+        self.attention_weights = list(weights)
+        return out
+
+    def _check_inputs(self, arrays: list[Any]) -> dict[str, int]:
+        if self._active:  # a built graph skips the core's value checks; check the ids here
+            probe = mx.np.zeros((self.vocab_size, 1), ctx=arrays[0].ctx)
+            transformer.embed_tokens(arrays[0], probe, ops=OPS)
+        return {}
+
+    def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
+                 options: Mapping[str, Any]) -> Any:
+        tokens, valid_lens, mask = arrays
+        need = options["weights"]
+        return transformer.transformer_encoder(
+            tokens, weights, self.num_heads, valid_lens, mask=mask, dropout=self.dropout,
+            return_weights=need, implementation=None if need else self.implementation, ops=ops,
+        )
+
+    def _config(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "num_hiddens": self.num_hiddens,
+                "ffn_num_hiddens": self.ffn_num_hiddens, "num_heads": self.num_heads,
+                "num_blks": self.num_blks, "dropout": self.dropout, "bias": self.bias,
                 **_path_config(self)}
 
 

@@ -31,10 +31,13 @@ def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
 def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], inputs: Sequence[Any],
                           cotangent: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
     """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by ``autograd``, the gradients
-    of ``sum(out * cotangent)`` by input (``input.<i>``) and weight (``weight.<name>``)."""
+    of ``sum(out * cotangent)`` by input (``input.<i>``, floating inputs only: integer token
+    ids have none) and weight (``weight.<name>``). ``result`` holds what ``forward`` returned
+    (e.g. a list of per-block attention weights)."""
     xs = [x.copy() if isinstance(x, mx.np.ndarray) else mx.np.array(np.asarray(x)) for x in inputs]
-    for x in xs:
-        x.attach_grad()
+    floating = [i for i, x in enumerate(xs) if np.dtype(x.dtype).kind == "f"]
+    for i in floating:
+        xs[i].attach_grad()
     weights = layer.canonical_params()
     with autograd.record(train_mode=False):
         result = forward(layer, *xs)
@@ -42,7 +45,7 @@ def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], in
         ct = mx.np.array(np.asarray(cotangent), dtype=out.dtype)
         loss = (out * ct).sum()
     loss.backward()
-    grads = {f"input.{i}": x.grad for i, x in enumerate(xs)}
+    grads = {f"input.{i}": xs[i].grad for i in floating}
     grads.update({f"weight.{name}": p.grad() for name, p in weights.items()})
     return result, grads
 
