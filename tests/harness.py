@@ -57,8 +57,12 @@ TOLERANCE = {
 #: forward error of those dtypes (~0.005 in float16, ~0.04 in bfloat16). A ReLU that flips
 #: changes the gradients by a whole term, however right the arithmetic is (measured: up to 1.2
 #: in float16, 660 eps relative, and up to 2 in bfloat16). Their outputs are bounded, and so
-#: are their float32 and float64 gradients.
-LOW_PRECISION_UNBOUNDED_GRADIENTS = ("TransformerEncoderBlock",)
+#: are their float32 and float64 gradients. ``TransformerEncoder`` stacks two such blocks: on
+#: TensorFlow its failing low-precision cells each had one or two FFN pre-activations (as small
+#: as 9e-5 in float64) whose sign flipped, the gradient of the first dense layer and what lies
+#: before it then off by up to 11x the bound in float16 and 4.4x in bfloat16; the cells without
+#: a flip passed, and the outputs stayed within 0.44 of the bound.
+LOW_PRECISION_UNBOUNDED_GRADIENTS = ("TransformerEncoderBlock", "TransformerEncoder")
 
 
 def tolerance(quantity: str, dtype: str, reference: np.ndarray) -> float:

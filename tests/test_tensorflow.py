@@ -175,11 +175,12 @@ def test_seed_usage_as_in_the_chapter() -> None:
 
 
 def every_layer_model() -> keras.Model:
-    """A functional model using each of the nine layers, unknown batch size."""
+    """A functional model using each of the eleven layers, unknown batch size."""
     h = 8
     x = keras.Input((5, h))
     lens = keras.Input((), dtype="int32")
     xq, xk, xv = keras.Input((3,)), keras.Input((6,)), keras.Input((6,))
+    tokens = keras.Input((5,), dtype="int32")
     y = keras_layers.PositionalEncoding(h, 0.1, max_len=20)(x)
     y = keras_layers.LearnedPositionalEncoding(h, 0.1, max_len=20)(y)
     y = keras_layers.MultiHeadAttention(h, 2, 0.1, bias=True)(y, y, y, lens)
@@ -187,13 +188,16 @@ def every_layer_model() -> keras.Model:
     y = keras_layers.DotProductAttention(0.1)(y, x, y, causal=True)
     y = keras_layers.AddNorm(h, 0.1)(y, keras_layers.PositionWiseFFN(11, h)(y))
     y = keras_layers.TransformerEncoderBlock(h, 12, 4, 0.1)(y, lens)
+    encoded = keras_layers.TransformerEncoder(10, h, 12, 2, 2, 0.1, bias=True)(tokens, lens)
+    y = keras_layers.RelativeMultiHeadAttention(h, 2, 2, 0.1, bias=True)(y, encoded, encoded, lens)
     z = keras_layers.NadarayaWatson(parametric=True)(xq, xk, xv)
-    return keras.Model([x, lens, xq, xk, xv], [y, z])
+    return keras.Model([x, lens, xq, xk, xv, tokens], [y, z])
 
 
 def model_inputs(batch: int = 3) -> list[np.ndarray]:
     x, xq, xk, xv = draw((batch, 5, 8), (batch, 3), (batch, 6), (batch, 6), seed=4)
-    return [x, np.arange(batch, dtype=np.int32) % 5 + 1, xq, xk, xv]
+    tokens = np.random.default_rng(4).integers(0, 10, (batch, 5)).astype(np.int32)
+    return [x, np.arange(batch, dtype=np.int32) % 5 + 1, xq, xk, xv, tokens]
 
 
 # Keras 3.15 saving calls np.array(variable) under NumPy 2; a plain Dense model warns the same.
@@ -247,6 +251,16 @@ CONFIGS = [
     ("TransformerEncoderBlock", {"num_hiddens": 6, "ffn_num_hiddens": 10, "num_heads": 2,
                                  "dropout": 0.0, "bias": False, "keep_attention_weights": False,
                                  "implementation": "blockwise"}),
+    ("RelativeMultiHeadAttention", {"num_hiddens": 12, "num_heads": 3, "max_relative_position": 4,
+                                    "dropout": 0.1, "bias": True}),
+    ("RelativeMultiHeadAttention", {"num_hiddens": 6, "num_heads": 2, "max_relative_position": 1,
+                                    "dropout": 0.0, "bias": False, "relative_values": False,
+                                    "keep_attention_weights": False}),
+    ("TransformerEncoder", {"vocab_size": 20, "num_hiddens": 6, "ffn_num_hiddens": 10,
+                            "num_heads": 2, "num_blks": 3, "dropout": 0.1, "bias": True}),
+    ("TransformerEncoder", {"vocab_size": 20, "num_hiddens": 6, "ffn_num_hiddens": 10,
+                            "num_heads": 2, "num_blks": 1, "dropout": 0.0, "bias": False,
+                            "keep_attention_weights": False, "implementation": "blockwise"}),
 ]
 
 
@@ -582,3 +596,127 @@ def test_fused_is_refused_by_the_core_on_first_use() -> None:
     X = draw((1, 2, 4))[0]
     with pytest.raises(ValueError, match="the tensorflow backend has no fused attention kernel"):
         layer(X, X, X)
+
+
+# -- relative positions and the Transformer encoder ---------------------------------------------
+
+#: A small encoder: 10 token ids, width 8, FFN 12, 2 heads, 2 blocks.
+ENC = {"vocab_size": 10, "num_hiddens": 8, "ffn_num_hiddens": 12, "num_heads": 2, "num_blks": 2}
+
+
+def encoder_tokens(batch: int = B, steps: int = 5, ids: tuple[int, ...] = (1, 3, 4, 7)) -> np.ndarray:
+    """Token ids drawn from ``ids`` only, each of them used at least once."""
+    tokens = np.random.default_rng(2).choice(ids, (batch, steps)).astype(np.int32)
+    tokens.flat[: len(ids)] = ids
+    return tokens
+
+
+def test_relative_attention_with_unknown_lengths_under_xla() -> None:
+    """One trace with unknown batch and lengths serves several (Q, K), equal to NumPy."""
+    reference = numpy_layers.RelativeMultiHeadAttention(12, 3, 2, bias=True, seed=0, dtype="float64")
+    ours = keras_layers.RelativeMultiHeadAttention(12, 3, 2, bias=True)
+    signature = [tf.TensorSpec((None, None, 10)), tf.TensorSpec((None, None, 7)),
+                 tf.TensorSpec((None, None, 9)), tf.TensorSpec((None,), tf.int32)]
+    fn = tf.function(lambda q, k, v, lens: ours(q, k, v, lens, causal=True, return_attention=True),
+                     input_signature=signature, jit_compile=True)
+    for q_len, k_len in ((4, 6), (5, 2)):  # keys after and before the queries' end: both clipped
+        q, k, v = draw((B, q_len, 10), (B, k_len, 7), (B, k_len, 9), seed=q_len)
+        lens = np.array([k_len, 1], np.int32)
+        expected, expected_w = reference(*(x.astype(np.float64) for x in (q, k, v)), lens,
+                                         causal=True, return_attention=True)
+        if not ours.built:
+            ours.set_weights({n: w.astype(np.float32) for n, w in reference.get_weights().items()})
+        out, weights = fn(q, k, v, lens)
+        assert max_diff(out.numpy(), expected) <= TOLERANCE["float32"]
+        assert max_diff(weights.numpy(), expected_w) <= TOLERANCE["float32"]
+    assert fn.experimental_get_tracing_count() == 1
+
+
+def test_relative_attention_dropout_only_in_training() -> None:
+    keras.utils.set_random_seed(0)
+    layer = keras_layers.RelativeMultiHeadAttention(8, 2, 2, dropout=0.5)
+    q, k = draw((B, Q, 8), (B, K, 8))
+    inference, weights = (t.numpy() for t in layer(q, k, k, return_attention=True))
+    np.testing.assert_array_equal(layer(q, k, k, training=False).numpy(), inference)
+    for fn in (layer, tf.function(layer, jit_compile=True)):
+        dropped, before = (t.numpy() for t in fn(q, k, k, training=True, return_attention=True))
+        assert max_diff(before, weights) <= TOLERANCE["float32"]  # taken before dropout
+        assert not np.allclose(dropped, inference)
+        assert not np.array_equal(dropped, fn(q, k, k, training=True).numpy())  # a fresh mask
+
+
+def test_encoder_dropout_only_in_training() -> None:
+    keras.utils.set_random_seed(0)
+    tokens_in = keras.Input((5,), dtype="int32")
+    model = keras.Model(tokens_in, keras_layers.TransformerEncoder(**ENC, dropout=0.5)(tokens_in))
+    tokens = encoder_tokens()
+    inference = model(tokens).numpy()
+    np.testing.assert_array_equal(model(tokens, training=False).numpy(), inference)
+    compiled = tf.function(lambda t: model(t, training=True), jit_compile=True)
+    for fn in (lambda t: model(t, training=True), compiled):
+        dropped = fn(tokens).numpy()
+        assert not np.allclose(dropped, inference)
+        assert not np.array_equal(dropped, fn(tokens).numpy())
+
+
+def test_encoder_keeps_each_blocks_attention_weights() -> None:
+    """Equal to the embedding, the table and the blocks computed one by one, from NumPy up."""
+    encoder = keras_layers.TransformerEncoder(**ENC)
+    tokens, lens = encoder_tokens(), np.array([5, 3], np.int32)
+    out = encoder(tokens, lens).numpy()
+    kept = encoder.attention_weights
+    assert isinstance(kept, list) and len(kept) == ENC["num_blks"]
+    weights = encoder.get_weights()
+    X = weights["token.embedding"][tokens] * np.sqrt(8) + ac.sinusoidal_encoding(5, 8, "float32")
+    for i, attn in enumerate(kept):
+        block = keras_layers.TransformerEncoderBlock(8, 12, 2)
+        prefix = f"blks.{i}."
+        block.set_weights({n[len(prefix):]: w for n, w in weights.items() if n.startswith(prefix)})
+        X = block(X, lens).numpy()
+        assert attn.shape == (B, 2, 5, 5)
+        assert max_diff(attn.numpy(), block.attention_weights.numpy()) <= TOLERANCE["float32"]
+        np.testing.assert_array_equal(attn.numpy()[1, :, :, 3:], 0.0)  # beyond the valid length
+    assert max_diff(out, X) <= TOLERANCE["float32"]
+
+    traced = tf.function(lambda t, n: (encoder(t, n), encoder.attention_weights), jit_compile=True)
+    _, from_xla = traced(tokens, lens)
+    for a, b in zip(from_xla, kept, strict=True):
+        assert max_diff(a.numpy(), b.numpy()) <= TOLERANCE["float32"]
+
+    light = keras_layers.TransformerEncoder(**ENC, keep_attention_weights=False,
+                                            implementation="blockwise")
+    light.set_weights(weights)
+    assert max_diff(light(tokens, lens).numpy(), out) <= TOLERANCE["float32"]
+    assert light.attention_weights == [None, None]
+
+
+def test_encoder_step_changes_only_the_used_embedding_rows() -> None:
+    keras.utils.set_random_seed(0)
+    tokens_in = keras.Input((5,), dtype="int32")
+    encoder = keras_layers.TransformerEncoder(**ENC)
+    model = keras.Model(tokens_in, encoder(tokens_in))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    used = (1, 3, 4, 7)
+    tokens = encoder_tokens(ids=used)
+    before = encoder.get_weights()
+    model.train_on_batch(tokens, draw((B, 5, 8), seed=3)[0])
+    after = encoder.get_weights()
+    changed = np.any(after["token.embedding"] != before["token.embedding"], axis=1)
+    assert sorted(np.flatnonzero(changed)) == list(used)
+    assert all(not np.array_equal(after[n], before[n]) for n in before if n != "token.embedding")
+
+
+def test_relative_step_changes_only_the_rows_of_offsets_seen() -> None:
+    """Three queries and three keys see offsets -2..2: rows 2..6 of the 2m + 1 = 9 (m = 4)."""
+    layer = keras_layers.RelativeMultiHeadAttention(8, 2, 4)
+    q, k, target = draw((B, 3, 8), (B, 3, 8), (B, 3, 8), seed=6)
+    layer(q, k, k)
+    before = layer.get_weights()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((layer(q, k, k) - target) ** 2)
+    grads = tape.gradient(loss, layer.trainable_variables)
+    keras.optimizers.SGD(0.1).apply_gradients(zip(grads, layer.trainable_variables, strict=True))
+    after = layer.get_weights()
+    for name in ("rel_k.embedding", "rel_v.embedding"):
+        changed = np.any(after[name] != before[name], axis=1)
+        assert list(np.flatnonzero(changed)) == [2, 3, 4, 5, 6], name

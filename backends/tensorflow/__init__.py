@@ -14,6 +14,8 @@ from backends.tensorflow.layers import (
     NadarayaWatson,
     PositionalEncoding,
     PositionWiseFFN,
+    RelativeMultiHeadAttention,
+    TransformerEncoder,
     TransformerEncoderBlock,
 )
 from backends.tensorflow.ops import OPS, TensorFlowOps
@@ -28,6 +30,8 @@ __all__ = [
     "NadarayaWatson",
     "PositionWiseFFN",
     "PositionalEncoding",
+    "RelativeMultiHeadAttention",
     "TensorFlowOps",
+    "TransformerEncoder",
     "TransformerEncoderBlock",
 ]

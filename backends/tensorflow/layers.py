@@ -25,6 +25,10 @@ not ask for the weights (``return_attention=False``) pool by ``implementation`` 
 lets the core choose, see :func:`attention_core.attention.choose_implementation`; the
 ``"blockwise"`` path never forms the ``(B, H, Q, K)`` weights and runs its loops as
 ``tf.while_loop`` under ``tf.function``), and ``attention_weights`` is then None.
+``TransformerEncoder`` does the same in its blocks and keeps a list, one ``(B, H, T, T)``
+tensor per block (each None when not kept). ``RelativeMultiHeadAttention`` always forms its
+weights (it has no ``implementation``); ``keep_attention_weights=False`` only leaves
+``attention_weights`` None.
 """
 
 from __future__ import annotations
@@ -340,6 +344,64 @@ class MultiHeadAttention(_Attention):
 
 
 @_serializable
+class RelativeMultiHeadAttention(_Attention):
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    The weights of :class:`MultiHeadAttention` plus ``rel_k.embedding (2m + 1, h/H)``, one
+    vector per clipped offset between a key and a query added to the keys, and with
+    ``relative_values`` ``rel_v.embedding``, added to the values; the heads share them. The
+    attention weights are always formed (the offsets' terms need them), so there is no
+    ``implementation`` option.
+
+    Args:
+        num_hiddens: Width h of the projections and of the output.
+        num_heads: Number of heads H; must divide ``num_hiddens``.
+        max_relative_position: m: offsets between a key and a query are clipped to [-m, m].
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        relative_values: Also add the offsets' vectors to the values (weight ``rel_v.embedding``).
+        keep_attention_weights: Keep each call's weights in ``attention_weights``.
+        **kwargs: Passed to ``keras.layers.Layer``.
+    """
+
+    def __init__(
+        self, num_hiddens: int, num_heads: int, max_relative_position: int, dropout: float = 0.0,
+        bias: bool = False, *, relative_values: bool = True, keep_attention_weights: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        W.relative_multi_head_spec(num_hiddens, num_heads, max_relative_position)  # validates
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self.max_relative_position = max_relative_position
+        self.relative_values = bool(relative_values)
+        self.keep_attention_weights = bool(keep_attention_weights)
+
+    def spec(self) -> W.Spec:
+        d = self._dims
+        return W.relative_multi_head_spec(
+            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
+            self.relative_values, d.get("q_in"), d.get("k_in"), d.get("v_in"),
+        )
+
+    def build(self, queries_shape: Any, keys_shape: Any, values_shape: Any) -> None:
+        self._create(q_in=queries_shape[-1], k_in=keys_shape[-1], v_in=values_shape[-1])
+
+    def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
+        attention.check_projected_inputs(self._ops, queries, keys, values)
+        self._check_built_for(queries=queries, keys=keys, values=values)
+        return multihead.relative_multi_head_attention(
+            queries, keys, values, self._tensors(), self.num_heads, **kwargs
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "num_hiddens": self.num_hiddens,
+                "num_heads": self.num_heads, "max_relative_position": self.max_relative_position,
+                "dropout": self.dropout, "bias": self.bias,
+                "relative_values": self.relative_values,
+                "keep_attention_weights": self.keep_attention_weights}
+
+
+@_serializable
 class PositionalEncoding(Layer):
     """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
 
@@ -523,6 +585,92 @@ class TransformerEncoderBlock(Layer):
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "num_hiddens": self.num_hiddens,
                 "ffn_num_hiddens": self.ffn_num_hiddens, "num_heads": self.num_heads,
+                "dropout": self.dropout, "bias": self.bias,
+                "keep_attention_weights": self.keep_attention_weights,
+                "implementation": self.implementation}
+
+
+@_serializable
+class TransformerEncoder(Layer):
+    """The Transformer encoder: scaled token embedding, sinusoidal encoding, ``num_blks`` blocks.
+
+    ``X = dropout(E[tokens] * sqrt(h) + P)``, then each :class:`TransformerEncoderBlock` in
+    turn. The weights are ``token.embedding (vocab_size, h)`` and, for block ``i``, the
+    block's names under ``blks.<i>.``, all Keras variables of this one layer.
+
+    Token ids must lie in ``[0, vocab_size)``: eager calls check them (ValueError); under
+    ``tf.function`` they are not checked, and an id out of range fails in ``tf.gather`` on CPU
+    but reads zeros under XLA.
+
+    Args:
+        vocab_size: V, the number of token ids.
+        num_hiddens: Model width h.
+        ffn_num_hiddens: Hidden width of the blocks' FFNs.
+        num_heads: Heads of every block's self-attention; must divide ``num_hiddens``.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the encoding's sum and inside every block, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each block's self-attention weights in
+            ``attention_weights``; when False, calls pool by ``implementation``.
+        implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
+            not form the weights pool (None lets the core choose).
+        **kwargs: Passed to ``keras.layers.Layer``.
+
+    Attributes:
+        attention_weights: A list with one entry per block: that block's self-attention
+            weights ``(B, H, T, T)`` of the last call, before dropout (None entries when the
+            weights are not kept).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_hiddens: int,
+        ffn_num_hiddens: int,
+        num_heads: int,
+        num_blks: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        implementation: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        implementation = checks.check_implementation(implementation)
+        super().__init__(dropout, **kwargs)
+        self.vocab_size, self.num_hiddens, self.ffn_num_hiddens = vocab_size, num_hiddens, ffn_num_hiddens
+        self.num_heads, self.num_blks, self.bias = num_heads, num_blks, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = implementation
+        self._create()
+        self.built = True
+        self.attention_weights: list[tf.Tensor | None] = [None] * num_blks
+
+    def spec(self) -> W.Spec:
+        return W.transformer_encoder_spec(
+            self.vocab_size, self.num_hiddens, self.ffn_num_hiddens, self.num_heads,
+            self.num_blks, self.bias,
+        )
+
+    def call(
+        self, tokens: Any, valid_lens: Any = None, *, mask: Any = None, training: bool | None = None
+    ) -> Any:
+        if mask is not None and mask is getattr(tokens, "_keras_mask", None):
+            mask = None  # Keras filled in the tokens' padding mask; `mask` is an attention mask
+        need = self.keep_attention_weights
+        result = transformer.transformer_encoder(
+            tokens, self._tensors(), self.num_heads, valid_lens, mask=mask,
+            dropout=self._rate(training), return_weights=need,
+            implementation=None if need else self.implementation, ops=self._ops,
+        )
+        out, weights = result if need else (result, [None] * self.num_blks)
+        self.attention_weights = list(weights)
+        return out
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "vocab_size": self.vocab_size,
+                "num_hiddens": self.num_hiddens, "ffn_num_hiddens": self.ffn_num_hiddens,
+                "num_heads": self.num_heads, "num_blks": self.num_blks,
                 "dropout": self.dropout, "bias": self.bias,
                 "keep_attention_weights": self.keep_attention_weights,
                 "implementation": self.implementation}

@@ -18,18 +18,23 @@ def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
 def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], inputs: Sequence[Any],
                           cotangent: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
     """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by ``tf.GradientTape``, the
-    gradients of ``sum(out * cotangent)`` by input (``input.<i>``) and weight
-    (``weight.<name>``). Works eagerly and inside ``tf.function``."""
+    gradients of ``sum(out * cotangent)`` by floating input (``input.<i>``; integer inputs
+    such as token ids have none) and weight (``weight.<name>``). Works eagerly and inside
+    ``tf.function``. ``result`` is returned as the forward gave it (the encoder's kept
+    weights are a list, one tensor per block)."""
     xs = [tf.convert_to_tensor(x) for x in inputs]
+    floating = {f"input.{i}": x for i, x in enumerate(xs) if x.dtype.is_floating}
     with tf.GradientTape() as tape:
-        tape.watch(xs)
+        tape.watch(list(floating.values()))
         result = forward(layer, *xs)
         out = result["out"]
         loss = tf.reduce_sum(out * tf.cast(np.asarray(cotangent), out.dtype))
     variables = layer.canonical_variables  # after the call: the first one builds the layer
-    grads = tape.gradient(loss, [*xs, *variables.values()])
-    names = [f"input.{i}" for i in range(len(xs))] + [f"weight.{n}" for n in variables]
-    return result, dict(zip(names, grads, strict=True))
+    grads = tape.gradient(loss, [*floating.values(), *variables.values()])
+    names = [*floating, *(f"weight.{n}" for n in variables)]
+    # an embedding table's gradient (by tf.gather) comes as IndexedSlices: made dense here
+    dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    return result, dict(zip(names, dense, strict=True))
 
 
 def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:
