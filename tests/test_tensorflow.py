@@ -720,3 +720,19 @@ def test_relative_step_changes_only_the_rows_of_offsets_seen() -> None:
     for name in ("rel_k.embedding", "rel_v.embedding"):
         changed = np.any(after[name] != before[name], axis=1)
         assert list(np.flatnonzero(changed)) == [2, 3, 4, 5, 6], name
+
+
+def test_additive_attention_with_one_query_and_a_large_batch() -> None:
+    """A Bahdanau decoder step's shapes: queries (64, 1, h). TF 2.21's oneDNN batch matmul
+    corrupted the heap on the (B, 1, K, h) @ (h, 1) score product (tensorflow#117700); the ops
+    now contract dense kernels with tensordot. Same numbers as the NumPy layer."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((64, 1, 64)).astype(np.float32)
+    kv = rng.standard_normal((64, 9, 64)).astype(np.float32)
+    lens = rng.integers(1, 10, 64)
+    layer = keras_layers.AdditiveAttention(64)
+    out = layer(tf.constant(q), tf.constant(kv), tf.constant(kv), tf.constant(lens))
+    reference = numpy_layers.AdditiveAttention(64, dtype="float64")
+    reference.set_weights(layer.get_weights())
+    expected = reference(q.astype(np.float64), kv.astype(np.float64), kv.astype(np.float64), lens)
+    assert max_diff(out.numpy(), expected) <= TOLERANCE["float32"]

@@ -1,4 +1,5 @@
-"""PyTorch-specific behaviour: the fused path, torch.compile, state_dict, dtypes, train/eval.
+"""PyTorch-specific behaviour: the fused path, torch.compile, state_dict, dtypes, train/eval,
+relative positions and the encoder.
 
 Expected values come from the float64 reference files, the NumPy backend, tests/naive.py or
 the reference gradients, never from the torch code under test.
@@ -25,7 +26,7 @@ import backends.torch as torch_layers
 from backends.torch import OPS, TorchOps
 from tests import naive
 from tests.harness import TOLERANCE, Harness, max_diff
-from tests.reference.cases import CASES, MASK_KINDS, Case
+from tests.reference.cases import CASES, INTEGER_INPUTS, MASK_KINDS, Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
 
@@ -38,7 +39,8 @@ def reference(case: Case, dtype: str) -> tuple[list[torch.Tensor], dict[str, np.
                                                dict[str, Any], dict[str, np.ndarray]]:
     """A case's inputs (as torch tensors of ``dtype``), weights, call arguments and record."""
     ref = record(case)
-    inputs = [torch.tensor(ref[f"input.{name}"], dtype=DTYPES[dtype]) for name in case.inputs]
+    inputs = [torch.tensor(ref[f"input.{name}"]) if name in INTEGER_INPUTS  # token ids stay int64
+              else torch.tensor(ref[f"input.{name}"], dtype=DTYPES[dtype]) for name in case.inputs]
     weights = {k[len("weight."):]: v for k, v in ref.items() if k.startswith("weight.")}
     call = {k[len("call."):]: (bool(v) if k == "call.causal" else torch.from_numpy(v))
             for k, v in ref.items() if k.startswith("call.")}
@@ -405,3 +407,209 @@ def test_blockwise_gradients_equal_direct(kind: str, monkeypatch: pytest.MonkeyP
     for impl in ("blockwise", "fused"):
         for got, want in zip(grads[impl], grads["direct"], strict=True):
             assert torch.allclose(got, want, atol=1e-10), impl
+
+
+# -- RelativeMultiHeadAttention and TransformerEncoder -----------------------------------------
+
+NEW_LAYERS = ("RelativeMultiHeadAttention", "TransformerEncoder")
+
+
+def base_case(layer_name: str, name: str) -> Case:
+    return next(c for c in CASES if c.layer == layer_name and c.name == name)
+
+
+def relative_inputs(q: int = 4, k: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(2, q, 10, generator=g), torch.randn(2, k, 7, generator=g), torch.randn(
+        2, k, 9, generator=g)
+
+
+def tokens(*rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("layer_name", NEW_LAYERS)
+def test_new_layers_state_dict_and_files_round_trip(layer_name: str, tmp_path: Any) -> None:
+    """state_dict keys are the canonical names in spec order; state_dict and weight files both
+    move the layer to a fresh one (the relative layer unbuilt: sizes from the state)."""
+    case = base_case(layer_name, "valid_lens_1d")
+    src = build(case, "float32").eval()
+    inputs, _, call, _ = reference(case, "float32")
+    expected = out_of(src(*inputs, **call))
+    state = src.state_dict()
+    assert list(state) == list(src.get_weights()) == list(src.spec())
+    for name, value in state.items():
+        np.testing.assert_array_equal(value.numpy(), src.get_weights()[name])
+    fresh = getattr(torch_layers, layer_name)
+    by_state = fresh(**case.config).eval()
+    by_state.load_state_dict(state)
+    np.testing.assert_array_equal(out_of(by_state(*inputs, **call)), expected)
+    ac.save_weights(tmp_path / "w.safetensors", src)
+    by_file = fresh(**case.config).eval()
+    ac.load_weights(tmp_path / "w.safetensors", by_file)
+    np.testing.assert_array_equal(out_of(by_file(*inputs, **call)), expected)
+
+
+def test_relative_state_dict_without_value_table() -> None:
+    layer = torch_layers.RelativeMultiHeadAttention(12, 3, 2, bias=True, relative_values=False,
+                                                    q_in=10, k_in=7, v_in=9)
+    assert list(layer.state_dict()) == list(ac.weights.relative_multi_head_spec(
+        12, 3, 2, True, False, 10, 7, 9))
+    assert "rel_v.embedding" not in layer.state_dict()
+    assert tuple(layer.rel_k.embedding.shape) == (5, 4)
+
+
+def test_encoder_parameter_names_and_initial_tables() -> None:
+    torch.manual_seed(0)
+    encoder = torch_layers.TransformerEncoder(50, 16, 20, 4, 3, bias=True)
+    names = list(dict(encoder.named_parameters()))
+    assert names == list(ac.weights.transformer_encoder_spec(50, 16, 20, 4, 3, True))
+    assert names[:2] == ["token.embedding", "blks.0.attention.W_q.kernel"]
+    table = encoder.token.embedding.detach().numpy()
+    assert table.shape == (50, 16)
+    assert abs(table.std() - 0.25) < 0.03  # N(0, 1/sqrt(16)) rows, as DESIGN's init rule says
+
+
+def test_token_ids_of_every_integer_dtype() -> None:
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
+    ids = tokens([1, 2, 3, 10], [0, 0, 5, 9])
+    expected = out_of(encoder(ids))
+    for dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
+        np.testing.assert_array_equal(out_of(encoder(ids.to(dtype))), expected)
+    with pytest.raises(TypeError, match=r"^tokens must be integer token ids, got dtype float32$"):
+        encoder(ids.float())
+    with pytest.raises(ValueError, match=r"^tokens must be in \[0, vocab_size\) = \[0, 11\), got 11$"):
+        encoder(tokens([1, 11]))
+
+
+@pytest.mark.parametrize("layer_name", NEW_LAYERS)
+def test_new_layers_dropout_only_in_training(layer_name: str) -> None:
+    case = base_case(layer_name, "valid_lens_2d")
+    inputs, weights, call, _ = reference(case, "float32")
+    layer = getattr(torch_layers, layer_name)(**{**case.config, "dropout": 0.5})
+    layer.set_weights(weights)
+    plain = build(case, "float32").eval()  # dropout 0, the same weights
+    expected = out_of(plain(*inputs, **call))
+    assert layer.training
+    torch.manual_seed(0)
+    a, b = out_of(layer(*inputs, **call)), out_of(layer(*inputs, **call))
+    assert not np.allclose(a, b) and not np.allclose(a, expected)
+    layer.eval()
+    np.testing.assert_array_equal(out_of(layer(*inputs, **call)), out_of(layer(*inputs, **call)))
+    assert max_diff(out_of(layer(*inputs, **call)), expected) <= 1e-6
+
+
+def test_relative_weights_are_taken_before_dropout() -> None:
+    case = base_case("RelativeMultiHeadAttention", "valid_lens_2d")
+    inputs, weights, call, ref = reference(case, "float32")
+    layer = torch_layers.RelativeMultiHeadAttention(**{**case.config, "dropout": 0.5}).train()
+    layer.set_weights(weights)
+    _, returned = layer(*inputs, **call, return_attention=True)
+    assert returned is layer.attention_weights
+    assert max_diff(out_of(returned), ref["output.attention"]) <= 1e-5
+    unkept = build(case, "float32", keep_attention_weights=False)
+    out = unkept(*inputs, **call)
+    assert unkept.attention_weights is None
+    assert max_diff(out_of(out), ref["output.out"]) <= 1e-5
+
+
+def test_encoder_keeps_weights_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list with one (B, H, T, T) tensor per block, also on each block; the file's values."""
+    case = base_case("TransformerEncoder", "valid_lens_1d")
+    inputs, _, call, ref = reference(case, "float32")
+    sdpa = CountSDPA(monkeypatch)
+    encoder = build(case, "float32")
+    out = encoder(*inputs, **call)
+    assert sdpa.calls == 0  # the kept weights are formed on the direct path
+    kept = encoder.attention_weights
+    assert isinstance(kept, list) and len(kept) == case.config["num_blks"] == 2
+    assert all(tuple(w.shape) == (2, 3, 6, 6) for w in kept)
+    assert all(block.attention_weights is w for block, w in zip(encoder.blks, kept, strict=True))
+    stacked = np.stack([out_of(w) for w in kept])
+    assert max_diff(stacked, ref["output.attention"]) <= 1e-5
+    assert max_diff(out_of(out), ref["output.out"]) <= 1e-5
+    assert not np.allclose(stacked[0], stacked[1])  # two blocks, two different maps
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_encoder_fused_path_matches_reference(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without kept weights every block goes through SDPA: every mask kind against the files,
+    gradients (float32, by weight; the tokens have none) against the reference gradients."""
+    h = Harness("torch")
+    sdpa = CountSDPA(monkeypatch)
+    reference_gradients = load_gradients()
+    for case in (c for c in CASES if c.layer == "TransformerEncoder" and c.edge is None):
+        layer = build(case, dtype, keep_attention_weights=False)
+        inputs, _, call, ref = reference(case, dtype)
+        calls = sdpa.calls
+        out = layer(*inputs, **call)
+        assert sdpa.calls - calls == 2, case.name
+        assert layer.attention_weights == [None, None]
+        assert max_diff(out_of(out), ref["output.out"]) <= TOLERANCE[dtype], case.name
+        grads = reference_gradients[key(case)]
+        got = h.hooks.gradients(layer, inputs, call, grads["cotangent"])
+        assert set(got) == {k for k in grads if k != "cotangent"}  # no input.0: token ids
+        assert all(np.isfinite(g).all() for g in got.values()), case.name
+        if dtype in ("float32", "float64"):  # low precision: ReLUs may flip (tests/harness.py)
+            for name, value in got.items():
+                bound = TOLERANCE[dtype] * max(1.0, float(np.abs(grads[name]).max()))
+                assert max_diff(value, grads[name]) <= bound, (case.name, name)
+
+
+def test_encoder_one_step_changes_only_the_rows_of_used_tokens() -> None:
+    torch.manual_seed(0)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2)
+    ids = tokens([1, 3, 3, 7], [4, 1, 7, 7])
+    target = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(1))
+    before = encoder.get_weights()
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    ((encoder(ids) - target) ** 2).mean().backward()
+    optimizer.step()
+    after = encoder.get_weights()
+    moved = np.abs(after["token.embedding"] - before["token.embedding"]).max(axis=1)
+    used = {1, 3, 4, 7}
+    assert all(moved[i] > 0 for i in used)
+    assert all(moved[i] == 0 for i in range(11) if i not in used)
+    assert all(not np.array_equal(after[n], before[n]) for n in after if n.endswith("kernel"))
+
+
+def test_relative_one_step_changes_only_the_offsets_seen() -> None:
+    """2 queries at the end of 5 keys (positions 3, 4), m = 4: offsets j - i run from -4 to 1,
+    so rows 0..5 (offset + m) of both tables learn and rows 6..8 (offsets 2..4) do not."""
+    torch.manual_seed(0)
+    layer = torch_layers.RelativeMultiHeadAttention(12, 3, 4, bias=True)
+    q, k, v = relative_inputs(2, 5)
+    layer(q, k, v)  # infers the input sizes
+    before = layer.get_weights()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    target = torch.randn(2, 2, 12, generator=torch.Generator().manual_seed(3))
+    ((layer(q, k, v) - target) ** 2).mean().backward()
+    optimizer.step()
+    after = layer.get_weights()
+    for table in ("rel_k.embedding", "rel_v.embedding"):
+        moved = np.abs(after[table] - before[table]).max(axis=1)
+        assert (moved[:6] > 0).all() and (moved[6:] == 0).all(), table
+
+
+def test_relative_lazy_sizes_and_bad_input() -> None:
+    layer = torch_layers.RelativeMultiHeadAttention(12, 3, 2)
+    assert not layer.built
+    with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
+        layer(*relative_inputs(), torch.tensor([9, 9]))
+    assert isinstance(layer.W_q.kernel, UninitializedParameter) and not layer.built
+    layer(*relative_inputs())
+    assert layer.get_weights()["W_v.kernel"].shape == (9, 12)
+    with pytest.raises(ValueError, match=r"^max_relative_position must be a positive int, got 0$"):
+        torch_layers.RelativeMultiHeadAttention(12, 3, 0)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
+def test_new_layers_trace_without_graph_breaks(keep: bool) -> None:
+    q, k, v = relative_inputs()
+    relative = torch_layers.RelativeMultiHeadAttention(12, 3, 2, keep_attention_weights=keep)
+    relative(q, k, v)  # input sizes are inferred eagerly
+    explained = torch._dynamo.explain(relative)(q, k, v, torch.tensor([2, 6]), causal=True)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep)
+    explained = torch._dynamo.explain(encoder)(tokens([1, 2, 3], [4, 5, 6]), torch.tensor([3, 1]))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)

@@ -102,6 +102,11 @@ class TensorFlowOps:
         return tf.reduce_mean(x, axis=axis, keepdims=True)
 
     def matmul(self, a: Any, b: Any) -> tf.Tensor:
+        if len(b.shape) == 2 and len(a.shape) > 2:
+            # A dense kernel: one 2-D product. TF 2.21's oneDNN batch matmul corrupts the heap
+            # for a rank-4 `a` with a size-1 axis times a rank-2 `b` (tensorflow#117700), e.g.
+            # additive attention's scores for one query, as in a Bahdanau decoder step.
+            return tf.tensordot(a, b, axes=1)
         return tf.matmul(a, b)
 
     def reshape(self, x: Any, shape: tuple[Any, ...]) -> tf.Tensor:

@@ -9,6 +9,8 @@ from backends.torch.layers import (
     NadarayaWatson,
     PositionalEncoding,
     PositionWiseFFN,
+    RelativeMultiHeadAttention,
+    TransformerEncoder,
     TransformerEncoderBlock,
 )
 from backends.torch.ops import OPS, TorchOps
@@ -23,6 +25,8 @@ __all__ = [
     "NadarayaWatson",
     "PositionWiseFFN",
     "PositionalEncoding",
+    "RelativeMultiHeadAttention",
     "TorchOps",
+    "TransformerEncoder",
     "TransformerEncoderBlock",
 ]

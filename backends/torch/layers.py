@@ -12,11 +12,14 @@ parameter captured before the first call stays the one trained). They may also b
 A call that raises changes nothing: kernels it materialised are turned back into placeholders.
 
 Dropout follows ``module.train()`` / ``module.eval()``. The attention layers keep the last
-call's weights, before dropout, in ``attention_weights`` ``(B, H, Q, K)``. With
+call's weights, before dropout, in ``attention_weights`` ``(B, H, Q, K)``; ``TransformerEncoder``
+keeps a list of them, one ``(B, H, T, T)`` tensor per block. With
 ``keep_attention_weights=False`` (constructor argument or attribute), ``DotProductAttention``,
-``MultiHeadAttention`` and ``TransformerEncoderBlock`` calls that do not ask for the weights
-(``return_attention=False``) go through ``torch.nn.functional.scaled_dot_product_attention``
-instead, never forming the ``(B, H, Q, K)`` weights, and ``attention_weights`` is then None.
+``MultiHeadAttention``, ``TransformerEncoderBlock`` and ``TransformerEncoder`` calls that do not
+ask for the weights (``return_attention=False``) go through
+``torch.nn.functional.scaled_dot_product_attention`` instead, never forming the ``(B, H, Q, K)``
+weights, and ``attention_weights`` is then None (the encoder's: a list of None).
+``RelativeMultiHeadAttention`` always forms them (its offsets' terms need them).
 """
 
 from __future__ import annotations
@@ -118,6 +121,29 @@ class Norm(nn.Module):
         super().__init__()
         self.gamma = Parameter(torch.empty(num_hiddens, device=device, dtype=dtype))
         self.beta = Parameter(torch.empty(num_hiddens, device=device, dtype=dtype))
+
+
+class Embedding(nn.Module):
+    """Holds a table of learned vectors, ``embedding`` ``(num_embeddings, embedding_dim)``.
+
+    Like :class:`Dense` it is never called: the owner passes the table to the core, which
+    looks rows up in it (token ids) or combines them (relative offsets).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embedding = Parameter(torch.empty(num_embeddings, embedding_dim, device=device,
+                                               dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.embedding.shape[0]}, {self.embedding.shape[1]}"
 
 
 class Layer(nn.Module):
@@ -454,6 +480,97 @@ class MultiHeadAttention(Layer):
                 f"dropout={self.dropout}, bias={self.bias}")
 
 
+class RelativeMultiHeadAttention(Layer):
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    The offset ``j - i`` between key ``j`` and query ``i``, clipped to ``[-m, m]``, picks a
+    learned vector added to the key (``rel_k.embedding``) and, with ``relative_values``, to the
+    value (``rel_v.embedding``); both tables are ``(2m + 1, h/H)``, shared by the heads. The
+    core forms the attention weights on every call (there is no fused path), so
+    ``keep_attention_weights`` only decides whether they are kept.
+
+    Args:
+        num_hiddens: Width h of the projections and of the output; divisible by num_heads.
+        num_heads: Number of heads H.
+        max_relative_position: m: offsets beyond ``[-m, m]`` share the edge vectors.
+        dropout: Dropout rate on the attention weights in training mode.
+        bias: Whether the four projections have biases.
+        relative_values: Also add the offsets' vectors to the values.
+        keep_attention_weights: Keep each call's weights in ``attention_weights``.
+        q_in: Queries' size, or None to learn it on the first call.
+        k_in: Keys' size, or None to learn it on the first call.
+        v_in: Values' size, or None to learn it on the first call.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        max_relative_position: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        relative_values: bool = True,
+        keep_attention_weights: bool = True,
+        q_in: int | None = None,
+        k_in: int | None = None,
+        v_in: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        checks.check_heads(num_hiddens, num_heads)
+        W.relative_multi_head_spec(num_hiddens, num_heads, max_relative_position)  # checks m
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
+        self.max_relative_position = max_relative_position
+        self.relative_values = bool(relative_values)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.W_q = Dense(q_in, num_hiddens, self.bias, **self._factory)
+        self.W_k = Dense(k_in, num_hiddens, self.bias, **self._factory)
+        self.W_v = Dense(v_in, num_hiddens, self.bias, **self._factory)
+        self.W_o = Dense(num_hiddens, num_hiddens, self.bias, **self._factory)
+        offsets, depth = 2 * max_relative_position + 1, num_hiddens // num_heads
+        self.rel_k = Embedding(offsets, depth, **self._factory)
+        self.rel_v = Embedding(offsets, depth, **self._factory) if self.relative_values else None
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.relative_multi_head_spec(
+            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
+            self.relative_values, self.W_q.d_in, self.W_k.d_in, self.W_v.d_in,
+        )
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Any = None,
+        *,
+        mask: Any = None,
+        causal: bool = False,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, h)``."""
+        ops = _ops(queries)
+        attention.check_projected_inputs(ops, queries, keys, values)
+        self._check_dtype("queries", queries)
+        fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
+        out, attn = self._run(fresh, lambda: multihead.relative_multi_head_attention(
+            queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
+            causal=causal, dropout=self._rate(), return_weights=True, ops=ops,
+        ))
+        self.attention_weights = attn if return_attention or self.keep_attention_weights else None
+        return (out, attn) if return_attention else out
+
+    def extra_repr(self) -> str:
+        return (f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
+                f"max_relative_position={self.max_relative_position}, dropout={self.dropout}, "
+                f"bias={self.bias}, relative_values={self.relative_values}")
+
+
 class PositionalEncoding(Layer):
     """Adds the sinusoidal table ``P`` (a non-persistent buffer ``(1, max_len, num_hiddens)``).
 
@@ -686,6 +803,90 @@ class TransformerEncoderBlock(Layer):
     def extra_repr(self) -> str:
         return (f"num_hiddens={self.num_hiddens}, ffn_num_hiddens={self.ffn_num_hiddens}, "
                 f"num_heads={self.num_heads}, dropout={self.dropout}, bias={self.bias}")
+
+
+class TransformerEncoder(Layer):
+    """The Transformer encoder: token embedding scaled by sqrt(h), sinusoidal positions, blocks.
+
+    Its parts are ``token`` (holding ``embedding (vocab_size, h)``) and ``blks``, a
+    :class:`torch.nn.ModuleList` of :class:`TransformerEncoderBlock`, so the parameter names
+    are the canonical ``token.embedding``, ``blks.0.attention.W_q.kernel`` etc. The encoder
+    calls the core's ``transformer_encoder`` with all of them.
+
+    Args:
+        vocab_size: Number of token ids V.
+        num_hiddens: Model width h.
+        ffn_num_hiddens: Hidden width of the blocks' FFNs.
+        num_heads: Heads of every block's self-attention.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the positional encoding's sum and inside every block.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each block's self-attention weights: ``attention_weights``
+            is then a list with one ``(B, H, T, T)`` tensor per block, also kept by the block
+            itself (``blks[i].attention_weights``). When False, the blocks take the fused path
+            and the list holds None.
+        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
+            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
+            core choose (fused on torch).
+        device: Device of the parameters.
+        dtype: Dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_hiddens: int,
+        ffn_num_hiddens: int,
+        num_heads: int,
+        num_blks: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        keep_attention_weights: bool = True,
+        implementation: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        W.transformer_encoder_spec(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks,
+                                   bias)  # checks the sizes
+        super().__init__(dropout, device=device, dtype=dtype)
+        self.vocab_size, self.num_hiddens, self.ffn_num_hiddens = (vocab_size, num_hiddens,
+                                                                   ffn_num_hiddens)
+        self.num_heads, self.num_blks, self.bias = num_heads, num_blks, bool(bias)
+        self.keep_attention_weights = bool(keep_attention_weights)
+        self.implementation = checks.check_implementation(implementation)
+        self.token = Embedding(vocab_size, num_hiddens, **self._factory)
+        self.blks = nn.ModuleList(
+            TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, bias,
+                                    keep_attention_weights=keep_attention_weights,
+                                    implementation=implementation, **self._factory)
+            for _ in range(num_blks)
+        )
+        self.attention_weights: list[Tensor | None] = [None] * num_blks  # type: ignore[assignment]
+        self.reset_parameters()
+
+    def spec(self) -> W.Spec:
+        return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
+                                          self.num_heads, self.num_blks, self.bias)
+
+    def forward(self, tokens: Tensor, valid_lens: Any = None, *, mask: Any = None) -> Tensor:
+        """Encodes integer ``tokens (B, T)``; returns ``(B, T, h)``."""
+        ops = _ops(tokens)
+        need = self.keep_attention_weights
+        result: Any = transformer.transformer_encoder(
+            tokens, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
+            return_weights=need, implementation=self.implementation, ops=ops,
+        )
+        out, weights = result if need else (result, [None] * self.num_blks)
+        for block, attn in zip(self.blks, weights, strict=True):
+            block.attention_weights = attn
+        self.attention_weights = list(weights)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, num_hiddens={self.num_hiddens}, "
+                f"ffn_num_hiddens={self.ffn_num_hiddens}, num_heads={self.num_heads}, "
+                f"num_blks={self.num_blks}, dropout={self.dropout}, bias={self.bias}")
 
 
 class NadarayaWatson(Layer):

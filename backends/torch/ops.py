@@ -23,6 +23,13 @@ class TorchOps:
         self.device = None if device is None else torch.device(device)
 
     def from_numpy(self, x: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # The core's constant tables (sinusoidal encoding, clipped offsets) are NumPy code,
+            # which Dynamo traces into tensors; it cannot trace a look at ``ndarray.dtype``.
+            t = torch.as_tensor(x)
+            if like is None:
+                return t if self.device is None else t.to(self.device)
+            return t.to(device=like.device, dtype=like.dtype if t.is_floating_point() else t.dtype)
         x = np.asarray(x)
         if x.dtype.name == "bfloat16":  # ml_dtypes: widen exactly, then narrow in torch
             return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
@@ -100,6 +107,8 @@ class TorchOps:
         return torch.arange(n, dtype=torch.int32, device=self.device)
 
     def take(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if indices.dtype not in (torch.int32, torch.int64):  # F.embedding takes only these
+            indices = indices.long()
         return F.embedding(indices, table)
 
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:

@@ -20,19 +20,29 @@ def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
 def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], inputs: Sequence[Any],
                           cotangent: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
     """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by torch autograd, the gradients
-    of ``sum(out * cotangent)`` by input (``input.<i>``) and weight (``weight.<name>``)."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    of ``sum(out * cotangent)`` by floating input (``input.<i>``; integer inputs such as token
+    ids have none) and weight (``weight.<name>``). A result entry may be a list of tensors (the
+    encoder's weights, one per block)."""
+    leaves = [x.detach().clone().requires_grad_(True) if x.is_floating_point() else x
+              for x in inputs]
     module = getattr(layer, "_orig_mod", layer)  # torch.compile wraps the layer
     result = forward(layer, *leaves)
     params = dict(module.named_parameters())  # after the call: the first one creates them
     out = result["out"]
     loss = (out * torch.as_tensor(np.asarray(cotangent), dtype=out.dtype)).sum()
-    wrt = [*leaves, *params.values()]
-    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-    names = [f"input.{i}" for i in range(len(leaves))] + [f"weight.{name}" for name in params]
-    return ({k: v.detach() for k, v in result.items()},
+    floating = {f"input.{i}": x for i, x in enumerate(leaves) if x.is_floating_point()}
+    wrt = {**floating, **{f"weight.{name}": p for name, p in params.items()}}
+    grads = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
+    return ({k: _detached(v) for k, v in result.items()},
             {name: (torch.zeros_like(x) if g is None else g)
-             for name, g, x in zip(names, grads, wrt, strict=True)})
+             for (name, x), g in zip(wrt.items(), grads, strict=True)})
+
+
+def _detached(value: Any) -> Any:
+    """A tensor, or a list of tensors (None where a block kept none), out of the autograd graph."""
+    if isinstance(value, (list, tuple)):
+        return [None if v is None else v.detach() for v in value]
+    return value.detach()
 
 
 def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:
