@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+from attention_core import weights as W
 from tests.harness import Harness
 
 R = np.random.default_rng(0)
@@ -24,6 +25,13 @@ def qkv(q: tuple[int, ...] = (2, 4, 8), k: tuple[int, ...] = (2, 6, 8),
 def dpa(h: Harness, arrays: list[np.ndarray], **kwargs: Any) -> Any:
     kw = {k: (h.array(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     return ac.dot_product_attention(*(h.array(a) for a in arrays), **kw)
+
+
+def encode(h: Harness, tokens: np.ndarray) -> Any:
+    """The functional encoder (vocabulary of 11, one block) on ``tokens``."""
+    spec = W.transformer_encoder_spec(11, 12, 16, 3, 1)
+    weights = {k: h.array(v) for k, v in W.init_weights(spec, R).items()}
+    return ac.transformer_encoder(h.array(tokens), weights, 3)
 
 
 # (id, call(h), exception type, exact message)
@@ -78,6 +86,18 @@ BAD_CALLS: list[tuple[str, Callable[[Harness], Any], type[Exception], str]] = [
      "keys must not have an empty dimension, got (2, 0, 8)"),
     ("masked_softmax_rank", lambda h: ac.masked_softmax(h.array(np.zeros((3, 4), F32))),
      ValueError, "scores must have shape (B, Q, K) or (B, H, Q, K), got (3, 4)"),
+    ("relative_zero_offsets", lambda h: h.module.RelativeMultiHeadAttention(12, 3, 0), ValueError,
+     "max_relative_position must be a positive int, got 0"),
+    ("encoder_zero_blocks", lambda h: h.module.TransformerEncoder(11, 12, 16, 3, 0), ValueError,
+     "num_blks must be a positive int, got 0"),
+    ("tokens_float", lambda h: encode(h, np.ones((2, 5), F32)), TypeError,
+     "tokens must be integer token ids, got dtype float32"),
+    ("tokens_too_large", lambda h: encode(h, np.array([[1, 2, 11], [0, 0, 0]])), ValueError,
+     "tokens must be in [0, vocab_size) = [0, 11), got 11"),
+    ("tokens_negative", lambda h: encode(h, np.array([[1, -2, 3]])), ValueError,
+     "tokens must be in [0, vocab_size) = [0, 11), got -2"),
+    ("tokens_rank", lambda h: encode(h, np.array([1, 2, 3])), ValueError,
+     "tokens must have shape (B, T) token ids, got (3,)"),
 ]
 
 

@@ -18,10 +18,18 @@ SPEC_CASES = [
       "W_v.kernel": (3, 6), "W_v.bias": (6,), "W_o.kernel": (6, 6), "W_o.bias": (6,)}),
     ("AdditiveAttention", {"num_hiddens": 6},
      {"W_q.kernel": (4, 6), "W_k.kernel": (5, 6), "w_v.kernel": (6, 1)}),
+    ("RelativeMultiHeadAttention", {"num_hiddens": 6, "num_heads": 2, "max_relative_position": 3},
+     {"W_q.kernel": (4, 6), "W_k.kernel": (5, 6), "W_v.kernel": (3, 6), "W_o.kernel": (6, 6),
+      "rel_k.embedding": (7, 3), "rel_v.embedding": (7, 3)}),
+    ("RelativeMultiHeadAttention", {"num_hiddens": 6, "num_heads": 3, "max_relative_position": 1,
+                                    "relative_values": False},
+     {"W_q.kernel": (4, 6), "W_k.kernel": (5, 6), "W_v.kernel": (3, 6), "W_o.kernel": (6, 6),
+      "rel_k.embedding": (3, 2)}),
 ]
 
 
-@pytest.mark.parametrize("layer, config, expected", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
+@pytest.mark.parametrize("layer, config, expected", SPEC_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(SPEC_CASES)])
 def test_layout_after_first_call(backend: str, layer: str, config: dict, expected: dict) -> None:
     h = Harness(backend)
     obj = h.make(layer, config)
@@ -29,6 +37,22 @@ def test_layout_after_first_call(backend: str, layer: str, config: dict, expecte
     h.call(obj, h.array(q), h.array(k), h.array(v))
     got = {name: value.shape for name, value in obj.get_weights().items()}
     assert got == expected
+
+
+def test_encoder_layout(backend: str) -> None:
+    h = Harness(backend)
+    encoder = h.make("TransformerEncoder", {"vocab_size": 7, "num_hiddens": 4, "ffn_num_hiddens": 5,
+                                            "num_heads": 2, "num_blks": 2})
+    h.call(encoder, h.array(np.zeros((1, 3), np.int32)))
+    got = {name: value.shape for name, value in encoder.get_weights().items()}
+    block = {"attention.W_q.kernel": (4, 4), "attention.W_k.kernel": (4, 4),
+             "attention.W_v.kernel": (4, 4), "attention.W_o.kernel": (4, 4),
+             "addnorm1.ln.gamma": (4,), "addnorm1.ln.beta": (4,),
+             "ffn.dense1.kernel": (4, 5), "ffn.dense1.bias": (5,),
+             "ffn.dense2.kernel": (5, 4), "ffn.dense2.bias": (4,),
+             "addnorm2.ln.gamma": (4,), "addnorm2.ln.beta": (4,)}
+    assert got == {"token.embedding": (7, 4), **{f"blks.{i}.{n}": s for i in range(2)
+                                                  for n, s in block.items()}}
 
 
 def test_encoder_block_layout(backend: str) -> None:
