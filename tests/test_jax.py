@@ -30,6 +30,7 @@ import attention_core as ac
 import backends.jax as bj
 import backends.numpy as numpy_layers
 from attention_core import blockwise, checks
+from attention_core import weights as W
 from attention_core.attention import choose_implementation
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
@@ -686,6 +687,204 @@ def test_layers_check_the_implementation_like_every_backend(name: str) -> None:
     assert str(err.value) == str(expected.value)
     assert str(err.value) == (
         "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'")
+
+
+# -- RelativeMultiHeadAttention and TransformerEncoder -------------------------------------------
+
+#: Token ids ``(2, 5)`` over a vocabulary of 9: ids 7 and 8 are never used.
+TOKENS = jnp.array([[1, 4, 4, 2, 0], [3, 6, 1, 1, 5]])
+UNUSED_IDS = [7, 8]
+
+
+@pytest.fixture(scope="module")
+def relative() -> tuple[bj.RelativeMultiHeadAttention, dict[str, Any], list[jax.Array]]:
+    """A built relative MHA (h 8, H 2, m 3) with bias, ``q (2, 4, 6)``, ``kv (2, 5, 7)``."""
+    layer = bj.RelativeMultiHeadAttention(8, 2, 3, dropout=0.5, bias=True)
+    q, kv = draw((2, 4, 6), (2, 5, 7), seed=13)
+    return layer, jax.jit(layer.init)(KEY, q, kv, kv), [q, kv]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> tuple[bj.TransformerEncoder, dict[str, Any]]:
+    """Two blocks of width 8 over a vocabulary of 9, dropout 0.3, built on :data:`TOKENS`."""
+    layer = bj.TransformerEncoder(9, 8, 16, 2, 2, dropout=0.3, bias=True)
+    return layer, jax.jit(layer.init)(KEY, TOKENS)
+
+
+def test_new_layers_params_are_the_canonical_names_nested(relative: Any, encoder: Any) -> None:
+    shapes = jax.tree_util.tree_map(jnp.shape, relative[1])["params"]
+    assert shapes["rel_k"] == {"embedding": (7, 4)} and shapes["rel_v"] == {"embedding": (7, 4)}
+    assert shapes["W_k"] == {"kernel": (7, 8), "bias": (8,)}
+    params = encoder[1]["params"]
+    assert sorted(params) == ["blks", "token"] and sorted(params["blks"]) == ["0", "1"]
+    assert params["token"]["embedding"].shape == (9, 8)
+    assert params["blks"]["1"]["attention"]["W_q"]["kernel"].shape == (8, 8)
+    names = bj.get_weights(encoder[1])
+    assert {n: v.shape for n, v in names.items()} == W.transformer_encoder_spec(9, 8, 16, 2, 2, True)
+    again = bj.set_weights(encoder[1], names)
+    assert tree_diff(again, encoder[1]) == 0.0
+    keys_only = bj.RelativeMultiHeadAttention(8, 2, 3, relative_values=False)
+    q, kv = relative[2]
+    assert sorted(keys_only.init(KEY, q, kv, kv)["params"]) == ["W_k", "W_o", "W_q", "W_v", "rel_k"]
+    fields = [f for f in bj.TransformerEncoder.__dataclass_fields__ if f not in ("parent", "name")]
+    assert fields[:7] == ["vocab_size", "num_hiddens", "ffn_num_hiddens", "num_heads", "num_blks",
+                          "dropout", "bias"]
+
+
+def test_embedding_tables_start_normal_with_std_one_over_sqrt_depth() -> None:
+    layer = bj.RelativeMultiHeadAttention(64, 1, 300, relative_values=False)
+    x = jnp.zeros((1, 2, 3))
+    table = np.asarray(layer.init(KEY, x, x, x)["params"]["rel_k"]["embedding"], np.float64)
+    assert table.shape == (601, 64)  # 38464 draws: the std is within 2% of 1/8 with certainty
+    assert abs(table.std() - 1 / 8) < 0.02 / 8 and abs(table.mean()) < 0.01
+
+
+def test_relative_matches_the_naive_loops_eagerly_and_under_jit(relative: Any) -> None:
+    layer, variables, (q, kv) = relative
+    lens = jnp.array([[1, 2, 3, 5], [5, 4, 0, 2]])
+    w = {k: v.astype(np.float64) for k, v in bj.get_weights(variables).items()}
+    vis = naive.visible(2, 2, 4, 5, np.asarray(lens), causal=True)
+    out64, w64 = naive.relative_multi_head(*(np.asarray(x, np.float64) for x in (q, kv, kv)), w, 2, vis)
+
+    def run(variables: Any, q: jax.Array, kv: jax.Array, lens: jax.Array) -> Any:
+        return layer.apply(variables, q, kv, kv, lens, causal=True, return_attention=True,
+                           mutable=["intermediates"])
+
+    for (out, attn), state in (run(variables, q, kv, lens), jax.jit(run)(variables, q, kv, lens)):
+        assert diff(out, out64) <= TOL and diff(attn, w64) <= TOL
+        np.testing.assert_array_equal(np.asarray(state["intermediates"]["attention_weights"][0]),
+                                      np.asarray(attn))
+    assert np.all(np.asarray(attn)[1, :, 2] == 0.0)  # valid length 0: nothing visible
+
+
+def test_encoder_sows_one_weight_array_per_block(encoder: Any) -> None:
+    layer, variables = encoder
+    lens = jnp.array([3, 5])
+    w = {k: v.astype(np.float64) for k, v in bj.get_weights(variables).items()}
+    out64, per_block = naive.transformer_encoder(np.asarray(TOKENS), w, 2,
+                                                 naive.visible(2, 2, 5, 5, np.asarray(lens)))
+    run = jax.jit(lambda v, t, n: layer.apply(v, t, n, mutable=["intermediates"]))
+    for out, state in (layer.apply(variables, TOKENS, lens, mutable=["intermediates"]),
+                       run(variables, TOKENS, lens)):
+        sown = state["intermediates"]["attention_weights"]
+        assert isinstance(sown, tuple) and len(sown) == 2  # one per block, in order
+        assert diff(out, out64) <= TOL
+        for got, expected in zip(sown, per_block, strict=True):
+            assert got.shape == (2, 2, 5, 5) and diff(got, expected) <= TOL
+    assert diff(sown[0], sown[1]) > 1e-3  # each block its own weights
+    plain = layer.apply(variables, TOKENS, lens)  # 'intermediates' not mutable: nothing formed
+    assert diff(plain, out64) <= TOL
+    for kw in ({"keep_attention_weights": False}, {"implementation": "blockwise"}):
+        other = bj.TransformerEncoder(9, 8, 16, 2, 2, bias=True, **kw)
+        assert diff(jax.jit(lambda v, o=other: o.apply(v, TOKENS, lens))(variables), out64) <= TOL
+    unkept = bj.TransformerEncoder(9, 8, 16, 2, 2, bias=True, keep_attention_weights=False)
+    assert "intermediates" not in unkept.apply(variables, TOKENS, lens, mutable=["intermediates"])[1]
+
+
+def test_new_layers_draw_dropout_from_the_dropout_rng(relative: Any, encoder: Any) -> None:
+    layer, variables, (q, kv) = relative
+    elayer, evariables = encoder
+    runs = {
+        "relative": (lambda key, training=True: layer.apply(
+            variables, q, kv, kv, rngs={"dropout": key}, training=training)),
+        "encoder": (lambda key, training=True: elayer.apply(
+            evariables, TOKENS, rngs={"dropout": key}, training=training)),
+    }
+    for name, run in runs.items():
+        train = jax.jit(run)
+        a, again, b = train(jax.random.PRNGKey(1)), train(jax.random.PRNGKey(1)), train(jax.random.PRNGKey(2))
+        plain = run(jax.random.PRNGKey(1), training=False)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(again), err_msg=name)
+        assert diff(a, b) > 1e-3 and diff(a, plain) > 1e-3, name
+        np.testing.assert_array_equal(np.asarray(run(jax.random.PRNGKey(2), training=False)),
+                                      np.asarray(plain), err_msg=name)  # eval: the rng is unused
+    with pytest.raises(flax.errors.InvalidRngError, match="dropout"):
+        elayer.apply(evariables, TOKENS, training=True)
+
+
+def sgd_step(layer: Any, variables: dict[str, Any], *args: Any, lr: float,
+             **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any], float, float]:
+    """One plain gradient step on ``sum(out**2)`` (dropout on, fixed key); returns the new
+    params, the gradients, and the loss before and after (the same key both times)."""
+    rngs = {"dropout": jax.random.PRNGKey(5)}
+
+    def objective(params: Any) -> jax.Array:
+        out = layer.apply({"params": params}, *args, rngs=rngs, training=True, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    @jax.jit
+    def step(params: Any) -> tuple[Any, Any, jax.Array, jax.Array]:  # one compilation
+        before, grads = jax.value_and_grad(objective)(params)
+        params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
+        return params, grads, before, objective(params)
+
+    params, grads, before, after = step(variables["params"])
+    return params, grads, float(before), float(after)
+
+
+def test_a_gradient_step_moves_the_embedding_rows_of_the_tokens_used_and_no_others(
+    encoder: Any,
+) -> None:
+    layer, variables = encoder
+    params, grads, before, after = sgd_step(layer, variables, TOKENS, lr=0.01)
+    assert after < before
+    old, new = (np.asarray(p["token"]["embedding"]) for p in (variables["params"], params))
+    used = sorted(set(np.asarray(TOKENS).ravel().tolist()))
+    assert used == [0, 1, 2, 3, 4, 5, 6]
+    assert np.all(np.abs(new[used] - old[used]).max(axis=1) > 0)
+    np.testing.assert_array_equal(new[UNUSED_IDS], old[UNUSED_IDS])
+    np.testing.assert_array_equal(np.asarray(grads["token"]["embedding"])[UNUSED_IDS], 0.0)
+    for name, g in W.flatten_tree(grads).items():  # every block learns
+        assert float(jnp.abs(g).max()) > 0, name
+
+
+def test_a_gradient_step_moves_only_the_offsets_that_occur() -> None:
+    """3 queries and 3 keys have offsets -2..2: with m = 4 the rows of offsets +-3 and +-4 get
+    no gradient, and keep their values."""
+    layer = bj.RelativeMultiHeadAttention(8, 2, 4, dropout=0.2)
+    q, kv = draw((2, 3, 5), (2, 3, 6), seed=14)
+    variables = layer.init(KEY, q, kv, kv)
+    params, grads, before, after = sgd_step(layer, variables, q, kv, kv, lr=0.01)
+    assert after < before
+    for table in ("rel_k", "rel_v"):
+        old, new = (np.asarray(p[table]["embedding"]) for p in (variables["params"], params))
+        g = np.asarray(grads[table]["embedding"])
+        occurring, beyond = [2, 3, 4, 5, 6], [0, 1, 7, 8]  # rows r = offset + m
+        assert np.all(np.abs(g[occurring]).max(axis=1) > 0), table
+        np.testing.assert_array_equal(g[beyond], 0.0)
+        np.testing.assert_array_equal(new[beyond], old[beyond])
+
+
+@pytest.mark.parametrize("which", ["relative", "encoder"])
+def test_new_layers_save_and_load_round_trip(which: str, relative: Any, encoder: Any,
+                                             tmp_path: Path) -> None:
+    """Flax's own msgpack serialization, and the library's safetensors files."""
+    if which == "relative":
+        layer, variables, (q, kv) = relative
+        args: tuple[Any, ...] = (q, kv, kv, jnp.array([2, 5]))
+    else:
+        (layer, variables), args = encoder, (TOKENS, jnp.array([2, 5]))
+    expected = np.asarray(layer.apply(variables, *args))
+    data = flax.serialization.to_bytes(variables)
+    template = jax.tree_util.tree_map(jnp.zeros_like, variables)
+    restored = flax.serialization.from_bytes(template, data)
+    np.testing.assert_array_equal(np.asarray(layer.apply(restored, *args)), expected)
+    ac.save_weights(tmp_path / "w.safetensors", variables)
+    loaded = ac.load_weights(tmp_path / "w.safetensors")
+    assert sorted(loaded) == sorted(bj.get_weights(variables))
+    np.testing.assert_array_equal(np.asarray(layer.apply(bj.init_from_weights(layer, loaded), *args)),
+                                  expected)
+
+
+def test_encoder_token_checks(encoder: Any) -> None:
+    layer, variables = encoder
+    with pytest.raises(TypeError, match=re.escape("tokens must be integer token ids, got dtype float32")):
+        layer.apply(variables, TOKENS.astype(jnp.float32))
+    with pytest.raises(ValueError, match=re.escape("tokens must be in [0, vocab_size) = [0, 9), got 9")):
+        layer.apply(variables, TOKENS.at[1, 2].set(9))
+    # under jit the values are not known: the shape check still runs
+    with pytest.raises(ValueError, match="tokens"):
+        jax.jit(lambda t: layer.apply(variables, t))(TOKENS[0])
 
 
 # -- configuration ------------------------------------------------------------------------------

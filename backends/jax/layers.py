@@ -8,6 +8,10 @@ input shapes and live in the usual params pytree, one nested dict per canonical 
     TransformerEncoderBlock       {"attention": {"W_q": {"kernel": ...}, ...}, "addnorm1": {"ln":
                                    {"gamma": ..., "beta": ...}}, "ffn": {"dense1": ...}, ...}
     LearnedPositionalEncoding     {"P": (1, max_len, h)}
+    RelativeMultiHeadAttention    as MultiHeadAttention, plus {"rel_k": {"embedding": (2m+1, h/H)},
+                                   "rel_v": {"embedding": (2m+1, h/H)}}
+    TransformerEncoder            {"token": {"embedding": (V, h)}, "blks": {"0": {<block's
+                                   params>}, "1": ...}}
 
 so the canonical name is the params path joined with dots (``attention.W_q.kernel``), and
 kernels are stored ``(in, out)`` as the canonical layout has them: :func:`get_weights` and
@@ -16,15 +20,18 @@ kernels are stored ``(in, out)`` as the canonical layout has them: :func:`get_we
 Calls take ``training: bool = False`` (static under ``jax.jit``). With ``training=True`` and a
 dropout rate above 0, dropout draws from the ``'dropout'`` rng (``rngs={"dropout": key}``).
 Attention weights, before dropout, are ``sow``n into ``'intermediates'`` as
-``attention_weights``; ``return_attention=True`` also returns them.
+``attention_weights``; ``return_attention=True`` also returns them. :class:`TransformerEncoder`
+sows once per block, in order, so one call leaves a tuple of ``num_blks`` arrays there.
 
-``DotProductAttention``, ``MultiHeadAttention`` and ``TransformerEncoderBlock`` form the
-``(B, H, Q, K)`` weights only when they are used: when ``return_attention=True``, or when
+``DotProductAttention``, ``MultiHeadAttention``, ``TransformerEncoderBlock`` and
+``TransformerEncoder`` form the ``(B, H, Q, K)`` weights only when they are used: when
+``return_attention=True`` (not on the encoders), or when
 ``keep_attention_weights=True`` (the default) and ``'intermediates'`` is mutable
 (``apply(..., mutable=["intermediates"])``), since sowing into an immutable collection keeps
 nothing. Other calls pool by ``implementation`` (a field; None lets the core choose between
 the direct and the blockwise path, see :func:`attention_core.attention.choose_implementation`),
-never forming the weights on the blockwise path.
+never forming the weights on the blockwise path. ``RelativeMultiHeadAttention`` and
+``AdditiveAttention`` always form them (their scores need them).
 """
 
 from __future__ import annotations
@@ -74,7 +81,14 @@ def _initializer(name: str) -> Callable[..., Array]:
         return nn.initializers.ones_init()
     if leaf == "P":
         return nn.initializers.normal(0.02)
+    if leaf == "embedding":
+        return _embedding_init
     return nn.initializers.uniform(1.0)
+
+
+def _embedding_init(key: Array, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32) -> Array:
+    """An embedding table ``(N, D)``: normal with std ``1 / sqrt(D)`` (unit-norm rows on average)."""
+    return nn.initializers.normal(1.0 / np.sqrt(shape[-1]))(key, shape, dtype)
 
 
 def _draw(key: Array, spec: tuple[tuple[str, tuple[int, ...]], ...], dtype: DTypeLike) -> Any:
@@ -448,6 +462,57 @@ class MultiHeadAttention(_Attention):
         return multihead.multi_head_attention(q, k, v, weights, self.num_heads, valid_lens, **kwargs)
 
 
+class RelativeMultiHeadAttention(_Attention):
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    The scores and the pooled values of each head get a learned vector per clipped offset
+    between key and query (see :func:`attention_core.multihead.relative_multi_head_attention`).
+    Input sizes are inferred on ``init``. Params: those of :class:`MultiHeadAttention`, plus
+    ``rel_k`` and (with ``relative_values``) ``rel_v``, each ``{"embedding": (2m + 1, h/H)}``.
+    The weights are always formed, so there is no ``implementation``.
+
+    Attributes:
+        num_hiddens: Width h of the projections and of the output.
+        num_heads: H; must divide ``num_hiddens``.
+        max_relative_position: m: offsets between a key and a query are clipped to [-m, m].
+        dropout: Dropout rate on the attention weights when ``training=True``.
+        bias: Whether the projections have biases.
+        param_dtype: Dtype of the weights.
+        relative_values: Also add the offsets' vectors to the values (param ``rel_v``).
+        keep_attention_weights: Sow each call's weights into ``'intermediates'`` when that
+            collection is mutable.
+    """
+
+    num_hiddens: int
+    num_heads: int
+    max_relative_position: int
+    dropout: float = 0.0
+    bias: bool = False
+    param_dtype: DTypeLike = jnp.float32
+    relative_values: bool = True
+    keep_attention_weights: bool = True
+
+    def check_arguments(self) -> None:
+        checks.check_heads(self.num_hiddens, self.num_heads)
+        super().check_arguments()
+
+    def spec(self, **dims: int | None) -> W.Spec:
+        return W.relative_multi_head_spec(
+            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
+            self.relative_values, dims.get("q_in"), dims.get("k_in"), dims.get("v_in"),
+        )
+
+    def _input_sizes(self, queries: Array, keys: Array, values: Array) -> dict[str, int]:
+        return {"q_in": queries.shape[-1], "k_in": keys.shape[-1], "v_in": values.shape[-1]}
+
+    def _attend(self, weights: dict[str, Array], *args: Any, **kwargs: Any) -> Any:
+        q, k, v, valid_lens = args
+        kwargs.pop("implementation")  # the offsets' terms need the weights: always direct
+        return multihead.relative_multi_head_attention(
+            q, k, v, weights, self.num_heads, valid_lens, **kwargs
+        )
+
+
 class PositionalEncoding(Layer):
     """Adds the sinusoidal table ``P`` to the input (no params).
 
@@ -602,6 +667,76 @@ class TransformerEncoderBlock(Layer):
             X, weights, self.num_heads, valid_lens, mask=mask, dropout=rate, ops=ops, **pooling,
         )
         return self._keep_attention(result, pooling["return_weights"], False)
+
+
+class TransformerEncoder(Layer):
+    """The Transformer encoder: scaled token embedding, sinusoidal encoding, ``num_blks`` blocks.
+
+    ``X = dropout(E[tokens] * sqrt(h) + P)``, then each :class:`TransformerEncoderBlock` in
+    turn. Params: ``token`` ``{"embedding": (vocab_size, h)}`` and ``blks``, one entry per
+    block keyed ``"0"``, ``"1"``, ... holding that block's params, so the canonical names are
+    ``token.embedding`` and ``blks.<i>.attention.W_q.kernel`` etc.
+
+    Each block's self-attention weights ``(B, H, T, T)`` are sown into ``'intermediates'`` as
+    ``attention_weights`` (when kept), one sow per block in order: after one call,
+    ``state["intermediates"]["attention_weights"]`` is a tuple of ``num_blks`` arrays, the
+    counterpart of the other backends' ``attention_weights`` list.
+
+    Attributes:
+        vocab_size: V, the number of token ids.
+        num_hiddens: Model width h.
+        ffn_num_hiddens: Hidden width of the blocks' FFNs.
+        num_heads: Heads of every block's self-attention.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the encoding's sum and inside every block.
+        bias: Whether the attention projections have biases.
+        param_dtype: Dtype of the weights.
+        keep_attention_weights: Sow each call's per-block weights into ``'intermediates'``
+            when that collection is mutable; when False, calls never form them.
+        implementation: How the blocks pool when the weights are not needed; see
+            :class:`TransformerEncoderBlock`.
+    """
+
+    vocab_size: int
+    num_hiddens: int
+    ffn_num_hiddens: int
+    num_heads: int
+    num_blks: int
+    dropout: float = 0.0
+    bias: bool = False
+    param_dtype: DTypeLike = jnp.float32
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+
+    def spec(self, **dims: int | None) -> W.Spec:
+        return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
+                                          self.num_heads, self.num_blks, self.bias)
+
+    @nn.compact
+    def __call__(
+        self, tokens: Array, valid_lens: Any = None, *, mask: Any = None, training: bool = False
+    ) -> Array:
+        """Encodes integer ``tokens`` ``(B, T)`` to ``(B, T, num_hiddens)``.
+
+        Args:
+            tokens: Token ids in ``[0, vocab_size)``.
+            valid_lens: Integer lengths, ``(B,)`` or ``(B, T)``.
+            mask: Boolean self-attention mask, True = may attend.
+            training: Apply dropout (static).
+        """
+        weights = self._weights()
+        ops, rate = self._ops(training)
+        pooling = self._pooling(False)
+        result = transformer.transformer_encoder(
+            tokens, weights, self.num_heads, valid_lens, mask=mask, dropout=rate, ops=ops,
+            **pooling,
+        )
+        if not pooling["return_weights"]:
+            return result
+        out, per_block = result
+        for attn in per_block:
+            self.sow("intermediates", "attention_weights", attn)
+        return out
 
 
 class NadarayaWatson(Layer):

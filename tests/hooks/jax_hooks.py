@@ -27,6 +27,15 @@ def _rngs() -> dict[str, jax.Array]:
     return {name: jax.random.PRNGKey(seed) for name, seed in RNGS.items()}
 
 
+def last_call(module: Layer, sown: tuple[Any, ...]) -> Any:
+    """What one call sowed as ``attention_weights``: the last array, or for
+    :class:`~backends.jax.TransformerEncoder` (one sow per block) the list of the last
+    ``num_blks``, as the other backends keep them."""
+    if isinstance(module, bj.TransformerEncoder):
+        return list(sown[-module.num_blks:])
+    return sown[-1]
+
+
 class FlaxLayer:
     """A Flax module with its variables and the last call's sown attention weights.
 
@@ -37,7 +46,7 @@ class FlaxLayer:
     def __init__(self, module: Layer) -> None:
         self.module = module
         self.variables: dict[str, Any] | None = None
-        self.attention_weights: jax.Array | None = None
+        self.attention_weights: jax.Array | list[jax.Array] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.variables is None:
@@ -50,7 +59,7 @@ class FlaxLayer:
         self.variables = variables  # only reached when the call succeeded
         sown = state.get("intermediates", {}).get("attention_weights")
         if sown is not None:
-            self.attention_weights = sown[-1]
+            self.attention_weights = last_call(self.module, sown)
         return out
 
     def get_weights(self) -> dict[str, np.ndarray]:
@@ -98,25 +107,31 @@ def forward_and_gradients(layer: FlaxLayer | Layer, forward: Callable[..., dict[
                           inputs: Sequence[Any], cotangent: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by ``jax.value_and_grad``, the
     gradients of ``sum(out * cotangent)`` by input (``input.<i>``) and param
-    (``weight.<canonical name>``). Works eagerly and under ``jax.jit``."""
+    (``weight.<canonical name>``). Works eagerly and under ``jax.jit``. Integer inputs (token
+    ids) have no gradient: they are held fixed and get no ``input.<i>`` entry."""
     wrapper = handle(layer)
     variables = wrapper.variables
     assert variables is not None, "call the layer once (or set its weights) first"
     ct = jnp.asarray(np.asarray(cotangent))
+    xs = [jnp.asarray(x) for x in inputs]
+    floating = [i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
-    def loss(params: Any, xs: list[Any]) -> tuple[jax.Array, dict[str, Any]]:
+    def loss(params: Any, moving: list[Any]) -> tuple[jax.Array, dict[str, Any]]:
+        args = list(xs)
+        for i, x in zip(floating, moving, strict=True):
+            args[i] = x
         wrapper.variables = {**variables, "params": params}
         try:
-            result = forward(wrapper, *xs)
+            result = forward(wrapper, *args)
         finally:
             wrapper.variables = variables
         out = result["out"]
         return jnp.sum(out * ct.astype(out.dtype)), result
 
     (_, result), (d_params, d_inputs) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        variables["params"], [jnp.asarray(x) for x in inputs])
+        variables["params"], [xs[i] for i in floating])
     wrapper.attention_weights = result.get("attention_attr")  # not the tracer seen by the trace
-    grads = {f"input.{i}": g for i, g in enumerate(d_inputs)}
+    grads = {f"input.{i}": g for i, g in zip(floating, d_inputs, strict=True)}
     grads.update({f"weight.{name}": g for name, g in flatten(d_params).items()})
     return result, grads
 
