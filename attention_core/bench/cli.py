@@ -7,6 +7,8 @@ tables and saves ``<out>/bench-<backend>.json`` and ``<out>/bench-<backend>.png`
 Merge mode (``--merge DIR``) reads the ``bench-*.json`` files that runs in several
 environments wrote to DIR, writes the combined Markdown into README.md between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->`` and draws ``DIR/bench.png``.
+``bench complexity`` (:mod:`attention_core.bench.complexity`) times a convolution, an RNN and
+self-attention against n on one backend.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 from attention_core import registry
-from attention_core.bench import SUITES, Config, report, thread_env
+from attention_core.bench import SUITES, Config, complexity, report, thread_env
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -73,6 +75,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"file --merge writes into, between {report.BENCH_START} and "
                              f"{report.BENCH_END} (default: README.md)")
     parser.add_argument("--stdout", action="store_true", help="with --merge: print, write no README")
+    commands = parser.add_subparsers(dest="bench_command", metavar="{complexity}")
+    complexity.configure(commands.add_parser(
+        "complexity", help="conv, RNN and self-attention forward time against n on one backend "
+                           "(see python -m attention_core bench complexity --help)",
+        description="Times a 1-D convolution, an RNN and self-attention of the same width against "
+                    "the sequence length n on one backend, in a child process with pinned threads; "
+                    "writes complexity-<backend>.json and .png."))
 
 
 def config_from(args: argparse.Namespace) -> Config:
@@ -127,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         ValueError: Unknown backend names, or --merge on a directory without results.
         ImportError: A named backend is not installed.
     """
+    if getattr(args, "bench_command", None) == "complexity":
+        return complexity.run(args)
     if args.merge:
         body = merge(args.merge, None if args.stdout else args.readme)
         if args.stdout:
