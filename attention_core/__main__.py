@@ -158,8 +158,9 @@ def demo_figures(ops: Any, weights: np.ndarray, valid_lens: Sequence[int],
 #: The markers in README.md between which ``matrix`` writes its table.
 MATRIX_START, MATRIX_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
 _DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
-_LAYER_ORDER = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention", "PositionalEncoding",
-                "LearnedPositionalEncoding", "PositionWiseFFN", "AddNorm", "TransformerEncoderBlock",
+_LAYER_ORDER = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention",
+                "RelativeMultiHeadAttention", "PositionalEncoding", "LearnedPositionalEncoding",
+                "PositionWiseFFN", "AddNorm", "TransformerEncoderBlock", "TransformerEncoder",
                 "NadarayaWatson")
 
 
@@ -227,6 +228,39 @@ def _run_row(report: dict[str, Any]) -> str:
     return _row([f"`{report['backend']}`{env}", finished, versions, where, run])
 
 
+def _reliability_entry(report: dict[str, Any]) -> list[str]:
+    """A backend's bad-input, property-test, concurrency and scale-out results, as table cells."""
+    bad = report.get("bad_input")
+    bad_text = _NONE if bad is None else f"{bad['passed']} / {bad['cases']} passed"
+    if bad is not None and bad["ran"] != bad["cases"]:
+        bad_text += f" ({bad['cases'] - bad['ran']} do not apply)"
+    props = report.get("properties")
+    props_text = _NONE if not props else f"{sum(props.values())} examples in {len(props)} tests"
+    threads = report.get("concurrency", {})
+    thread_text = (f"{threads['threads']} threads x {threads['iterations']}" if "threads" in threads
+                   else _NONE)
+    scale = report.get("scale_out")
+    scale_text = (_NONE if not scale else
+                  f"{scale['engine']}: {scale['layer']}, max diff forward {_fmt(scale['forward'])}, "
+                  f"gradient {_fmt(scale['gradient'])}")
+    return [f"`{report['backend']}`", bad_text, props_text, thread_text, scale_text]
+
+
+def reliability_table(reports: list[dict[str, Any]]) -> list[str]:
+    """The lines of the reliability table; none when no report has its keys."""
+    keys = ("bad_input", "properties", "concurrency", "scale_out")
+    if not any(k in r for r in reports for k in keys):
+        return []
+    return ["", "**Reliability**, from the same runs: the bad-input catalogue "
+            "(`tests/test_errors.py`), the Hypothesis property tests' examples "
+            "(`tests/test_properties.py`), the registry under threads "
+            "(`tests/test_concurrency.py`) and the frameworks' own distributed engines against "
+            "one process (`tests/test_distributed.py`):", "",
+            *_header("backend", "bad calls", "property examples", "use_backend threads",
+                     "scale-out"),
+            *(_row(_reliability_entry(r)) for r in reports)]
+
+
 def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = None) -> str:
     """The Markdown section: where the numbers come from, then the tables.
 
@@ -265,6 +299,7 @@ def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = 
         "",
         *_header("backend", "test run finished (UTC)", "versions", "machine", "cells passed"),
         *(_run_row(r) for r in reports),
+        *reliability_table(reports),
         "",
         "Each entry is the largest max |diff| from the float64 reference files, as **outputs "
         "and attention weights / gradients** (by every input and weight; no gradients on "

@@ -64,8 +64,17 @@ def check_heads(num_hiddens: int, num_heads: int) -> None:
 
 
 def check_floating(ops: Ops, name: str, x: Array) -> str:
-    """Checks that ``x`` has a floating dtype and returns the dtype's name."""
+    """Checks that ``x`` has a real floating dtype and returns the dtype's name.
+
+    Complex arrays get a message of their own: attention over complex numbers (a softmax of
+    complex scores) is not defined here, and they are not silently cast to real.
+    """
     dtype = ops.dtype_name(x)
+    if dtype.startswith("complex"):
+        raise TypeError(
+            f"{name} must be real floating point ({', '.join(FLOAT_DTYPES)}), got {dtype}: "
+            "complex inputs are not supported"
+        )
     if dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be floating point ({', '.join(FLOAT_DTYPES)}), got {dtype}"

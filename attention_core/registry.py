@@ -73,6 +73,8 @@ _context: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 _process_default: str | None = None
 _lock = threading.Lock()
+#: Adapter packages whose import has finished (filled under ``_lock``, read without it).
+_loaded: dict[str, ModuleType] = {}
 
 
 def canonical_name(name: str) -> str:
@@ -135,8 +137,13 @@ def load(name: str) -> ModuleType:
             f"backend {key!r}: its framework is installed, but this version of attention-core "
             "has no adapter for it yet"
         )
-    with _lock:  # import machinery is thread-safe, but keep first loads strictly one at a time
-        return importlib.import_module(f"backends.{key}")
+    module = _loaded.get(key)
+    if module is None:
+        # First loads run strictly one at a time; a backend that is loaded is returned without
+        # the lock, so its users never wait for another thread's first load of a framework.
+        with _lock:
+            module = _loaded[key] = importlib.import_module(f"backends.{key}")
+    return module
 
 
 def _env_default() -> str:

@@ -99,6 +99,7 @@ def transformer_encoder_block(
         ``(B, T, h)``, and the attention weights if asked.
     """
     ops = ops or ops_for(X)
+    checks.check_floating(ops, "X", X)
     result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
         mask=mask, dropout=dropout, return_weights=return_weights, implementation=implementation,

@@ -8,6 +8,7 @@ names below to NumPy arrays, so weights move between frameworks. Dense kernels a
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -303,8 +304,16 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
 
     BF16 tensors are widened to float32 (exactly) when ``ml_dtypes`` is not installed.
 
+    Every message names the file and what is wrong with it; nothing is returned from a file
+    with any fault.
+
     Raises:
-        ValueError: The file is truncated, or not a safetensors file.
+        OSError: The file cannot be read (e.g. FileNotFoundError).
+        ValueError: The file is truncated, or not a safetensors file: too short for the header
+            length, a header that runs past the end or is not a JSON object, an entry without
+            a string dtype, a list of non-negative int dims and two non-negative int data
+            offsets, a dtype other than F64, F32, F16, BF16, I64 and I32, or data that lies
+            outside the file or does not match the entry's dtype and shape.
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -325,17 +334,41 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            code, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise ValueError(f"{bad}: entry {name!r} is malformed") from None
+        code, shape, (start, end) = _entry(bad, name, info)
         if code != "BF16" and code not in _ST_DTYPES:
             raise ValueError(f"{bad}: entry {name!r} has unsupported dtype {code}")
         itemsize = 2 if code == "BF16" else np.dtype(_ST_DTYPES[code]).itemsize
-        if not 0 <= start <= end <= len(body) or end - start != itemsize * int(np.prod(shape)):
+        if not start <= end <= len(body) or end - start != itemsize * math.prod(shape):
             raise ValueError(f"{bad}: data of {name!r} is truncated or misplaced")
         out[name] = _decode(code, body[start:end], shape)
     return out
+
+
+def _count(x: Any) -> bool:
+    """Whether ``x`` is a non-negative int (JSON numbers only; not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry(bad: str, name: str, info: Any) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """The dtype code, shape and data offsets of one header entry, checked."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise ValueError(
+            f"{bad}: entry {name!r} is malformed: expected an object with dtype, shape and "
+            "data_offsets"
+        )
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(code, str):
+        raise ValueError(f"{bad}: entry {name!r} has dtype {code!r}, expected a string such as 'F32'")
+    if not isinstance(shape, list) or not all(_count(d) for d in shape):
+        raise ValueError(
+            f"{bad}: entry {name!r} has shape {shape!r}, expected a list of non-negative ints"
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets):
+        raise ValueError(
+            f"{bad}: entry {name!r} has data_offsets {offsets!r}, expected [start, end], two "
+            "non-negative ints"
+        )
+    return code, tuple(shape), (offsets[0], offsets[1])
 
 
 def _decode(code: str, raw: memoryview, shape: tuple[int, ...]) -> np.ndarray:
@@ -444,7 +477,12 @@ def load_weights(
         The flat mapping read from the file (canonical name -> NumPy array).
 
     Raises:
-        TypeError: ``layer`` has no ``set_weights`` (e.g. a Flax module).
+        TypeError: ``layer`` has no ``set_weights`` (e.g. a Flax module), or (naming the file)
+            a weight in the file is not floating point.
+        ValueError: The file is not a valid safetensors file (see :func:`read_safetensors`),
+            or (naming the file) its names or shapes do not fit the layer. The layer is then
+            left as it was.
+        OSError: The file cannot be read.
     """
     if layer is not None and not callable(getattr(layer, "set_weights", None)):
         raise TypeError(
@@ -454,5 +492,10 @@ def load_weights(
         )
     weights = read_safetensors(path)
     if layer is not None:
-        layer.set_weights(weights)
+        try:
+            layer.set_weights(weights)  # checks every name and shape before changing anything
+        except (TypeError, ValueError) as err:
+            if type(err) not in (TypeError, ValueError):  # a subclass may take other arguments
+                raise
+            raise type(err)(f"load_weights: {os.fspath(path)!r} does not fit the layer: {err}") from err
     return weights

@@ -23,6 +23,15 @@ File layout (``schema`` 1)::
 ``gradient`` the largest of the gradients bounded by the tolerance (None on a backend without
 autodiff), ``gradient_unbounded`` the largest of those that are not (see
 ``tests.harness.LOW_PRECISION_UNBOUNDED_GRADIENTS``).
+
+Other test modules count their cases with :func:`count`; each counted group becomes one more
+key of the file, e.g. ``"bad_input": {"cases": 96, "ran": 96, "passed": 96, "failed": []}``
+(``tests/test_errors.py``): ``cases`` the size of the group's table, ``ran`` the cases this
+run ran, ``passed`` those that passed, ``failed`` their names otherwise. The counts ride
+along in the file of a backend that ran matrix cells (a run without them writes no file).
+
+The property tests (``tests/test_properties.py``) add ``"properties": {"<test>": examples, ...}``,
+the Hypothesis examples each ran (and passed), by :func:`record_properties`.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent / "reports"
 SCHEMA = 1
 
 _CELLS: dict[str, list[dict[str, Any]]] = {}
+#: key -> backend -> (cases in the table, case name -> passed)
+_COUNTS: dict[str, dict[str, tuple[int, dict[str, bool]]]] = {}
 
 
 def record(cell: Any, diffs: dict[str, float], bounds: dict[str, float], unbounded: Iterable[str],
@@ -67,6 +78,51 @@ def record(cell: Any, diffs: dict[str, float], bounds: dict[str, float], unbound
         "quantities": {q: [d, bounds[q]] for q, d in diffs.items()},
         "unbounded": sorted(unbounded),
     })
+
+
+def count(key: str, backend: str, case: str, passed: bool, cases: int) -> None:
+    """Counts one case of a table of ``cases`` cases (e.g. a bad-input row) as run on ``backend``.
+
+    Written as ``document[key] = {"cases", "ran", "passed", "failed"}`` (see the module
+    docstring). A case counted twice keeps its last result.
+    """
+    _COUNTS.setdefault(key, {}).setdefault(backend, (cases, {}))[1][case] = passed
+
+
+def counted(backend: str) -> dict[str, dict[str, Any]]:
+    """The counted groups of one backend, as they are written into its file."""
+    out = {}
+    for key, by_backend in sorted(_COUNTS.items()):
+        if backend in by_backend:
+            cases, results = by_backend[backend]
+            out[key] = {"cases": cases, "ran": len(results), "passed": sum(results.values()),
+                        "failed": sorted(name for name, ok in results.items() if not ok)}
+    return out
+
+
+#: backend -> property test name -> examples it ran (tests/test_properties.py)
+_PROPERTIES: dict[str, dict[str, int]] = {}
+
+
+def record_properties(backend: str, test: str, examples: int) -> None:
+    """Keeps how many Hypothesis examples one property test ran on ``backend`` (all passed:
+    a failing test does not get here). Written as ``"properties": {test: examples, ...}``."""
+    _PROPERTIES.setdefault(backend, {})[test] = examples
+
+
+def properties(backend: str) -> dict[str, dict[str, int]]:
+    """``{"properties": {...}}`` for a backend whose property tests ran, else ``{}``."""
+    ran = _PROPERTIES.get(backend)
+    return {"properties": dict(sorted(ran.items()))} if ran else {}
+
+
+#: backend -> key -> measurements of other tests (``"concurrency"``, ``"scale_out"``)
+_SECTIONS: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def section(backend: str, key: str, value: dict[str, Any]) -> None:
+    """Keeps a test module's measurements as ``key`` of ``<backend>.json`` (last call wins)."""
+    _SECTIONS.setdefault(backend, {})[key] = value
 
 
 def _version(dist: str) -> str | None:
@@ -118,6 +174,9 @@ def write(directory: Path) -> list[Path]:
             "cells_in_matrix": len(cells(backend)),
             "tolerance": TOLERANCE,
             "modes": {mode: MODE_NAMES[mode] for mode in MODES.get(backend, ())},
+            **counted(backend),
+            **properties(backend),
+            **dict(sorted(_SECTIONS.get(backend, {}).items())),
             "cells": measured,
         }
         path = directory / f"{backend}.json"
@@ -138,3 +197,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         where = report_dir()
         counts = ", ".join(f"{b} {len(c)} cells" for b, c in sorted(_CELLS.items()))
         terminalreporter.write_line(f"matrix report: {counts} -> {where}/")
+    for key, by_backend in sorted(_COUNTS.items()):
+        parts = []
+        for b in sorted(by_backend):
+            group = counted(b)[key]
+            part = f"{b} {group['passed']}/{group['cases']} passed"
+            if group["ran"] != group["cases"]:
+                part += f" ({group['ran']} ran)"
+            if b not in _CELLS:
+                part += " (not written: no matrix cells ran)"
+            parts.append(part)
+        terminalreporter.write_line(f"{key}: {', '.join(parts)}")
+
+
+@pytest.hookimpl(specname="pytest_terminal_summary")
+def pytest_terminal_summary_properties(terminalreporter: Any) -> None:
+    """One line per backend: the property tests' examples (``record_properties``)."""
+    for backend, ran in sorted(_PROPERTIES.items()):
+        note = "" if backend in _CELLS else " (not written: no matrix cells ran)"
+        terminalreporter.write_line(
+            f"properties: {backend} {sum(ran.values())} examples in {len(ran)} tests{note}")

@@ -137,7 +137,10 @@ class JaxOps:
         path, :func:`attention_core.attention.dot_product_attention` with
         ``implementation="direct"``, on the same mask.
         """
-        if dropout > 0 or values.shape[-1] != queries.shape[-1]:
+        # XLA on CPU has no float16 dot_general accumulating in float32, which the kernel asks for
+        # under jax.jit ("The precision 'F16_F16_F32' is not supported by dot_general on CPU").
+        cpu_half = queries.dtype == jnp.float16 and jax.default_backend() == "cpu"
+        if dropout > 0 or values.shape[-1] != queries.shape[-1] or cpu_half:
             out: Any = dot_product_attention(
                 queries, keys, values, mask=visible, scale=scale, dropout=dropout,
                 implementation="direct", ops=self,

@@ -58,7 +58,10 @@ class NumpyOps:
         return np.where(cond, x, np.asarray(y, dtype=x.dtype))
 
     def exp_diff(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return np.exp(np.subtract(x, y, out=x), out=x)  # in place: see ops.InPlaceOps
+        # in place (see ops.InPlaceOps); a masked score's fill minus a positive maximum overflows
+        # to -inf in float16, whose exponential is the 0 wanted: no warning for it
+        with np.errstate(over="ignore"):
+            return np.exp(np.subtract(x, y, out=x), out=x)
 
     def logical_and(self, a: Any, b: Any) -> np.ndarray:
         return np.logical_and(a, b)

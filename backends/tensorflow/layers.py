@@ -78,13 +78,21 @@ class Layer(keras.layers.Layer):
         return {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the layer; a failed call changes nothing and raises what ``call()`` raised.
+
+        A first call that fails leaves the layer unbuilt. The error is the one ``call()``
+        raised, not Keras' rewrapped copy (see :func:`_unwrap_call_error`).
+        """
         fresh = not self.built
         try:
             return super().__call__(*args, **kwargs)
-        except BaseException:
+        except BaseException as err:
             if fresh and self.built:
                 self._unbuild()
-            raise
+            original = _unwrap_call_error(err)
+            if original is err:
+                raise
+        raise original  # outside the except block: the original's own context is kept
 
     def _create(self, **dims: int | None) -> None:
         """Creates every weight of the spec for the given input sizes (initial values from the core)."""
@@ -187,6 +195,33 @@ class Layer(keras.layers.Layer):
         output.
         """
         return None
+
+
+def _unwrap_call_error(err: BaseException) -> BaseException:
+    """The exception ``call()`` raised, from the copy Keras raised in its place.
+
+    With traceback filtering on (Keras' default), an exception raised inside ``call()`` is
+    replaced by a new one of the same class whose message is the original's framed by
+    "Exception encountered when calling X.call()" and a list of the call's arguments; Keras
+    marks it with ``_keras_call_info_injected`` and raises it ``from None``, so the original is
+    its ``__context__``. That message would differ from every other backend's, and ``except``
+    clauses matching on messages would see another text. Here the original is found again:
+    the marked exception's ``__cause__`` or ``__context__``, of the same class (or of any class
+    when Keras fell back to a RuntimeError, for a class it could not rebuild). The argument list
+    Keras wrote is added to it as a note (shown in tracebacks, not part of ``str(error)``).
+    Anything else (filtering off, a future Keras that raises the original itself) is returned
+    as it is.
+    """
+    if not getattr(err, "_keras_call_info_injected", False):
+        return err
+    original = err.__cause__ or err.__context__
+    if original is None or not (type(original) is type(err) or type(err) is RuntimeError):
+        return err
+    text = str(err)
+    where = text.find("Arguments received by ")
+    if where >= 0 and hasattr(original, "add_note"):  # Python >= 3.11
+        original.add_note(text[where:])
+    return original
 
 
 def _constant(value: np.ndarray) -> Any:

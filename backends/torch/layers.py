@@ -272,7 +272,12 @@ class Layer(nn.Module):
             raise
 
     def _check_dtype(self, name: str, x: Tensor) -> None:
-        """Checks that an input has the parameters' dtype (torch does not mix them)."""
+        """Checks that an input is real floating point and has the parameters' dtype.
+
+        The first check gives the message of every backend; the second is torch's own (torch
+        does not mix dtypes).
+        """
+        checks.check_floating(OPS, name, x)
         param = next(self.parameters(), None)
         if param is not None and x.dtype != param.dtype:
             got, want = OPS.dtype_name(x), OPS.dtype_name(param)

@@ -1,0 +1,58 @@
+"""What the worker scripts share: the data, and the one line of output the tests parse."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+#: The prefix of the line a worker prints its measurements on.
+PREFIX = "RESULT "
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Prints the measurements as one ``RESULT <json>`` line."""
+    print(PREFIX + json.dumps(result), flush=True)
+
+
+def parse(stdout: str) -> dict[str, Any]:
+    """The measurements a worker printed (the last ``RESULT`` line of its output)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(PREFIX)]
+    if not lines:
+        raise ValueError(f"the worker printed no {PREFIX.strip()} line; its output was:\n{stdout}")
+    parsed: dict[str, Any] = json.loads(lines[-1][len(PREFIX):])
+    return parsed
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """max |a - b| over two arrays of the same shape, in float64."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    return float(np.max(np.abs(x - y), initial=0.0))
+
+
+def batch(seed: int, B: int, T: int, h: int) -> dict[str, np.ndarray]:
+    """A float64 batch: ``X`` and ``target`` ``(B, T, h)`` and ``valid_lens`` ``(B,)`` in [1, T]."""
+    rng = np.random.default_rng(seed)
+    return {
+        "X": rng.standard_normal((B, T, h)),
+        "target": rng.standard_normal((B, T, h)),
+        "valid_lens": rng.integers(1, T + 1, size=B),
+    }
+
+
+#: backend -> report key -> what the tests of this run measured under it (merged per key).
+_MEASURED: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def to_report(backend: str, key: str, measured: dict[str, Any]) -> None:
+    """Hands measurements to the report plugin (``tests/report.py``) as ``key`` of
+    ``<backend>.json``; several calls with the same key merge their entries."""
+    from tests import report  # in the pytest process only (it imports pytest)
+
+    merged = _MEASURED.setdefault(backend, {}).setdefault(key, {})
+    merged.update(measured)
+    section = getattr(report, "section", None)  # the plugin's entry point for extra keys
+    if section is not None:
+        section(backend, key, dict(merged))
