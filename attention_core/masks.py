@@ -40,6 +40,17 @@ def as_backend_array(ops: Ops, x: Any) -> Array:
     return x
 
 
+def _dtype_name(ops: Ops, x: Any) -> str:
+    """The dtype name of a backend array, or of host data (lists, NumPy) before conversion.
+
+    Read before converting, so that a dtype the backend cannot hold (complex on MXNet) still
+    gets the argument's own message.
+    """
+    if isinstance(x, _HOST_ARRAYS) and not isinstance(x, bool):
+        return np.asarray(x).dtype.name
+    return ops.dtype_name(x)
+
+
 def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool:
     """Whether ``shape`` equals ``want`` (or broadcasts to it), unknown dimensions passing."""
     if len(shape) != len(want):
@@ -73,10 +84,10 @@ def lens_column(
         ValueError: Wrong shape, a negative length, or one longer than K.
     """
     B, _, Q, K = scores_shape
-    valid_lens = as_backend_array(ops, valid_lens)
-    dtype = ops.dtype_name(valid_lens)
+    dtype = _dtype_name(ops, valid_lens)
     if not _is_integer(dtype):
         raise TypeError(f"valid_lens must have an integer dtype, got {dtype}")
+    valid_lens = as_backend_array(ops, valid_lens)
     shape = ops.shape(valid_lens)
     allowed = [(B,), (B, Q)]
     if not any(_fits(shape, want, broadcast=False) for want in allowed):
@@ -106,10 +117,10 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
         TypeError: ``mask`` is not boolean.
         ValueError: ``mask`` cannot broadcast to the scores.
     """
-    mask = as_backend_array(ops, mask)
-    dtype = ops.dtype_name(mask)
+    dtype = _dtype_name(ops, mask)
     if dtype != "bool":
         raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
+    mask = as_backend_array(ops, mask)
     shape = ops.shape(mask)
     B, H, Q, K = scores_shape
     target = {2: (Q, K), 3: (B, Q, K), 4: (B, H, Q, K)}.get(len(shape), ())
