@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
+import sys
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -56,3 +60,16 @@ def to_report(backend: str, key: str, measured: dict[str, Any]) -> None:
     section = getattr(report, "section", None)  # the plugin's entry point for extra keys
     if section is not None:
         section(backend, key, dict(merged))
+
+
+def real_spec(hook: object, fullname: str, path: Sequence[str] | None,
+              target: ModuleType | None) -> importlib.machinery.ModuleSpec | None:
+    """The spec the other finders of ``sys.meta_path`` give a module (an import hook's own
+    ``find_spec`` asks them, then wraps the loader)."""
+    for finder in sys.meta_path:
+        if finder is hook or not hasattr(finder, "find_spec"):
+            continue
+        spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None

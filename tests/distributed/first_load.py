@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from tests.distributed.common import real_spec
+
 THREADS, ITERATIONS = 16, 200
 
 #: Seconds each watched module's body is held back, so that every thread reaches the registry
@@ -42,13 +44,8 @@ class CountingFinder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.names:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = real_spec(self, fullname, path, target)
+        if spec is None:
             return None
         loader: Any = spec.loader
         run = loader.exec_module

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from tests.distributed.common import real_spec
+
 #: How long the NumPy user may take before it counts as waiting for the held load (seconds; it
 #: needs milliseconds when it does not wait).
 PATIENCE = 60.0
@@ -36,13 +38,8 @@ class HoldingFinder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = real_spec(self, fullname, path, target)
+        if spec is None:
             return None
         loader: Any = spec.loader
         run = loader.exec_module
