@@ -17,7 +17,6 @@ import argparse
 import datetime
 import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,22 +30,12 @@ if TYPE_CHECKING:  # matplotlib is the optional "plot" extra
     from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
 
 
-def _version(module: str) -> str | None:
-    """The installed version of the distribution providing ``module`` (read, not imported)."""
-    for dist in metadata.packages_distributions().get(module, [module]):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def info() -> str:
     """Describes every backend: installed or not, versions, and which one is active."""
     active = registry.backend()
     lines = [f"active backend: {active} (set {registry.ENV_VAR} or use set_backend/use_backend)"]
     for name in registry.BACKENDS:
-        versions = [(d, _version(d)) for d in registry.FRAMEWORKS[name]]
+        versions = [(d, registry.module_version(d)) for d in registry.FRAMEWORKS[name]]
         if registry.is_installed(name):
             state = ", ".join(f"{d} {v}" for d, v in versions if v) or "installed"
         else:

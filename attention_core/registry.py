@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from types import ModuleType
 from typing import Any
 
@@ -105,6 +106,19 @@ def canonical_name(name: str) -> str:
 def is_installed(name: str) -> bool:
     """Tells whether a backend's frameworks are installed, without importing them."""
     return all(importlib.util.find_spec(m) is not None for m in FRAMEWORKS[canonical_name(name)])
+
+
+def module_version(module: str) -> str | None:
+    """The installed version of the distribution providing ``module`` (read, not imported).
+
+    ``tensorflow`` may come from ``tensorflow-cpu``, for instance. None when not installed.
+    """
+    for dist in metadata.packages_distributions().get(module, [module]):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def available_backends() -> list[str]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -143,13 +142,8 @@ class Harness:
 
     def versions(self) -> dict[str, str]:
         """Versions of the framework's distributions."""
-        out = {}
-        for dist in registry.FRAMEWORKS[self.name]:
-            try:
-                out[dist] = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                continue
-        return out
+        versions = {m: registry.module_version(m) for m in registry.FRAMEWORKS[self.name]}
+        return {m: v for m, v in versions.items() if v is not None}
 
     def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
         """This library's MultiHeadAttention, called on ``(X, X, X, lens)``."""
