@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from attention_core import checks, masks
 from attention_core.blockwise import blockwise_attention
 from attention_core.linear import dense
@@ -159,6 +161,27 @@ def pool_visible(
     return out, (ops.where(seen, raw, 0.0) if want_weights else None)
 
 
+def values_onto_keys(ops: Ops, keys: Array, values: Array) -> tuple[Array, Array]:
+    """Moves each non-finite value onto its key: that value row becomes zeros, the key NaN.
+
+    A masked key weighs exactly 0, but ``0 * NaN`` is NaN, so a NaN or inf in the value of a
+    masked key would reach every row through the product of the weights and the values. A NaN
+    key reaches exactly the rows that see it: its scores are NaN there and replaced by the fill
+    where it is masked. Moved to the key, the value's NaN or inf reaches the same rows, whole
+    (NaN in every column), and no other.
+
+    Args:
+        ops: The backend's ops.
+        keys: ``(..., K, D)``.
+        values: ``(..., K, Dv)``, the leading axes those of ``keys``.
+
+    Returns:
+        ``(keys, values)``, changed only in the rows whose value holds a NaN or inf.
+    """
+    nan = ops.sum(values - values, -1)  # (..., K, 1): 0, or NaN where the row has a NaN or inf
+    return keys + nan, ops.where(nan == 0, values, 0.0)
+
+
 def _any_visible(ops: Ops, visible: Array) -> Array:
     """Boolean ``(..., Q, 1)``: whether the query row has a visible key."""
     return ops.max(ops.astype(visible, "int32"), -1) > 0
@@ -236,12 +259,43 @@ def fused_pool(
     """Pools with the backend's ``fused_attention``.
 
     Rows with no visible key are zeroed here when the kernel does not zero them itself
-    (``ops.fused_zeroes_empty_rows`` False).
+    (``ops.fused_zeroes_empty_rows`` False); NaN is put where the direct path has it when the
+    kernel does not (``ops.fused_propagates_nan`` False, see :func:`_fused_nan_rows`).
     """
-    out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    if getattr(ops, "fused_propagates_nan", True):
+        out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    else:
+        out = _fused_nan_rows(ops, q, k, v, visible, factor, dropout)
     if visible is None or getattr(ops, "fused_zeroes_empty_rows", True):
         return out
     return ops.where(_any_visible(ops, visible), out, 0.0)
+
+
+def _fused_nan_rows(
+    ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float
+) -> Array:
+    """The fused kernel on finite queries and keys, then NaN in the rows the direct path has it.
+
+    Those rows are the ones that see a non-finite key (values' are on their keys already, see
+    :func:`values_onto_keys`) and the ones with a non-finite query that see any key. A kernel
+    that adds the mask to the scores turns a masked NaN key into NaN for every row (NaN + -inf);
+    torch's gives a NaN query row zeros when there is no mask, and NaN when nothing is visible.
+    When the inputs are known now to be finite (eager calls, the usual case) the kernel runs
+    on them as they are; the result is the same, and no ``(B, H, Q, K)`` work is added.
+    """
+    q_nan, k_nan = ops.sum(q - q, -1), ops.sum(k - k, -1)  # (B, H, Q|K, 1): 0 or NaN
+    found = [ops.concrete(x) for x in (q_nan, k_nan)]
+    if all(x is not None and not np.isnan(x).any() for x in found):
+        return ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    q_bad, k_bad = ops.where(q_nan == 0, q_nan, 1.0), ops.where(k_nan == 0, k_nan, 1.0)  # 0 or 1
+    q, k = ops.where(q_nan == 0, q, 0.0), ops.where(k_nan == 0, k, 0.0)
+    out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    if visible is None:  # every row sees every key
+        count = ops.sum(ops.transpose(k_bad, (0, 1, 3, 2)), -1) + q_bad  # (B, H, Q, 1)
+    else:
+        seen = ops.astype(visible, ops.dtype_name(q))  # (B, H, Q, K), or broadcastable
+        count = ops.matmul(seen, k_bad) + q_bad * ops.max(seen, -1)
+    return ops.where(count > 0, out * math.nan, out)
 
 
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
@@ -300,6 +354,7 @@ def dot_product_attention(
     rank = len(ops.shape(queries))
     factor = _scale_factor(ops, queries, scale)
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
+    k, v = values_onto_keys(ops, k, v)
     B, H, Q, _ = ops.shape(q)
     shape = (B, H, Q, ops.shape(k)[2])
     path = choose_implementation(ops, implementation, return_weights, shape)
@@ -349,6 +404,7 @@ def additive_attention(
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
+    keys, values = values_onto_keys(ops, keys, values)
     q = ops.expand_dims(dense(ops, queries, weights["W_q.kernel"]), 2)  # (B, Q, 1, h)
     k = ops.expand_dims(dense(ops, keys, weights["W_k.kernel"]), 1)  # (B, 1, K, h)
     features = ops.tanh(q + k)  # (B, Q, K, h)

@@ -6,8 +6,15 @@ the values. The parametric version learns the kernel's inverse width ``w``; it i
 the notes, with *leave-one-out* keys: training point ``i`` is predicted from the other points
 only (with itself among its keys, the best ``w`` would be infinite and the fit would copy the noise).
 
-Every trainable backend fits ``w`` with its own autodiff and optimiser (``backends/<name>/examples.py``);
-:func:`fit_width` fits it without autodiff, by a one-dimensional search, for NumPy and for the demo.
+Every trainable backend fits ``w`` with its own autodiff and optimiser: ``backends/<name>/examples.py``
+has ``fit_nadaraya_watson(data=None, epochs=10, lr=2.0, w0=1.0)``, which starts a parametric
+``NadarayaWatson`` at ``w0`` (1 is the non-parametric kernel), takes ``epochs`` full-batch SGD
+steps of rate ``lr`` on the leave-one-out loss, the mean of ``(prediction - target)^2 / 2``
+(:func:`training_arrays`; :func:`nadaraya_watson_data` when ``data`` is None), and returns the
+trained layer (JAX: its variables) and the loss before each step; and
+``predict_nadaraya_watson(layer, data)``, the predictions at the test inputs from all the
+training points. :func:`fit_width` fits ``w`` without autodiff, by a one-dimensional search,
+for NumPy and for the demo.
 """
 
 from __future__ import annotations

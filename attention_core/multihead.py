@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention_core import checks, masks
-from attention_core.attention import check_projected_inputs, dot_product_attention, softmax_visible
+from attention_core.attention import (
+    check_projected_inputs,
+    dot_product_attention,
+    softmax_visible,
+    values_onto_keys,
+)
 from attention_core.linear import dense
 from attention_core.ops import Array, Ops
 from attention_core.positional import relative_offsets
@@ -160,6 +165,7 @@ def relative_multi_head_attention(
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, d)
+    k, v = values_onto_keys(ops, k, v)
     B, H, Q, depth = ops.shape(q)
     K = ops.shape(k)[2]
     offsets = relative_offsets(ops, Q, K, (ops.shape(table_k)[0] - 1) // 2, like=q)  # (Q, K, R)

@@ -177,6 +177,9 @@ class FusedAttentionOps(Ops, Protocol):
       scores of ``shape`` ``(B, H, Q, K)`` (True when absent);
     * ``fused_zeroes_empty_rows: bool``: False when the kernel does not zero the rows with no
       visible key (then the core zeroes them; True when absent).
+    * ``fused_propagates_nan: bool``: False when a NaN in the queries or keys reaches other rows
+      than on the direct path (a masked key's NaN everywhere, say); the core then gives the
+      kernel finite inputs and puts the NaN in itself (True when absent).
 
     And any ops may set ``blockwise_min_scores: int``, the number of scores from which the
     automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`),

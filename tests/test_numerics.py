@@ -270,17 +270,7 @@ def test_long_keys_with_one_visible_key_give_its_value(backend: str) -> None:
 
 #: Where NaN still reaches rows it should not, by test and path (None: every backend), with why.
 #: Each is an expected failure (``xfail(strict=True)``): a fix makes it pass and the mark must go.
-NAN_GAPS: dict[tuple[str, str], tuple[tuple[str, ...] | None, str]] = {
-    ("masked_value", "direct"): (None, "0 * NaN = NaN in the weights @ values product"),
-    ("masked_value", "blockwise"): (None, "0 * NaN = NaN in each block's weights @ values product"),
-    ("masked_value", "fused"): (None, "the fused kernels multiply NaN values by zero weights"),
-    ("masked_key", "fused"): (("torch",), "torch's SDPA adds the mask to the scores: NaN + -inf"),
-    ("visible_key", "fused"): (("torch",), "torch's SDPA adds the mask to the scores: NaN + -inf"),
-    ("query_of_empty_row", "fused"): (
-        ("torch",), "torch's SDPA gives NaN for a masked row whose query is NaN (direct: 0)"),
-    ("query", "fused"): (
-        ("torch",), "torch's SDPA without a mask gives zeros for a row whose query is NaN"),
-}
+NAN_GAPS: dict[tuple[str, str], tuple[tuple[str, ...] | None, str]] = {}
 
 
 def _nan_path(request: pytest.FixtureRequest, backend: str, test: str, path: str) -> Harness:
@@ -368,6 +358,43 @@ def test_nan_in_a_masked_value_changes_nothing(backend: str, path: str,
     x[2][:, 2, 3] = np.nan
     out, _ = _call(h, path, *(h.array(a, "float32") for a in x), None, h.array(mask))
     _compare_rows(out, clean, np.zeros((2, 4), bool))
+
+
+
+@pytest.mark.parametrize("path", ["direct", "blockwise", "fused"])
+def test_nan_or_inf_in_a_visible_value_reaches_exactly_the_rows_that_see_it(
+        backend: str, path: str, request: pytest.FixtureRequest) -> None:
+    """Causal, 4 queries and 6 keys: key 3 is seen by queries 1, 2, 3; its value holds +inf in
+    example 0 and NaN in example 1. Those rows are NaN throughout, the others as before."""
+    h = _nan_path(request, backend, "visible_value", path)
+    x = _nan_inputs(np.random.default_rng(18))
+    clean, _ = _call(h, path, *(h.array(a, "float32") for a in x), causal=True)
+    x[2][0, 3, 6], x[2][1, 3, 0] = np.inf, np.nan
+    out, _ = _call(h, path, *(h.array(a, "float32") for a in x), causal=True)
+    _compare_rows(out, clean, np.array([[False, True, True, True]] * 2))
+
+
+#: Layers that project their inputs before pooling, with a configuration (depth 8).
+PROJECTING = {
+    "AdditiveAttention": {"num_hiddens": 6},
+    "MultiHeadAttention": {"num_hiddens": 8, "num_heads": 2},
+    "RelativeMultiHeadAttention": {"num_hiddens": 8, "num_heads": 2, "max_relative_position": 2},
+}
+
+
+@pytest.mark.parametrize("layer_name", sorted(PROJECTING))
+def test_non_finite_values_in_a_layer_reach_only_the_rows_that_see_them(
+        backend: str, layer_name: str) -> None:
+    """Lengths (3, 6): example 0's key 4 is padding and its value is NaN and inf; example 1's
+    key 1, seen by every query, has a NaN value. Example 0 is unchanged, example 1 all NaN."""
+    h = Harness(backend)
+    layer = h.make(layer_name, {**PROJECTING[layer_name], "dropout": 0.0})
+    x = _nan_inputs(np.random.default_rng(19))
+    lens = h.array(np.array([3, 6]))
+    clean = h.numpy(h.call(layer, *(h.array(a, "float32") for a in x), lens))
+    x[2][0, 4, :2], x[2][1, 1, 5] = (np.nan, np.inf), np.nan
+    out = h.numpy(h.call(layer, *(h.array(a, "float32") for a in x), lens))
+    _compare_rows(out, clean, np.array([[False] * 4, [True] * 4]))
 
 
 # -- gradients with fully masked rows ----------------------------------------------------------

@@ -27,20 +27,9 @@ Params = Any
 def fit_nadaraya_watson(
     data: examples.RegressionData | None = None, epochs: int = 10, lr: float = 2.0, w0: float = 1.0
 ) -> tuple[Params, list[float]]:
-    """Fits the kernel width ``w`` of a parametric ``NadarayaWatson`` by SGD, full batch.
+    """Fits ``w`` as :mod:`attention_core.examples` describes, by ``optax.sgd``.
 
-    Each training point is predicted from the other points (leave-one-out keys and values);
-    the loss is the mean of ``(prediction - target)^2 / 2``.
-
-    Args:
-        data: The example's data; :func:`attention_core.examples.nadaraya_watson_data` if None.
-        epochs: Number of gradient steps.
-        lr: SGD learning rate (``optax.sgd``).
-        w0: Starting ``w`` (1 is the non-parametric kernel).
-
-    Returns:
-        The trained variables of ``NadarayaWatson(parametric=True)`` (``{"params": {"w": ...}}``)
-        and the loss before each step.
+    Returns the variables ``{"params": {"w": ...}}`` in place of a layer.
     """
     data = data or examples.nadaraya_watson_data()
     queries, keys, values, targets = map(jnp.asarray, examples.training_arrays(data))
@@ -67,7 +56,7 @@ def fit_nadaraya_watson(
 
 
 def predict_nadaraya_watson(variables: Params, data: examples.RegressionData) -> np.ndarray:
-    """Predictions ``(len(x_test),)`` at the test inputs, from all the training points."""
+    """The example's predictions at the test inputs (see :mod:`attention_core.examples`)."""
     layer = NadarayaWatson(parametric=True)
     return np.asarray(layer.apply(variables, data.x_test, data.x_train, data.y_train))
 

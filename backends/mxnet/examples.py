@@ -16,20 +16,7 @@ from backends.mxnet.layers import NadarayaWatson
 def fit_nadaraya_watson(
     data: examples.RegressionData | None = None, epochs: int = 10, lr: float = 2.0, w0: float = 1.0
 ) -> tuple[NadarayaWatson, list[float]]:
-    """Fits the kernel width ``w`` of a parametric ``NadarayaWatson`` by SGD, full batch.
-
-    Each training point is predicted from the other points (leave-one-out keys and values);
-    the loss is the mean of ``(prediction - target)^2 / 2``.
-
-    Args:
-        data: The example's data; :func:`attention_core.examples.nadaraya_watson_data` if None.
-        epochs: Number of gradient steps.
-        lr: SGD learning rate (``gluon.Trainer`` with ``"sgd"``).
-        w0: Starting ``w`` (1 is the non-parametric kernel).
-
-    Returns:
-        The trained layer and the loss before each step.
-    """
+    """Fits ``w`` as :mod:`attention_core.examples` describes, by a ``gluon.Trainer`` with ``"sgd"``."""
     data = data or examples.nadaraya_watson_data()
     queries, keys, values, targets = map(mx.np.array, examples.training_arrays(data))
     layer = NadarayaWatson(parametric=True)
@@ -46,6 +33,6 @@ def fit_nadaraya_watson(
 
 
 def predict_nadaraya_watson(layer: NadarayaWatson, data: examples.RegressionData) -> np.ndarray:
-    """Predictions ``(len(x_test),)`` at the test inputs, from all the training points."""
+    """The example's predictions at the test inputs (see :mod:`attention_core.examples`)."""
     out = layer(*(mx.np.array(a) for a in (data.x_test, data.x_train, data.y_train)))
     return np.asarray(out.asnumpy())

@@ -22,20 +22,7 @@ from backends.tensorflow.layers import AdditiveAttention, NadarayaWatson
 def fit_nadaraya_watson(
     data: examples.RegressionData | None = None, epochs: int = 10, lr: float = 2.0, w0: float = 1.0
 ) -> tuple[NadarayaWatson, list[float]]:
-    """Fits the kernel width ``w`` of a parametric ``NadarayaWatson`` by SGD, full batch.
-
-    Each training point is predicted from the other points (leave-one-out keys and values);
-    the loss is the mean of ``(prediction - target)^2 / 2``.
-
-    Args:
-        data: The example's data; :func:`attention_core.examples.nadaraya_watson_data` if None.
-        epochs: Number of gradient steps.
-        lr: SGD learning rate.
-        w0: Starting ``w`` (1 is the non-parametric kernel).
-
-    Returns:
-        The trained layer and the loss before each step.
-    """
+    """Fits ``w`` as :mod:`attention_core.examples` describes, by ``keras.optimizers.SGD``."""
     data = data or examples.nadaraya_watson_data()
     queries, keys, values, targets = map(tf.constant, examples.training_arrays(data))
     layer = NadarayaWatson(parametric=True)
@@ -52,7 +39,7 @@ def fit_nadaraya_watson(
 
 
 def predict_nadaraya_watson(layer: NadarayaWatson, data: examples.RegressionData) -> np.ndarray:
-    """Predictions ``(len(x_test),)`` at the test inputs, from all the training points."""
+    """The example's predictions at the test inputs (see :mod:`attention_core.examples`)."""
     return np.asarray(layer(data.x_test, data.x_train, data.y_train))
 
 

@@ -114,6 +114,10 @@ class TorchOps:
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
         return F.dropout(x, rate, training=True)
 
+    #: SDPA adds the mask to the scores, so a NaN in a masked key spreads to every row (NaN + -inf);
+    #: without a mask it gives a row whose query is NaN zeros. The core mends both.
+    fused_propagates_nan = False
+
     def fused_attention(
         self,
         queries: torch.Tensor,
