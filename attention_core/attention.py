@@ -7,7 +7,9 @@ an ``ops`` is passed (the adapters pass one that knows about training mode and r
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -161,6 +163,18 @@ def pool_visible(
     return out, (ops.where(seen, raw, 0.0) if want_weights else None)
 
 
+def known_finite(ops: Ops, *arrays: Array) -> bool:
+    """Whether the arrays' values are known now (an eager call) and all finite.
+
+    One sum per array, so the check costs a read of each; a sum that overflows (float16 with
+    many large entries) says False, which only sends the call on its slower, exact way.
+    """
+    sums = [ops.sum(ops.reshape(x, (1, -1)), -1) for x in arrays]  # (1, 1) each
+    total = functools.reduce(operator.add, sums)
+    value = ops.concrete(total)
+    return value is not None and bool(np.isfinite(value).all())
+
+
 def values_onto_keys(ops: Ops, keys: Array, values: Array) -> tuple[Array, Array]:
     """Moves each non-finite value onto its key: that value row becomes zeros, the key NaN.
 
@@ -254,15 +268,17 @@ def choose_implementation(
 
 
 def fused_pool(
-    ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float
+    ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float,
+    finite: bool = False,
 ) -> Array:
     """Pools with the backend's ``fused_attention``.
 
     Rows with no visible key are zeroed here when the kernel does not zero them itself
     (``ops.fused_zeroes_empty_rows`` False); NaN is put where the direct path has it when the
-    kernel does not (``ops.fused_propagates_nan`` False, see :func:`_fused_nan_rows`).
+    kernel does not (``ops.fused_propagates_nan`` False, see :func:`_fused_nan_rows`) and the
+    inputs are not known to be finite (``finite``: the values are, see :func:`known_finite`).
     """
-    if getattr(ops, "fused_propagates_nan", True):
+    if getattr(ops, "fused_propagates_nan", True) or (finite and known_finite(ops, q, k)):
         out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
     else:
         out = _fused_nan_rows(ops, q, k, v, visible, factor, dropout)
@@ -280,13 +296,8 @@ def _fused_nan_rows(
     :func:`values_onto_keys`) and the ones with a non-finite query that see any key. A kernel
     that adds the mask to the scores turns a masked NaN key into NaN for every row (NaN + -inf);
     torch's gives a NaN query row zeros when there is no mask, and NaN when nothing is visible.
-    When the inputs are known now to be finite (eager calls, the usual case) the kernel runs
-    on them as they are; the result is the same, and no ``(B, H, Q, K)`` work is added.
     """
     q_nan, k_nan = ops.sum(q - q, -1), ops.sum(k - k, -1)  # (B, H, Q|K, 1): 0 or NaN
-    found = [ops.concrete(x) for x in (q_nan, k_nan)]
-    if all(x is not None and not np.isnan(x).any() for x in found):
-        return ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
     q_bad, k_bad = ops.where(q_nan == 0, q_nan, 1.0), ops.where(k_nan == 0, k_nan, 1.0)  # 0 or 1
     q, k = ops.where(q_nan == 0, q, 0.0), ops.where(k_nan == 0, k, 0.0)
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
@@ -354,14 +365,16 @@ def dot_product_attention(
     rank = len(ops.shape(queries))
     factor = _scale_factor(ops, queries, scale)
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
-    k, v = values_onto_keys(ops, k, v)
+    finite = known_finite(ops, v)  # then nothing needs moving (the usual eager call)
+    if not finite:
+        k, v = values_onto_keys(ops, k, v)
     B, H, Q, _ = ops.shape(q)
     shape = (B, H, Q, ops.shape(k)[2])
     path = choose_implementation(ops, implementation, return_weights, shape)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
     weights = None
     if path == "fused":  # the backend's fused kernel: the weights are never formed
-        out = fused_pool(ops, q, k, v, visible.full(), factor, dropout)
+        out = fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite)
     elif path == "blockwise":
         out = blockwise_attention(ops, q, k, v, visible, dropout, scale=factor)
     else:
@@ -404,7 +417,8 @@ def additive_attention(
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
-    keys, values = values_onto_keys(ops, keys, values)
+    if not known_finite(ops, values):
+        keys, values = values_onto_keys(ops, keys, values)
     q = ops.expand_dims(dense(ops, queries, weights["W_q.kernel"]), 2)  # (B, Q, 1, h)
     k = ops.expand_dims(dense(ops, keys, weights["W_k.kernel"]), 1)  # (B, 1, K, h)
     features = ops.tanh(q + k)  # (B, Q, K, h)
