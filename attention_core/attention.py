@@ -166,12 +166,12 @@ def pool_visible(
 def known_finite(ops: Ops, *arrays: Array) -> bool:
     """Whether the arrays' values are known now (an eager call) and all finite.
 
-    One sum per array, so the check costs a read of each; a sum that overflows (float16 with
-    many large entries) says False, which only sends the call on its slower, exact way.
+    One sum per array (float16 ones in float32, whose range the sum of any float16 array
+    stays in), so the check costs a read of each and one transfer of a number to the host.
     """
-    sums = [ops.sum(ops.reshape(x, (1, -1)), -1) for x in arrays]  # (1, 1) each
-    total = functools.reduce(operator.add, sums)
-    value = ops.concrete(total)
+    wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x for x in arrays]
+    total = functools.reduce(operator.add, [ops.sum(ops.reshape(x, (1, -1)), -1) for x in wide])
+    value = ops.concrete(total)  # (1, 1); None under tracing
     return value is not None and bool(np.isfinite(value).all())
 
 
@@ -274,11 +274,11 @@ def fused_pool(
     """Pools with the backend's ``fused_attention``.
 
     Rows with no visible key are zeroed here when the kernel does not zero them itself
-    (``ops.fused_zeroes_empty_rows`` False); NaN is put where the direct path has it when the
-    kernel does not (``ops.fused_propagates_nan`` False, see :func:`_fused_nan_rows`) and the
-    inputs are not known to be finite (``finite``: the values are, see :func:`known_finite`).
+    (``ops.fused_zeroes_empty_rows`` False). When the kernel does not put NaN where the direct
+    path has it (``ops.fused_propagates_nan`` False), :func:`_fused_nan_rows` does, unless the
+    inputs are known to be ``finite``.
     """
-    if getattr(ops, "fused_propagates_nan", True) or (finite and known_finite(ops, q, k)):
+    if finite or getattr(ops, "fused_propagates_nan", True):
         out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
     else:
         out = _fused_nan_rows(ops, q, k, v, visible, factor, dropout)
@@ -296,17 +296,22 @@ def _fused_nan_rows(
     :func:`values_onto_keys`) and the ones with a non-finite query that see any key. A kernel
     that adds the mask to the scores turns a masked NaN key into NaN for every row (NaN + -inf);
     torch's gives a NaN query row zeros when there is no mask, and NaN when nothing is visible.
+    The NaN is made from booleans, so no gradient passes through it: on finite inputs the
+    values and the gradients are the kernel's own.
     """
-    q_nan, k_nan = ops.sum(q - q, -1), ops.sum(k - k, -1)  # (B, H, Q|K, 1): 0 or NaN
-    q_bad, k_bad = ops.where(q_nan == 0, q_nan, 1.0), ops.where(k_nan == 0, k_nan, 1.0)  # 0 or 1
-    q, k = ops.where(q_nan == 0, q, 0.0), ops.where(k_nan == 0, k, 0.0)
+    dtype = ops.dtype_name(q)
+    q_ok, k_ok = ops.sum(q - q, -1) == 0, ops.sum(k - k, -1) == 0  # (B, H, Q|K, 1): finite rows
+    q, k = ops.where(q_ok, q, 0.0), ops.where(k_ok, k, 0.0)
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    q_bad = 1.0 - ops.astype(q_ok, dtype)  # (B, H, Q, 1): 1 for a non-finite query
+    k_bad = 1.0 - ops.astype(ops.transpose(k_ok, (0, 1, 3, 2)), dtype)  # (B, H, 1, K)
     if visible is None:  # every row sees every key
-        count = ops.sum(ops.transpose(k_bad, (0, 1, 3, 2)), -1) + q_bad  # (B, H, Q, 1)
-    else:
-        seen = ops.astype(visible, ops.dtype_name(q))  # (B, H, Q, K), or broadcastable
-        count = ops.matmul(seen, k_bad) + q_bad * ops.max(seen, -1)
-    return ops.where(count > 0, out * math.nan, out)
+        count = ops.sum(k_bad, -1) + q_bad
+    else:  # visible may broadcast along any axis, the keys' too
+        seen = ops.astype(visible, dtype)
+        count = ops.sum(seen * k_bad, -1) + q_bad * ops.max(seen, -1)  # (B, H, Q, 1)
+    bad = count > 0
+    return out + ops.where(bad, ops.astype(bad, dtype) * math.nan, 0.0)
 
 
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
@@ -365,12 +370,14 @@ def dot_product_attention(
     rank = len(ops.shape(queries))
     factor = _scale_factor(ops, queries, scale)
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
-    finite = known_finite(ops, v)  # then nothing needs moving (the usual eager call)
-    if not finite:
-        k, v = values_onto_keys(ops, k, v)
     B, H, Q, _ = ops.shape(q)
     shape = (B, H, Q, ops.shape(k)[2])
     path = choose_implementation(ops, implementation, return_weights, shape)
+    # a kernel that mishandles NaN is mended unless the inputs are known finite (one host sync)
+    finite = path == "fused" and not getattr(ops, "fused_propagates_nan", True) and known_finite(
+        ops, q, k, v)
+    if not finite:
+        k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
     weights = None
     if path == "fused":  # the backend's fused kernel: the weights are never formed
@@ -417,8 +424,7 @@ def additive_attention(
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
-    if not known_finite(ops, values):
-        keys, values = values_onto_keys(ops, keys, values)
+    keys, values = values_onto_keys(ops, keys, values)
     q = ops.expand_dims(dense(ops, queries, weights["W_q.kernel"]), 2)  # (B, Q, 1, h)
     k = ops.expand_dims(dense(ops, keys, weights["W_k.kernel"]), 1)  # (B, 1, K, h)
     features = ops.tanh(q + k)  # (B, Q, K, h)

@@ -135,9 +135,8 @@ def relative_offsets(
     m = checks.check_positive_int("max_relative_position", max_relative_position)
     rows = ops.expand_dims(ops.arange(num_queries), -1) + (num_keys - num_queries)  # (Q, 1)
     offsets = ops.expand_dims(ops.expand_dims(ops.arange(num_keys), 0) - rows, -1)  # (Q, K, 1)
-    low = np.arange(-m, m + 1, dtype=np.int32)
-    high = low.copy()
-    low[0], high[-1] = -_UNBOUNDED, _UNBOUNDED  # the edge vectors take every offset beyond m
-    hit = ops.logical_and(offsets >= ops.from_numpy(low, like=like),
-                          offsets <= ops.from_numpy(high, like=like))  # (Q, K, 2m + 1)
+    r = ops.arange(2 * m + 1) - m  # (2m + 1,): the offsets -m .. m
+    low = r - ops.astype(r <= -m, "int32") * _UNBOUNDED  # the edge vectors take every offset
+    high = r + ops.astype(r >= m, "int32") * _UNBOUNDED  # beyond m
+    hit = ops.logical_and(offsets >= low, offsets <= high)  # (Q, K, 2m + 1)
     return ops.astype(hit, ops.dtype_name(like))

@@ -13,7 +13,7 @@ from attention_core import checks
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import multi_head_attention
 from attention_core.ops import Array, Ops
-from attention_core.positional import positional_encoding
+from attention_core.positional import add_positions, positional_encoding
 from attention_core.registry import ops_for
 from attention_core.weights import subset
 
@@ -145,6 +145,7 @@ def transformer_encoder(
     dropout: float = 0.0,
     return_weights: bool = False,
     implementation: str | None = None,
+    positions: Array | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
@@ -164,6 +165,9 @@ def transformer_encoder(
         return_weights: Also return each block's self-attention weights ``(B, H, T, T)``.
         implementation: How the blocks' heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
+        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, from a caller that cannot
+            let it be made here (a traced graph that takes no host constants: MXNet's
+            hybridized blocks pass it as an input); made here when None.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -173,7 +177,10 @@ def transformer_encoder(
     table = weights["token.embedding"]
     num_hiddens = ops.shape(table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
-    X = positional_encoding(X, dropout, ops=ops)
+    if positions is None:
+        X = positional_encoding(X, dropout, ops=ops)
+    else:
+        X = add_positions(X, positions, dropout, ops=ops)
     num_blks = len({name.split(".")[1] for name in weights if name.startswith("blks.")})
     attention_weights = []
     for i in range(num_blks):

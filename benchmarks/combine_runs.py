@@ -4,7 +4,8 @@ The speed and flops suites want a quiet machine and the memory suite a long time
 run in separate passes (``--suite speed,flops --out A`` and ``--suite memory --out B``). This
 writes ``OUT/bench-<backend>.json`` with the first pass's document and the second pass's
 ``memory`` section, which keeps its own machine record under ``memory.run`` (the README table
-names its commit and date).
+names its commit and date). A file combined before may serve as the memory pass: its memory
+section keeps the run it already records.
 
 Usage: ``python benchmarks/combine_runs.py SPEED_DIR MEMORY_DIR OUT_DIR``
 """
@@ -25,8 +26,8 @@ def combine(speed: dict[str, Any], memory: dict[str, Any]) -> dict[str, Any]:
     if speed["backend"] != memory["backend"]:
         raise ValueError(f"backends differ: {speed['backend']} and {memory['backend']}")
     out = dict(speed)
-    out["memory"] = {**memory["memory"], "run": {"machine": memory["machine"],
-                                                 "config": memory["config"]}}
+    run = {"machine": memory["machine"], "config": memory["config"]}
+    out["memory"] = {"run": run, **memory["memory"]}  # a combined file keeps its memory run
     config = dict(speed["config"])
     config["suites"] = sorted(set(speed["config"]["suites"]) | set(memory["config"]["suites"]))
     config.update({k: memory["config"][k] for k in MEMORY_KEYS if k in memory["config"]})

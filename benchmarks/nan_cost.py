@@ -1,12 +1,15 @@
 """What the NaN handling costs a call with finite inputs, on one backend.
 
-``dot_product_attention`` probes its inputs with :func:`attention_core.attention.known_finite`
-(one sum per array) and mends nothing when they are finite. This times the same call with the
-probe and with it replaced by ``True`` (the code before the NaN handling), in interleaved rounds
-in one process, and prints the median ratio with its quartiles per size and mask.
+``dot_product_attention`` moves non-finite values onto their keys
+(:func:`attention_core.attention.values_onto_keys`, a few passes over the keys and values) and,
+on torch's fused path, first probes the inputs (:func:`~attention_core.attention.known_finite`,
+one sum per array and a host sync), mending nothing when they are finite. This times the same
+call with that handling and without it (both functions replaced by no-ops, the code before the
+NaN handling), in interleaved rounds in one process, and prints the median ratio with its
+quartiles per size and mask.
 
-Usage: ``python benchmarks/nan_cost.py BACKEND [--rounds N] [--out FILE]`` (the default path of
-that backend: torch's fused kernel, the direct path elsewhere at these sizes).
+Usage: ``python benchmarks/nan_cost.py BACKEND [--rounds N] [--out FILE]`` (the backend's default
+path: torch's fused kernel, the direct path elsewhere at these sizes).
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ B, H, D = 1, 8, 64
 
 
 def time_pair(call: Callable[[], Any], reps: int, rounds: int) -> tuple[list[float], float]:
-    """Ratios with/without the probe, one per round, and the last round's time per call."""
-    probe = attention.known_finite
-    modes = {"with": probe, "without": lambda ops, *arrays: True}
+    """Ratios with/without the NaN handling, one per round, and the last round's time per call."""
+    real = (attention.known_finite, attention.values_onto_keys)
+    modes = {"with": real, "without": (lambda ops, *arrays: True, lambda ops, k, v: (k, v))}
     ratios, per_call = [], 0.0
     try:
         for _ in range(rounds):
             times = {}
-            for name, fn in modes.items():
-                attention.known_finite = fn  # type: ignore[assignment]
+            for name, fns in modes.items():
+                attention.known_finite, attention.values_onto_keys = fns  # type: ignore[assignment]
                 start = time.perf_counter()
                 for _ in range(reps):
                     call()
@@ -43,7 +46,7 @@ def time_pair(call: Callable[[], Any], reps: int, rounds: int) -> tuple[list[flo
             ratios.append(times["with"] / times["without"])
             per_call = times["with"] / reps
     finally:
-        attention.known_finite = probe
+        attention.known_finite, attention.values_onto_keys = real
     return ratios, per_call
 
 
@@ -58,7 +61,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [f"# backend {args.backend}, {stamp}; (B, H, n, D) = ({B}, {H}, n, {D}) float32; "
-             f"{args.rounds} interleaved rounds; ratio = with the probe / without"]
+             f"{args.rounds} interleaved rounds; ratio = with the NaN handling / without"]
     print(lines[0], flush=True)
     for n in SIZES:
         q, k, v = (ops.from_numpy(rng.standard_normal((B, H, n, D)).astype(np.float32))
@@ -73,7 +76,7 @@ def main() -> None:
             ratios, per_call = time_pair(call, reps, args.rounds)
             q25, q75 = np.quantile(ratios, [0.25, 0.75])
             line = (f"n={n:5d} {label:10s} ratio {statistics.median(ratios):.3f} "
-                    f"[{q25:.3f}, {q75:.3f}]  {per_call * 1e3:.3f} ms per call with the probe")
+                    f"[{q25:.3f}, {q75:.3f}]  {per_call * 1e3:.3f} ms per call with it")
             lines.append(line)
             print(line, flush=True)
     if args.out:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+from attention_core import attention as core_attention
 from tests.harness import AUTODIFF, DTYPES, TOLERANCE, Harness, max_diff, tolerance
 from tests.strategies import attention, implementations, run, visible
 
@@ -397,6 +398,84 @@ def test_non_finite_values_in_a_layer_reach_only_the_rows_that_see_them(
     _compare_rows(out, clean, np.array([[False] * 4, [True] * 4]))
 
 
+
+@pytest.mark.parametrize("path", ["direct", "blockwise", "fused"])
+def test_nan_with_a_mask_that_broadcasts_along_the_keys(backend: str, path: str,
+                                                        request: pytest.FixtureRequest) -> None:
+    """A ``(Q, 1)`` mask (query 1 sees nothing, the others every key) and a NaN key: the rows
+    that see keys are NaN, query 1's row is 0."""
+    h = _nan_path(request, backend, "broadcast_mask", path)
+    x = _nan_inputs(np.random.default_rng(21))
+    mask = np.array([[True], [False], [True], [True]])
+    x[1][0, 4, 2] = np.nan
+    out, _ = _call(h, path, *(h.array(a, "float32") for a in x), None, h.array(mask))
+    assert np.isnan(out[0, [0, 2, 3]]).all() and np.all(out[0, 1] == 0.0)
+    assert not np.isnan(out[1]).any()
+
+
+def _dpa_with_gradients(h: Harness, layer: Any, arrays: list[Any], path: str,
+                        call: dict[str, Any], cotangent: np.ndarray) -> tuple[Any, Any]:
+    """``(outputs, gradients)`` of dot-product attention on ``path`` (JAX under ``jax.jit``)."""
+    def forward(_: Any, q: Any, k: Any, v: Any) -> dict[str, Any]:
+        return {"out": ac.dot_product_attention(q, k, v, implementation=path, **call)}
+
+    def both(layer: Any, *xs: Any) -> Any:
+        return h.forward_and_gradients(layer, forward, list(xs), cotangent)
+
+    return h.run("jit" if h.name == "jax" else "eager", layer, both, arrays)
+
+
+def _gradient_problems(h: Harness, label: str, grads: Any, expected: dict[str, np.ndarray],
+                       dtype: str) -> list[str]:
+    """What is wrong with the gradients: NaN or inf, or a difference from the formula."""
+    problems = []
+    for key, want in expected.items():
+        got = h.numpy(grads[key])
+        if not np.isfinite(got).all():
+            problems.append(f"{label}: {key} has NaN or inf")
+        elif max_diff(got, want) > tolerance("grad." + key, dtype, want):
+            problems.append(f"{label}: {key} off by {max_diff(got, want):.3g}")
+    return problems
+
+
+@pytest.mark.parametrize("mended", [False, True], ids=["probed", "always_mended"])
+def test_finite_inputs_keep_their_values_and_gradients(backend: str, mended: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NaN handling changes nothing for finite inputs: outputs and gradients equal the
+    float64 formula on every path, also when torch's fused kernel is mended on every call (as
+    under ``torch.compile``, where the probe cannot read the inputs) and with a mask that
+    broadcasts along the keys."""
+    if backend not in AUTODIFF:
+        pytest.skip(f"{backend} has no automatic differentiation")
+    if mended:
+        monkeypatch.setattr(core_attention, "known_finite", lambda ops, *arrays: False)
+    h = Harness(backend)
+    rng = np.random.default_rng(20)
+    b_, heads, nq, nk, d_ = 2, 2, 5, 4, 4
+    x = [rng.standard_normal((b_, heads, n, d_)) for n in (nq, nk, nk)]
+    cotangent = rng.standard_normal((b_, heads, nq, d_))
+    rows = np.array([[True], [False], [True], [True], [False]])
+    lens = np.array([[4, 0, 2, 1, 3], [3, 4, 0, 4, 1]])
+    cases = {"no mask": ({}, visible(b_, heads, nq, nk)),
+             "mask (Q, 1)": ({"mask": rows}, visible(b_, heads, nq, nk, mask=rows)),
+             "valid_lens (B, Q)": ({"valid_lens": lens}, visible(b_, heads, nq, nk, lens))}
+    layer = h.make("DotProductAttention", {"dropout": 0.0})
+    arrays = [h.array(a, "float32") for a in x]
+    rounded = [h.numpy(a) for a in arrays]
+    problems = []
+    for name, (kw, vis) in cases.items():
+        expected = _reference_gradients(*rounded, vis, cotangent)
+        expected_out, _ = attention(*rounded, vis)
+        call = {key: h.array(value) for key, value in kw.items()}
+        for path in paths(h, "float32"):
+            outs, grads = _dpa_with_gradients(h, layer, arrays, path, call, cotangent)
+            label = f"{name}, {path}"
+            if max_diff(h.numpy(outs["out"]), expected_out) > TOLERANCE["float32"]:
+                problems.append(f"{label}: output off the reference")
+            problems += _gradient_problems(h, label, grads, expected, "float32")
+    assert not problems, "\n".join(problems)
+
+
 # -- gradients with fully masked rows ----------------------------------------------------------
 
 
@@ -438,21 +517,9 @@ def test_gradients_with_fully_masked_rows_are_finite_and_exact(backend: str) -> 
             call = {**kw, "valid_lens": h.array(kw["valid_lens"])} if "valid_lens" in kw else kw
             empty = ~vis.any(-1)  # (B, H, Q)
             for path in paths(h, dtype):
-                def forward(_: Any, q: Any, k: Any, v: Any, path: str = path,
-                            call: dict[str, Any] = call) -> dict[str, Any]:
-                    return {"out": ac.dot_product_attention(q, k, v, implementation=path, **call)}
-
-                def both(layer: Any, *xs: Any, forward: Any = forward) -> Any:
-                    return h.forward_and_gradients(layer, forward, list(xs), cotangent)
-
-                _, grads = h.run("jit" if backend == "jax" else "eager", layer, both, arrays)
+                _, grads = _dpa_with_gradients(h, layer, arrays, path, call, cotangent)
                 label = f"{name}, {dtype}, {path}"
-                for key, want in expected.items():
-                    got = h.numpy(grads[key])
-                    if not np.isfinite(got).all():
-                        problems.append(f"{label}: {key} has NaN or inf")
-                    elif max_diff(got, want) > tolerance("grad." + key, dtype, want):
-                        problems.append(f"{label}: {key} off by {max_diff(got, want):.3g}")
+                problems += _gradient_problems(h, label, grads, expected, dtype)
                 if not np.all(h.numpy(grads["input.0"])[empty] == 0.0):
                     problems.append(f"{label}: a query that sees no key has a nonzero gradient")
     assert not problems, "\n".join(problems)

@@ -26,11 +26,10 @@ retraces. Value checks (e.g. ``valid_lens`` <= the number of keys) run in impera
 except the token ids of ``TransformerEncoder``, checked on every call (MXNet's ``take`` would
 wrap bad ids around instead of failing).
 
-Host constants: where the core turns a NumPy array into an array (``ops.from_numpy``: the
-sinusoidal table of ``TransformerEncoder``, the offsets' bounds of
-``RelativeMultiHeadAttention``), a Symbol cannot hold it, so those layers trace their graph
-once before building it, collect the constants, and pass them to the graph as extra inputs
-(after the call's own; an ``export()`` ed graph expects them too).
+Host constants: a Symbol cannot hold an array's values, so :class:`MXNetOps` refuses
+``ops.from_numpy`` while a graph is built. The one the core would make, the sinusoidal table of
+``TransformerEncoder``, the layer makes itself for the call's length and passes as an input of
+the graph (:meth:`Layer._constant_inputs`; an ``export()`` ed graph expects it too).
 
 MXNet 1.9.1 is the last release, so a few of its internals are relied on: ``Block._reg_params``
 (registering under canonical names, which contain dots), ``Parameter._load_init`` (what
@@ -95,44 +94,6 @@ def _has_data(param: Parameter) -> bool:
     return param._data is not None
 
 
-class _GraphOps(MXNetOps):
-    """Graph-building ops that take the computation's host constants as inputs of the graph.
-
-    A Symbol cannot hold an array's values, so :class:`MXNetOps` refuses ``from_numpy`` on
-    Symbols. A tracing pass (``constants`` None) records every array the core turns into one
-    and hands out a placeholder for it; the graph is then built with those arrays as extra
-    inputs, which ``from_numpy`` hands out in the same order (the core is deterministic).
-
-    Args:
-        symbols: As for :class:`MXNetOps` (the constants' inputs included).
-        constants: The graph's constant inputs, or None to record them.
-    """
-
-    def __init__(self, symbols: Mapping[str, tuple[tuple[int, ...], str]],
-                 constants: list[Any] | None = None) -> None:
-        super().__init__(symbols)
-        self.recorded: list[np.ndarray] = []
-        self._constants = constants
-
-    def from_numpy(self, x: np.ndarray, like: Any = None) -> Any:
-        x = np.asarray(x)
-        dtype = self.dtype_name(like) if like is not None and x.dtype.kind == "f" else x.dtype.name
-        if self._constants is None:  # tracing: record, and stand in a placeholder
-            name = f"constant{len(self.recorded)}"
-            self.recorded.append(x.astype(dtype))
-            self._known[name] = (x.shape, dtype)
-            return mx.sym.var(name).as_np_ndarray()
-        index = len(self.recorded)
-        if index == len(self._constants):  # none traced (the layer has no _host_constants)
-            return super().from_numpy(x, like)  # refuses, with the reason
-        symbol = self._constants[index]
-        if self._known[symbol.name] != (x.shape, dtype):
-            raise RuntimeError(f"MXNetOps: host constant {index} of the graph is "
-                               f"{self._known[symbol.name]}, its trace had {(x.shape, dtype)}")
-        self.recorded.append(x)
-        return symbol
-
-
 class Layer(HybridBlock):
     """Base of the Gluon layers.
 
@@ -156,8 +117,6 @@ class Layer(HybridBlock):
         self._weights: dict[str, Parameter] = {}
         self._options: dict[str, Any] = {}
         self._inputs: list[Any] = []
-        self._n_data = 0
-        self._constants: list[Any] = []
         self._graph_key: Any = None
         self.attention_weights: Any = None
 
@@ -249,10 +208,6 @@ class Layer(HybridBlock):
 
     # -- calls ------------------------------------------------------------------------------
 
-    #: Whether the computation turns host constants into arrays (``ops.from_numpy``), which a
-    #: hybridized graph then takes as extra inputs (see the module docstring).
-    _host_constants = False
-
     def _run(self, arrays: list[Any], **options: Any) -> Any:
         """Checks the inputs and calls the core on them through ``HybridBlock.__call__``.
 
@@ -277,6 +232,7 @@ class Layer(HybridBlock):
             )
         arrays = [None if a is None else masks.as_backend_array(OPS, a) for a in arrays]
         dims = self._check_inputs(arrays)
+        arrays = [*arrays, *self._constant_inputs(arrays)]
         weights, new = self._current(dims, arrays[0].ctx)
         if new:  # the first call: run it on the new weights before keeping them
             with autograd.pause():
@@ -286,13 +242,9 @@ class Layer(HybridBlock):
         if self._active and key != self._graph_key:
             self._clear_cached_op()
             self._graph_key = key
-        if self._active and self._host_constants and not self._cached_graph:  # a graph is due
-            self._constants = self._trace_constants(arrays, options)
-        constants = self._constants if self._active else []
-        # read by hybrid_forward
-        self._options, self._inputs, self._n_data = options, [*arrays, *constants], len(arrays)
+        self._options, self._inputs = options, arrays  # read by hybrid_forward
         try:
-            out = super().__call__(*arrays, *constants)
+            out = super().__call__(*arrays)
         finally:
             self._inputs = []
         return tuple(out) if isinstance(out, (list, tuple)) else out
@@ -301,40 +253,26 @@ class Layer(HybridBlock):
         """Checks what the core does not check before weights are made; returns the input sizes."""
         return {}
 
+    def _constant_inputs(self, arrays: list[Any]) -> list[Any]:
+        """Arrays the computation needs besides the call's, made on the host; passed after them."""
+        return []
+
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Calls the core with arrays (imperative) or Symbols (building the hybridized graph)."""
-        data = list(arrays[: self._n_data])
-        ops = OPS
-        if F is mx.sym:
-            ops = self._graph_ops(list(arrays), params, list(arrays[self._n_data:]))
-        return self._compute(ops, data, params, self._options)
+        ops = OPS if F is not mx.sym else self._graph_ops(list(arrays), params)
+        return self._compute(ops, list(arrays), params, self._options)
 
-    def _graph_ops(self, symbols: list[Any], params: Mapping[str, Any],
-                   constants: list[Any] | None) -> _GraphOps:
-        """Ops for building a graph from its data and parameter Symbols.
+    def _graph_ops(self, symbols: list[Any], params: Mapping[str, Any]) -> MXNetOps:
+        """Ops for building a graph from its input and parameter Symbols.
 
-        Shapes and dtypes come from :attr:`_inputs` and the parameters; ``constants`` are the
-        graph's constant inputs (None while tracing them).
+        Shapes and dtypes come from :attr:`_inputs` and the parameters.
         """
         known = {s.name: (a.shape, np.dtype(a.dtype).name)
                  for s, a in zip(symbols, self._inputs, strict=True) if s is not None}
         for name, s in params.items():
             param = self._reg_params[name]
             known[s.name] = (param.shape, np.dtype(param.dtype).name)
-        return _GraphOps(known, constants)
-
-    def _trace_constants(self, arrays: list[Any], options: Mapping[str, Any]) -> list[Any]:
-        """Builds the call's graph once, to collect the host constants it needs, as arrays."""
-        symbols = [None if a is None else mx.sym.var(f"trace{i}").as_np_ndarray()
-                   for i, a in enumerate(arrays)]
-        params = {name: param.var() for name, param in self._reg_params.items()}
-        self._inputs = arrays
-        try:
-            ops = self._graph_ops(symbols, params, None)
-            self._compute(ops, symbols, params, options)
-        finally:
-            self._inputs = []
-        return [mx.np.array(x, dtype=x.dtype, ctx=arrays[0].ctx) for x in ops.recorded]
+        return MXNetOps(known)
 
     def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
                  options: Mapping[str, Any]) -> Any:
@@ -550,8 +488,6 @@ class RelativeMultiHeadAttention(_Attention):
         keep_attention_weights: Keep each call's weights in ``attention_weights``.
         **kwargs: See :class:`Layer`.
     """
-
-    _host_constants = True  # the offsets' bounds
 
     def __init__(
         self, num_hiddens: int, num_heads: int, max_relative_position: int, dropout: float = 0.0,
@@ -827,8 +763,6 @@ class TransformerEncoder(Layer):
         **kwargs: See :class:`Layer`.
     """
 
-    _host_constants = True  # the sinusoidal table
-
     def __init__(
         self,
         vocab_size: int,
@@ -850,6 +784,7 @@ class TransformerEncoder(Layer):
         self.keep_attention_weights = bool(keep_attention_weights)
         self.implementation = checks.check_implementation(implementation)
         self.attention_weights = [None] * num_blks
+        self._table: tuple[Any, Any] | None = None
         self._declare()
 
     def _spec(self, dims: Mapping[str, int | None]) -> W.Spec:
@@ -878,12 +813,25 @@ class TransformerEncoder(Layer):
 
     def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
                  options: Mapping[str, Any]) -> Any:
-        tokens, valid_lens, mask = arrays
+        tokens, valid_lens, mask, table = arrays
         need = options["weights"]
         return transformer.transformer_encoder(
             tokens, weights, self.num_heads, valid_lens, mask=mask, dropout=self.dropout,
-            return_weights=need, implementation=None if need else self.implementation, ops=ops,
+            return_weights=need, implementation=None if need else self.implementation,
+            positions=table, ops=ops,
         )
+
+    def _constant_inputs(self, arrays: list[Any]) -> list[Any]:
+        """The sinusoidal table for the call's length, in float64 (the core rounds it once).
+
+        Made once per length and context; the tokens' shape is checked first, as the core does.
+        """
+        tokens = arrays[0]
+        steps = checks.check_rank(OPS, "tokens", tokens, (2,), "(B, T) token ids")[1]
+        if self._table is None or self._table[0] != (steps, tokens.ctx):
+            table = positional.sinusoidal_encoding(steps, self.num_hiddens, "float64")
+            self._table = ((steps, tokens.ctx), mx.np.array(table[None], dtype="float64", ctx=tokens.ctx))
+        return [self._table[1]]
 
     def _config(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "num_hiddens": self.num_hiddens,
