@@ -373,9 +373,9 @@ def dot_product_attention(
     B, H, Q, _ = ops.shape(q)
     shape = (B, H, Q, ops.shape(k)[2])
     path = choose_implementation(ops, implementation, return_weights, shape)
-    # a kernel that mishandles NaN is mended unless the inputs are known finite (one host sync)
-    finite = path == "fused" and not getattr(ops, "fused_propagates_nan", True) and known_finite(
-        ops, q, k, v)
+    # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync)
+    mend_kernel = path == "fused" and not getattr(ops, "fused_propagates_nan", True)
+    finite = known_finite(ops, q, k, v) if mend_kernel else known_finite(ops, v)
     if not finite:
         k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
@@ -424,7 +424,8 @@ def additive_attention(
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
-    keys, values = values_onto_keys(ops, keys, values)
+    if not known_finite(ops, values):
+        keys, values = values_onto_keys(ops, keys, values)
     q = ops.expand_dims(dense(ops, queries, weights["W_q.kernel"]), 2)  # (B, Q, 1, h)
     k = ops.expand_dims(dense(ops, keys, weights["W_k.kernel"]), 1)  # (B, 1, K, h)
     features = ops.tanh(q + k)  # (B, Q, K, h)

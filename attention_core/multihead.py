@@ -14,6 +14,7 @@ from attention_core import checks, masks
 from attention_core.attention import (
     check_projected_inputs,
     dot_product_attention,
+    known_finite,
     softmax_visible,
     values_onto_keys,
 )
@@ -165,7 +166,8 @@ def relative_multi_head_attention(
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, d)
-    k, v = values_onto_keys(ops, k, v)
+    if not known_finite(ops, v):
+        k, v = values_onto_keys(ops, k, v)
     B, H, Q, depth = ops.shape(q)
     K = ops.shape(k)[2]
     offsets = relative_offsets(ops, Q, K, (ops.shape(table_k)[0] - 1) // 2, like=q)  # (Q, K, R)

@@ -44,7 +44,8 @@ class TorchOps:
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def concrete(self, x: torch.Tensor) -> np.ndarray | None:
-        return None if torch.compiler.is_compiling() else self.to_numpy(x)
+        jit_tracing = torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
+        return None if torch.compiler.is_compiling() or jit_tracing else self.to_numpy(x)
 
     def shape(self, x: torch.Tensor) -> tuple[Any, ...]:
         return tuple(x.shape)
