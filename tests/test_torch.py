@@ -383,6 +383,55 @@ def test_concrete_is_none_under_compile() -> None:
     assert torch.compile(probe, fullgraph=True, backend="eager")(x).tolist() == [1.0, 1.0]
 
 
+
+def test_concrete_is_none_under_jit_trace() -> None:
+    seen = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(OPS.concrete(x) is None)
+        return x * 2
+
+    torch.jit.trace(probe, torch.zeros(2), check_trace=False)
+    assert seen == [True]
+
+
+@pytest.mark.parametrize("implementation", ["direct", "blockwise", "fused"])
+def test_torch_func_grad_and_vmap(implementation: str) -> None:
+    """``torch.func`` tensors have no storage to read: the core treats them as traced."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64) for n in (4, 5, 5))
+    lens = torch.tensor([5, 2])
+
+    def total(q: torch.Tensor) -> torch.Tensor:
+        return ac.dot_product_attention(q, k, v, lens, implementation=implementation).sum()
+
+    eager = q.clone().requires_grad_()
+    total(eager).backward()
+    assert max_diff(torch.func.grad(total)(q).numpy(), eager.grad.numpy()) <= 1e-12
+    one = torch.func.vmap(lambda x, kk, vv: ac.dot_product_attention(
+        x, kk, vv, implementation=implementation))(q, k, v)
+    want = ac.dot_product_attention(q, k, v, implementation=implementation)
+    assert max_diff(one.numpy(), want.numpy()) <= 1e-12
+
+
+
+def test_compiled_fused_path_puts_nan_where_eager_does() -> None:
+    """Under ``torch.compile`` the inputs cannot be probed, so the mending is always traced:
+    NaN in a query, a masked key and a masked value give the eager direct path's rows."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (4, 6, 6))
+    q[1, 0, 2, 3] = k[0, 1, 5, 0] = v[1, 1, 4, 2] = float("nan")
+    lens = torch.tensor([5, 4])
+
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> Any:
+        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=OPS)
+
+    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, lens)
+    want = ac.dot_product_attention(q, k, v, lens, implementation="direct")
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().any(-1).sum()) == 1
+    assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
+
+
 # -- the blockwise path ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["valid_lens", "causal", "mask"])

@@ -45,7 +45,12 @@ class TorchOps:
 
     def concrete(self, x: torch.Tensor) -> np.ndarray | None:
         jit_tracing = torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
-        return None if torch.compiler.is_compiling() or jit_tracing else self.to_numpy(x)
+        if torch.compiler.is_compiling() or jit_tracing:
+            return None
+        try:
+            return self.to_numpy(x)
+        except RuntimeError:  # inside torch.func.grad / vmap a tensor has no storage to read
+            return None
 
     def shape(self, x: torch.Tensor) -> tuple[Any, ...]:
         return tuple(x.shape)
