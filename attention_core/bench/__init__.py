@@ -19,8 +19,14 @@ README's table. No module here imports a framework at import time.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: Suites in the order they run.
@@ -134,3 +140,48 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 __all__ = ["BATCH", "DEPTH", "DTYPE", "SUITES", "Config", "thread_env"]
+
+
+def run_child(module: str, backend: str, config: Any, out: Path, progress: bool) -> int:
+    """Runs ``python -m <module>`` for one backend in a child process; its exit status.
+
+    The child gets the thread environment of ``config.threads`` and this checkout on its path;
+    its module hands the command line to :func:`child_main`.
+    """
+    env = {**os.environ, **thread_env(config.threads)}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", module, "--backend", backend,
+               "--config", json.dumps(config.as_dict()), "--out", str(out)]
+    if not progress:
+        command.append("--no-progress")
+    return subprocess.run(command, env=env, stdout=subprocess.DEVNULL, check=False).returncode
+
+
+def child_main(
+    argv: Sequence[str] | None, module: str, from_dict: Callable[[dict[str, Any]], Any],
+    run_backend: Callable[..., dict[str, Any]], prefix: str,
+) -> int:
+    """The child's entry point: runs one backend and writes ``<out>/<prefix>-<backend>.json``.
+
+    Args:
+        argv: The command line (``sys.argv[1:]`` when None), as :func:`run_child` builds it.
+        module: The child's module, for the usage line.
+        from_dict: Makes the configuration from its JSON.
+        run_backend: ``run_backend(name, config, progress=...)``, returning the document.
+        prefix: The file name's start (``bench``, ``complexity``).
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--config", required=True, help="the configuration as JSON")
+    parser.add_argument("--out", required=True, help=f"directory for {prefix}-<backend>.json")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    doc = run_backend(args.backend, from_dict(json.loads(args.config)),
+                      progress=not args.no_progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{prefix}-{doc['backend']}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(path)
+    return 0

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from attention_core import registry
-from attention_core.bench import SUITES, Config, complexity, report, thread_env
+from attention_core.bench import SUITES, Config, complexity, report, run_child
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -98,18 +97,6 @@ def config_from(args: argparse.Namespace) -> Config:
     return Config.quick_config(**overrides) if args.quick else Config(**overrides)  # type: ignore[arg-type]
 
 
-def run_child(backend: str, config: Config, out: Path, progress: bool) -> int:
-    """Runs one backend in a child process with the thread environment; its exit status."""
-    env = {**os.environ, **thread_env(config.threads)}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "attention_core.bench.run", "--backend", backend,
-               "--config", json.dumps(config.as_dict()), "--out", str(out)]
-    if not progress:
-        command.append("--no-progress")
-    return subprocess.run(command, env=env, stdout=subprocess.DEVNULL, check=False).returncode
-
-
 def merge(directory: str | Path, readme: str | Path | None) -> str:
     """Merges a directory of results: README section (unless ``readme`` is None) and plot.
 
@@ -155,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     failed = []
     for name in dict.fromkeys(names):
-        if run_child(name, config, out, not args.no_progress) != 0:
+        if run_child("attention_core.bench.run", name, config, out, not args.no_progress) != 0:
             failed.append(name)
             continue
         doc = json.loads((out / f"bench-{name}.json").read_text())

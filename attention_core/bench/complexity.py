@@ -37,7 +37,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -49,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import registry
-from attention_core.bench import thread_env, timing
+from attention_core.bench import child_main, run_child, thread_env, timing
 
 #: Identifies the JSON documents of this module.
 SCHEMA = "attention-core-complexity/1"
@@ -303,6 +302,7 @@ def run_backend(name: str, config: ComplexityConfig, progress: bool = True) -> d
     doc["other_work"] = _other_work(cpu_start)
     doc["points"] = points
     doc["crossovers"] = _crossovers(points)
+    doc["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return doc
 
 
@@ -536,18 +536,6 @@ def _show(doc: dict[str, Any], folder: Path) -> None:
                                   f"then python -m attention_core bench complexity --replot {json_path})"))
 
 
-def run_child(backend: str, config: ComplexityConfig, out: Path, progress: bool) -> int:
-    """Runs one backend in a child process with the thread environment; its exit status."""
-    env = {**os.environ, **thread_env(config.threads)}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "attention_core.bench.complexity", "--backend", backend,
-               "--config", json.dumps(config.as_dict()), "--out", str(out)]
-    if not progress:
-        command.append("--no-progress")
-    return subprocess.run(command, env=env, stdout=subprocess.DEVNULL, check=False).returncode
-
-
 def run(args: argparse.Namespace) -> int:
     """The ``bench complexity`` command; returns the exit status.
 
@@ -566,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
         raise registry.BackendNotInstalledError(
             f"backend {name!r} is not installed here: {registry.PIP[name]}")
     out = Path(args.out)
-    if run_child(name, config, out, not args.no_progress) != 0:
+    if run_child("attention_core.bench.complexity", name, config, out, not args.no_progress) != 0:
         print(f"error: the complexity benchmark failed on {name} (see above)", file=sys.stderr)
         return 1
     _show(json.loads((out / f"complexity-{name}.json").read_text()), out)
@@ -575,21 +563,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the child: runs one backend and writes its JSON file."""
-    parser = argparse.ArgumentParser(prog="python -m attention_core.bench.complexity")
-    parser.add_argument("--backend", required=True)
-    parser.add_argument("--config", required=True, help="the ComplexityConfig as JSON")
-    parser.add_argument("--out", required=True, help="directory for complexity-<backend>.json")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    config = ComplexityConfig.from_dict(json.loads(args.config))
-    doc = run_backend(args.backend, config, progress=not args.no_progress)
-    doc["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"complexity-{doc['backend']}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(path)
-    return 0
+    return child_main(argv, "attention_core.bench.complexity", ComplexityConfig.from_dict,
+                      run_backend, "complexity")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,8 @@ process. It writes ``<out>/bench-<backend>.json``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import subprocess
@@ -22,7 +20,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from attention_core.bench import MEMORY_HEADS, SPEED_HEADS, Config, flops, memory, thread_env, timing
+from attention_core.bench import (
+    MEMORY_HEADS,
+    SPEED_HEADS,
+    Config,
+    child_main,
+    flops,
+    memory,
+    thread_env,
+    timing,
+)
 
 #: Identifies the JSON documents of this module.
 SCHEMA = "attention-core-bench/1"
@@ -203,20 +210,7 @@ def run_backend(name: str, config: Config, progress: bool = True) -> dict[str, A
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the child: runs one backend and writes its JSON file."""
-    parser = argparse.ArgumentParser(prog="python -m attention_core.bench.run")
-    parser.add_argument("--backend", required=True)
-    parser.add_argument("--config", required=True, help="the Config as JSON")
-    parser.add_argument("--out", required=True, help="directory for bench-<backend>.json")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    config = Config.from_dict(json.loads(args.config))
-    doc = run_backend(args.backend, config, progress=not args.no_progress)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench-{doc['backend']}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(path)
-    return 0
+    return child_main(argv, "attention_core.bench.run", Config.from_dict, run_backend, "bench")
 
 
 if __name__ == "__main__":
