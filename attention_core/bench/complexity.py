@@ -49,6 +49,7 @@ import numpy as np
 
 from attention_core import registry
 from attention_core.bench import child_main, run_child, thread_env, timing
+from attention_core.bench.report import pyplot
 
 #: Identifies the JSON documents of this module.
 SCHEMA = "attention-core-complexity/1"
@@ -375,12 +376,8 @@ def plot(doc: dict[str, Any], path: str | Path) -> str | None:
     Returns:
         The path written, or None when matplotlib is not installed.
     """
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     from matplotlib.ticker import (  # type: ignore[import-not-found, unused-ignore]
         FuncFormatter,

@@ -281,18 +281,26 @@ def write_between_markers(path: str | Path, body: str, start: str = BENCH_START,
 # -- plot -------------------------------------------------------------------------------------
 
 
-def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
-    """Draws speed ratio, memory and GEMM fraction against n into a PNG file.
-
-    Returns:
-        The path written, or None when matplotlib is not installed.
-    """
+def pyplot() -> Any | None:
+    """The ``pyplot`` module on matplotlib's file-only Agg backend; None without matplotlib."""
     try:
         import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
+        return None
+    return plt
+
+
+def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
+    """Draws speed ratio, memory and GEMM fraction against n into a PNG file.
+
+    Returns:
+        The path written, or None when matplotlib is not installed.
+    """
+    plt = pyplot()
+    if plt is None:
         return None
     from matplotlib.ticker import ScalarFormatter  # type: ignore[import-not-found, unused-ignore]
 
