@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -46,6 +46,20 @@ def batch(seed: int, B: int, T: int, h: int) -> dict[str, np.ndarray]:
     }
 
 
+
+def attention_inputs(B: int, Q: int, K: int, D: int, h: int) -> dict[str, np.ndarray]:
+    """A float64 attention batch: ``queries`` ``(B, Q, D)``, ``keys`` and ``values`` ``(B, K, D)``,
+    ``valid_lens`` ``(B,)`` in [1, K] (those of :func:`batch`), and a ``target`` ``(B, Q, h)``."""
+    data = batch(0, B, K, D)
+    rng = np.random.default_rng(1)
+    return {
+        "queries": rng.standard_normal((B, Q, D)),
+        "keys": data["X"],
+        "values": data["target"],
+        "valid_lens": data["valid_lens"],
+        "target": rng.standard_normal((B, Q, h)),
+    }
+
 #: backend -> report key -> what the tests of this run measured under it (merged per key).
 _MEASURED: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -62,14 +76,24 @@ def to_report(backend: str, key: str, measured: dict[str, Any]) -> None:
         section(backend, key, dict(merged))
 
 
-def real_spec(hook: object, fullname: str, path: Sequence[str] | None,
-              target: ModuleType | None) -> importlib.machinery.ModuleSpec | None:
-    """The spec the other finders of ``sys.meta_path`` give a module (an import hook's own
-    ``find_spec`` asks them, then wraps the loader)."""
+def held_spec(hook: object, fullname: str, path: Sequence[str] | None,
+              target: ModuleType | None, before: Callable[[], None]) -> importlib.machinery.ModuleSpec | None:
+    """The spec the other finders of ``sys.meta_path`` give a module, with a loader that calls
+    ``before()`` and then executes the module's body (an import hook's ``find_spec``)."""
     for finder in sys.meta_path:
         if finder is hook or not hasattr(finder, "find_spec"):
             continue
         spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
         if spec is not None:
-            return spec
-    return None
+            break
+    else:
+        return None
+    loader: Any = spec.loader
+    run = loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        before()
+        run(module)
+
+    loader.exec_module = exec_module
+    return spec

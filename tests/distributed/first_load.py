@@ -20,9 +20,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
-from tests.distributed.common import real_spec
+from tests.distributed.common import held_spec
 
 THREADS, ITERATIONS = 16, 200
 
@@ -44,21 +43,14 @@ class CountingFinder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.names:
             return None
-        spec = real_spec(self, fullname, path, target)
-        if spec is None:
-            return None
-        loader: Any = spec.loader
-        run = loader.exec_module
+        return held_spec(self, fullname, path, target, lambda: self._executing(fullname))
 
-        def exec_module(module: ModuleType) -> None:
-            with self.lock:
-                self.executed[fullname] += 1
-                self.threads.setdefault(fullname, set()).add(threading.current_thread().name)
-            time.sleep(DELAY)
-            run(module)
-
-        loader.exec_module = exec_module
-        return spec
+    def _executing(self, fullname: str) -> None:
+        """Counts one execution of the module's body and holds it for :data:`DELAY` seconds."""
+        with self.lock:
+            self.executed[fullname] += 1
+            self.threads.setdefault(fullname, set()).add(threading.current_thread().name)
+        time.sleep(DELAY)
 
 
 def main(names: list[str]) -> None:

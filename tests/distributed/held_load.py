@@ -17,9 +17,8 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
-from tests.distributed.common import real_spec
+from tests.distributed.common import held_spec
 
 #: How long the NumPy user may take before it counts as waiting for the held load (seconds; it
 #: needs milliseconds when it does not wait).
@@ -38,19 +37,12 @@ class HoldingFinder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
-        spec = real_spec(self, fullname, path, target)
-        if spec is None:
-            return None
-        loader: Any = spec.loader
-        run = loader.exec_module
+        return held_spec(self, fullname, path, target, self._hold)
 
-        def exec_module(module: ModuleType) -> None:
-            self.entered.set()
-            self.go.wait()
-            run(module)
-
-        loader.exec_module = exec_module
-        return spec
+    def _hold(self) -> None:
+        """Says the body is about to run, then waits for :attr:`go`."""
+        self.entered.set()
+        self.go.wait()
 
 
 def main(name: str) -> None:

@@ -27,7 +27,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from backends.tensorflow import MultiHeadAttention  # noqa: E402
-from tests.distributed.common import batch, emit, max_abs_diff  # noqa: E402
+from tests.distributed.common import attention_inputs, emit, max_abs_diff  # noqa: E402
 
 B, Q, K, D, H, HEADS = 8, 5, 7, 12, 16, 4
 NAMES = ("queries", "keys", "values", "valid_lens", "target")
@@ -40,15 +40,7 @@ def per_example_loss(out: Any, target: Any) -> Any:
 
 def main() -> None:
     keras.utils.set_random_seed(0)
-    data = batch(0, B, K, D)
-    rng = np.random.default_rng(1)
-    inputs = {
-        "queries": rng.standard_normal((B, Q, D)),
-        "keys": data["X"],
-        "values": data["target"],
-        "valid_lens": data["valid_lens"],
-        "target": rng.standard_normal((B, Q, H)),
-    }
+    inputs = attention_inputs(B, Q, K, D, H)
     tensors = {name: tf.constant(value) for name, value in inputs.items()}
     args = [tensors[n] for n in NAMES[:4]]
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from backends.jax import MultiHeadAttention, init_weights  # noqa: E402
 from backends.jax.layers import flatten  # noqa: E402
-from tests.distributed.common import batch, emit, max_abs_diff  # noqa: E402
+from tests.distributed.common import attention_inputs, emit, max_abs_diff  # noqa: E402
 
 B, Q, K, D, H, HEADS = 8, 5, 7, 12, 16, 4
 
@@ -39,15 +39,7 @@ def collectives(hlo: str) -> dict[str, int]:
 
 def main() -> None:
     devices = jax.devices()
-    data = batch(0, B, K, D)
-    rng = np.random.default_rng(1)
-    inputs = {
-        "queries": rng.standard_normal((B, Q, D)),
-        "keys": data["X"],
-        "values": data["target"],
-        "valid_lens": data["valid_lens"],
-        "target": rng.standard_normal((B, Q, H)),
-    }
+    inputs = attention_inputs(B, Q, K, D, H)
     layer = MultiHeadAttention(H, HEADS, bias=True, param_dtype=jnp.float64)
     params = init_weights(layer, seed=0, q_in=D, k_in=D, v_in=D)["params"]
 
