@@ -14,6 +14,14 @@ during training (teacher forcing).
 The backends' model code lives in ``backends/<name>/examples.py``; what they would otherwise
 each repeat lives here, on NumPy arrays: the data, the weights of the masked loss, minibatch
 indices, greedy decoding around a framework's decoder step, and the accuracy of a prediction.
+
+Each of those modules has ``train_seq2seq(model=None, data=None, *, steps=200, batch_size=64,
+lr=0.005, clip=1.0, seed=0)``: ``steps`` minibatch steps of ``batch_size`` examples with teacher
+forcing, Adam at rate ``lr`` and the global gradient norm clipped to ``clip``; the loss is
+softmax cross-entropy averaged over the target tokens and ``<eos>``, padding masked out by the
+target valid lengths (:func:`loss_weights`). ``model`` defaults to one for ``data.vocab_size``,
+``data`` to ``toy_task(2000, seed=seed)`` (reversal); ``seed`` seeds the initial weights and the
+batches. It returns the trained model and the loss of each step.
 """
 
 from __future__ import annotations

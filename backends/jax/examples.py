@@ -244,22 +244,10 @@ def train_seq2seq(
     clip: float = 1.0,
     seed: int = 0,
 ) -> tuple[Seq2Seq, Params, list[float]]:
-    """Trains a seq2seq model with teacher forcing, Adam and gradient-norm clipping (optax).
+    """Trains as :mod:`attention_core.seq2seq` describes, with ``optax.adam``.
 
-    The loss is softmax cross-entropy averaged over the target tokens and ``<eos>``; padding is
-    masked out by the target valid lengths.
-
-    Args:
-        model: The model; ``Seq2Seq(data.vocab_size)`` if None.
-        data: Training examples; ``seq2seq.toy_task(2000, seed=seed)`` (reversal) if None.
-        steps: Number of minibatch steps.
-        batch_size: Examples per step.
-        lr: Adam's learning rate.
-        clip: Largest global gradient norm (``optax.clip_by_global_norm``).
-        seed: Seed of the initial params and dropout (``jax.random.key``) and of the batches.
-
-    Returns:
-        The model, its trained params and the loss of each step.
+    Clipping is ``optax.clip_by_global_norm``; ``seed`` makes the ``jax.random.key`` of the
+    initial params and of dropout. Returns the model, its trained params and the losses.
     """
     data = data or seq2seq.toy_task(2000, seed=seed)
     model = model or Seq2Seq(data.vocab_size)

@@ -227,22 +227,10 @@ def train_seq2seq(
     clip: float = 1.0,
     seed: int = 0,
 ) -> tuple[Seq2Seq, list[float]]:
-    """Trains a seq2seq model with teacher forcing, Adam and gradient-norm clipping.
+    """Trains as :mod:`attention_core.seq2seq` describes, with ``keras.optimizers.Adam``.
 
-    The loss is softmax cross-entropy averaged over the target tokens and ``<eos>``; padding is
-    masked out by the target valid lengths (the loss's ``sample_weight``).
-
-    Args:
-        model: The model; :func:`make_seq2seq` for ``data.vocab_size`` if None.
-        data: Training examples; ``seq2seq.toy_task(2000, seed=seed)`` (reversal) if None.
-        steps: Number of minibatch steps.
-        batch_size: Examples per step.
-        lr: Adam's learning rate.
-        clip: Largest global gradient norm (Adam's ``global_clipnorm``).
-        seed: Seed of the initial weights (``keras.utils.set_random_seed``) and of the batches.
-
-    Returns:
-        The trained model and the loss of each step.
+    Clipping is Adam's ``global_clipnorm``, the padding mask the loss's ``sample_weight``, and
+    ``seed`` goes to ``keras.utils.set_random_seed``.
     """
     keras.utils.set_random_seed(seed)
     data = data or seq2seq.toy_task(2000, seed=seed)
