@@ -95,6 +95,16 @@ def check_rank(ops: Ops, name: str, x: Array, ranks: Sequence[int], legend: str)
     shape = ops.shape(x)
     if len(shape) not in ranks:
         raise ValueError(f"{name} must have shape {legend}, got {fmt_shape(shape)}")
+    return check_not_empty(ops, name, x)
+
+
+def check_not_empty(ops: Ops, name: str, x: Array) -> tuple[Any, ...]:
+    """Checks that no known dimension of ``x`` is 0 and returns its shape.
+
+    An empty array is refused before any framework op sees it (MXNet's engine would report
+    its failure only at a later, unrelated call).
+    """
+    shape = ops.shape(x)
     if any(_known(d) and d == 0 for d in shape):
         raise ValueError(f"{name} must not have an empty dimension, got {fmt_shape(shape)}")
     return shape

@@ -27,8 +27,18 @@ def layer_norm(
     """Normalises the last axis to zero mean and unit variance, then scales and shifts.
 
     ``y = (x - mean) / sqrt(var + eps) * gamma + beta`` with the biased variance, as
-    ``torch.nn.LayerNorm`` and ``keras.layers.LayerNormalization`` compute it.
+    ``torch.nn.LayerNorm`` and ``keras.layers.LayerNormalization`` compute it. Float16 and
+    bfloat16 inputs are normalised in float32, as those layers do: the squares of
+    ``|x - mean| > 256`` overflow float16. The result has the dtype of ``x``.
     """
-    centred = x - ops.mean(x, -1)
+    dtype = ops.dtype_name(x)
+    narrow = dtype in _NARROW_FLOATS
+    wide = ops.astype(x, "float32") if narrow else x
+    centred = wide - ops.mean(wide, -1)
     var = ops.mean(centred * centred, -1)
-    return centred / ops.sqrt(var + eps) * gamma + beta
+    normed = centred / ops.sqrt(var + eps)
+    return (ops.astype(normed, dtype) if narrow else normed) * gamma + beta
+
+
+#: Dtypes whose LayerNorm statistics are computed in float32.
+_NARROW_FLOATS = ("float16", "bfloat16")

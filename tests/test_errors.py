@@ -134,6 +134,17 @@ def ffn(h: Harness) -> Any:
     return layer
 
 
+def learned_positional(h: Harness) -> Any:
+    layer = h.make("LearnedPositionalEncoding", {"num_hiddens": 4, "max_len": 5})
+    call(h, layer, arr((1, 5, 4)))
+    return layer
+
+
+def weights_of(h: Harness, spec: Any) -> dict[str, Any]:
+    """Random weights of a spec as backend arrays, for the functional API."""
+    return {k: h.array(v.astype(F32)) for k, v in W.init_weights(spec, R).items()}
+
+
 def nadaraya(h: Harness) -> Any:
     layer = h.make("NadarayaWatson", {"parametric": True})
     call(h, layer, arr((2, 3)), arr((2, 5)), arr((2, 5)))
@@ -513,6 +524,39 @@ CATALOGUE: list[Bad] = [
         ValueError, not_valid("data of 'W_q.kernel' is truncated or misplaced"), mha),
     Bad("load_missing_file", "load_weights", lambda c: ac.load_weights(c.file("absent.safetensors"), c.layer),
         FileNotFoundError, "[Errno 2] No such file or directory: {absent}", mha),
+    # -- issue 14: empty inputs (every layer and functional entry point refuses them up front)
+    Bad("layer_add_norm_empty", "empty", lambda c: call(c.h, c.layer, arr((2, 0, 8)), arr((2, 0, 8))),
+        ValueError, "X must not have an empty dimension, got (2, 0, 8)", add_norm),
+    Bad("layer_add_norm_empty_batch", "empty",
+        lambda c: call(c.h, c.layer, arr((0, 3, 8)), arr((0, 3, 8))), ValueError,
+        "X must not have an empty dimension, got (0, 3, 8)", add_norm),
+    Bad("functional_add_norm_empty", "empty",
+        lambda c: ac.add_norm(c.h.array(arr((2, 0, 8))), c.h.array(arr((2, 0, 8))),
+                              weights_of(c.h, W.add_norm_spec(8))), ValueError,
+        "X must not have an empty dimension, got (2, 0, 8)"),
+    Bad("layer_ffn_empty", "empty", lambda c: call(c.h, c.layer, arr((2, 0, 5))), ValueError,
+        "X must not have an empty dimension, got (2, 0, 5)", ffn),
+    Bad("functional_ffn_empty", "empty",
+        lambda c: ac.position_wise_ffn(c.h.array(arr((2, 0, 5))), weights_of(c.h, W.ffn_spec(6, 4, 5))),
+        ValueError, "X must not have an empty dimension, got (2, 0, 5)"),
+    Bad("layer_positional_empty_batch", "empty", lambda c: call(c.h, c.layer, arr((0, 5, 4))),
+        ValueError, "X must not have an empty dimension, got (0, 5, 4)", positional),
+    Bad("layer_learned_positional_empty", "empty", lambda c: call(c.h, c.layer, arr((1, 0, 4))),
+        ValueError, "X must not have an empty dimension, got (1, 0, 4)", learned_positional),
+    Bad("layer_nadaraya_empty_queries", "empty", lambda c: call(c.h, c.layer, arr((2, 0)), arr((2, 5)),
+                                                                arr((2, 5))),
+        ValueError, "queries must not have an empty dimension, got (2, 0)", nadaraya),
+    Bad("layer_nadaraya_empty_keys", "empty", lambda c: call(c.h, c.layer, arr((2, 3)), arr((2, 0)),
+                                                             arr((2, 0))),
+        ValueError, "keys must not have an empty dimension, got (2, 0)", nadaraya),
+    Bad("layer_block_empty", "empty", lambda c: call(c.h, c.layer, arr((2, 0, 12))), ValueError,
+        "X must not have an empty dimension, got (2, 0, 12)", block),
+    Bad("layer_encoder_empty_batch", "empty",
+        lambda c: call(c.h, c.layer, np.zeros((0, 5), np.int32)), ValueError,
+        "tokens must not have an empty dimension, got (0, 5)", encoder),
+    Bad("masked_softmax_empty_keys", "empty",
+        lambda c: ac.masked_softmax(c.h.array(arr((2, 3, 0))), valid_lens=c.h.array(np.array([0, 0]))),
+        ValueError, "scores must not have an empty dimension, got (2, 3, 0)"),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,

@@ -523,3 +523,46 @@ def test_gradients_with_fully_masked_rows_are_finite_and_exact(backend: str) -> 
                 if not np.all(h.numpy(grads["input.0"])[empty] == 0.0):
                     problems.append(f"{label}: a query that sees no key has a nonzero gradient")
     assert not problems, "\n".join(problems)
+
+
+# -- layer normalisation in float16 and bfloat16 -----------------------------------------------
+
+
+def _layer_norm_reference(s: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """LayerNorm of the last axis in float64, biased variance, eps 1e-5."""
+    centred = s - s.mean(-1, keepdims=True)
+    return centred / np.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-5) * gamma + beta
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_layer_norm_of_large_values_in_half_precision(backend: str, dtype: str) -> None:
+    """``|x - mean|`` up to ~1e4, whose squares overflow float16: AddNorm (the layer, and the
+    functional ``add_norm`` with random gamma and beta) equals the float64 reference of the
+    rounded inputs, in the input's dtype."""
+    if dtype not in DTYPES[backend]:
+        pytest.skip(f"{backend} layers do not compute in {dtype}")
+    h = Harness(backend)
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((2, 3, 8)) * 3000
+    x[0, 0, :2] = (1e4, -1e4)
+    y = rng.standard_normal((2, 3, 8)) * 10
+    gamma, beta = rng.standard_normal(8), rng.standard_normal(8)
+    xs, ys, gs, bs = (h.array(a, dtype) for a in (x, y, gamma, beta))
+    s = h.numpy(xs) + h.numpy(ys)  # X + Y is exact in float64
+    layer = h.make("AddNorm", {"num_hiddens": 8}, dtype)
+    results = {
+        "AddNorm": (h.call(layer, xs, ys), _layer_norm_reference(s, 1.0, 0.0)),
+        "add_norm": (run(h, lambda X, Y, w: ac.add_norm(X, Y, w), xs, ys,
+                         {"ln.gamma": gs, "ln.beta": bs}),
+                     _layer_norm_reference(s, h.numpy(gs), h.numpy(bs))),
+    }
+    problems = []
+    for name, (out, expected) in results.items():
+        if h.ops.dtype_name(out) != dtype:
+            problems.append(f"{name}: dtype {h.ops.dtype_name(out)}, not {dtype}")
+        # the output is rounded to the dtype once: its error is eps * |y| at most, plus the
+        # rounding of gamma * y + beta in the dtype
+        tol = TOLERANCE[dtype] * max(1.0, float(np.abs(expected).max()))
+        if max_diff(h.numpy(out), expected) > tol:
+            problems.append(f"{name}: off the reference by {max_diff(h.numpy(out), expected):.3g}")
+    assert not problems, "\n".join(problems)
