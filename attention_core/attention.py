@@ -29,8 +29,10 @@ def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     ``w_ij = exp(s_ij - m_i) / sum_{j visible} exp(s_ij - m_i)`` for visible ``j``, 0 otherwise,
     with ``m_i`` the row's largest visible score. Masked entries are replaced by the dtype's
     most negative value before the exponential, whose result there is exactly 0. A row with no
-    visible key therefore sums to 0; that sum is replaced by 1 before dividing, so the row is
-    all zeros and no NaN appears, in values or in gradients.
+    visible key, or whose visible scores are all ``-inf`` (or at the dtype's lowest value,
+    which weighs like ``-inf``), therefore sums to 0; that sum is replaced by 1 before
+    dividing, so the row is all zeros and no NaN appears, in values or in gradients. A ``+inf``
+    or NaN visible score makes its row NaN, as IEEE arithmetic has it.
 
     Args:
         ops: The backend's ops.
@@ -43,33 +45,44 @@ def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
     softmax = getattr(ops, "softmax", None)
     if softmax is not None:  # the framework's one-kernel softmax
         return _softmax_then_zero(ops, softmax, scores, visible)
-    if visible is None:
-        e = ops.exp(scores - ops.max(scores, -1))
-        return e / ops.sum(e, -1)
     fill = FILL_VALUE[ops.dtype_name(scores)]
-    top = ops.max(ops.where(visible, scores, fill), -1)  # (..., Q, 1)
-    top = ops.where(top > fill, top, 0.0)  # rows with no visible key: avoid s - fill overflow
-    e = ops.exp(ops.where(visible, scores - top, fill))  # exactly 0 where masked
+    masked = scores if visible is None else ops.where(visible, scores, fill)
+    top = ops.max(masked, -1)  # (..., Q, 1)
+    top = ops.where(top > fill, top, 0.0)  # nothing visible above the fill: avoid s - fill overflow
+    shifted = scores - top
+    e = ops.exp(shifted if visible is None else ops.where(visible, shifted, fill))  # 0 if masked
     total = ops.sum(e, -1)
-    return e / ops.where(total > 0, total, 1.0)
+    return e / ops.where(total != 0, total, 1.0)  # a NaN total (a NaN or +inf score) stays
 
 
 def _softmax_then_zero(ops: Ops, softmax: Any, scores: Array, visible: Array | None) -> Array:
     """:func:`softmax_visible` by a framework's softmax kernel (``ops.softmax(x)``, last axis).
 
     Masked scores become the dtype's most negative value, whose exponential after the row's
-    visible maximum is subtracted is exactly 0; rows with no visible key, which the kernel
-    makes uniform, are set to 0.
+    visible maximum is subtracted is exactly 0; rows with no visible score above that value
+    (no visible key, or visible scores all ``-inf``), which the kernel makes uniform over the
+    masked keys or NaN, are set to 0.
     """
-    weights = _filled_softmax(ops, softmax, scores, visible)
-    return weights if visible is None else ops.where(_any_visible(ops, visible), weights, 0.0)
+    raw, seen = _filled_softmax(ops, softmax, scores, visible)
+    return ops.where(seen, raw, 0.0)
 
 
-def _filled_softmax(ops: Ops, softmax: Any, scores: Array, visible: Array | None) -> Array:
-    """``softmax`` of the scores with masked ones set to the fill; uniform on empty rows."""
-    if visible is None:
-        return softmax(scores)
-    return softmax(ops.where(visible, scores, FILL_VALUE[ops.dtype_name(scores)]))
+def _filled_softmax(
+    ops: Ops, softmax: Any, scores: Array, visible: Array | None
+) -> tuple[Array, Array]:
+    """``softmax`` of the scores with masked ones set to the fill, and which rows to keep.
+
+    Returns:
+        ``(weights, seen)``: ``seen`` ``(..., Q, 1)`` is False for the rows whose largest
+        unmasked score is at most the fill (no visible key, or only ``-inf`` ones: the kernel
+        leaves those uniform over the masked keys, or NaN), True otherwise, also for the rows
+        whose largest score is NaN.
+    """
+    fill = FILL_VALUE[ops.dtype_name(scores)]
+    filled = scores if visible is None else ops.where(visible, scores, fill)
+    top = ops.max(filled, -1)  # (..., Q, 1)
+    seen = ops.where(top == top, top, math.inf) > fill  # NaN: kept (and NaN)
+    return softmax(filled), seen
 
 
 def masked_softmax(
@@ -139,8 +152,8 @@ def pool_visible(
     """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
 
     Backends with a softmax kernel (``ops.softmax``) normalise in one pass; the rows with no
-    visible key, which that kernel makes uniform, are then zeroed in the output (and in the
-    weights only when they are wanted).
+    visible score above the fill (see :func:`_filled_softmax`) are then zeroed in the output
+    (and in the weights only when they are wanted).
 
     Args:
         ops: The backend's ops.
@@ -152,13 +165,12 @@ def pool_visible(
             otherwise (when that saves work).
     """
     softmax = getattr(ops, "softmax", None)
-    if softmax is None or visible is None:
+    if softmax is None:
         weights = softmax_visible(ops, scores, visible)
         dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
         return ops.matmul(dropped, values), weights
-    raw = _filled_softmax(ops, softmax, scores, visible)
+    raw, seen = _filled_softmax(ops, softmax, scores, visible)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
-    seen = _any_visible(ops, visible)
     out = ops.where(seen, ops.matmul(dropped, values), 0.0)
     return out, (ops.where(seen, raw, 0.0) if want_weights else None)
 
@@ -169,10 +181,37 @@ def known_finite(ops: Ops, *arrays: Array) -> bool:
     One sum per array (float16 ones in float32, whose range the sum of any float16 array
     stays in), so the check costs a read of each and one transfer of a number to the host.
     """
-    wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x for x in arrays]
+    return _probe(ops, arrays, ())[0]
+
+
+def _probe(ops: Ops, summed: tuple[Array, ...], bounded: tuple[Array, ...]) -> tuple[bool, float]:
+    """``(finite, largest)``: whether the ``summed`` arrays are known now and finite, and the
+    largest magnitude in the ``bounded`` ones (``inf`` when not known now or none given).
+
+    One transfer of a few numbers to the host, whatever the number of arrays.
+    """
+    wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x for x in summed]
     total = functools.reduce(operator.add, [ops.sum(ops.reshape(x, (1, -1)), -1) for x in wide])
-    value = ops.concrete(total)  # (1, 1); None under tracing
-    return value is not None and bool(np.isfinite(value).all())
+    parts = [total]
+    for x in bounded:
+        flat = ops.reshape(ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x,
+                           (1, -1))
+        parts += [ops.max(flat, -1), ops.max(-flat, -1)]
+    value = ops.concrete(parts[0] if len(parts) == 1 else ops.concatenate(parts, -1))
+    if value is None:  # under tracing
+        return False, math.inf
+    values = np.asarray(value, dtype=np.float64).reshape(-1)
+    largest = float(np.max(values[1:])) if bounded else math.inf
+    return bool(np.isfinite(values[0])), largest
+
+
+def non_finite_rows(ops: Ops, x: Array) -> Array:
+    """Makes every row (last axis) of ``x`` that holds a NaN or an inf all NaN.
+
+    An inf in a query or a key is treated as a NaN: its row reaches exactly the rows that see
+    it, whole, as a NaN does (an inf score alone could weigh 0, or give a finite row).
+    """
+    return x + ops.sum(x - x, -1)
 
 
 def values_onto_keys(ops: Ops, keys: Array, values: Array) -> tuple[Array, Array]:
@@ -314,6 +353,31 @@ def _fused_nan_rows(
     return out + ops.where(bad, ops.astype(bad, dtype) * math.nan, 0.0)
 
 
+#: The largest finite value of each dtype.
+_LARGEST = {dtype: -fill for dtype, fill in FILL_VALUE.items()}
+
+
+def _fused_may_overflow(ops: Ops, q: Array, factor: Any, largest: float) -> bool:
+    """Whether, as known now, a score ``q . k * factor`` may overflow the dtype.
+
+    A fused kernel adds the mask to the scores or fills them with a finite value of its own, so
+    an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
+    weight or NaN on masked keys; the direct and blockwise paths mask the scores they form.
+    ``largest`` bounds ``|q|`` and ``|k|`` (``inf`` under tracing: the kernel is then used).
+    """
+    depth = ops.shape(q)[-1]
+    if math.isinf(largest) or not isinstance(depth, int) or not isinstance(factor, float):
+        return False
+    return largest * largest * depth * factor >= 0.5 * _LARGEST[ops.dtype_name(q)]
+
+
+def _unfused_path(ops: Ops, shape: tuple[Any, ...]) -> str:
+    """The path :func:`choose_implementation` takes when there is no fused kernel."""
+    threshold = getattr(ops, "blockwise_min_scores", BLOCKWISE_MIN_SCORES)
+    known = all(isinstance(d, int) for d in shape)
+    return "blockwise" if known and threshold <= math.prod(shape) else "direct"
+
+
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
     """The factor the scores are multiplied by: ``scale``, or ``1 / sqrt(D)`` when None."""
     depth = ops.shape(queries)[-1]
@@ -373,10 +437,13 @@ def dot_product_attention(
     B, H, Q, _ = ops.shape(q)
     shape = (B, H, Q, ops.shape(k)[2])
     path = choose_implementation(ops, implementation, return_weights, shape)
-    # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync)
-    mend_kernel = path == "fused" and not getattr(ops, "fused_propagates_nan", True)
-    finite = known_finite(ops, q, k, v) if mend_kernel else known_finite(ops, v)
+    # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync);
+    # a fused kernel is given only inputs whose scores cannot overflow (see _fused_may_overflow)
+    finite, largest = _probe(ops, (q, k, v), (q, k) if path == "fused" else ())
+    if path == "fused" and _fused_may_overflow(ops, q, factor, largest):
+        path = _unfused_path(ops, shape)
     if not finite:
+        q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)
         k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
     weights = None
@@ -424,7 +491,8 @@ def additive_attention(
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
-    if not known_finite(ops, values):
+    if not known_finite(ops, queries, keys, values):
+        queries, keys = non_finite_rows(ops, queries), non_finite_rows(ops, keys)
         keys, values = values_onto_keys(ops, keys, values)
     q = ops.expand_dims(dense(ops, queries, weights["W_q.kernel"]), 2)  # (B, Q, 1, h)
     k = ops.expand_dims(dense(ops, keys, weights["W_k.kernel"]), 1)  # (B, 1, K, h)

@@ -98,6 +98,12 @@ def blockwise_attention(
 
     exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
 
+    def row_max(s: Array) -> Array:
+        """The rows' largest scores, at least the fill: a row of ``-inf`` scores (unmasked)
+        must not give ``m = -inf``, whose rescale ``exp(m - m_new)`` would be NaN."""
+        m = ops.max(s, -1)
+        return ops.where(m > fill, m, fill)  # a NaN row stays NaN through its weights
+
     def weigh(s: Array, m: Array) -> Array:
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
         return exp_diff(s, ops.where(m > fill, m, 0.0))  # s is not read again
@@ -111,14 +117,14 @@ def blockwise_attention(
         limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
         kn = min(k_block, limit)
         s = scores(q, q0, qn, 0, kn)  # the first key block starts the running state
-        m = ops.max(s, -1)  # (B, H, qn, 1)
+        m = row_max(s)  # (B, H, qn, 1)
         p = weigh(s, m)
         start: Carry = (m, ops.sum(p, -1), pool(p, 0, kn))
 
         def step(carry: Carry, k0: Any, kn: int) -> Carry:
             m, total, acc = carry
             s = scores(q, q0, qn, k0, kn)
-            m_new = ops.maximum(m, ops.max(s, -1))
+            m_new = ops.maximum(m, row_max(s))
             rescale = ops.exp(m - m_new)  # 0 when m was the fill and m_new is not
             p = weigh(s, m_new)
             return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, k0, kn)

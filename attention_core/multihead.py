@@ -15,6 +15,7 @@ from attention_core.attention import (
     check_projected_inputs,
     dot_product_attention,
     known_finite,
+    non_finite_rows,
     softmax_visible,
     values_onto_keys,
 )
@@ -166,7 +167,8 @@ def relative_multi_head_attention(
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, d)
-    if not known_finite(ops, v):
+    if not known_finite(ops, q, k, v):
+        q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)
         k, v = values_onto_keys(ops, k, v)
     B, H, Q, depth = ops.shape(q)
     K = ops.shape(k)[2]
