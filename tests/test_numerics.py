@@ -566,3 +566,198 @@ def test_layer_norm_of_large_values_in_half_precision(backend: str, dtype: str) 
         if max_diff(h.numpy(out), expected) > tol:
             problems.append(f"{name}: off the reference by {max_diff(h.numpy(out), expected):.3g}")
     assert not problems, "\n".join(problems)
+
+
+# -- issue 14: infinite scores never move weight onto masked keys ------------------------------
+
+
+def _softmax_reference(s: np.ndarray, vis: np.ndarray, lowest: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(weights, nan_rows)`` by the documented rule, float64: a visible score at or below the
+    dtype's lowest value weighs like ``-inf`` (0); a row with nothing visible above it is all
+    zeros; a visible ``+inf`` or NaN makes its row NaN (``nan_rows``, weights there left 0)."""
+    nan_rows = (vis & (np.isnan(s) | (s == np.inf))).any(-1)
+    live = vis & (s > lowest) & ~nan_rows[..., None]
+    top = np.where(live, s, -np.inf).max(-1, keepdims=True, initial=-np.inf)
+    e = np.where(live, np.exp(np.where(live, s, 0.0) - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = e.sum(-1, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0), nan_rows
+
+
+def _infinite_scores(dtype: str) -> np.ndarray:
+    """``(2, 6, 5)`` scores: rows of -inf (all, some), the dtype's lowest value, +inf, NaN."""
+    lowest = FILL[dtype]
+    inf, nan = np.inf, np.nan
+    rows = [[-inf, -inf, 0.5, 1.0, 2.0],  # visible -inf only when two keys are visible
+            [-inf, 2.0, -inf, 1.0, -3.0],
+            [lowest, lowest, 3.0, 3.0, -1.0],  # the dtype's lowest value, visible
+            [-inf, -inf, -inf, -inf, -inf],
+            [inf, 0.0, 1.0, -inf, 0.0],  # +inf visible: NaN; masked: nothing
+            [0.5, nan, -inf, 2.0, inf]]
+    return np.array([rows, rows[::-1]], dtype=np.float64)
+
+
+#: The lowest finite value of each dtype (the masked scores' fill).
+FILL = {dtype: -value for dtype, value in LARGEST.items()}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_masked_softmax_with_infinite_scores_never_leaks(backend: str) -> None:
+    """User scores holding -inf, +inf, NaN and the dtype's lowest value, masked by lengths, a
+    mask, causal and nothing: masked keys weigh exactly 0 and the other weights follow the
+    rule of :func:`_softmax_reference`, in every dtype."""
+    h = Harness(backend)
+    rng = np.random.default_rng(23)
+    mask = rng.random((2, 6, 5)) < 0.5
+    mask[:, 3] = [True, True, False, False, True]
+    cases = {"valid_lens (B,) = (2, 4)": {"valid_lens": np.array([2, 4])},
+             "valid_lens (B, Q)": {"valid_lens": rng.integers(0, 6, size=(2, 6))},
+             "mask (B, Q, K)": {"mask": mask},
+             "causal": {"causal": True},
+             "no mask": {}}
+    problems = []
+    for dtype in DTYPES[backend]:
+        arrays = h.array(_infinite_scores(dtype), dtype)
+        s = h.numpy(arrays)
+        for name, spec in cases.items():
+            vis = visible(2, 1, 6, 5, spec.get("valid_lens"), spec.get("mask"),
+                          spec.get("causal", False))[:, 0]
+            expected, nan_rows = _softmax_reference(s, vis, FILL[dtype])
+            lens = None if "valid_lens" not in spec else h.array(spec["valid_lens"])
+            m = None if "mask" not in spec else h.array(spec["mask"])
+            w = h.numpy(run(h, lambda x, lens, m, causal: ac.masked_softmax(x, lens, m, causal),
+                            arrays, lens, m, causal=spec.get("causal", False)))
+            label = f"{name}, {dtype}"
+            if not np.isnan(w[nan_rows]).any(-1).all():
+                problems.append(f"{label}: a row with a visible +inf or NaN score is not NaN")
+            ok = w[~nan_rows]
+            if np.isnan(ok).any():
+                problems.append(f"{label}: NaN in a row without a visible +inf or NaN score")
+            elif not np.all(ok[~vis[~nan_rows]] == 0.0):
+                problems.append(f"{label}: a masked key has a nonzero weight")
+            elif max_diff(ok, expected[~nan_rows]) > TOLERANCE[dtype]:
+                problems.append(f"{label}: off the reference by "
+                                f"{max_diff(ok, expected[~nan_rows]):.3g}")
+    assert not problems, "\n".join(problems)
+
+
+def _overflowing(big: float) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Queries and keys of magnitude ``big``, depth 64, whose scores overflow: example 0's two
+    visible keys score -inf and its padding keys +inf; example 1 sees keys 0-2, of which key 1
+    alone scores finitely (4), key 3 (padding) +inf. Returns the inputs, the lengths and the
+    expected output (zeros for example 0, key 1's value for example 1)."""
+    q = np.full((2, 3, 64), big)
+    k = np.full((2, 4, 64), -big)
+    k[0, 2:] = k[1, 3] = big
+    k[1, 1] = 0.5 / big
+    v = np.random.default_rng(24).integers(-8, 8, size=(2, 4, 64)).astype(np.float64)
+    expected = np.zeros((2, 3, 64))
+    expected[1] = v[1, 1]
+    return [q, k, v], np.array([2, 3]), expected
+
+
+#: Scores that overflow, per dtype: float16 at |q| = |k| = 100, the wider types at 1e19.
+OVERFLOW = {"float16": 100.0, "bfloat16": 1e19, "float32": 1e19, "float64": 1e154}
+
+#: Paths whose overflow is not guarded, with why: the fused kernels are skipped when a probe of
+#: the inputs finds scores that may overflow, and a traced call (jax.jit) cannot be probed.
+OVERFLOW_GAPS = {("jax", "fused"): "jax.jit: the probe cannot read the inputs"}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_overflowing_scores_in_a_padded_batch_never_leak(backend: str) -> None:
+    """Every path and dtype: a row whose visible scores overflowed to -inf is zeros, never the
+    mean of the padding; a finite visible score among -inf ones takes all the weight."""
+    h = Harness(backend)
+    problems = []
+    for dtype in DTYPES[backend]:
+        x, lens, expected = _overflowing(OVERFLOW[dtype])
+        arrays = [h.array(a, dtype) for a in x]
+        for path in paths(h, dtype):
+            if (backend, path) in OVERFLOW_GAPS and dtype != "float16":
+                continue  # JAX's fused kernel in float16 on CPU is the direct path
+            out, w = _call(h, path, *arrays, h.array(lens))
+            if not np.array_equal(out, expected):
+                problems.append(f"{dtype}, {path}: output off by {max_diff(out, expected):.3g}")
+            one_hot = np.zeros((2, 3, 4))
+            one_hot[1, :, 1] = 1.0
+            if w is not None and not np.array_equal(w[:, 0], one_hot):
+                problems.append(f"{dtype}, {path}: weights are not one-hot on key 1 / zero")
+    assert not problems, "\n".join(problems)
+
+
+def test_overflowing_scores_in_the_multi_head_layer(backend: str) -> None:
+    """MultiHeadAttention(64, 1) in float16 with identity projections, |q| = |k| = 100: the
+    padded batch's output is zeros where every visible score is -inf, else key 1's value."""
+    if "float16" not in DTYPES[backend]:
+        pytest.skip(f"{backend} layers do not compute in float16")
+    h = Harness(backend)
+    layer = h.make("MultiHeadAttention", {"num_hiddens": 64, "num_heads": 1}, "float16")
+    x, lens, expected = _overflowing(100.0)
+    arrays = [h.array(a, "float16") for a in x]
+    h.call(layer, *arrays, h.array(lens))  # builds
+    layer.set_weights({f"{n}.kernel": np.eye(64, dtype=np.float16) for n in "W_q W_k W_v W_o".split()})
+    out = h.numpy(h.call(layer, *arrays, h.array(lens)))
+    assert np.array_equal(out, expected), max_diff(out, expected)
+
+
+# -- issue 14: an inf in a query or a key is treated as NaN ------------------------------------
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["+inf", "-inf"])
+@pytest.mark.parametrize("path", ["direct", "blockwise", "fused"])
+def test_inf_in_a_query_reaches_only_its_row(backend: str, path: str, sign: float,
+                                             request: pytest.FixtureRequest) -> None:
+    h = _nan_path(request, backend, "inf_query", path)
+    x = _nan_inputs(np.random.default_rng(25))
+    clean, _ = _call(h, path, *(h.array(a, "float32") for a in x))
+    x[0][1, 2, 5] = sign * np.inf  # example 1, query 2
+    out, _ = _call(h, path, *(h.array(a, "float32") for a in x))
+    rows = np.zeros((2, 4), bool)
+    rows[1, 2] = True
+    _compare_rows(out, clean, rows)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["+inf", "-inf"])
+@pytest.mark.parametrize("path", ["direct", "blockwise", "fused"])
+def test_inf_in_a_visible_key_reaches_exactly_the_rows_that_see_it(
+        backend: str, path: str, sign: float, request: pytest.FixtureRequest) -> None:
+    """Causal, 4 queries and 6 keys: key 3 is seen by queries 1, 2, 3 (``j <= i + 2``)."""
+    h = _nan_path(request, backend, "inf_visible_key", path)
+    x = _nan_inputs(np.random.default_rng(26))
+    clean, _ = _call(h, path, *(h.array(a, "float32") for a in x), causal=True)
+    x[1][:, 3, 0] = sign * np.inf
+    out, _ = _call(h, path, *(h.array(a, "float32") for a in x), causal=True)
+    _compare_rows(out, clean, np.array([[False, True, True, True]] * 2))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["+inf", "-inf"])
+@pytest.mark.parametrize("path", ["direct", "blockwise", "fused"])
+def test_inf_in_a_masked_key_changes_nothing(backend: str, path: str, sign: float,
+                                             request: pytest.FixtureRequest) -> None:
+    """Key 5 of example 0 is past its length; key 2 is hidden from every query by the mask."""
+    h = _nan_path(request, backend, "inf_masked_key", path)
+    x = _nan_inputs(np.random.default_rng(27))
+    lens = h.array(np.array([5, 6]))
+    mask = np.ones((4, 6), bool)
+    mask[:, 2] = False
+    clean, _ = _call(h, path, *(h.array(a, "float32") for a in x), lens, h.array(mask))
+    x[1][0, 5, 1] = x[1][:, 2, 4] = sign * np.inf
+    out, _ = _call(h, path, *(h.array(a, "float32") for a in x), lens, h.array(mask))
+    _compare_rows(out, clean, np.zeros((2, 4), bool))
+
+
+@pytest.mark.parametrize("layer_name", sorted(PROJECTING))
+def test_inf_in_layer_queries_and_keys_reaches_only_the_rows_that_see_it(
+        backend: str, layer_name: str) -> None:
+    """Lengths (3, 6): example 0's key 4 (padding) holds +inf and -inf, changing nothing;
+    example 1's query 2 holds -inf and its key 1, seen by every query, +inf: example 1 all NaN."""
+    h = Harness(backend)
+    layer = h.make(layer_name, {**PROJECTING[layer_name], "dropout": 0.0})
+    x = _nan_inputs(np.random.default_rng(28))
+    lens = h.array(np.array([3, 6]))
+    clean = h.numpy(h.call(layer, *(h.array(a, "float32") for a in x), lens))
+    x[1][0, 4, :2] = (np.inf, -np.inf)
+    x[0][1, 0, 3] = -np.inf
+    x[1][1, 1, 5] = np.inf
+    out = h.numpy(h.call(layer, *(h.array(a, "float32") for a in x), lens))
+    _compare_rows(out, clean, np.array([[False] * 4, [True] * 4]))
