@@ -185,9 +185,10 @@ def known_finite(ops: Ops, *arrays: Array) -> bool:
 
 
 def _probe(ops: Ops, summed: tuple[Array, ...], bounded: tuple[Array, ...]) -> tuple[bool, float]:
-    """``(finite, largest)``: whether the ``summed`` arrays are known now and finite, and the
-    largest magnitude in the ``bounded`` ones (``inf`` when not known now or none given).
+    """Probes the inputs of an eager call: ``(finite, largest)``.
 
+    ``finite``: whether the ``summed`` arrays are known now and finite; ``largest``: the
+    largest magnitude in the ``bounded`` ones (``inf`` when not known now or none given).
     One transfer of a few numbers to the host, whatever the number of arrays.
     """
     wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x for x in summed]

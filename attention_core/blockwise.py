@@ -99,8 +99,11 @@ def blockwise_attention(
     exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
 
     def row_max(s: Array) -> Array:
-        """The rows' largest scores, at least the fill: a row of ``-inf`` scores (unmasked)
-        must not give ``m = -inf``, whose rescale ``exp(m - m_new)`` would be NaN."""
+        """The rows' largest scores, at least the fill.
+
+        A row of ``-inf`` scores (unmasked) must not give ``m = -inf``, whose rescale
+        ``exp(m - m_new)`` would be NaN.
+        """
         m = ops.max(s, -1)
         return ops.where(m > fill, m, fill)  # a NaN row stays NaN through its weights
 

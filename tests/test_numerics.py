@@ -695,7 +695,8 @@ def test_overflowing_scores_in_the_multi_head_layer(backend: str) -> None:
     x, lens, expected = _overflowing(100.0)
     arrays = [h.array(a, "float16") for a in x]
     h.call(layer, *arrays, h.array(lens))  # builds
-    layer.set_weights({f"{n}.kernel": np.eye(64, dtype=np.float16) for n in "W_q W_k W_v W_o".split()})
+    eye = np.eye(64, dtype=np.float16)
+    layer.set_weights({f"{n}.kernel": eye for n in ("W_q", "W_k", "W_v", "W_o")})
     out = h.numpy(h.call(layer, *arrays, h.array(lens)))
     assert np.array_equal(out, expected), max_diff(out, expected)
 
