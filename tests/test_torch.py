@@ -432,6 +432,25 @@ def test_compiled_fused_path_puts_nan_where_eager_does() -> None:
     assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
 
 
+def test_compiled_fused_path_treats_inf_in_queries_and_keys_as_nan() -> None:
+    """Under ``torch.compile``: +inf in a query, -inf in a visible key and +inf in a masked key
+    give the eager direct path's rows (NaN for the query's row and the rows that see the key)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (4, 6, 6))
+    q[1, 0, 2, 3] = k[0, 1, 1, 0] = float("inf")
+    k[0, 1, 1, 0] = -float("inf")
+    k[1, 0, 5, 2] = float("inf")  # past example 1's length
+    lens = torch.tensor([6, 4])
+
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> Any:
+        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=OPS)
+
+    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, lens)
+    want = ac.dot_product_attention(q, k, v, lens, implementation="direct")
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().any(-1).sum()) == 5
+    assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
+
+
 # -- the blockwise path ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["valid_lens", "causal", "mask"])
