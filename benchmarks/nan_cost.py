@@ -1,12 +1,12 @@
 """What the NaN handling costs a call with finite inputs, on one backend.
 
-``dot_product_attention`` moves non-finite values onto their keys
-(:func:`attention_core.attention.values_onto_keys`, a few passes over the keys and values) and,
-on torch's fused path, first probes the inputs (:func:`~attention_core.attention.known_finite`,
-one sum per array and a host sync), mending nothing when they are finite. This times the same
-call with that handling and without it (both functions replaced by no-ops, the code before the
-NaN handling), in interleaved rounds in one process, and prints the median ratio with its
-quartiles per size and mask.
+``dot_product_attention`` first probes the inputs (``attention._probe``: one sum of the
+queries, keys and values, on a fused path also their largest magnitudes, and one host sync) and
+mends nothing when they are finite; otherwise it moves non-finite values onto their keys
+(:func:`attention_core.attention.values_onto_keys`) and makes non-finite query and key rows
+NaN. This times the same call with that handling and without it (both functions replaced by
+no-ops, the code before the NaN handling), in interleaved rounds in one process, and prints the
+median ratio with its quartiles per size and mask.
 
 Usage: ``python benchmarks/nan_cost.py BACKEND [--rounds N] [--out FILE]`` (the backend's default
 path: torch's fused kernel, the direct path elsewhere at these sizes).
@@ -31,14 +31,15 @@ B, H, D = 1, 8, 64
 
 def time_pair(call: Callable[[], Any], reps: int, rounds: int) -> tuple[list[float], float]:
     """Ratios with/without the NaN handling, one per round, and the last round's time per call."""
-    real = (attention.known_finite, attention.values_onto_keys)
-    modes = {"with": real, "without": (lambda ops, *arrays: True, lambda ops, k, v: (k, v))}
+    real = (attention._probe, attention.values_onto_keys)
+    modes = {"with": real,
+             "without": (lambda ops, summed, bounded: (True, 0.0), lambda ops, k, v: (k, v))}
     ratios, per_call = [], 0.0
     try:
         for _ in range(rounds):
             times = {}
             for name, fns in modes.items():
-                attention.known_finite, attention.values_onto_keys = fns  # type: ignore[assignment]
+                attention._probe, attention.values_onto_keys = fns  # type: ignore[assignment]
                 start = time.perf_counter()
                 for _ in range(reps):
                     call()
@@ -46,7 +47,7 @@ def time_pair(call: Callable[[], Any], reps: int, rounds: int) -> tuple[list[flo
             ratios.append(times["with"] / times["without"])
             per_call = times["with"] / reps
     finally:
-        attention.known_finite, attention.values_onto_keys = real
+        attention._probe, attention.values_onto_keys = real
     return ratios, per_call
 
 
