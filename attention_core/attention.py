@@ -444,7 +444,8 @@ def dot_product_attention(
     if path == "fused" and _fused_may_overflow(ops, q, factor, largest):
         path = _unfused_path(ops, shape)
     if not finite:
-        q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)
+        if path != "fused" or getattr(ops, "fused_propagates_nan", True):
+            q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
         k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
     weights = None

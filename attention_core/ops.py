@@ -181,6 +181,10 @@ class FusedAttentionOps(Ops, Protocol):
       than on the direct path (a masked key's NaN everywhere, say); the core then gives the
       kernel finite inputs and puts the NaN in itself (True when absent).
 
+    An eager call whose scores may overflow the dtype does not use the kernel (see
+    :func:`attention_core.attention.dot_product_attention`): a kernel that adds the mask to the
+    scores, or fills them with a finite value of its own, cannot mask an overflowed score.
+
     And any ops may set ``blockwise_min_scores: int``, the number of scores from which the
     automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`),
     and define ``softmax(x)`` (over the last axis, ``scipy.special.softmax(x, -1)``), a
