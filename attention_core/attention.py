@@ -184,26 +184,28 @@ def known_finite(ops: Ops, *arrays: Array) -> bool:
     return _probe(ops, arrays, ())[0]
 
 
-def _probe(ops: Ops, summed: tuple[Array, ...], bounded: tuple[Array, ...]) -> tuple[bool, float]:
-    """Probes the inputs of an eager call: ``(finite, largest)``.
+def _probe(
+    ops: Ops, summed: tuple[Array, ...], bounded: tuple[Array, ...]
+) -> tuple[bool, tuple[float, ...]]:
+    """Probes the inputs of an eager call: ``(finite, norms)``.
 
-    ``finite``: whether the ``summed`` arrays are known now and finite; ``largest``: the
-    largest magnitude in the ``bounded`` ones (``inf`` when not known now or none given).
-    One transfer of a few numbers to the host, whatever the number of arrays.
+    ``finite``: whether every array is known now and finite; ``norms``: the largest squared
+    norm of a row (last axis) of each ``bounded`` array, empty when not known now. The
+    ``summed`` arrays are checked by one sum each, the ``bounded`` ones by their rows' sums of
+    squares (which overflow, and so count as not finite, only where a score could). Float16 is
+    taken in float32. One transfer of a few numbers to the host, whatever the number of arrays.
     """
-    wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x for x in summed]
-    total = functools.reduce(operator.add, [ops.sum(ops.reshape(x, (1, -1)), -1) for x in wide])
-    parts = [total]
-    for x in bounded:
-        flat = ops.reshape(ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x,
-                           (1, -1))
-        parts += [ops.max(flat, -1), ops.max(-flat, -1)]
+    wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x
+            for x in summed + bounded]
+    flat = [ops.reshape(x, (1, -1)) for x in wide[: len(summed)]]
+    total = functools.reduce(operator.add, [ops.sum(x, -1) for x in flat])
+    squares = [ops.reshape(ops.sum(x * x, -1), (1, -1)) for x in wide[len(summed):]]
+    parts = [total] + [ops.max(x, -1) for x in squares]  # each (1, 1)
     value = ops.concrete(parts[0] if len(parts) == 1 else ops.concatenate(parts, -1))
     if value is None:  # under tracing
-        return False, math.inf
+        return False, ()
     values = np.asarray(value, dtype=np.float64).reshape(-1)
-    largest = float(np.max(values[1:])) if bounded else math.inf
-    return bool(np.isfinite(values[0])), largest
+    return bool(np.isfinite(values).all()), tuple(float(x) for x in values[1:])
 
 
 def non_finite_rows(ops: Ops, x: Array) -> Array:
@@ -358,18 +360,19 @@ def _fused_nan_rows(
 _LARGEST = {dtype: -fill for dtype, fill in FILL_VALUE.items()}
 
 
-def _fused_may_overflow(ops: Ops, q: Array, factor: Any, largest: float) -> bool:
+def _fused_may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> bool:
     """Whether, as known now, a score ``q . k * factor`` may overflow the dtype.
 
     A fused kernel adds the mask to the scores or fills them with a finite value of its own, so
     an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
     weight or NaN on masked keys; the direct and blockwise paths mask the scores they form.
-    ``largest`` bounds ``|q|`` and ``|k|`` (``inf`` under tracing: the kernel is then used).
+    ``norms`` are the largest squared row norms of the queries and keys (``|q . k| <= |q| |k|``);
+    empty under tracing, where the kernel is then used.
     """
-    depth = ops.shape(q)[-1]
-    if math.isinf(largest) or not isinstance(depth, int) or not isinstance(factor, float):
+    if not norms or not isinstance(factor, float):
         return False
-    return largest * largest * depth * factor >= 0.5 * _LARGEST[ops.dtype_name(q)]
+    bound = math.sqrt(norms[0]) * math.sqrt(norms[1]) * factor  # NaN (a NaN input): mended
+    return bound >= 0.5 * _LARGEST[ops.dtype_name(q)]
 
 
 def _unfused_path(ops: Ops, shape: tuple[Any, ...]) -> str:
@@ -440,8 +443,8 @@ def dot_product_attention(
     path = choose_implementation(ops, implementation, return_weights, shape)
     # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync);
     # a fused kernel is given only inputs whose scores cannot overflow (see _fused_may_overflow)
-    finite, largest = _probe(ops, (q, k, v), (q, k) if path == "fused" else ())
-    if path == "fused" and _fused_may_overflow(ops, q, factor, largest):
+    finite, norms = _probe(ops, (v,), (q, k)) if path == "fused" else _probe(ops, (q, k, v), ())
+    if path == "fused" and _fused_may_overflow(ops, q, factor, norms):
         path = _unfused_path(ops, shape)
     if not finite:
         if path != "fused" or getattr(ops, "fused_propagates_nan", True):

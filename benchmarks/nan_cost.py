@@ -1,7 +1,8 @@
 """What the NaN handling costs a call with finite inputs, on one backend.
 
 ``dot_product_attention`` first probes the inputs (``attention._probe``: one sum of the
-queries, keys and values, on a fused path also their largest magnitudes, and one host sync) and
+queries, keys and values, on a fused path their rows' largest sums of squares instead of the
+queries' and keys' sums, and one host sync) and
 mends nothing when they are finite; otherwise it moves non-finite values onto their keys
 (:func:`attention_core.attention.values_onto_keys`) and makes non-finite query and key rows
 NaN. This times the same call with that handling and without it (both functions replaced by
@@ -33,7 +34,7 @@ def time_pair(call: Callable[[], Any], reps: int, rounds: int) -> tuple[list[flo
     """Ratios with/without the NaN handling, one per round, and the last round's time per call."""
     real = (attention._probe, attention.values_onto_keys)
     modes = {"with": real,
-             "without": (lambda ops, summed, bounded: (True, 0.0), lambda ops, k, v: (k, v))}
+             "without": (lambda ops, summed, bounded: (True, ()), lambda ops, k, v: (k, v))}
     ratios, per_call = [], 0.0
     try:
         for _ in range(rounds):
