@@ -148,6 +148,7 @@ def pool_visible(
     visible: Array | None,
     dropout: float,
     want_weights: bool = True,
+    finite: bool = False,
 ) -> tuple[Array, Array | None]:
     """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
 
@@ -163,16 +164,26 @@ def pool_visible(
         dropout: Rate applied to the weights before pooling (0 for none).
         want_weights: Whether the weights are returned; None is returned in their place
             otherwise (when that saves work).
+        finite: The scores are known to be finite and above the fill (an eager call whose
+            inputs were probed): the softmax kernel's rows then need zeroing only where no key
+            is visible, which skips a pass over the scores.
     """
     softmax = getattr(ops, "softmax", None)
     if softmax is None:
         weights = softmax_visible(ops, scores, visible)
         dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
         return ops.matmul(dropped, values), weights
-    raw, seen = _filled_softmax(ops, softmax, scores, visible)
+    if finite:
+        fill = FILL_VALUE[ops.dtype_name(scores)]
+        raw = softmax(scores if visible is None else ops.where(visible, scores, fill))
+        seen = None if visible is None else _any_visible(ops, visible)
+    else:
+        raw, seen = _filled_softmax(ops, softmax, scores, visible)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
-    out = ops.where(seen, ops.matmul(dropped, values), 0.0)
-    return out, (ops.where(seen, raw, 0.0) if want_weights else None)
+    out = ops.matmul(dropped, values)
+    if seen is None:
+        return out, raw
+    return ops.where(seen, out, 0.0), (ops.where(seen, raw, 0.0) if want_weights else None)
 
 
 def known_finite(ops: Ops, *arrays: Array) -> bool:
@@ -360,17 +371,18 @@ def _fused_nan_rows(
 _LARGEST = {dtype: -fill for dtype, fill in FILL_VALUE.items()}
 
 
-def _fused_may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> bool:
-    """Whether, as known now, a score ``q . k * factor`` may overflow the dtype.
+def _may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> bool:
+    """Whether a score ``q . k * factor`` may overflow the dtype: True unless known now not to.
 
     A fused kernel adds the mask to the scores or fills them with a finite value of its own, so
     an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
-    weight or NaN on masked keys; the direct and blockwise paths mask the scores they form.
-    ``norms`` are the largest squared row norms of the queries and keys (``|q . k| <= |q| |k|``);
-    empty under tracing, where the kernel is then used.
+    weight or NaN on masked keys: it is skipped when this is True in an eager call (under
+    tracing it is used as is). The direct and blockwise paths mask the scores they form.
+    ``norms`` are the largest squared row norms of the queries and keys (``|q . k| <= |q| |k|``),
+    empty under tracing.
     """
-    if not norms or not isinstance(factor, float):
-        return False
+    if not norms or not isinstance(factor, float):  # not known now
+        return True
     bound = math.sqrt(norms[0]) * math.sqrt(norms[1]) * factor  # NaN (a NaN input): mended
     return bound >= 0.5 * _LARGEST[ops.dtype_name(q)]
 
@@ -442,9 +454,10 @@ def dot_product_attention(
     shape = (B, H, Q, ops.shape(k)[2])
     path = choose_implementation(ops, implementation, return_weights, shape)
     # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync);
-    # a fused kernel is given only inputs whose scores cannot overflow (see _fused_may_overflow)
-    finite, norms = _probe(ops, (v,), (q, k)) if path == "fused" else _probe(ops, (q, k, v), ())
-    if path == "fused" and _fused_may_overflow(ops, q, factor, norms):
+    # a fused kernel is given only inputs whose scores cannot overflow (see _may_overflow)
+    finite, norms = _probe(ops, (v,), (q, k))
+    overflow = _may_overflow(ops, q, factor, norms)
+    if path == "fused" and overflow and norms:  # known now to risk it: not the kernel
         path = _unfused_path(ops, shape)
     if not finite:
         if path != "fused" or getattr(ops, "fused_propagates_nan", True):
@@ -458,7 +471,8 @@ def dot_product_attention(
         out = blockwise_attention(ops, q, k, v, visible, dropout, scale=factor)
     else:
         scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
-        out, weights = pool_visible(ops, scores, v, visible.full(), dropout, return_weights)
+        out, weights = pool_visible(ops, scores, v, visible.full(), dropout, return_weights,
+                                    finite and not overflow)
     out = out if rank == 4 else out[:, 0]
     return (out, weights) if return_weights else out
 
