@@ -1,8 +1,7 @@
 """What the NaN handling costs a call with finite inputs, on one backend.
 
 ``dot_product_attention`` first probes the inputs (``attention._probe``: one sum of the
-queries, keys and values, on a fused path their rows' largest sums of squares instead of the
-queries' and keys' sums, and one host sync) and
+values, the largest row sums of squares of the queries and keys, and one host sync) and
 mends nothing when they are finite; otherwise it moves non-finite values onto their keys
 (:func:`attention_core.attention.values_onto_keys`) and makes non-finite query and key rows
 NaN. This times the same call with that handling and without it (both functions replaced by
