@@ -317,13 +317,12 @@ def _fused_nan_rows(
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
     """The factor the scores are multiplied by: ``scale``, or ``1 / sqrt(D)`` when None."""
     depth = ops.shape(queries)[-1]
+    scale = checks.check_scale(scale)
     if scale is None and not isinstance(depth, int):  # depth known only at run time
         return 1.0 / ops.sqrt(ops.astype(depth, ops.dtype_name(queries)))
     if scale is None:
         return 1.0 / math.sqrt(depth)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
-    return float(scale)
+    return scale
 
 
 def dot_product_attention(

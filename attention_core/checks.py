@@ -8,9 +8,11 @@ int, under tracing) are skipped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from attention_core.host import plain
 from attention_core.ops import FLOAT_DTYPES, Array, Ops
 
 
@@ -25,7 +27,8 @@ def fmt_shape(shape: Sequence[Any]) -> str:
 
 
 def check_dropout(dropout: float) -> float:
-    """Checks a dropout rate and returns it as a float."""
+    """Checks a dropout rate (a Python or NumPy number) and returns it as a float."""
+    dropout = plain(dropout)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
     if not 0.0 <= float(dropout) < 1.0:
@@ -47,10 +50,29 @@ def check_implementation(implementation: Any) -> str | None:
 
 
 def check_positive_int(name: str, value: Any) -> int:
-    """Checks that a size argument is a positive int and returns it."""
+    """Checks that a size argument is a positive int (Python or NumPy) and returns it as an int."""
+    value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def check_scale(scale: Any) -> float | None:
+    """Checks a ``scale`` argument: None, or a positive finite number (Python or NumPy).
+
+    Returns:
+        The scale as a float, or None.
+    """
+    scale = plain(scale)
+    if scale is None:
+        return None
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not 0 < scale < math.inf
+    ):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    return float(scale)
 
 
 def check_heads(num_hiddens: int, num_heads: int) -> None:

@@ -36,6 +36,7 @@ never forming the weights on the blockwise path. ``RelativeMultiHeadAttention`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ from jax.typing import DTypeLike
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import plain
 from attention_core.ops import Array, Ops
 from backends.jax.ops import OPS, JaxOps
 
@@ -253,6 +255,10 @@ class Layer(nn.Module):
     """Base of the Flax layers: argument checks, params from a canonical spec, dropout ops."""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # NumPy scalars as Python numbers, as elsewhere
+            value = getattr(self, field.name, None)
+            if plain(value) is not value:
+                object.__setattr__(self, field.name, plain(value))
         self.check_arguments()
         super().__post_init__()
 

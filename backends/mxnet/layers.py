@@ -49,6 +49,7 @@ from mxnet.gluon import HybridBlock, Parameter
 
 from attention_core import attention, checks, masks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from backends.mxnet.ops import OPS, MXNetOps
 
 #: Parameter dtypes the layers can be built in (MXNet's CPU matmul has no float16).
@@ -94,7 +95,7 @@ def _has_data(param: Parameter) -> bool:
     return param._data is not None
 
 
-class Layer(HybridBlock):
+class Layer(PlainArguments, HybridBlock):
     """Base of the Gluon layers.
 
     Args:

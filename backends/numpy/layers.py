@@ -14,11 +14,12 @@ import numpy as np
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from attention_core.ops import FLOAT_DTYPES
 from backends.numpy.ops import NumpyOps
 
 
-class Layer:
+class Layer(PlainArguments):
     """Base of the NumPy layers.
 
     Args:

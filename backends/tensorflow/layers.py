@@ -43,12 +43,13 @@ import tensorflow as tf
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from backends.tensorflow.ops import TensorFlowOps
 
 _serializable = keras.saving.register_keras_serializable(package="attention_core")
 
 
-class Layer(keras.layers.Layer):
+class Layer(PlainArguments, keras.layers.Layer):
     """Base of the Keras layers: canonical weights, dropout, and no change on a failed call.
 
     Args:

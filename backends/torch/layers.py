@@ -35,6 +35,7 @@ from torch.nn.parameter import Parameter, UninitializedParameter, is_lazy
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from backends.torch.ops import OPS, TorchOps
 
 Tensor = torch.Tensor
@@ -146,7 +147,7 @@ class Embedding(nn.Module):
         return f"{self.embedding.shape[0]}, {self.embedding.shape[1]}"
 
 
-class Layer(nn.Module):
+class Layer(PlainArguments, nn.Module):
     """Base of the torch layers: canonical weights, lazy input sizes, dropout by mode.
 
     Args:
