@@ -436,12 +436,14 @@ def additive_attention(
 
 def check_projected_inputs(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     """Checks ``(B, Q, Dq)``, ``(B, K, Dk)``, ``(B, K, Dv)``: depths may differ, lengths not."""
+    checks.check_framework("queries", queries, keys=keys, values=values)
     q = checks.check_rank(ops, "queries", queries, (3,), "(B, Q, Dq)")
     k = checks.check_rank(ops, "keys", keys, (3,), "(B, K, Dk)")
     v = checks.check_rank(ops, "values", values, (3,), "(B, K, Dv)")
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         checks.check_floating(ops, name, x)
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
+    checks.check_matmul_dtype(ops, "queries", queries)
     checks.check_equal(
         f"keys and values must have the same length, got {k[1]} keys and {v[1]} values", k[1], v[1]
     )
@@ -474,11 +476,13 @@ def nadaraya_watson(
         The predictions, shape of ``queries``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
+    checks.check_framework("queries", queries, keys=keys, values=values)
     q = checks.check_rank(ops, "queries", queries, (1, 2), "(B, Q) or (Q,)")
     checks.check_rank(ops, "keys", keys, (len(q),), "(B, K) or (K,) like queries")
     checks.check_rank(ops, "values", values, (len(q),), "(B, K) or (K,) like queries")
     checks.check_floating(ops, "queries", queries)
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
+    checks.check_matmul_dtype(ops, "queries", queries)
     k, v = ops.shape(keys), ops.shape(values)
     for i, axis in enumerate(("batch", "length")[2 - len(q) :]):
         checks.check_equal(

@@ -10,6 +10,7 @@ framework is told from its type, as :func:`attention_core.registry.backend_of` d
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,7 @@ def plain_arguments(init: Callable[..., None]) -> Callable[..., None]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *(plain(a) for a in args), **{k: plain(v) for k, v in kwargs.items()})
 
+    wrapper.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]  # Keras reads it
     return wrapper
 
 

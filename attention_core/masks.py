@@ -56,8 +56,30 @@ def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> boo
     return True
 
 
-def _is_integer(dtype: str) -> bool:
-    return dtype.startswith(("int", "uint"))
+def _check_lens_dtype(dtype: str) -> None:
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"valid_lens must have an integer dtype, got {dtype}")
+
+
+def _check_mask_dtype(dtype: str) -> None:
+    if dtype != "bool":
+        raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
+
+
+def check_dtypes(ops: Ops, valid_lens: Any = None, mask: Any = None) -> None:
+    """Checks the dtypes of ``valid_lens`` and ``mask`` as given, before any conversion.
+
+    For adapters that must convert them to backend arrays before the core sees them (MXNet
+    hands them to its graph): the messages are those of :func:`lens_column` and
+    :func:`boolean_mask`, read off host data (strings, complex numbers) that the backend could
+    not even hold.
+    """
+    if valid_lens is not None:
+        own = _own(ops, valid_lens)
+        _check_lens_dtype(ops.dtype_name(valid_lens) if own else host_array(valid_lens).dtype.name)
+    if mask is not None:
+        own = _own(ops, mask)
+        _check_mask_dtype(ops.dtype_name(mask) if own else host_array(mask).dtype.name)
 
 
 def lens_column(
@@ -80,9 +102,7 @@ def lens_column(
     B, _, Q, K = scores_shape
     own = _own(ops, valid_lens)
     host = None if own else host_array(valid_lens)  # read as given: checked before any cast
-    dtype = ops.dtype_name(valid_lens) if host is None else host.dtype.name
-    if not _is_integer(dtype):
-        raise TypeError(f"valid_lens must have an integer dtype, got {dtype}")
+    _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name)
     shape = ops.shape(valid_lens) if host is None else host.shape
     allowed = [(B,), (B, Q)]
     if not any(_fits(shape, want, broadcast=False) for want in allowed):
@@ -115,9 +135,7 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
         ValueError: ``mask`` cannot broadcast to the scores.
     """
     host = None if _own(ops, mask) else host_array(mask)  # read as given, before converting
-    dtype = ops.dtype_name(mask) if host is None else host.dtype.name
-    if dtype != "bool":
-        raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
+    _check_mask_dtype(ops.dtype_name(mask) if host is None else host.dtype.name)
     shape = ops.shape(mask) if host is None else host.shape
     mask = mask if host is None else ops.from_numpy(host)
     B, H, Q, K = scores_shape

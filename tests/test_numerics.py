@@ -523,3 +523,58 @@ def test_gradients_with_fully_masked_rows_are_finite_and_exact(backend: str) -> 
                 if not np.all(h.numpy(grads["input.0"])[empty] == 0.0):
                     problems.append(f"{label}: a query that sees no key has a nonzero gradient")
     assert not problems, "\n".join(problems)
+
+
+# -- issue 14: the dtype rule ---------------------------------------------------------------------
+
+#: Every layer with weights, its config and input shapes (``None``: valid_lens of the batch).
+WEIGHTED_LAYERS: dict[str, tuple[dict[str, Any], tuple[tuple[int, ...], ...]]] = {
+    "AdditiveAttention": ({"num_hiddens": 6}, ((2, 4, 3), (2, 6, 8), (2, 6, 5))),
+    "MultiHeadAttention": ({"num_hiddens": 8, "num_heads": 2}, ((2, 4, 8), (2, 6, 8), (2, 6, 5))),
+    "RelativeMultiHeadAttention": ({"num_hiddens": 12, "num_heads": 3, "max_relative_position": 2},
+                                   ((2, 4, 12), (2, 4, 12), (2, 4, 12))),
+    "LearnedPositionalEncoding": ({"num_hiddens": 4, "max_len": 6}, ((2, 5, 4),)),
+    "PositionWiseFFN": ({"ffn_num_hiddens": 6, "ffn_num_outputs": 4}, ((2, 3, 5),)),
+    "AddNorm": ({"num_hiddens": 8}, ((2, 3, 8), (2, 3, 8))),
+    "TransformerEncoderBlock": ({"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3},
+                                ((2, 5, 12),)),
+    "NadarayaWatson": ({"parametric": True}, ((2, 3), (2, 5), (2, 5))),
+}
+
+
+def _other_dtypes(backend: str) -> list[str]:
+    """Input dtypes other than float32 that the backend's arrays can hold (JAX: no float64
+    without ``jax_enable_x64``)."""
+    return [d for d in ("float64", "float16") if not (backend == "jax" and d == "float64")]
+
+
+@pytest.mark.parametrize("layer_name", sorted(WEIGHTED_LAYERS))
+def test_a_layer_with_weights_computes_in_its_own_dtype(backend: str, layer_name: str) -> None:
+    """A float32 layer given float64 or float16 inputs casts them to float32 on entry: the
+    output is float32 and equals the output for the inputs cast to float32 first."""
+    h = Harness(backend)
+    config, shapes = WEIGHTED_LAYERS[layer_name]
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal(s) for s in shapes]
+    layer = h.make(layer_name, config)
+    for dtype in _other_dtypes(backend):
+        given = [x.astype(dtype) for x in data]
+        out = h.call(layer, *(h.array(x) for x in given))
+        assert h.ops.dtype_name(out) == "float32", (layer_name, dtype)
+        first = h.call(layer, *(h.array(x.astype(np.float32)) for x in given))
+        np.testing.assert_allclose(h.numpy(out), h.numpy(first), rtol=0, atol=1e-6,
+                                   err_msg=f"{layer_name} on {dtype} inputs")
+
+
+def test_a_layer_without_weights_computes_in_its_inputs_dtype(backend: str) -> None:
+    """DotProductAttention and PositionalEncoding compute in their inputs' dtype."""
+    h = Harness(backend)
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 8), (2, 6, 8), (2, 6, 5)))
+    dtypes = [d for d in ("float64",) if d in DTYPES[backend]] + ["float32"]
+    for dtype in dtypes:
+        for name, config, inputs in (("DotProductAttention", {}, (q, k, v)),
+                                     ("PositionalEncoding", {"num_hiddens": 8, "max_len": 6},
+                                      (q,))):
+            out = h.call(h.make(name, config), *(h.array(x, dtype) for x in inputs))
+            assert h.ops.dtype_name(out) == dtype, (name, dtype)

@@ -84,6 +84,8 @@ class Layer(PlainArguments, keras.layers.Layer):
         A first call that fails leaves the layer unbuilt. The error is the one ``call()``
         raised, not Keras' rewrapped copy (see :func:`_unwrap_call_error`).
         """
+        if self.autocast and not self.spec():  # the dtype rule: no weights, the inputs' dtype
+            self.autocast = False
         fresh = not self.built
         try:
             return super().__call__(*args, **kwargs)
