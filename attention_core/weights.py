@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from attention_core.checks import check_heads, check_positive_int, fmt_shape
+from attention_core.host import host_array
 
 Shape = tuple[int | None, ...]
 Spec = dict[str, Shape]
@@ -233,8 +234,8 @@ def check_weights(
 
     Args:
         spec: The expected names and shapes (``None`` matches any size).
-        weights: The mapping given by the user (arrays of any framework convertible by
-            ``numpy.asarray``).
+        weights: The mapping given by the user (arrays of any framework, read by
+            :func:`attention_core.host.host_array`).
         where: The caller's name, for the message.
 
     Returns:
@@ -257,7 +258,7 @@ def check_weights(
         )
     out: dict[str, np.ndarray] = {}
     for name, want in spec.items():
-        value = np.asarray(weights[name])
+        value = host_array(weights[name])
         if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
             raise TypeError(f"{where}: {name} must be floating point, got {value.dtype.name}")
         if value.ndim != len(want) or any(
@@ -416,7 +417,8 @@ def canonical_weights(
         where: The caller's name, for the messages.
 
     Returns:
-        Canonical name -> NumPy array (via ``numpy.asarray``; no framework is imported).
+        Canonical name -> NumPy array (via :func:`attention_core.host.host_array`; no
+        framework is imported).
 
     Raises:
         TypeError: ``source`` is neither, or a leaf is not an array.
@@ -445,7 +447,7 @@ def canonical_weights(
     for name, value in flat.items():
         if value is None or isinstance(value, (str, bytes)):
             raise TypeError(f"{where}: {name} must be an array, got {type(value).__name__}")
-        out[name] = np.asarray(value)
+        out[name] = host_array(value)
     return out
 
 

@@ -47,11 +47,6 @@ def _ops(x: Tensor) -> TorchOps:
     return TorchOps(x.device)
 
 
-def _host(value: Any) -> Any:
-    """A torch tensor as NumPy data (bfloat16 widened exactly); anything else unchanged."""
-    return OPS.to_numpy(value) if isinstance(value, Tensor) else value
-
-
 class Dense(LazyModuleMixin, nn.Module):
     """Holds a dense layer's ``kernel`` ``(in, out)`` and optional ``bias`` ``(out,)``.
 
@@ -194,11 +189,10 @@ class Layer(PlainArguments, nn.Module):
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Sets every weight from a canonical mapping; checks all names and shapes first.
 
-        Values may be NumPy arrays or tensors; they are cast to the parameters' dtype.
+        Values may be arrays of any framework (read on the host by
+        :func:`attention_core.host.host_array`); they are cast to the parameters' dtype.
         Setting the weights of a layer not called yet fixes its input sizes.
         """
-        if isinstance(weights, Mapping):
-            weights = {name: _host(value) for name, value in weights.items()}
         checked = W.check_weights(self.spec(), weights)
         params = self._weights()
         with torch.no_grad():
