@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from attention_core.checks import fmt_shape
-from attention_core.host import framework_of, host_array
+from attention_core.host import framework_of, host_array, plain
 from attention_core.ops import Array, Ops
 
 #: Score given to masked keys before the max is taken: the most negative finite value of the
@@ -176,7 +176,8 @@ class Visibility:
         mask: Any = None,
         causal: bool = False,
     ) -> None:
-        if not isinstance(causal, (bool, np.bool_)):
+        causal = plain(causal)  # np.bool_ -> bool
+        if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
         self.lens: Array | None = None

@@ -251,6 +251,17 @@ def load(c: Ctx, make: Callable[[Path], Path]) -> Any:
     return ac.load_weights(make(c.file()), c.layer)
 
 
+def host_dpa(c: Ctx, **kwargs: Any) -> Any:
+    """dot-product attention on backend arrays with ``kwargs`` passed as given (host data)."""
+    return ac.dot_product_attention(*(c.h.array(a) for a in qkv()), **kwargs)
+
+
+def host_call(c: Ctx, inputs: list[np.ndarray], *host: Any, **kwargs: Any) -> Any:
+    """Calls the row's layer on ``inputs`` as backend arrays and ``host`` (lengths, masks)
+    and ``kwargs`` as given."""
+    return c.h.call(c.layer, *(c.h.array(a) for a in inputs), *host, **kwargs)
+
+
 CATALOGUE: list[Bad] = [
     # -- ranks
     Bad("queries_rank", "rank", lambda c: dpa(c.h, qkv(q=(4, 8))), ValueError,
@@ -312,7 +323,7 @@ CATALOGUE: list[Bad] = [
         lambda c: c.h.module.DotProductAttention(implementation="flash"), ValueError,
         "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"),
     Bad("scale_negative", "sizes", lambda c: dpa(c.h, qkv(), scale=-1.0), ValueError,
-        "scale must be a positive float or None, got -1.0"),
+        "scale must be a positive finite float or None, got -1.0"),
     # -- valid_lens
     Bad("valid_lens_shape", "valid_lens", lambda c: dpa(c.h, qkv(), valid_lens=np.array([1, 2, 3])),
         ValueError, "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got (3,)"),
@@ -513,6 +524,102 @@ CATALOGUE: list[Bad] = [
         ValueError, not_valid("data of 'W_q.kernel' is truncated or misplaced"), mha),
     Bad("load_missing_file", "load_weights", lambda c: ac.load_weights(c.file("absent.safetensors"), c.layer),
         FileNotFoundError, "[Errno 2] No such file or directory: {absent}", mha),
+    # -- issue 14: argument types and dtypes, one rule everywhere
+    # lengths and token ids are checked as given, before any cast (JAX holds no int64)
+    Bad("valid_lens_beyond_int32", "valid_lens",
+        lambda c: host_dpa(c, valid_lens=np.array([2**32 + 3, 2])), ValueError,
+        "valid_lens must be <= the number of keys (6), got 4294967299"),
+    Bad("valid_lens_list_beyond_int32", "valid_lens", lambda c: host_dpa(c, valid_lens=[2, 2**32 + 3]),
+        ValueError, "valid_lens must be <= the number of keys (6), got 4294967299"),
+    Bad("valid_lens_below_int32", "valid_lens", lambda c: host_dpa(c, valid_lens=np.array([2, -2**32])),
+        ValueError, "valid_lens must be >= 0, got -4294967296"),
+    Bad("valid_lens_uint64_beyond_int64", "valid_lens",
+        lambda c: host_dpa(c, valid_lens=np.array([2**63 + 5, 1], np.uint64)), ValueError,
+        "valid_lens must be <= the number of keys (6), got 9223372036854775813"),
+    Bad("layer_valid_lens_beyond_int32", "valid_lens",
+        lambda c: host_call(c, qkv(), np.array([3, 2**32 + 3])), ValueError,
+        "valid_lens must be <= the number of keys (6), got 4294967299", mha),
+    Bad("layer_block_valid_lens_uint16_too_long", "valid_lens",
+        lambda c: host_call(c, [arr((2, 5, 12))], np.array([5, 6], np.uint16)), ValueError,
+        "valid_lens must be <= the number of keys (5), got 6", block),
+    Bad("layer_encoder_valid_lens_beyond_int32", "valid_lens",
+        lambda c: host_call(c, [np.array([[1, 2, 3]])], np.array([2**32 + 1])), ValueError,
+        "valid_lens must be <= the number of keys (3), got 4294967297", encoder),
+    # Python scalars as lengths or masks are read as NumPy reads them: a 0-d array
+    Bad("valid_lens_python_int", "valid_lens", lambda c: host_dpa(c, valid_lens=3), ValueError,
+        "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got ()"),
+    Bad("valid_lens_python_float", "valid_lens", lambda c: host_dpa(c, valid_lens=3.0), TypeError,
+        "valid_lens must have an integer dtype, got float64"),
+    Bad("valid_lens_str", "valid_lens", lambda c: host_dpa(c, valid_lens="3"), TypeError,
+        "valid_lens must have an integer dtype, got str32"),
+    Bad("valid_lens_python_floats", "valid_lens", lambda c: host_dpa(c, valid_lens=[3.0, 2.0]),
+        TypeError, "valid_lens must have an integer dtype, got float64"),
+    Bad("mask_python_bool", "mask", lambda c: host_dpa(c, mask=True), ValueError,
+        mask_message("(2, 1, 4, 6)", "()")),
+    Bad("mask_nested_lists_of_ints", "mask", lambda c: host_dpa(c, mask=[[1] * 6] * 4), TypeError,
+        "mask must be boolean (True = may attend), got int64"),
+    Bad("masked_softmax_valid_lens_python_float", "valid_lens",
+        lambda c: ac.masked_softmax(c.h.array(arr((2, 3, 4))), 2.0), TypeError,
+        "valid_lens must have an integer dtype, got float64"),
+    Bad("layer_mask_python_bool", "mask", lambda c: host_call(c, qkv(), mask=False), ValueError,
+        mask_message("(2, 2, 4, 6)", "()"), mha),
+    Bad("layer_valid_lens_python_float", "valid_lens", lambda c: host_call(c, qkv(), 4.0), TypeError,
+        "valid_lens must have an integer dtype, got float64", mha),
+    Bad("layer_block_valid_lens_str", "valid_lens", lambda c: host_call(c, [arr((2, 5, 12))], "5"),
+        TypeError, "valid_lens must have an integer dtype, got str32", block),
+    Bad("layer_encoder_mask_python_bool", "mask",
+        lambda c: host_call(c, [np.array([[1, 2, 3]])], mask=True), ValueError,
+        mask_message("(1, 3, 3, 3)", "()"), encoder),
+    # scale and dropout: finite, NumPy scalars read as the Python numbers they hold
+    Bad("scale_inf", "sizes", lambda c: dpa(c.h, qkv(), scale=float("inf")), ValueError,
+        "scale must be a positive finite float or None, got inf"),
+    Bad("scale_nan", "sizes", lambda c: dpa(c.h, qkv(), scale=float("nan")), ValueError,
+        "scale must be a positive finite float or None, got nan"),
+    Bad("scale_numpy_inf", "sizes", lambda c: dpa(c.h, qkv(), scale=np.float32(np.inf)), ValueError,
+        "scale must be a positive finite float or None, got inf"),
+    Bad("scale_numpy_negative", "sizes", lambda c: dpa(c.h, qkv(), scale=np.float64(-0.5)), ValueError,
+        "scale must be a positive finite float or None, got -0.5"),
+    Bad("scale_str", "sizes", lambda c: dpa(c.h, qkv(), scale="0.5"), ValueError,
+        "scale must be a positive finite float or None, got '0.5'"),
+    Bad("functional_dropout_inf", "dropout", lambda c: dpa(c.h, qkv(), dropout=float("inf")), ValueError,
+        "dropout must be in [0, 1), got inf"),
+    Bad("functional_dropout_numpy_nan", "dropout", lambda c: dpa(c.h, qkv(), dropout=np.float32(np.nan)),
+        ValueError, "dropout must be in [0, 1), got nan"),
+    Bad("layer_dropout_numpy_one", "dropout",
+        lambda c: c.h.module.MultiHeadAttention(8, 2, dropout=np.float64(1.0)), ValueError,
+        "dropout must be in [0, 1), got 1.0"),
+    Bad("layer_dropout_inf", "dropout", lambda c: c.h.module.AddNorm(8, dropout=float("inf")), ValueError,
+        "dropout must be in [0, 1), got inf"),
+    Bad("numpy_zero_heads", "heads", lambda c: c.h.module.MultiHeadAttention(np.int64(8), np.int64(0)),
+        ValueError, "num_heads must be a positive int, got 0"),
+    Bad("numpy_heads_not_dividing", "heads",
+        lambda c: c.h.module.TransformerEncoderBlock(np.int32(12), 16, np.int64(5)), ValueError,
+        "num_hiddens (12) must be divisible by num_heads (5)"),
+    Bad("numpy_float_heads", "heads", lambda c: c.h.module.MultiHeadAttention(8, np.float32(2)),
+        ValueError, "num_heads must be a positive int, got 2.0"),
+    Bad("functional_numpy_heads_not_dividing", "heads",
+        lambda c: ac.multi_head_attention(*(c.h.array(a) for a in qkv()),
+                                          {"W_q.kernel": c.h.array(arr((8, 9)))}, np.int64(2)),
+        ValueError, "num_hiddens (9) must be divisible by num_heads (2)"),
+    Bad("numpy_zero_max_len", "sizes", lambda c: c.h.module.PositionalEncoding(4, max_len=np.int64(0)),
+        ValueError, "max_len must be a positive int, got 0"),
+    Bad("numpy_zero_relative_offsets", "sizes",
+        lambda c: c.h.module.RelativeMultiHeadAttention(12, 3, np.uint8(0)), ValueError,
+        "max_relative_position must be a positive int, got 0"),
+    Bad("causal_numpy_int", "mask", lambda c: dpa(c.h, qkv(), causal=np.int64(1)), TypeError,
+        "causal must be a bool, got int"),
+    # the main inputs of a call are arrays of one framework (host-side ones may be of any)
+    Bad("keys_list", "dtype", lambda c: ac.dot_product_attention(c.h.array(arr((2, 4, 8))),
+                                                                  arr((2, 6, 8)).tolist(),
+                                                                  c.h.array(arr((2, 6, 5)))),
+        TypeError, "keys must be a {backend} array like queries, got list"),
+    Bad("layer_values_list", "dtype", lambda c: c.h.call(c.layer, c.h.array(arr((2, 4, 8))),
+                                                         c.h.array(arr((2, 6, 8))), [[[1.0] * 5] * 6] * 2),
+        TypeError, "values must be a {backend} array like queries, got list", mha),
+    Bad("add_norm_y_list", "dtype",
+        lambda c: ac.add_norm(c.h.array(arr((2, 3, 8))), arr((2, 3, 8)).tolist(),
+                              {"ln.gamma": c.h.array(arr((8,))), "ln.beta": c.h.array(arr((8,)))}),
+        TypeError, "Y must be a {backend} array like X, got list"),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,
@@ -572,7 +679,7 @@ def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.Mo
         layer = row.layer(h) if row.layer is not None else None
         before = state(h, layer) if layer is not None else None
         ctx = Ctx(h, layer, tmp_path, monkeypatch)
-        message = row.message.format(path=repr(str(ctx.file())),
+        message = row.message.format(path=repr(str(ctx.file())), backend=h.name,
                                      absent=repr(str(ctx.file("absent.safetensors"))))
         with pytest.raises(row.exc) as info:
             row.act(ctx)
