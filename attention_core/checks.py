@@ -136,9 +136,7 @@ def compute_inputs(ops: Ops, dtype: str | None, **inputs: Array) -> list[Array]:
     Returns:
         The inputs, in order, cast where needed.
     """
-    given = {name: x for name, x in inputs.items() if x is not None}
-    first, *others = given
-    check_framework(first, given[first], **{name: given[name] for name in others})
+    check_inputs_framework(**inputs)
     out = []
     for name, x in inputs.items():
         if x is not None and check_floating(ops, name, x) != dtype and dtype is not None:
@@ -188,6 +186,14 @@ def check_framework(ref_name: str, ref: Array, **others: Array) -> None:
         if owner != want:
             got = f"a {owner} array" if owner is not None else type(x).__name__
             raise TypeError(f"{name} must be a {want} array like {ref_name}, got {got}")
+
+
+def check_inputs_framework(**inputs: Array) -> None:
+    """:func:`check_framework` of the given inputs (None entries skipped) against the first."""
+    given = {name: x for name, x in inputs.items() if x is not None}
+    if given:
+        first, *others = given
+        check_framework(first, given[first], **{name: given[name] for name in others})
 
 
 def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> None:

@@ -243,9 +243,12 @@ class Layer(PlainArguments, HybridBlock):
                 "them with mxnet.numpy arrays"
             )
         named = dict(zip(self._slots, arrays, strict=True))
-        masks.check_dtypes(OPS, named.get("valid_lens"), named.get("mask"))  # before converting
-        arrays = [None if a is None else masks.as_backend_array(OPS, a) for a in arrays]
         floating = [i for i, n in enumerate(self._slots) if n not in _NOT_FLOATING]
+        # before converting: NumPy inputs are taken (all of one framework), lengths and masks
+        # from anywhere
+        checks.check_inputs_framework(**{self._slots[i]: arrays[i] for i in floating})
+        masks.check_dtypes(OPS, named.get("valid_lens"), named.get("mask"))
+        arrays = [None if a is None else masks.as_backend_array(OPS, a) for a in arrays]
         params = list(self._weights.values())
         dtype = np.dtype(params[0].dtype).name if params else None
         cast = checks.compute_inputs(OPS, dtype, **{self._slots[i]: arrays[i] for i in floating})
