@@ -620,6 +620,15 @@ CATALOGUE: list[Bad] = [
         lambda c: ac.add_norm(c.h.array(arr((2, 3, 8))), arr((2, 3, 8)).tolist(),
                               {"ln.gamma": c.h.array(arr((8,))), "ln.beta": c.h.array(arr((8,)))}),
         TypeError, "Y must be a {backend} array like X, got list"),
+    Bad("keys_of_another_framework", "dtype",
+        lambda c: ac.dot_product_attention(c.h.array(arr((2, 4, 8))), arr((2, 6, 8)),
+                                           c.h.array(arr((2, 6, 5)))),
+        TypeError, "keys must be a {backend} array like queries, got a numpy array",
+        without=(("numpy", "NumPy arrays are the numpy backend's own"),)),
+    Bad("layer_values_of_another_framework", "dtype",
+        lambda c: c.h.call(c.layer, c.h.array(arr((2, 4, 8))), c.h.array(arr((2, 6, 8))), arr((2, 6, 5))),
+        TypeError, "values must be a {backend} array like queries, got a numpy array", mha,
+        (("numpy", "NumPy arrays are the numpy backend's own"),)),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,
@@ -698,6 +707,25 @@ def test_catalogue_covers_every_category() -> None:
                           "dropout", "tokens", "set_weights", "load_weights", "backend"}
     assert len(CATALOGUE) >= 45
     assert sum(row.layer is not None for row in CATALOGUE) >= 30
+
+
+def test_inputs_of_two_frameworks_are_refused(backend: str) -> None:
+    """Queries of the backend with keys of any other installed framework: a TypeError naming
+    the argument and both frameworks, from the functional API and from a layer."""
+    h = Harness(backend)
+    others = [name for name in registry.available_backends() if name not in (backend, "numpy")]
+    layer = mha(h)
+    for other in others:
+        foreign = Harness(other)
+        q, _, v = (h.array(a) for a in qkv())
+        bad = foreign.array(arr((2, 6, 8)))
+        message = f"keys must be a {backend} array like queries, got a {other} array"
+        with pytest.raises(TypeError) as info:
+            ac.dot_product_attention(q, bad, v)
+        assert str(info.value) == message
+        with pytest.raises(TypeError) as info:
+            h.call(layer, q, bad, v)
+        assert str(info.value) == message
 
 
 def test_failed_first_call_leaves_input_sizes_open(backend: str) -> None:
