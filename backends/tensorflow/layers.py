@@ -84,8 +84,8 @@ class Layer(PlainArguments, keras.layers.Layer):
         A first call that fails leaves the layer unbuilt. The error is the one ``call()``
         raised, not Keras' rewrapped copy (see :func:`_unwrap_call_error`).
         """
-        if self.autocast and not self.spec():  # the dtype rule: no weights, the inputs' dtype
-            self.autocast = False
+        if getattr(self, "autocast", False) and not self.spec():
+            self.autocast = False  # the dtype rule: no weights, so the inputs' dtype (no cast)
         fresh = not self.built
         try:
             return super().__call__(*args, **kwargs)
