@@ -75,14 +75,15 @@ def check_scale(scale: Any) -> float | None:
     return float(scale)
 
 
-def check_heads(num_hiddens: int, num_heads: int) -> None:
-    """Checks that ``num_hiddens`` splits evenly into ``num_heads``."""
-    check_positive_int("num_hiddens", num_hiddens)
-    check_positive_int("num_heads", num_heads)
+def check_heads(num_hiddens: int, num_heads: int) -> tuple[int, int]:
+    """Checks that ``num_hiddens`` splits evenly into ``num_heads``; returns both as ints."""
+    num_hiddens = check_positive_int("num_hiddens", num_hiddens)
+    num_heads = check_positive_int("num_heads", num_heads)
     if num_hiddens % num_heads:
         raise ValueError(
             f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})"
         )
+    return num_hiddens, num_heads
 
 
 def check_floating(ops: Ops, name: str, x: Array) -> str:
