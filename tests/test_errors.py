@@ -251,6 +251,16 @@ def load(c: Ctx, make: Callable[[Path], Path]) -> Any:
     return ac.load_weights(make(c.file()), c.layer)
 
 
+#: JAX arrays hold no int64 (without ``jax_enable_x64``): int64 ids would be cut when the array
+#: is made, before any library code runs.
+NO_INT64 = (("jax", "JAX arrays hold no int64 without jax_enable_x64"),)
+
+
+def int64_tokens(c: Ctx, tokens: np.ndarray) -> Any:
+    """int64 token ids as a user gives them: a backend array, or NumPy to a Flax module."""
+    return tokens if c.h.name == "jax" else c.h.array(tokens)
+
+
 def host_dpa(c: Ctx, **kwargs: Any) -> Any:
     """dot-product attention on backend arrays with ``kwargs`` passed as given (host data)."""
     return ac.dot_product_attention(*(c.h.array(a) for a in qkv()), **kwargs)
@@ -545,6 +555,11 @@ CATALOGUE: list[Bad] = [
     Bad("layer_encoder_valid_lens_beyond_int32", "valid_lens",
         lambda c: host_call(c, [np.array([[1, 2, 3]])], np.array([2**32 + 1])), ValueError,
         "valid_lens must be <= the number of keys (3), got 4294967297", encoder),
+    Bad("tokens_beyond_int32", "tokens", lambda c: encode(c.h, np.array([[1, 2**32 + 3]])), ValueError,
+        "tokens must be in [0, vocab_size) = [0, 11), got 4294967299", without=NO_INT64),
+    Bad("layer_encoder_tokens_beyond_int32", "tokens",
+        lambda c: c.h.call(c.layer, int64_tokens(c, np.array([[1, 2**33], [3, 4]]))), ValueError,
+        "tokens must be in [0, vocab_size) = [0, 11), got 8589934592", encoder),
     # Python scalars as lengths or masks are read as NumPy reads them: a 0-d array
     Bad("valid_lens_python_int", "valid_lens", lambda c: host_dpa(c, valid_lens=3), ValueError,
         "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got ()"),
