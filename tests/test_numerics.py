@@ -576,9 +576,7 @@ def test_a_layer_without_weights_computes_in_its_inputs_dtype(backend: str) -> N
         for name, config, inputs in (("DotProductAttention", {}, (q, k, v)),
                                      ("PositionalEncoding", {"num_hiddens": 8, "max_len": 6},
                                       (q,))):
-            # Keras: no dtype policy chosen (the harness would give one, which then rules)
-            layer = getattr(h.module, name)(**config) if h.name == "tensorflow" else h.make(name, config)
-            out = h.call(layer, *(h.array(x, dtype) for x in inputs))
+            out = h.call(h.make(name, config), *(h.array(x, dtype) for x in inputs))
             assert h.ops.dtype_name(out) == dtype, (name, dtype)
 
 

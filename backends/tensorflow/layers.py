@@ -73,10 +73,6 @@ class Layer(PlainArguments, keras.layers.Layer):
         self.attention_weights: tf.Tensor | None = None
         # valid_lens may be a Python list, as in the NumPy layers
         self._allow_non_tensor_positional_args = True
-        # the dtype rule: a policy chosen for the layer (or globally) is its compute dtype;
-        # without one, a layer without weights computes in its inputs' dtype (see __call__)
-        self._policy_chosen = (kwargs.get("dtype") is not None
-                               or keras.config.dtype_policy().name != "float32")
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
@@ -88,8 +84,10 @@ class Layer(PlainArguments, keras.layers.Layer):
         A first call that fails leaves the layer unbuilt. The error is the one ``call()``
         raised, not Keras' rewrapped copy (see :func:`_unwrap_call_error`).
         """
-        if getattr(self, "autocast", False) and not self._policy_chosen and not self.spec():
-            self.autocast = False  # the dtype rule: no weights, so the inputs' dtype (no cast)
+        # the dtype rule: without weights, the inputs' dtype, unless a policy other than
+        # float32 was chosen for the layer (or globally), whose compute dtype then rules
+        if getattr(self, "autocast", False) and self.dtype_policy.name == "float32" and not self.spec():
+            self.autocast = False
         fresh = not self.built
         try:
             return super().__call__(*args, **kwargs)
