@@ -741,6 +741,30 @@ def test_inputs_of_two_frameworks_are_refused(backend: str) -> None:
             assert str(info.value) == message
 
 
+def test_foreign_lengths_and_masks_get_numpy_dtype_names(backend: str) -> None:
+    """Lengths and masks of another framework are checked as given, their dtypes named as
+    NumPy names them (``bfloat16``, ``float64``; never ``<dtype: 'float64'>``)."""
+    h = Harness(backend)
+    q, k, v = (h.array(a) for a in qkv())
+    cases: list[tuple[str, Any, str]] = []
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        cases += [("valid_lens", torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "bfloat16"),
+                  ("mask", torch.ones(4, 6, dtype=torch.int16), "int16")]
+    if importlib.util.find_spec("tensorflow") is not None:
+        import tensorflow as tf
+
+        cases += [("valid_lens", tf.constant([1.0, 2.0], tf.float64), "float64"),
+                  ("mask", tf.ones((4, 6), tf.int64), "int64")]
+    for name, value, dtype in cases:
+        want = ("valid_lens must have an integer dtype, got " if name == "valid_lens"
+                else "mask must be boolean (True = may attend), got ") + dtype
+        with pytest.raises(TypeError) as info:
+            ac.dot_product_attention(q, k, v, **{name: value})
+        assert str(info.value) == want
+
+
 def test_failed_first_call_leaves_input_sizes_open(backend: str) -> None:
     """A first call that fails builds nothing: the next good call may choose any input width."""
     h = Harness(backend)
