@@ -397,13 +397,12 @@ def _unfused_path(ops: Ops, shape: tuple[Any, ...]) -> str:
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
     """The factor the scores are multiplied by: ``scale``, or ``1 / sqrt(D)`` when None."""
     depth = ops.shape(queries)[-1]
+    scale = checks.check_scale(scale)
     if scale is None and not isinstance(depth, int):  # depth known only at run time
         return 1.0 / ops.sqrt(ops.astype(depth, ops.dtype_name(queries)))
     if scale is None:
         return 1.0 / math.sqrt(depth)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
-    return float(scale)
+    return scale
 
 
 def dot_product_attention(
@@ -524,12 +523,14 @@ def additive_attention(
 
 def check_projected_inputs(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     """Checks ``(B, Q, Dq)``, ``(B, K, Dk)``, ``(B, K, Dv)``: depths may differ, lengths not."""
+    checks.check_framework("queries", queries, keys=keys, values=values)
     q = checks.check_rank(ops, "queries", queries, (3,), "(B, Q, Dq)")
     k = checks.check_rank(ops, "keys", keys, (3,), "(B, K, Dk)")
     v = checks.check_rank(ops, "values", values, (3,), "(B, K, Dv)")
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         checks.check_floating(ops, name, x)
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
+    checks.check_matmul_dtype(ops, "queries", queries)
     checks.check_equal(
         f"keys and values must have the same length, got {k[1]} keys and {v[1]} values", k[1], v[1]
     )
@@ -562,11 +563,13 @@ def nadaraya_watson(
         The predictions, shape of ``queries``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
+    checks.check_framework("queries", queries, keys=keys, values=values)
     q = checks.check_rank(ops, "queries", queries, (1, 2), "(B, Q) or (Q,)")
     checks.check_rank(ops, "keys", keys, (len(q),), "(B, K) or (K,) like queries")
     checks.check_rank(ops, "values", values, (len(q),), "(B, K) or (K,) like queries")
     checks.check_floating(ops, "queries", queries)
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
+    checks.check_matmul_dtype(ops, "queries", queries)
     k, v = ops.shape(keys), ops.shape(values)
     for i, axis in enumerate(("batch", "length")[2 - len(q) :]):
         checks.check_equal(

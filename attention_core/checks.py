@@ -8,9 +8,11 @@ int, under tracing) are skipped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from attention_core.host import framework_of, plain
 from attention_core.ops import FLOAT_DTYPES, Array, Ops
 
 
@@ -25,7 +27,8 @@ def fmt_shape(shape: Sequence[Any]) -> str:
 
 
 def check_dropout(dropout: float) -> float:
-    """Checks a dropout rate and returns it as a float."""
+    """Checks a dropout rate (a Python or NumPy number) and returns it as a float."""
+    dropout = plain(dropout)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
     if not 0.0 <= float(dropout) < 1.0:
@@ -47,20 +50,40 @@ def check_implementation(implementation: Any) -> str | None:
 
 
 def check_positive_int(name: str, value: Any) -> int:
-    """Checks that a size argument is a positive int and returns it."""
+    """Checks that a size argument is a positive int (Python or NumPy) and returns it as an int."""
+    value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
-def check_heads(num_hiddens: int, num_heads: int) -> None:
-    """Checks that ``num_hiddens`` splits evenly into ``num_heads``."""
-    check_positive_int("num_hiddens", num_hiddens)
-    check_positive_int("num_heads", num_heads)
+def check_scale(scale: Any) -> float | None:
+    """Checks a ``scale`` argument: None, or a positive finite number (Python or NumPy).
+
+    Returns:
+        The scale as a float, or None.
+    """
+    scale = plain(scale)
+    if scale is None:
+        return None
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not 0 < scale < math.inf
+    ):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def check_heads(num_hiddens: int, num_heads: int) -> tuple[int, int]:
+    """Checks that ``num_hiddens`` splits evenly into ``num_heads``; returns both as ints."""
+    num_hiddens = check_positive_int("num_hiddens", num_hiddens)
+    num_heads = check_positive_int("num_heads", num_heads)
     if num_hiddens % num_heads:
         raise ValueError(
             f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})"
         )
+    return num_hiddens, num_heads
 
 
 def check_floating(ops: Ops, name: str, x: Array) -> str:
@@ -80,6 +103,47 @@ def check_floating(ops: Ops, name: str, x: Array) -> str:
             f"{name} must be floating point ({', '.join(FLOAT_DTYPES)}), got {dtype}"
         )
     return dtype
+
+
+def check_matmul_dtype(ops: Ops, name: str, x: Array) -> None:
+    """Refuses, before any work, a floating dtype the backend cannot multiply matrices in.
+
+    A backend says so with an optional ``ops.matmul_refusal(x) -> str | None``: why arrays
+    like ``x`` cannot be multiplied (MXNet: float16 on CPU), or None when they can.
+    """
+    refusal = getattr(ops, "matmul_refusal", None)
+    why = refusal(x) if refusal is not None else None
+    if why:
+        raise TypeError(
+            f"{name} dtype {ops.dtype_name(x)} is not supported by the {ops.name} backend: {why}"
+        )
+
+
+def compute_inputs(ops: Ops, dtype: str | None, **inputs: Array) -> list[Array]:
+    """The dtype rule: a layer with weights computes in its own compute dtype.
+
+    The inputs are checked to be arrays of one framework (:func:`check_framework`), each to be
+    real floating point (:func:`check_floating`'s messages), then
+    cast to ``dtype`` when it has another floating dtype, as Keras' autocast does: a float32
+    layer given float64 or float16 inputs computes in float32 and returns float32. A layer
+    without weights passes ``dtype=None`` and computes in its inputs' dtype (which must then
+    agree, as the core checks).
+
+    Args:
+        ops: The backend's ops.
+        dtype: The layer's compute dtype (that of its weights), or None.
+        **inputs: The inputs computed on, by argument name (None entries are passed through).
+
+    Returns:
+        The inputs, in order, cast where needed.
+    """
+    check_inputs_framework(**inputs)
+    out = []
+    for name, x in inputs.items():
+        if x is not None and check_floating(ops, name, x) != dtype and dtype is not None:
+            x = ops.astype(x, dtype)
+        out.append(x)
+    return out
 
 
 def check_rank(ops: Ops, name: str, x: Array, ranks: Sequence[int], legend: str) -> tuple[Any, ...]:
@@ -110,6 +174,39 @@ def check_not_empty(ops: Ops, name: str, x: Array) -> tuple[Any, ...]:
     return shape
 
 
+def check_framework(ref_name: str, ref: Array, **others: Array) -> None:
+    """Checks that the main inputs of a call are arrays of one framework, that of ``ref``.
+
+    Host-side arguments (lengths, masks, weights to set) may come from any framework and are
+    converted (:mod:`attention_core.host`); the inputs computed on are never converted, so
+    mixing frameworks there is refused, with both frameworks named.
+
+    Args:
+        ref_name: The first input's name (``"queries"``, ``"X"``), for the message.
+        ref: The first input.
+        **others: The other inputs by name.
+    """
+    want = framework_of(ref)
+    if want is None:
+        raise TypeError(
+            f"{ref_name} must be an array of numpy, torch, tensorflow, jax or mxnet, "
+            f"got {type(ref).__name__}"
+        )
+    for name, x in others.items():
+        owner = framework_of(x)
+        if owner != want:
+            got = f"a {owner} array" if owner is not None else type(x).__name__
+            raise TypeError(f"{name} must be a {want} array like {ref_name}, got {got}")
+
+
+def check_inputs_framework(**inputs: Array) -> None:
+    """:func:`check_framework` of the given inputs (None entries skipped) against the first."""
+    given = {name: x for name, x in inputs.items() if x is not None}
+    if given:
+        first, *others = given
+        check_framework(first, given[first], **{name: given[name] for name in others})
+
+
 def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> None:
     """Checks that every array in ``others`` has the dtype of ``ref``."""
     want = ops.dtype_name(ref)
@@ -127,6 +224,7 @@ def check_equal(what: str, a: Any, b: Any) -> None:
 
 def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     """Checks queries ``(B, [H,] Q, D)``, keys ``(B, [H,] K, D)``, values ``(B, [H,] K, Dv)``."""
+    check_framework("queries", queries, keys=keys, values=values)
     legend = "(B, Q, D) or (B, H, Q, D)"
     q = check_rank(ops, "queries", queries, (3, 4), legend)
     k = check_rank(ops, "keys", keys, (len(q),), legend.replace("Q", "K") + " like queries")
@@ -134,6 +232,7 @@ def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         check_floating(ops, name, x)
     check_same_dtype(ops, "queries", queries, keys=keys, values=values)
+    check_matmul_dtype(ops, "queries", queries)
     check_equal(f"queries depth ({q[-1]}) must equal keys depth ({k[-1]})", q[-1], k[-1])
     check_equal(
         f"keys and values must have the same length, got {k[-2]} keys and {v[-2]} values",

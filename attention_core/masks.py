@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from attention_core.checks import fmt_shape
+from attention_core.host import framework_of, host_array, plain
 from attention_core.ops import Array, Ops
 
 #: Score given to masked keys before the max is taken: the most negative finite value of the
@@ -30,25 +31,18 @@ FILL_VALUE = {
 }
 
 
-_HOST_ARRAYS = (list, tuple, np.ndarray, np.generic, int)
+def _own(ops: Ops, x: Any) -> bool:
+    """Whether ``x`` is an array of the computing backend (kept where it is, maybe traced)."""
+    return framework_of(x) == ops.name and not isinstance(x, np.generic)
 
 
 def as_backend_array(ops: Ops, x: Any) -> Array:
-    """Converts Python lists and NumPy arrays (e.g. ``valid_lens=[3, 2]``) to backend arrays."""
-    if isinstance(x, _HOST_ARRAYS) and not isinstance(x, bool):
-        return ops.from_numpy(np.asarray(x))
-    return x
+    """Converts host data of any framework to a backend array (see :func:`host_array`).
 
-
-def _dtype_name(ops: Ops, x: Any) -> str:
-    """The dtype name of a backend array, or of host data (lists, NumPy) before conversion.
-
-    Read before converting, so that a dtype the backend cannot hold (complex on MXNet) still
-    gets the argument's own message.
+    ``valid_lens=[3, 2]``, NumPy arrays, another framework's tensors; the backend's own arrays
+    are returned unchanged.
     """
-    if isinstance(x, _HOST_ARRAYS) and not isinstance(x, bool):
-        return np.asarray(x).dtype.name
-    return ops.dtype_name(x)
+    return x if _own(ops, x) else ops.from_numpy(host_array(x))
 
 
 def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool:
@@ -62,8 +56,30 @@ def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> boo
     return True
 
 
-def _is_integer(dtype: str) -> bool:
-    return dtype.startswith(("int", "uint"))
+def _check_lens_dtype(dtype: str) -> None:
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"valid_lens must have an integer dtype, got {dtype}")
+
+
+def _check_mask_dtype(dtype: str) -> None:
+    if dtype != "bool":
+        raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
+
+
+def check_dtypes(ops: Ops, valid_lens: Any = None, mask: Any = None) -> None:
+    """Checks the dtypes of ``valid_lens`` and ``mask`` as given, before any conversion.
+
+    For adapters that must convert them to backend arrays before the core sees them (MXNet
+    hands them to its graph): the messages are those of :func:`lens_column` and
+    :func:`boolean_mask`, read off host data (strings, complex numbers) that the backend could
+    not even hold.
+    """
+    if valid_lens is not None:
+        own = _own(ops, valid_lens)
+        _check_lens_dtype(ops.dtype_name(valid_lens) if own else host_array(valid_lens).dtype.name)
+    if mask is not None:
+        own = _own(ops, mask)
+        _check_mask_dtype(ops.dtype_name(mask) if own else host_array(mask).dtype.name)
 
 
 def lens_column(
@@ -84,18 +100,17 @@ def lens_column(
         ValueError: Wrong shape, a negative length, or one longer than K.
     """
     B, _, Q, K = scores_shape
-    dtype = _dtype_name(ops, valid_lens)
-    if not _is_integer(dtype):
-        raise TypeError(f"valid_lens must have an integer dtype, got {dtype}")
-    valid_lens = as_backend_array(ops, valid_lens)
-    shape = ops.shape(valid_lens)
+    own = _own(ops, valid_lens)
+    host = None if own else host_array(valid_lens)  # read as given: checked before any cast
+    _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name)
+    shape = ops.shape(valid_lens) if host is None else host.shape
     allowed = [(B,), (B, Q)]
     if not any(_fits(shape, want, broadcast=False) for want in allowed):
         raise ValueError(
             f"valid_lens must have shape (B,) or (B, Q) = {fmt_shape((B,))} or "
             f"{fmt_shape((B, Q))}, got {fmt_shape(shape)}"
         )
-    values = ops.concrete(valid_lens)
+    values = ops.concrete(valid_lens) if host is None else host
     if values is not None and values.size:
         if values.min() < 0:
             raise ValueError(f"valid_lens must be >= 0, got {int(values.min())}")
@@ -103,6 +118,8 @@ def lens_column(
             raise ValueError(
                 f"valid_lens must be <= the number of keys ({K}), got {int(values.max())}"
             )
+    if host is not None:  # in range now, so int32 holds them on every backend
+        valid_lens = ops.from_numpy(host.astype(np.int32))
     lens = ops.expand_dims(ops.astype(valid_lens, "int32"), -1)  # (B, 1) or (B, Q, 1)
     lens = ops.expand_dims(lens, 1)  # (B, 1, 1) or (B, 1, Q, 1)
     lens = ops.expand_dims(lens, 1) if len(shape) == 1 else lens  # (B, 1, 1, 1)
@@ -117,11 +134,10 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
         TypeError: ``mask`` is not boolean.
         ValueError: ``mask`` cannot broadcast to the scores.
     """
-    dtype = _dtype_name(ops, mask)
-    if dtype != "bool":
-        raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
-    mask = as_backend_array(ops, mask)
-    shape = ops.shape(mask)
+    host = None if _own(ops, mask) else host_array(mask)  # read as given, before converting
+    _check_mask_dtype(ops.dtype_name(mask) if host is None else host.dtype.name)
+    shape = ops.shape(mask) if host is None else host.shape
+    mask = mask if host is None else ops.from_numpy(host)
     B, H, Q, K = scores_shape
     target = {2: (Q, K), 3: (B, Q, K), 4: (B, H, Q, K)}.get(len(shape), ())
     if not target or not _fits(shape, target, broadcast=True):
@@ -160,7 +176,8 @@ class Visibility:
         mask: Any = None,
         causal: bool = False,
     ) -> None:
-        if not isinstance(causal, (bool, np.bool_)):
+        causal = plain(causal)  # np.bool_ -> bool
+        if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
         self.lens: Array | None = None

@@ -83,7 +83,7 @@ def multi_head_attention(
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
     num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
-    checks.check_heads(num_hiddens, num_heads)
+    num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, h/H)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, h/H)
@@ -162,7 +162,7 @@ def relative_multi_head_attention(
     check_projected_inputs(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
     num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
-    checks.check_heads(num_hiddens, num_heads)
+    num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
     table_k, table_v = weights["rel_k.embedding"], weights.get("rel_v.embedding")
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)

@@ -35,8 +35,8 @@ def sinusoidal_encoding(max_len: int, num_hiddens: int, dtype: str = "float32") 
     Returns:
         ``P`` of shape ``(max_len, num_hiddens)``.
     """
-    checks.check_positive_int("max_len", max_len)
-    checks.check_positive_int("num_hiddens", num_hiddens)
+    max_len = checks.check_positive_int("max_len", max_len)
+    num_hiddens = checks.check_positive_int("num_hiddens", num_hiddens)
     angles = np.arange(max_len, dtype=np.float64)[:, None] * frequencies(num_hiddens)  # (L, J)
     table = np.empty((max_len, num_hiddens), dtype=np.float64)
     table[:, 0::2] = np.sin(angles)
@@ -58,7 +58,7 @@ def relative_rotation(delta: float, num_hiddens: int) -> np.ndarray:
     Returns:
         ``R`` of shape ``(num_hiddens, num_hiddens)``, float64, with ``R @ P[i] = P[i + delta]``.
     """
-    checks.check_positive_int("num_hiddens", num_hiddens)
+    num_hiddens = checks.check_positive_int("num_hiddens", num_hiddens)
     if num_hiddens % 2:
         raise ValueError(
             f"num_hiddens ({num_hiddens}) must be even for the rotation: "

@@ -30,6 +30,7 @@ def position_wise_ffn(X: Array, weights: Mapping[str, Array], *, ops: Ops | None
     ops = ops or ops_for(X)
     checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
     checks.check_floating(ops, "X", X)
+    checks.check_matmul_dtype(ops, "X", X)
     hidden = ops.relu(dense(ops, X, weights["dense1.kernel"], weights["dense1.bias"]))
     return dense(ops, hidden, weights["dense2.kernel"], weights["dense2.bias"])
 
@@ -53,6 +54,7 @@ def add_norm(
     """
     ops = ops or ops_for(X)
     checks.check_not_empty(ops, "X", X)
+    checks.check_framework("X", X, Y=Y)
     checks.check_floating(ops, "X", X)
     checks.check_same_dtype(ops, "X", X, Y=Y)
     x_shape, y_shape = ops.shape(X), ops.shape(Y)

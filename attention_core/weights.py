@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from attention_core.checks import check_heads, check_positive_int, fmt_shape
+from attention_core.host import host_array
 
 Shape = tuple[int | None, ...]
 Spec = dict[str, Shape]
@@ -54,7 +55,7 @@ def multi_head_spec(
     v_in: int | None = None,
 ) -> Spec:
     """``W_q``, ``W_k``, ``W_v`` project the inputs to h = num_hiddens; ``W_o`` is ``(h, h)``."""
-    check_heads(num_hiddens, num_heads)
+    num_hiddens, _ = check_heads(num_hiddens, num_heads)
     return {
         **dense_spec("W_q", q_in, num_hiddens, bias),
         **dense_spec("W_k", k_in, num_hiddens, bias),
@@ -65,7 +66,7 @@ def multi_head_spec(
 
 def additive_spec(num_hiddens: int, q_in: int | None = None, k_in: int | None = None) -> Spec:
     """``W_q (q_in, h)``, ``W_k (k_in, h)``, ``w_v (h, 1)``, no biases."""
-    check_positive_int("num_hiddens", num_hiddens)
+    num_hiddens = check_positive_int("num_hiddens", num_hiddens)
     return {
         **dense_spec("W_q", q_in, num_hiddens, False),
         **dense_spec("W_k", k_in, num_hiddens, False),
@@ -75,8 +76,8 @@ def additive_spec(num_hiddens: int, q_in: int | None = None, k_in: int | None = 
 
 def ffn_spec(ffn_num_hiddens: int, ffn_num_outputs: int, d_in: int | None = None) -> Spec:
     """``dense1 (d_in, f)`` and ``dense2 (f, out)``, both with biases."""
-    check_positive_int("ffn_num_hiddens", ffn_num_hiddens)
-    check_positive_int("ffn_num_outputs", ffn_num_outputs)
+    ffn_num_hiddens = check_positive_int("ffn_num_hiddens", ffn_num_hiddens)
+    ffn_num_outputs = check_positive_int("ffn_num_outputs", ffn_num_outputs)
     return {
         **dense_spec("dense1", d_in, ffn_num_hiddens, True),
         **dense_spec("dense2", ffn_num_hiddens, ffn_num_outputs, True),
@@ -85,7 +86,7 @@ def ffn_spec(ffn_num_hiddens: int, ffn_num_outputs: int, d_in: int | None = None
 
 def add_norm_spec(num_hiddens: int) -> Spec:
     """``ln.gamma (h,)`` and ``ln.beta (h,)``."""
-    check_positive_int("num_hiddens", num_hiddens)
+    num_hiddens = check_positive_int("num_hiddens", num_hiddens)
     return {"ln.gamma": (num_hiddens,), "ln.beta": (num_hiddens,)}
 
 
@@ -117,6 +118,7 @@ def relative_multi_head_spec(
     ``rel_k.embedding (2m + 1, h/H)`` and, with ``relative_values``,
     ``rel_v.embedding (2m + 1, h/H)``.
     """
+    num_hiddens, num_heads = check_heads(num_hiddens, num_heads)
     spec = multi_head_spec(num_hiddens, num_heads, bias, q_in, k_in, v_in)
     offsets = 2 * check_positive_int("max_relative_position", max_relative_position) + 1
     spec["rel_k.embedding"] = (offsets, num_hiddens // num_heads)
@@ -137,8 +139,8 @@ def transformer_encoder_spec(
 
     Block ``i`` has the names of :func:`encoder_block_spec` under ``blks.<i>.``.
     """
-    check_positive_int("vocab_size", vocab_size)
-    check_positive_int("num_hiddens", num_hiddens)
+    vocab_size = check_positive_int("vocab_size", vocab_size)
+    num_hiddens = check_positive_int("num_hiddens", num_hiddens)
     spec: Spec = {"token.embedding": (vocab_size, num_hiddens)}
     for i in range(check_positive_int("num_blks", num_blks)):
         block = encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias)
@@ -148,8 +150,8 @@ def transformer_encoder_spec(
 
 def learned_positional_spec(num_hiddens: int, max_len: int) -> Spec:
     """``P (1, max_len, h)``."""
-    check_positive_int("num_hiddens", num_hiddens)
-    check_positive_int("max_len", max_len)
+    num_hiddens = check_positive_int("num_hiddens", num_hiddens)
+    max_len = check_positive_int("max_len", max_len)
     return {"P": (1, max_len, num_hiddens)}
 
 
@@ -233,8 +235,8 @@ def check_weights(
 
     Args:
         spec: The expected names and shapes (``None`` matches any size).
-        weights: The mapping given by the user (arrays of any framework convertible by
-            ``numpy.asarray``).
+        weights: The mapping given by the user (arrays of any framework, read by
+            :func:`attention_core.host.host_array`).
         where: The caller's name, for the message.
 
     Returns:
@@ -257,7 +259,7 @@ def check_weights(
         )
     out: dict[str, np.ndarray] = {}
     for name, want in spec.items():
-        value = np.asarray(weights[name])
+        value = host_array(weights[name])
         if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
             raise TypeError(f"{where}: {name} must be floating point, got {value.dtype.name}")
         if value.ndim != len(want) or any(
@@ -416,7 +418,8 @@ def canonical_weights(
         where: The caller's name, for the messages.
 
     Returns:
-        Canonical name -> NumPy array (via ``numpy.asarray``; no framework is imported).
+        Canonical name -> NumPy array (via :func:`attention_core.host.host_array`; no
+        framework is imported).
 
     Raises:
         TypeError: ``source`` is neither, or a leaf is not an array.
@@ -445,7 +448,7 @@ def canonical_weights(
     for name, value in flat.items():
         if value is None or isinstance(value, (str, bytes)):
             raise TypeError(f"{where}: {name} must be an array, got {type(value).__name__}")
-        out[name] = np.asarray(value)
+        out[name] = host_array(value)
     return out
 
 

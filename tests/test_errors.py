@@ -262,6 +262,27 @@ def load(c: Ctx, make: Callable[[Path], Path]) -> Any:
     return ac.load_weights(make(c.file()), c.layer)
 
 
+#: JAX arrays hold no int64 (without ``jax_enable_x64``): int64 ids would be cut when the array
+#: is made, before any library code runs.
+NO_INT64 = (("jax", "JAX arrays hold no int64 without jax_enable_x64"),)
+
+
+def int64_tokens(c: Ctx, tokens: np.ndarray) -> Any:
+    """int64 token ids as a user gives them: a backend array, or NumPy to a Flax module."""
+    return tokens if c.h.name == "jax" else c.h.array(tokens)
+
+
+def host_dpa(c: Ctx, **kwargs: Any) -> Any:
+    """dot-product attention on backend arrays with ``kwargs`` passed as given (host data)."""
+    return ac.dot_product_attention(*(c.h.array(a) for a in qkv()), **kwargs)
+
+
+def host_call(c: Ctx, inputs: list[np.ndarray], *host: Any, **kwargs: Any) -> Any:
+    """Calls the row's layer on ``inputs`` as backend arrays and ``host`` (lengths, masks)
+    and ``kwargs`` as given."""
+    return c.h.call(c.layer, *(c.h.array(a) for a in inputs), *host, **kwargs)
+
+
 CATALOGUE: list[Bad] = [
     # -- ranks
     Bad("queries_rank", "rank", lambda c: dpa(c.h, qkv(q=(4, 8))), ValueError,
@@ -323,7 +344,7 @@ CATALOGUE: list[Bad] = [
         lambda c: c.h.module.DotProductAttention(implementation="flash"), ValueError,
         "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"),
     Bad("scale_negative", "sizes", lambda c: dpa(c.h, qkv(), scale=-1.0), ValueError,
-        "scale must be a positive float or None, got -1.0"),
+        "scale must be a positive finite float or None, got -1.0"),
     # -- valid_lens
     Bad("valid_lens_shape", "valid_lens", lambda c: dpa(c.h, qkv(), valid_lens=np.array([1, 2, 3])),
         ValueError, "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got (3,)"),
@@ -557,6 +578,112 @@ CATALOGUE: list[Bad] = [
     Bad("masked_softmax_empty_keys", "empty",
         lambda c: ac.masked_softmax(c.h.array(arr((2, 3, 0))), valid_lens=c.h.array(np.array([0, 0]))),
         ValueError, "scores must not have an empty dimension, got (2, 3, 0)"),
+    # -- issue 14: argument types and dtypes, one rule everywhere
+    # lengths and token ids are checked as given, before any cast (JAX holds no int64)
+    Bad("valid_lens_beyond_int32", "valid_lens",
+        lambda c: host_dpa(c, valid_lens=np.array([2**32 + 3, 2])), ValueError,
+        "valid_lens must be <= the number of keys (6), got 4294967299"),
+    Bad("valid_lens_list_beyond_int32", "valid_lens", lambda c: host_dpa(c, valid_lens=[2, 2**32 + 3]),
+        ValueError, "valid_lens must be <= the number of keys (6), got 4294967299"),
+    Bad("valid_lens_below_int32", "valid_lens", lambda c: host_dpa(c, valid_lens=np.array([2, -2**32])),
+        ValueError, "valid_lens must be >= 0, got -4294967296"),
+    Bad("valid_lens_uint64_beyond_int64", "valid_lens",
+        lambda c: host_dpa(c, valid_lens=np.array([2**63 + 5, 1], np.uint64)), ValueError,
+        "valid_lens must be <= the number of keys (6), got 9223372036854775813"),
+    Bad("layer_valid_lens_beyond_int32", "valid_lens",
+        lambda c: host_call(c, qkv(), np.array([3, 2**32 + 3])), ValueError,
+        "valid_lens must be <= the number of keys (6), got 4294967299", mha),
+    Bad("layer_block_valid_lens_uint16_too_long", "valid_lens",
+        lambda c: host_call(c, [arr((2, 5, 12))], np.array([5, 6], np.uint16)), ValueError,
+        "valid_lens must be <= the number of keys (5), got 6", block),
+    Bad("layer_encoder_valid_lens_beyond_int32", "valid_lens",
+        lambda c: host_call(c, [np.array([[1, 2, 3]])], np.array([2**32 + 1])), ValueError,
+        "valid_lens must be <= the number of keys (3), got 4294967297", encoder),
+    Bad("tokens_beyond_int32", "tokens", lambda c: encode(c.h, np.array([[1, 2**32 + 3]])), ValueError,
+        "tokens must be in [0, vocab_size) = [0, 11), got 4294967299", without=NO_INT64),
+    Bad("layer_encoder_tokens_beyond_int32", "tokens",
+        lambda c: c.h.call(c.layer, int64_tokens(c, np.array([[1, 2**33], [3, 4]]))), ValueError,
+        "tokens must be in [0, vocab_size) = [0, 11), got 8589934592", encoder),
+    # Python scalars as lengths or masks are read as NumPy reads them: a 0-d array
+    Bad("valid_lens_python_int", "valid_lens", lambda c: host_dpa(c, valid_lens=3), ValueError,
+        "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got ()"),
+    Bad("valid_lens_python_float", "valid_lens", lambda c: host_dpa(c, valid_lens=3.0), TypeError,
+        "valid_lens must have an integer dtype, got float64"),
+    Bad("valid_lens_str", "valid_lens", lambda c: host_dpa(c, valid_lens="3"), TypeError,
+        "valid_lens must have an integer dtype, got str32"),
+    Bad("valid_lens_python_floats", "valid_lens", lambda c: host_dpa(c, valid_lens=[3.0, 2.0]),
+        TypeError, "valid_lens must have an integer dtype, got float64"),
+    Bad("mask_python_bool", "mask", lambda c: host_dpa(c, mask=True), ValueError,
+        mask_message("(2, 1, 4, 6)", "()")),
+    Bad("mask_nested_lists_of_ints", "mask", lambda c: host_dpa(c, mask=[[1] * 6] * 4), TypeError,
+        "mask must be boolean (True = may attend), got int64"),
+    Bad("masked_softmax_valid_lens_python_float", "valid_lens",
+        lambda c: ac.masked_softmax(c.h.array(arr((2, 3, 4))), 2.0), TypeError,
+        "valid_lens must have an integer dtype, got float64"),
+    Bad("layer_mask_python_bool", "mask", lambda c: host_call(c, qkv(), mask=False), ValueError,
+        mask_message("(2, 2, 4, 6)", "()"), mha),
+    Bad("layer_valid_lens_python_float", "valid_lens", lambda c: host_call(c, qkv(), 4.0), TypeError,
+        "valid_lens must have an integer dtype, got float64", mha),
+    Bad("layer_block_valid_lens_str", "valid_lens", lambda c: host_call(c, [arr((2, 5, 12))], "5"),
+        TypeError, "valid_lens must have an integer dtype, got str32", block),
+    Bad("layer_encoder_mask_python_bool", "mask",
+        lambda c: host_call(c, [np.array([[1, 2, 3]])], mask=True), ValueError,
+        mask_message("(1, 3, 3, 3)", "()"), encoder),
+    # scale and dropout: finite, NumPy scalars read as the Python numbers they hold
+    Bad("scale_inf", "sizes", lambda c: dpa(c.h, qkv(), scale=float("inf")), ValueError,
+        "scale must be a positive finite float or None, got inf"),
+    Bad("scale_nan", "sizes", lambda c: dpa(c.h, qkv(), scale=float("nan")), ValueError,
+        "scale must be a positive finite float or None, got nan"),
+    Bad("scale_numpy_inf", "sizes", lambda c: dpa(c.h, qkv(), scale=np.float32(np.inf)), ValueError,
+        "scale must be a positive finite float or None, got inf"),
+    Bad("scale_numpy_negative", "sizes", lambda c: dpa(c.h, qkv(), scale=np.float64(-0.5)), ValueError,
+        "scale must be a positive finite float or None, got -0.5"),
+    Bad("scale_str", "sizes", lambda c: dpa(c.h, qkv(), scale="0.5"), ValueError,
+        "scale must be a positive finite float or None, got '0.5'"),
+    Bad("functional_dropout_inf", "dropout", lambda c: dpa(c.h, qkv(), dropout=float("inf")), ValueError,
+        "dropout must be in [0, 1), got inf"),
+    Bad("functional_dropout_numpy_nan", "dropout", lambda c: dpa(c.h, qkv(), dropout=np.float32(np.nan)),
+        ValueError, "dropout must be in [0, 1), got nan"),
+    Bad("layer_dropout_numpy_one", "dropout",
+        lambda c: c.h.module.MultiHeadAttention(8, 2, dropout=np.float64(1.0)), ValueError,
+        "dropout must be in [0, 1), got 1.0"),
+    Bad("layer_dropout_inf", "dropout", lambda c: c.h.module.AddNorm(8, dropout=float("inf")), ValueError,
+        "dropout must be in [0, 1), got inf"),
+    Bad("numpy_zero_heads", "heads", lambda c: c.h.module.MultiHeadAttention(np.int64(8), np.int64(0)),
+        ValueError, "num_heads must be a positive int, got 0"),
+    Bad("numpy_heads_not_dividing", "heads",
+        lambda c: c.h.module.TransformerEncoderBlock(np.int32(12), 16, np.int64(5)), ValueError,
+        "num_hiddens (12) must be divisible by num_heads (5)"),
+    Bad("numpy_float_heads", "heads", lambda c: c.h.module.MultiHeadAttention(8, np.float32(2)),
+        ValueError, "num_heads must be a positive int, got 2.0"),
+    Bad("functional_numpy_heads_not_dividing", "heads",
+        lambda c: ac.multi_head_attention(*(c.h.array(a) for a in qkv()),
+                                          {"W_q.kernel": c.h.array(arr((8, 9)))}, np.int64(2)),
+        ValueError, "num_hiddens (9) must be divisible by num_heads (2)"),
+    Bad("numpy_zero_max_len", "sizes", lambda c: c.h.module.PositionalEncoding(4, max_len=np.int64(0)),
+        ValueError, "max_len must be a positive int, got 0"),
+    Bad("numpy_zero_relative_offsets", "sizes",
+        lambda c: c.h.module.RelativeMultiHeadAttention(12, 3, np.uint8(0)), ValueError,
+        "max_relative_position must be a positive int, got 0"),
+    Bad("causal_numpy_int", "mask", lambda c: dpa(c.h, qkv(), causal=np.int64(1)), TypeError,
+        "causal must be a bool, got int"),
+    # the main inputs of a call are arrays of one framework (host-side ones may be of any)
+    Bad("keys_list", "dtype", lambda c: ac.dot_product_attention(c.h.array(arr((2, 4, 8))),
+                                                                  arr((2, 6, 8)).tolist(),
+                                                                  c.h.array(arr((2, 6, 5)))),
+        TypeError, "keys must be a {backend} array like queries, got list"),
+    Bad("layer_values_list", "dtype", lambda c: c.h.call(c.layer, c.h.array(arr((2, 4, 8))),
+                                                         c.h.array(arr((2, 6, 8))), [[[1.0] * 5] * 6] * 2),
+        TypeError, "values must be a {backend} array like queries, got list", mha),
+    Bad("add_norm_y_list", "dtype",
+        lambda c: ac.add_norm(c.h.array(arr((2, 3, 8))), arr((2, 3, 8)).tolist(),
+                              {"ln.gamma": c.h.array(arr((8,))), "ln.beta": c.h.array(arr((8,)))}),
+        TypeError, "Y must be a {backend} array like X, got list"),
+    Bad("keys_of_another_framework", "dtype",
+        lambda c: ac.dot_product_attention(c.h.array(arr((2, 4, 8))), arr((2, 6, 8)),
+                                           c.h.array(arr((2, 6, 5)))),
+        TypeError, "keys must be a {backend} array like queries, got a numpy array",
+        without=(("numpy", "NumPy arrays are the numpy backend's own"),)),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,
@@ -616,7 +743,7 @@ def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.Mo
         layer = row.layer(h) if row.layer is not None else None
         before = state(h, layer) if layer is not None else None
         ctx = Ctx(h, layer, tmp_path, monkeypatch)
-        message = row.message.format(path=repr(str(ctx.file())),
+        message = row.message.format(path=repr(str(ctx.file())), backend=h.name,
                                      absent=repr(str(ctx.file("absent.safetensors"))))
         with pytest.raises(row.exc) as info:
             row.act(ctx)
@@ -635,6 +762,51 @@ def test_catalogue_covers_every_category() -> None:
                           "dropout", "tokens", "set_weights", "load_weights", "backend"}
     assert len(CATALOGUE) >= 45
     assert sum(row.layer is not None for row in CATALOGUE) >= 30
+
+
+def test_inputs_of_two_frameworks_are_refused(backend: str) -> None:
+    """Queries of the backend with keys of any other installed framework: a TypeError naming
+    the argument and both frameworks, from the functional API and from a layer (not from a
+    Keras layer, which converts its arguments to tensors first, as every Keras layer does)."""
+    h = Harness(backend)
+    others = [name for name in registry.available_backends() if name not in (backend, "numpy")]
+    layer = mha(h)
+    for other in others:
+        foreign = Harness(other)
+        q, _, v = (h.array(a) for a in qkv())
+        bad = foreign.array(arr((2, 6, 8)))
+        message = f"keys must be a {backend} array like queries, got a {other} array"
+        with pytest.raises(TypeError) as info:
+            ac.dot_product_attention(q, bad, v)
+        assert str(info.value) == message
+        if backend != "tensorflow":  # Keras converts every array argument before call()
+            with pytest.raises(TypeError) as info:
+                h.call(layer, q, bad, v)
+            assert str(info.value) == message
+
+
+def test_foreign_lengths_and_masks_get_numpy_dtype_names(backend: str) -> None:
+    """Lengths and masks of another framework are checked as given, their dtypes named as
+    NumPy names them (``bfloat16``, ``float64``; never ``<dtype: 'float64'>``)."""
+    h = Harness(backend)
+    q, k, v = (h.array(a) for a in qkv())
+    cases: list[tuple[str, Any, str]] = []
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        cases += [("valid_lens", torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "bfloat16"),
+                  ("mask", torch.ones(4, 6, dtype=torch.int16), "int16")]
+    if importlib.util.find_spec("tensorflow") is not None:
+        import tensorflow as tf
+
+        cases += [("valid_lens", tf.constant([1.0, 2.0], tf.float64), "float64"),
+                  ("mask", tf.ones((4, 6), tf.int64), "int64")]
+    for name, value, dtype in cases:
+        want = ("valid_lens must have an integer dtype, got " if name == "valid_lens"
+                else "mask must be boolean (True = may attend), got ") + dtype
+        with pytest.raises(TypeError) as info:
+            ac.dot_product_attention(q, k, v, **{name: value})
+        assert str(info.value) == want
 
 
 def test_failed_first_call_leaves_input_sizes_open(backend: str) -> None:

@@ -734,3 +734,45 @@ def test_new_layers_repr_and_initial_tables() -> None:
     table = encoder.canonical_params()["token.embedding"].data().asnumpy()
     assert table.shape == (500, 64)
     assert abs(table.std() - 1 / 8) < 0.01  # N(0, 1/sqrt(D)): rows of unit norm on average
+
+
+# -- issue 14: what MXNet cannot compute is refused up front -------------------------------------
+
+FP16_REFUSAL = ("dtype float16 is not supported by the mxnet backend: MXNet multiplies float16 "
+                "matrices on GPU only; use float32 or float64 on CPU")
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_float16_matrix_products_on_cpu_are_refused_before_any_work(hybridize: bool) -> None:
+    """float16 inputs of what multiplies matrices (no weights to cast them to) get the
+    library's TypeError, not MXNetError from inside the graph; a float32 layer casts them."""
+    x = mx.np.array(np.ones((2, 3, 8)), dtype="float16")
+    for call in (lambda: ac.dot_product_attention(x, x, x),
+                 lambda: ac.position_wise_ffn(x, {}),
+                 lambda: ac.nadaraya_watson(x[:, 0], x[:, 1], x[:, 2])):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value).endswith(FP16_REFUSAL)
+    layer = gluon_layers.DotProductAttention()
+    layer.initialize()
+    if hybridize:
+        layer.hybridize()
+    with pytest.raises(TypeError) as info:
+        layer(x, x, x)
+    assert str(info.value) == "queries " + FP16_REFUSAL
+    weighted = gluon_layers.MultiHeadAttention(8, 2)
+    weighted.initialize()
+    if hybridize:
+        weighted.hybridize()
+    assert weighted(x, x, x).dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", ["int16", "uint16", "uint32", "uint64"])
+def test_integer_dtypes_mxnet_lacks_are_taken(dtype: str) -> None:
+    """Lengths and token ids of integer dtypes MXNet has no arrays of (uint64, int16, ...)."""
+    layer = gluon_layers.TransformerEncoder(11, 12, 16, 3, 1)
+    layer.initialize()
+    tokens = np.array([[1, 2, 3, 4], [5, 6, 0, 0]])
+    expected = layer(arr(tokens), arr(np.array([4, 2]))).asnumpy()
+    got = layer(tokens.astype(dtype), np.array([4, 2], dtype))
+    np.testing.assert_array_equal(got.asnumpy(), expected)

@@ -762,3 +762,190 @@ def test_inf_in_layer_queries_and_keys_reaches_only_the_rows_that_see_it(
     x[1][1, 1, 5] = np.inf
     out = h.numpy(h.call(layer, *(h.array(a, "float32") for a in x), lens))
     _compare_rows(out, clean, np.array([[False] * 4, [True] * 4]))
+# -- issue 14: the dtype rule ---------------------------------------------------------------------
+
+#: Every layer with weights, its config and input shapes (``None``: valid_lens of the batch).
+WEIGHTED_LAYERS: dict[str, tuple[dict[str, Any], tuple[tuple[int, ...], ...]]] = {
+    "AdditiveAttention": ({"num_hiddens": 6}, ((2, 4, 3), (2, 6, 8), (2, 6, 5))),
+    "MultiHeadAttention": ({"num_hiddens": 8, "num_heads": 2}, ((2, 4, 8), (2, 6, 8), (2, 6, 5))),
+    "RelativeMultiHeadAttention": ({"num_hiddens": 12, "num_heads": 3, "max_relative_position": 2},
+                                   ((2, 4, 12), (2, 4, 12), (2, 4, 12))),
+    "LearnedPositionalEncoding": ({"num_hiddens": 4, "max_len": 6}, ((2, 5, 4),)),
+    "PositionWiseFFN": ({"ffn_num_hiddens": 6, "ffn_num_outputs": 4}, ((2, 3, 5),)),
+    "AddNorm": ({"num_hiddens": 8}, ((2, 3, 8), (2, 3, 8))),
+    "TransformerEncoderBlock": ({"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3},
+                                ((2, 5, 12),)),
+    "NadarayaWatson": ({"parametric": True}, ((2, 3), (2, 5), (2, 5))),
+}
+
+
+def _other_dtypes(backend: str) -> list[str]:
+    """Input dtypes other than float32 that the backend's arrays can hold (JAX: no float64
+    without ``jax_enable_x64``)."""
+    return [d for d in ("float64", "float16") if not (backend == "jax" and d == "float64")]
+
+
+@pytest.mark.parametrize("layer_name", sorted(WEIGHTED_LAYERS))
+def test_a_layer_with_weights_computes_in_its_own_dtype(backend: str, layer_name: str) -> None:
+    """A float32 layer given float64 or float16 inputs casts them to float32 on entry: the
+    output is float32 and equals the output for the inputs cast to float32 first."""
+    h = Harness(backend)
+    config, shapes = WEIGHTED_LAYERS[layer_name]
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal(s) for s in shapes]
+    layer = h.make(layer_name, config)
+    for dtype in _other_dtypes(backend):
+        given = [x.astype(dtype) for x in data]
+        out = h.call(layer, *(h.array(x) for x in given))
+        assert h.ops.dtype_name(out) == "float32", (layer_name, dtype)
+        first = h.call(layer, *(h.array(x.astype(np.float32)) for x in given))
+        np.testing.assert_allclose(h.numpy(out), h.numpy(first), rtol=0, atol=1e-6,
+                                   err_msg=f"{layer_name} on {dtype} inputs")
+
+
+def test_a_layer_without_weights_computes_in_its_inputs_dtype(backend: str) -> None:
+    """DotProductAttention and PositionalEncoding compute in their inputs' dtype."""
+    h = Harness(backend)
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 8), (2, 6, 8), (2, 6, 5)))
+    dtypes = [d for d in ("float64",) if d in DTYPES[backend]] + ["float32"]
+    for dtype in dtypes:
+        for name, config, inputs in (("DotProductAttention", {}, (q, k, v)),
+                                     ("PositionalEncoding", {"num_hiddens": 8, "max_len": 6},
+                                      (q,))):
+            out = h.call(h.make(name, config), *(h.array(x, dtype) for x in inputs))
+            assert h.ops.dtype_name(out) == dtype, (name, dtype)
+
+
+# -- issue 14: host-side arguments from any framework, NumPy scalar arguments -----------------------
+
+
+def _foreign(kind: str, x: np.ndarray) -> Any:
+    """``x`` as an array of another framework (None when that framework is not installed)."""
+    import importlib.util
+
+    module = {"torch": "torch", "tf": "tensorflow", "jax": "jax", "mx": "mxnet"}[kind]
+    if importlib.util.find_spec(module) is None:
+        return None
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(x)
+    if kind == "tf":
+        import tensorflow as tf
+
+        return tf.constant(x)
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(x)
+    import mxnet as mx
+
+    return mx.np.array(x, dtype=x.dtype) if x.dtype != np.bool_ else mx.np.array(x, dtype="bool")
+
+
+def test_lengths_and_masks_of_any_integer_dtype_and_framework(backend: str) -> None:
+    """``valid_lens`` of every NumPy integer dtype (uint64, int16, ...), as a list, or as another
+    framework's array, and masks from anywhere, give the float64 reference's answer."""
+    h = Harness(backend)
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 3, 4), (2, 5, 4), (2, 5, 3)))
+    lens = np.array([4, 2])
+    mask = rng.random((3, 5)) < 0.7
+    vis = (np.arange(5)[None, None, None, :] < lens[:, None, None, None]) & mask[None, None]
+    expected = attention(q[:, None], k[:, None], v[:, None], vis)[0][:, 0]
+    given_lens: list[Any] = [lens.astype(d) for d in ("int8", "uint8", "int16", "uint16", "int32",
+                                                      "uint32", "int64", "uint64")]
+    given_lens += [lens.tolist(), *(_foreign(kind, lens) for kind in ("torch", "tf", "jax", "mx"))]
+    given_masks: list[Any] = [mask, mask.tolist(),
+                              *(_foreign(kind, mask) for kind in ("torch", "tf", "jax", "mx"))]
+    Q, K, V = (h.array(x, "float32") for x in (q, k, v))
+    for i, lengths in enumerate(given_lens):
+        for j, m in enumerate(given_masks):
+            if lengths is None or m is None:
+                continue
+            out = h.numpy(ac.dot_product_attention(Q, K, V, lengths, mask=m))
+            assert max_diff(out, expected) <= TOLERANCE["float32"], (i, j)
+
+
+def test_weights_to_set_may_come_from_any_framework(backend: str) -> None:
+    """``set_weights`` takes torch tensors (also ones that require grad, and bfloat16), TF and
+    JAX arrays alike, cast to the layer's dtype."""
+    import importlib.util
+
+    h = Harness(backend)
+    layer = h.make("AddNorm", {"num_hiddens": 4})
+    gamma, beta = np.array([1.0, 2.0, 0.5, -1.0]), np.array([0.25, 0.0, -0.5, 1.0])
+    sources: list[tuple[str, Any, Any]] = [("numpy", gamma, beta)]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        sources += [
+            ("torch requires_grad", torch.tensor(gamma, requires_grad=True), torch.tensor(beta)),
+            ("torch bfloat16", torch.tensor(gamma, dtype=torch.bfloat16),
+             torch.tensor(beta, dtype=torch.bfloat16)),
+        ]
+    sources += [(kind, _foreign(kind, gamma), _foreign(kind, beta)) for kind in ("tf", "jax", "mx")]
+    for label, g, b in sources:
+        if g is None:
+            continue
+        layer.set_weights({"ln.gamma": g, "ln.beta": b})
+        got = layer.get_weights()
+        assert got["ln.gamma"].dtype == np.float32, label
+        np.testing.assert_array_equal(got["ln.gamma"], gamma.astype(np.float32), err_msg=label)
+        np.testing.assert_array_equal(got["ln.beta"], beta.astype(np.float32), err_msg=label)
+
+
+#: Each layer's constructor arguments given as NumPy scalars.
+NUMPY_SCALAR_CONFIGS: dict[str, dict[str, Any]] = {
+    "DotProductAttention": {"dropout": np.float32(0.0)},
+    "AdditiveAttention": {"num_hiddens": np.int64(6), "dropout": np.float64(0.0)},
+    "MultiHeadAttention": {"num_hiddens": np.int32(8), "num_heads": np.int64(2),
+                           "dropout": np.float32(0.25), "bias": np.bool_(True)},
+    "RelativeMultiHeadAttention": {"num_hiddens": np.int64(12), "num_heads": np.uint8(3),
+                                   "max_relative_position": np.int16(2)},
+    "PositionalEncoding": {"num_hiddens": np.int64(4), "dropout": np.float32(0.0),
+                           "max_len": np.int32(6)},
+    "LearnedPositionalEncoding": {"num_hiddens": np.int64(4), "max_len": np.int64(6)},
+    "PositionWiseFFN": {"ffn_num_hiddens": np.int64(6), "ffn_num_outputs": np.int32(4)},
+    "AddNorm": {"num_hiddens": np.int64(8), "dropout": np.float16(0.5)},
+    "TransformerEncoderBlock": {"num_hiddens": np.int64(12), "ffn_num_hiddens": np.int64(16),
+                                "num_heads": np.int64(3)},
+    "TransformerEncoder": {"vocab_size": np.int64(11), "num_hiddens": np.int64(12),
+                           "ffn_num_hiddens": np.int32(16), "num_heads": np.int64(3),
+                           "num_blks": np.int64(1)},
+    "NadarayaWatson": {"parametric": np.bool_(True)},
+}
+
+
+def _module_of(h: Harness, layer: Any) -> Any:
+    """The object holding a layer's constructor arguments (a Flax handle's module)."""
+    return getattr(layer, "module", layer)
+
+
+@pytest.mark.parametrize("layer_name", sorted(NUMPY_SCALAR_CONFIGS))
+def test_numpy_scalar_arguments_are_kept_as_python_numbers(backend: str, layer_name: str) -> None:
+    """Every constructor takes NumPy scalars where it takes Python numbers, and keeps the
+    Python numbers (so configs, reprs and saved files hold no NumPy types)."""
+    h = Harness(backend)
+    config = NUMPY_SCALAR_CONFIGS[layer_name]
+    module = _module_of(h, h.make(layer_name, config))
+    for name, value in config.items():
+        kept = getattr(module, name)
+        assert type(kept) is type(value.item()), (name, type(kept))
+        assert kept == value.item(), name
+
+
+def test_numpy_scalar_functional_arguments(backend: str) -> None:
+    """``scale``, ``dropout``, ``causal``, ``return_weights`` and ``num_heads`` as NumPy scalars
+    give the float64 reference's answer."""
+    h = Harness(backend)
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 8), (2, 6, 8), (2, 6, 5)))
+    vis = np.arange(6)[None, None, None, :] <= np.arange(4)[None, None, :, None] + 2
+    expected, weights = attention(q[:, None], k[:, None], v[:, None], vis, scale=0.25)
+    out, w = ac.dot_product_attention(
+        *(h.array(x, "float32") for x in (q, k, v)), scale=np.float32(0.25),
+        dropout=np.float32(0.0), causal=np.bool_(True), return_weights=np.bool_(True))
+    assert max_diff(h.numpy(out), expected[:, 0]) <= TOLERANCE["float32"]
+    assert max_diff(h.numpy(w), weights) <= TOLERANCE["float32"]

@@ -36,6 +36,7 @@ never forming the weights on the blockwise path. ``RelativeMultiHeadAttention`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ from jax.typing import DTypeLike
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import plain
 from attention_core.ops import Array, Ops
 from backends.jax.ops import OPS, JaxOps
 
@@ -253,6 +255,10 @@ class Layer(nn.Module):
     """Base of the Flax layers: argument checks, params from a canonical spec, dropout ops."""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # NumPy scalars as Python numbers, as elsewhere
+            value = getattr(self, field.name, None)
+            if plain(value) is not value:
+                object.__setattr__(self, field.name, plain(value))
         self.check_arguments()
         super().__post_init__()
 
@@ -289,6 +295,14 @@ class Layer(nn.Module):
             value = self.param(group, _group_init(sub, self.param_dtype))
             weights.update({group: value} if "" in sub else W.prefixed(flatten(value), group))
         return weights
+
+    def _inputs(self, **inputs: Any) -> list[Any]:
+        """The inputs in ``param_dtype`` if the layer has weights, else as given.
+
+        The dtype rule of :func:`attention_core.checks.compute_inputs`.
+        """
+        dtype = np.dtype(self.param_dtype).name if self.spec() else None
+        return checks.compute_inputs(OPS, dtype, **inputs)
 
     def _ops(self, training: bool) -> tuple[Ops, float]:
         """The ops and dropout rate of a call: a key from the ``'dropout'`` rng when needed."""
@@ -353,6 +367,7 @@ class _Attention(Layer):
         Returns:
             The output, and the attention weights (before dropout) if asked.
         """
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         attention.check_projected_inputs(OPS, queries, keys, values)
         weights = self._weights(**self._input_sizes(queries, keys, values))
         ops, rate = self._ops(training)
@@ -566,6 +581,7 @@ class LearnedPositionalEncoding(Layer):
     @nn.compact
     def __call__(self, X: Array, *, training: bool = False) -> Array:
         """Returns ``dropout(X + P[:, :T])`` for ``X`` of shape ``(B, T, num_hiddens)``."""
+        (X,) = self._inputs(X=X)
         P = self._weights()["P"]
         ops, rate = self._ops(training)
         return positional.add_positions(X, P, rate, ops=ops)
@@ -590,6 +606,7 @@ class PositionWiseFFN(Layer):
     @nn.compact
     def __call__(self, X: Array) -> Array:
         """Returns ``dense2(relu(dense1(X)))`` for ``X`` of shape ``(B, T, d)``."""
+        (X,) = self._inputs(X=X)
         checks.check_rank(OPS, "X", X, (3,), "(B, T, d)")
         weights = self._weights(d_in=X.shape[-1])
         return transformer.position_wise_ffn(X, weights, ops=OPS)
@@ -614,6 +631,7 @@ class AddNorm(Layer):
     @nn.compact
     def __call__(self, X: Array, Y: Array, *, training: bool = False) -> Array:
         """Returns ``LayerNorm(dropout(Y) + X)``."""
+        X, Y = self._inputs(X=X, Y=Y)
         checks.check_last_dim(OPS, "X", X, self.num_hiddens)
         weights = self._weights()
         ops, rate = self._ops(training)
@@ -658,6 +676,7 @@ class TransformerEncoderBlock(Layer):
         self, X: Array, valid_lens: Any = None, *, mask: Any = None, training: bool = False
     ) -> Array:
         """Encodes ``X`` ``(B, T, num_hiddens)``; ``valid_lens`` and ``mask`` as for attention."""
+        (X,) = self._inputs(X=X)
         checks.check_rank(OPS, "X", X, (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(OPS, "X", X, self.num_hiddens)
         weights = self._weights()
@@ -756,6 +775,7 @@ class NadarayaWatson(Layer):
     @nn.compact
     def __call__(self, queries: Array, keys: Array, values: Array) -> Array:
         """Predicts at ``queries`` ``(B, Q)`` or ``(Q,)`` from ``keys`` and ``values``."""
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         w = self._weights()["w"] if self.parametric else None
         result = attention.nadaraya_watson(queries, keys, values, w, return_weights=True, ops=OPS)
         return self._keep_attention(result, True, False)

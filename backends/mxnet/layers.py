@@ -49,6 +49,7 @@ from mxnet.gluon import HybridBlock, Parameter
 
 from attention_core import attention, checks, masks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from backends.mxnet.ops import OPS, MXNetOps
 
 #: Parameter dtypes the layers can be built in (MXNet's CPU matmul has no float16).
@@ -94,8 +95,16 @@ def _has_data(param: Parameter) -> bool:
     return param._data is not None
 
 
-class Layer(HybridBlock):
+#: The slots of :attr:`Layer._slots` that are not floating inputs.
+_NOT_FLOATING = ("valid_lens", "mask", "tokens")
+
+
+class Layer(PlainArguments, HybridBlock):
     """Base of the Gluon layers.
+
+    A call's arrays are named by :attr:`_slots`; ``valid_lens`` and ``mask`` are host-side
+    arguments, ``tokens`` integer ids, every other slot a floating input computed on (cast to
+    the parameters' dtype by the dtype rule, :func:`attention_core.checks.compute_inputs`).
 
     Args:
         dropout: Dropout rate, active inside ``autograd.record()`` (training mode).
@@ -106,6 +115,9 @@ class Layer(HybridBlock):
         attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
             (attention layers and the encoder block; the encoder keeps a list, one per block).
     """
+
+    #: The names of the arrays :meth:`_run` gets, in order.
+    _slots: tuple[str, ...] = ("X",)
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32", **kwargs: Any) -> None:
         dropout = checks.check_dropout(dropout)
@@ -230,7 +242,18 @@ class Layer(HybridBlock):
                 "them under a parent that runs imperatively (nn.Block, nn.Sequential) and call "
                 "them with mxnet.numpy arrays"
             )
+        named = dict(zip(self._slots, arrays, strict=True))
+        floating = [i for i, n in enumerate(self._slots) if n not in _NOT_FLOATING]
+        # before converting: NumPy inputs are taken (all of one framework), lengths and masks
+        # from anywhere
+        checks.check_inputs_framework(**{self._slots[i]: arrays[i] for i in floating})
+        masks.check_dtypes(OPS, named.get("valid_lens"), named.get("mask"))
         arrays = [None if a is None else masks.as_backend_array(OPS, a) for a in arrays]
+        params = list(self._weights.values())
+        dtype = np.dtype(params[0].dtype).name if params else None
+        cast = checks.compute_inputs(OPS, dtype, **{self._slots[i]: arrays[i] for i in floating})
+        for i, x in zip(floating, cast, strict=True):
+            arrays[i] = x
         dims = self._check_inputs(arrays)
         arrays = [*arrays, *self._constant_inputs(arrays)]
         weights, new = self._current(dims, arrays[0].ctx)
@@ -312,6 +335,8 @@ def _initial_value(param: Parameter, shape: tuple[int | None, ...], ctx: Any) ->
 
 class _Attention(Layer):
     """Shared call of the attention layers: check, create weights if needed, attend, keep."""
+
+    _slots = ("queries", "keys", "values", "valid_lens", "mask")
 
     #: Whether calls keep their weights in ``attention_weights`` (always, for additive attention).
     keep_attention_weights = True
@@ -650,6 +675,8 @@ class AddNorm(Layer):
         **kwargs: See :class:`Layer`.
     """
 
+    _slots = ("X", "Y")
+
     def __init__(self, num_hiddens: int, dropout: float = 0.0, **kwargs: Any) -> None:
         super().__init__(dropout, **kwargs)
         self.num_hiddens = num_hiddens
@@ -690,6 +717,8 @@ class TransformerEncoderBlock(Layer):
             not form the weights pool (None lets the core choose).
         **kwargs: See :class:`Layer`.
     """
+
+    _slots = ("X", "valid_lens", "mask")
 
     def __init__(
         self,
@@ -762,6 +791,8 @@ class TransformerEncoder(Layer):
             not form the weights pool (None lets the core choose).
         **kwargs: See :class:`Layer`.
     """
+
+    _slots = ("tokens", "valid_lens", "mask")
 
     def __init__(
         self,
@@ -847,6 +878,8 @@ class NadarayaWatson(Layer):
         parametric: Learn the kernel's inverse width ``w`` (weight ``w`` of shape ``(1,)``).
         **kwargs: See :class:`Layer`.
     """
+
+    _slots = ("queries", "keys", "values")
 
     def __init__(self, parametric: bool = False, **kwargs: Any) -> None:
         super().__init__(0.0, **kwargs)

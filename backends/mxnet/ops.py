@@ -21,6 +21,10 @@ import numpy as np
 Symbol = mx.sym.Symbol
 
 
+#: The integer dtypes MXNet arrays can have (others are converted to int64, values kept).
+_INTEGERS = ("int8", "uint8", "int32", "int64")
+
+
 class MXNetOps:
     """``mxnet.numpy`` arrays, or Symbols when ``symbols`` is given.
 
@@ -45,9 +49,20 @@ class MXNetOps:
         x = np.asarray(x)
         if self.symbolic:
             raise TypeError("MXNetOps: cannot turn a NumPy array into a Symbol; pass arrays as inputs")
+        if x.dtype.kind in "iu" and x.dtype.name not in _INTEGERS:  # int16, uint64, ...: int64
+            if x.dtype == np.uint64:  # values beyond int64 (refused by any range check) saturate
+                x = np.minimum(x, np.uint64(np.iinfo(np.int64).max))
+            x = x.astype(np.int64)
         dtype = like.dtype if like is not None and x.dtype.kind == "f" else x.dtype
         ctx = like.ctx if like is not None else None
         return mx.np.array(x, dtype=dtype, ctx=ctx)
+
+    def matmul_refusal(self, x: Any) -> str | None:
+        """Why MXNet cannot multiply matrices like ``x``: float16 on CPU (see ``checks``)."""
+        on_cpu = not isinstance(x, Symbol) and x.ctx.device_type == "cpu"
+        if on_cpu and np.dtype(x.dtype).name == "float16":
+            return "MXNet multiplies float16 matrices on GPU only; use float32 or float64 on CPU"
+        return None
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return x.asnumpy() if isinstance(x, mx.np.ndarray) else np.asarray(x)

@@ -14,11 +14,12 @@ import numpy as np
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from attention_core.ops import FLOAT_DTYPES
 from backends.numpy.ops import NumpyOps
 
 
-class Layer:
+class Layer(PlainArguments):
     """Base of the NumPy layers.
 
     Args:
@@ -88,6 +89,13 @@ class Layer:
     def _rate(self, training: bool) -> float:
         return self.dropout if training else 0.0
 
+    def _inputs(self, **inputs: Any) -> list[Any]:
+        """The inputs in the layer's dtype if it has weights, else as given.
+
+        The dtype rule of :func:`attention_core.checks.compute_inputs`.
+        """
+        return checks.compute_inputs(self._ops, self.dtype if self.spec() else None, **inputs)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dropout={self.dropout})"
 
@@ -124,6 +132,7 @@ class _Attention(Layer):
         return_attention: bool = False,
         training: bool = False,
     ) -> Any:
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         attention.check_projected_inputs(self._ops, queries, keys, values)
         weights = self._current(**self._input_sizes(queries, keys, values))
         need = return_attention or self.keep_attention_weights
@@ -273,6 +282,7 @@ class PositionalEncoding(Layer):
         self.P = positional.sinusoidal_encoding(max_len, num_hiddens, self.dtype)[None]
 
     def __call__(self, X: np.ndarray, *, training: bool = False) -> np.ndarray:
+        (X,) = self._inputs(X=X)
         return positional.add_positions(X, self.P, self._rate(training), ops=self._ops)
 
 
@@ -296,6 +306,7 @@ class LearnedPositionalEncoding(Layer):
         return self._weights["P"]
 
     def __call__(self, X: np.ndarray, *, training: bool = False) -> np.ndarray:
+        (X,) = self._inputs(X=X)
         return positional.add_positions(X, self.P, self._rate(training), ops=self._ops)
 
 
@@ -311,6 +322,7 @@ class PositionWiseFFN(Layer):
         return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, self._dims.get("d_in"))
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
+        (X,) = self._inputs(X=X)
         checks.check_rank(self._ops, "X", X, (3,), "(B, T, d)")
         weights = self._current(d_in=X.shape[-1])
         out = transformer.position_wise_ffn(X, weights, ops=self._ops)
@@ -330,6 +342,7 @@ class AddNorm(Layer):
         return W.add_norm_spec(self.num_hiddens)
 
     def __call__(self, X: np.ndarray, Y: np.ndarray, *, training: bool = False) -> np.ndarray:
+        X, Y = self._inputs(X=X, Y=Y)
         checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
         assert self._weights is not None
         return transformer.add_norm(X, Y, self._weights, self._rate(training), ops=self._ops)
@@ -377,6 +390,7 @@ class TransformerEncoderBlock(Layer):
     def __call__(
         self, X: np.ndarray, valid_lens: Any = None, *, mask: Any = None, training: bool = False
     ) -> np.ndarray:
+        (X,) = self._inputs(X=X)
         checks.check_rank(self._ops, "X", X, (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
         assert self._weights is not None
@@ -459,6 +473,7 @@ class NadarayaWatson(Layer):
         return W.nadaraya_watson_spec(self.parametric)
 
     def __call__(self, queries: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         w = self._weights["w"] if self._weights else None
         out, attn = attention.nadaraya_watson(
             queries, keys, values, w, return_weights=True, ops=self._ops

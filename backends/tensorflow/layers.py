@@ -43,12 +43,13 @@ import tensorflow as tf
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from backends.tensorflow.ops import TensorFlowOps
 
 _serializable = keras.saving.register_keras_serializable(package="attention_core")
 
 
-class Layer(keras.layers.Layer):
+class Layer(PlainArguments, keras.layers.Layer):
     """Base of the Keras layers: canonical weights, dropout, and no change on a failed call.
 
     Args:
@@ -83,6 +84,10 @@ class Layer(keras.layers.Layer):
         A first call that fails leaves the layer unbuilt. The error is the one ``call()``
         raised, not Keras' rewrapped copy (see :func:`_unwrap_call_error`).
         """
+        # the dtype rule: without weights, the inputs' dtype, unless a policy other than
+        # float32 was chosen for the layer (or globally), whose compute dtype then rules
+        if getattr(self, "autocast", False) and self.dtype_policy.name == "float32" and not self.spec():
+            self.autocast = False
         fresh = not self.built
         try:
             return super().__call__(*args, **kwargs)

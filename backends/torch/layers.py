@@ -35,6 +35,7 @@ from torch.nn.parameter import Parameter, UninitializedParameter, is_lazy
 
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
+from attention_core.host import PlainArguments
 from backends.torch.ops import OPS, TorchOps
 
 Tensor = torch.Tensor
@@ -44,11 +45,6 @@ T = TypeVar("T")
 def _ops(x: Tensor) -> TorchOps:
     """Ops that create new arrays (``arange``, lengths given as lists) on ``x``'s device."""
     return TorchOps(x.device)
-
-
-def _host(value: Any) -> Any:
-    """A torch tensor as NumPy data (bfloat16 widened exactly); anything else unchanged."""
-    return OPS.to_numpy(value) if isinstance(value, Tensor) else value
 
 
 class Dense(LazyModuleMixin, nn.Module):
@@ -146,7 +142,7 @@ class Embedding(nn.Module):
         return f"{self.embedding.shape[0]}, {self.embedding.shape[1]}"
 
 
-class Layer(nn.Module):
+class Layer(PlainArguments, nn.Module):
     """Base of the torch layers: canonical weights, lazy input sizes, dropout by mode.
 
     Args:
@@ -193,11 +189,10 @@ class Layer(nn.Module):
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Sets every weight from a canonical mapping; checks all names and shapes first.
 
-        Values may be NumPy arrays or tensors; they are cast to the parameters' dtype.
+        Values may be arrays of any framework (read on the host by
+        :func:`attention_core.host.host_array`); they are cast to the parameters' dtype.
         Setting the weights of a layer not called yet fixes its input sizes.
         """
-        if isinstance(weights, Mapping):
-            weights = {name: _host(value) for name, value in weights.items()}
         checked = W.check_weights(self.spec(), weights)
         params = self._weights()
         with torch.no_grad():
@@ -271,20 +266,17 @@ class Layer(nn.Module):
                 dense.unmaterialize()
             raise
 
-    def _check_dtype(self, name: str, x: Tensor) -> None:
-        """Checks that an input is real floating point and has the parameters' dtype.
+    def _inputs(self, **inputs: Any) -> list[Any]:
+        """The inputs in the layer's compute dtype, that of its parameters.
 
-        The first check gives the message of every backend; the second is torch's own (torch
-        does not mix dtypes).
+        The dtype rule of :func:`attention_core.checks.compute_inputs`. Under
+        ``torch.autocast`` the autocast dtype governs the computation: the inputs are then
+        checked but not cast.
         """
-        checks.check_floating(OPS, name, x)
         param = next(self.parameters(), None)
-        if param is not None and x.dtype != param.dtype:
-            got, want = OPS.dtype_name(x), OPS.dtype_name(param)
-            raise TypeError(
-                f"{name} dtype ({got}) must match the layer's dtype ({want}); "
-                f"convert the layer with .to(torch.{got}) or the input with .to(torch.{want})"
-            )
+        autocast = param is not None and torch.is_autocast_enabled(param.device.type)
+        dtype = None if param is None or autocast else OPS.dtype_name(param)
+        return checks.compute_inputs(OPS, dtype, **inputs)
 
     def _rate(self) -> float:
         return self.dropout if self.training else 0.0
@@ -389,9 +381,9 @@ class AdditiveAttention(Layer):
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, Dv)``."""
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         ops = _ops(queries)
         attention.check_projected_inputs(ops, queries, keys, values)
-        self._check_dtype("queries", queries)
         fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1])
         out, attn = self._run(fresh, lambda: attention.additive_attention(
             queries, keys, values, self._weights(), valid_lens, mask=mask, causal=causal,
@@ -466,9 +458,9 @@ class MultiHeadAttention(Layer):
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, h)``."""
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         ops = _ops(queries)
         attention.check_projected_inputs(ops, queries, keys, values)
-        self._check_dtype("queries", queries)
         fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
         rate = self._rate()
         need = return_attention or self.keep_attention_weights
@@ -559,9 +551,9 @@ class RelativeMultiHeadAttention(Layer):
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, h)``."""
+        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         ops = _ops(queries)
         attention.check_projected_inputs(ops, queries, keys, values)
-        self._check_dtype("queries", queries)
         fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
         out, attn = self._run(fresh, lambda: multihead.relative_multi_head_attention(
             queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
@@ -616,6 +608,7 @@ class PositionalEncoding(Layer):
 
     def forward(self, X: Tensor) -> Tensor:
         """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
+        (X,) = self._inputs(X=X)
         return positional.add_positions(X, self.P, self._rate(), ops=_ops(X))
 
     def extra_repr(self) -> str:
@@ -653,6 +646,7 @@ class LearnedPositionalEncoding(Layer):
 
     def forward(self, X: Tensor) -> Tensor:
         """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
+        (X,) = self._inputs(X=X)
         return positional.add_positions(X, self.P, self._rate(), ops=_ops(X))
 
     def extra_repr(self) -> str:
@@ -691,9 +685,9 @@ class PositionWiseFFN(Layer):
 
     def forward(self, X: Tensor) -> Tensor:
         """Returns ``dense2(relu(dense1(X)))`` for ``X (B, T, d)``."""
+        (X,) = self._inputs(X=X)
         ops = _ops(X)
         checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
-        self._check_dtype("X", X)
         fresh = self._build(d_in=X.shape[-1])
         return self._run(fresh, lambda: transformer.position_wise_ffn(X, self._weights(), ops=ops))
 
@@ -730,9 +724,9 @@ class AddNorm(Layer):
 
     def forward(self, X: Tensor, Y: Tensor) -> Tensor:
         """Returns ``LayerNorm(dropout(Y) + X)`` for ``X``, ``Y`` of shape ``(B, T, h)``."""
+        X, Y = self._inputs(X=X, Y=Y)
         ops = _ops(X)
         checks.check_last_dim(ops, "X", X, self.num_hiddens)
-        self._check_dtype("X", X)
         return transformer.add_norm(X, Y, self._weights(), self._rate(), ops=ops)
 
     def extra_repr(self) -> str:
@@ -793,10 +787,10 @@ class TransformerEncoderBlock(Layer):
 
     def forward(self, X: Tensor, valid_lens: Any = None, *, mask: Any = None) -> Tensor:
         """Encodes ``X (B, T, h)``; returns ``(B, T, h)``."""
+        (X,) = self._inputs(X=X)
         ops = _ops(X)
         checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(ops, "X", X, self.num_hiddens)
-        self._check_dtype("X", X)
         need = self.keep_attention_weights
         result: Any = transformer.transformer_encoder_block(
             X, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
@@ -921,7 +915,7 @@ class NadarayaWatson(Layer):
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """Predicts at ``queries (B, Q)`` or ``(Q,)`` from pairs ``keys``, ``values``."""
         if self.w is not None:
-            self._check_dtype("queries", queries)
+            queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
         out, attn = attention.nadaraya_watson(
             queries, keys, values, self.w, return_weights=True, ops=_ops(queries)
         )
