@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from attention_core import files
 from attention_core.checks import check_heads, check_positive_int, fmt_shape
 
 Shape = tuple[int | None, ...]
@@ -276,11 +277,34 @@ _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i
 _ST_NAMES = {np.dtype(v).name: k for k, v in _ST_DTYPES.items()}
 
 
+#: The header key the format reserves for the file's metadata (a str -> str object).
+METADATA_KEY = "__metadata__"
+
+#: The largest header the ``safetensors`` package reads (100 MB); larger ones are refused.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray]) -> None:
-    """Writes arrays to a safetensors file (little-endian, C order, 8-byte aligned header)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "attention-core"}}
+    """Writes arrays to a safetensors file (little-endian, C order, 8-byte aligned header).
+
+    Every tensor is encoded before the file is touched, and the file is written atomically
+    (:func:`attention_core.files.atomic_write`): a failed save leaves the previous file as it
+    was, or no file.
+
+    Raises:
+        ValueError: A tensor is named ``__metadata__``, the key the format reserves.
+        TypeError: A tensor's dtype is not one of float64, float32, float16, bfloat16, int64
+            and int32.
+        OSError: The file cannot be written.
+    """
+    header: dict[str, Any] = {METADATA_KEY: {"format": "attention-core"}}
     blobs, offset = [], 0
     for name in sorted(tensors):
+        if name == METADATA_KEY:
+            raise ValueError(
+                f"save_weights: a weight may not be named {METADATA_KEY!r}: the safetensors "
+                "format reserves that key for the file's metadata"
+            )
         array = np.asarray(tensors[name])
         if array.dtype.name == "bfloat16":
             code, raw = "BF16", np.ascontiguousarray(array).view("<u2").tobytes()
@@ -295,8 +319,11 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.nda
         offset += len(raw)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    with files.atomic_write(path) as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for raw in blobs:
+            f.write(raw)
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
@@ -305,15 +332,19 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     BF16 tensors are widened to float32 (exactly) when ``ml_dtypes`` is not installed.
 
     Every message names the file and what is wrong with it; nothing is returned from a file
-    with any fault.
+    with any fault. The rules are at least those of the ``safetensors`` package: the tensors'
+    data must tile the data area exactly (no overlap, no gap, no byte after the last tensor).
 
     Raises:
         OSError: The file cannot be read (e.g. FileNotFoundError).
         ValueError: The file is truncated, or not a safetensors file: too short for the header
-            length, a header that runs past the end or is not a JSON object, an entry without
-            a string dtype, a list of non-negative int dims and two non-negative int data
-            offsets, a dtype other than F64, F32, F16, BF16, I64 and I32, or data that lies
-            outside the file or does not match the entry's dtype and shape.
+            length, a header that runs past the end, is larger than 100 MB or is not a JSON
+            object, a key given twice in the header, a ``__metadata__`` entry that is not an
+            object of str -> str, an entry without a string dtype, a list of non-negative int
+            dims and two non-negative int data offsets, a dtype other than F64, F32, F16,
+            BF16, I64 and I32, data that lies outside the file or does not match the entry's
+            dtype and shape, or data areas that overlap, leave bytes between them, or leave
+            bytes after the last one.
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -323,16 +354,25 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
         raise ValueError(f"{bad}: header of {n} bytes runs past the end of the file")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"{bad}: header of {n} bytes is larger than {MAX_HEADER_BYTES} bytes")
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(data[8 : 8 + n], object_pairs_hook=_no_duplicates)
+    except _DuplicateKeyError as err:
+        raise ValueError(f"{bad}: key {err.args[0]!r} appears twice in the header") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{bad}: header is not JSON") from None
     if not isinstance(header, dict):
         raise ValueError(f"{bad}: header is not a JSON object")
+    metadata = header.get(METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(
+            f"{bad}: {METADATA_KEY} must be an object of str -> str, got {_brief(metadata)}"
+        )
     body = memoryview(data)[8 + n :]
-    out = {}
+    entries = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == METADATA_KEY:
             continue
         code, shape, (start, end) = _entry(bad, name, info)
         if code != "BF16" and code not in _ST_DTYPES:
@@ -340,8 +380,57 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         itemsize = 2 if code == "BF16" else np.dtype(_ST_DTYPES[code]).itemsize
         if not start <= end <= len(body) or end - start != itemsize * math.prod(shape):
             raise ValueError(f"{bad}: data of {name!r} is truncated or misplaced")
-        out[name] = _decode(code, body[start:end], shape)
+        entries[name] = (code, shape, start, end)
+    _check_tiling(bad, {name: (e[2], e[3]) for name, e in entries.items()}, len(body))
+    return {name: _decode(code, body[start:end], shape)
+            for name, (code, shape, start, end) in entries.items()}
+
+
+class _DuplicateKeyError(Exception):
+    """A JSON object of the header has a key twice (json.loads would keep the last silently)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
     return out
+
+
+def _brief(value: Any) -> str:
+    """A short description of a JSON value for a message (its repr, cut at 60 characters)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_tiling(bad: str, spans: dict[str, tuple[int, int]], size: int) -> None:
+    """Checks that the tensors' ``[start, end)`` spans tile ``[0, size)`` exactly.
+
+    Raises:
+        ValueError: Two spans overlap, bytes lie before the first span or between two spans
+            (belonging to no tensor), or bytes follow the last span.
+    """
+    previous: tuple[str, int] | None = None  # the name and end of the span before
+    for name, (start, end) in sorted(spans.items(), key=lambda item: (item[1], item[0])):
+        at = 0 if previous is None else previous[1]
+        if start < at:
+            assert previous is not None
+            raise ValueError(
+                f"{bad}: data of {name!r} (bytes {start} to {end}) overlaps data of "
+                f"{previous[0]!r} (ending at byte {at})"
+            )
+        if start > at:
+            after = "the start of the data" if previous is None else f"data of {previous[0]!r}"
+            raise ValueError(
+                f"{bad}: {start - at} bytes between {after} and data of {name!r} belong to "
+                "no tensor"
+            )
+        previous = (name, end)
+    at = 0 if previous is None else previous[1]
+    if size > at:
+        raise ValueError(f"{bad}: {size - at} bytes after the last tensor's data belong to no tensor")
 
 
 def _count(x: Any) -> bool:
