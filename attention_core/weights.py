@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -227,23 +227,12 @@ def _known_dims(name: str, shape: Shape) -> tuple[int, ...]:
 # -- checking -------------------------------------------------------------------------------
 
 
-def check_weights(
-    spec: Spec, weights: Mapping[str, Any], where: str = "set_weights"
-) -> dict[str, np.ndarray]:
-    """Checks every name and shape against a spec before anything is changed.
-
-    Args:
-        spec: The expected names and shapes (``None`` matches any size).
-        weights: The mapping given by the user (arrays of any framework convertible by
-            ``numpy.asarray``).
-        where: The caller's name, for the message.
-
-    Returns:
-        The weights as NumPy arrays, in the spec's order.
+def check_names(spec: Spec, weights: Any, where: str) -> None:
+    """Checks that ``weights`` is a mapping holding exactly the names of ``spec``.
 
     Raises:
-        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
-        ValueError: Missing or unexpected names, or a wrong shape.
+        TypeError: ``weights`` is not a mapping.
+        ValueError: Missing or unexpected names (both listed, with the expected ones).
     """
     if not isinstance(weights, Mapping):
         raise TypeError(
@@ -256,18 +245,109 @@ def check_weights(
             f"{where}: missing weights {missing}, unexpected weights {unexpected}; "
             f"expected exactly {sorted(spec)}"
         )
-    out: dict[str, np.ndarray] = {}
+
+
+def is_float_dtype(name: str) -> bool:
+    """Whether a dtype name is real floating point.
+
+    float16/32/64, longdouble (float96 or float128), bfloat16 and ml_dtypes' other floats; any
+    byte order (the name has none).
+    """
+    return name.startswith(("float", "bfloat"))
+
+
+def check_entries(
+    spec: Spec,
+    weights: Mapping[str, Any],
+    where: str,
+    shape_of: Callable[[Any], Sequence[Any]],
+    dtype_of: Callable[[Any], str],
+) -> None:
+    """Checks each entry's dtype (real floating) and shape against ``spec``, in its order.
+
+    The one check of ``set_weights``, ``load_weights`` and the functional API's weights, on
+    NumPy arrays (``np.shape``) or on a backend's arrays (``ops.shape``: static shapes, so it
+    costs nothing at run time under tracing). An unknown dimension (None, or not an int)
+    matches any size.
+
+    Args:
+        spec: The expected names and shapes, all present in ``weights``.
+        weights: Name -> array.
+        where: The caller's name, for the message.
+        shape_of: The shape of an array.
+        dtype_of: The NumPy-style name of an array's dtype.
+
+    Raises:
+        TypeError: An entry is not real floating point.
+        ValueError: An entry has the wrong shape.
+    """
     for name, want in spec.items():
-        value = np.asarray(weights[name])
-        if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
-            raise TypeError(f"{where}: {name} must be floating point, got {value.dtype.name}")
-        if value.ndim != len(want) or any(
-            w is not None and g != w for g, w in zip(value.shape, want, strict=True)
+        value = weights[name]
+        dtype = dtype_of(value)
+        if not is_float_dtype(dtype):
+            raise TypeError(f"{where}: {name} must be floating point, got {dtype}")
+        shape = tuple(shape_of(value))
+        if len(shape) != len(want) or any(
+            isinstance(w, int) and isinstance(g, int) and g != w
+            for g, w in zip(shape, want, strict=True)
         ):
             raise ValueError(
-                f"{where}: {name} has shape {fmt_shape(value.shape)}, expected {fmt_shape(want)}"
+                f"{where}: {name} has shape {fmt_shape(shape)}, expected {fmt_shape(want)}"
             )
-        out[name] = value
+
+
+def host_dtype(dtype: str) -> np.dtype[Any]:
+    """The NumPy dtype that weights for a layer of ``dtype`` are converted to on the host.
+
+    ``dtype`` itself, except bfloat16 without ``ml_dtypes``: float32, which the framework then
+    narrows.
+    """
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            return np.dtype(np.float32)
+    return np.dtype(dtype)
+
+
+def check_weights(
+    spec: Spec,
+    weights: Mapping[str, Any],
+    where: str = "set_weights",
+    dtype: str | Mapping[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Checks every name, dtype and shape against a spec, then converts, before anything changes.
+
+    Every real floating dtype NumPy can cast is accepted (either byte order, float16, float64,
+    longdouble, bfloat16): with ``dtype`` given, each value is converted to it here (see
+    :func:`host_dtype`), so a caller that converts every value to its framework's arrays and
+    only then writes cannot fail half-way.
+
+    Args:
+        spec: The expected names and shapes (``None`` matches any size).
+        weights: The mapping given by the user (arrays of any framework convertible by
+            ``numpy.asarray``).
+        where: The caller's name, for the message.
+        dtype: The layer's dtype name (one for every weight, or by name); None keeps each
+            value's dtype, in native byte order.
+
+    Returns:
+        The weights as C-contiguous native-byte-order NumPy arrays, in the spec's order.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: Missing or unexpected names, or a wrong shape.
+    """
+    check_names(spec, weights, where)
+    arrays = {name: np.asarray(weights[name]) for name in spec}
+    check_entries(spec, arrays, where, np.shape, lambda a: a.dtype.name)
+    out: dict[str, np.ndarray] = {}
+    for name, value in arrays.items():
+        want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
+        target = value.dtype.newbyteorder("=") if want is None else host_dtype(want)
+        out[name] = np.ascontiguousarray(value.astype(target, copy=False))
     return out
 
 
