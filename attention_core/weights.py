@@ -18,6 +18,7 @@ import numpy as np
 
 from attention_core import files
 from attention_core.checks import check_heads, check_positive_int, fmt_shape
+from attention_core.ops import Array, Ops
 
 Shape = tuple[int | None, ...]
 Spec = dict[str, Shape]
@@ -38,7 +39,7 @@ class HasWeights(Protocol):
 # -- specs --------------------------------------------------------------------------------
 
 
-def dense_spec(name: str, d_in: int | None, d_out: int, bias: bool) -> Spec:
+def dense_spec(name: str, d_in: int | None, d_out: int | None, bias: bool) -> Spec:
     """``name.kernel (d_in, d_out)`` and, with ``bias``, ``name.bias (d_out,)``."""
     spec: Spec = {f"{name}.kernel": (d_in, d_out)}
     if bias:
@@ -182,9 +183,13 @@ def prefixed(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def subset(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """The entries under ``prefix.``, with the prefix removed."""
+    """The entries under ``prefix.``, with the prefix removed.
+
+    The result is still marked as checked if ``mapping`` was (:class:`CheckedWeights`).
+    """
     start = len(prefix) + 1
-    return {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
+    out = {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
+    return CheckedWeights(out) if isinstance(mapping, CheckedWeights) else out
 
 
 # -- initialisation -----------------------------------------------------------------------
@@ -349,6 +354,185 @@ def check_weights(
         target = value.dtype.newbyteorder("=") if want is None else host_dtype(want)
         out[name] = np.ascontiguousarray(value.astype(target, copy=False))
     return out
+
+
+# -- the functional API's mappings ------------------------------------------------------------
+
+
+class CheckedWeights(dict[str, Any]):
+    """A weights mapping :func:`check_call_weights` has checked (with its inputs' widths).
+
+    The functional entry points check the mapping they are given once; the parts they call
+    (a block's attention, an encoder's blocks) receive this type, directly or through
+    :func:`subset`, and do not check it again.
+    """
+
+
+def check_call_weights(
+    ops: Ops,
+    where: str,
+    weights: Any,
+    spec_of: Callable[[Callable[[str, int, int], int | None]], Spec],
+    inputs: Mapping[str, tuple[Array, str]] | None = None,
+) -> CheckedWeights:
+    """Checks a functional call's weights mapping as ``set_weights`` checks a layer's.
+
+    The spec is made from the mapping itself: ``spec_of(size)`` reads the sizes it depends on
+    (``size(name, axis, ndim)``: that axis of ``weights[name]`` when it is there with ``ndim``
+    dimensions, else None) and leaves None where a size cannot be read. Then, with the
+    messages of :func:`check_weights` (``where`` in place of ``set_weights``): the names, each
+    entry's dtype (real floating) and shape, and last, each input's last dimension against
+    the first dimension of its kernel. Only static shapes are read (``ops.shape``), so under
+    tracing the check is done once, when the graph is made.
+
+    Args:
+        ops: The backend's ops.
+        where: The function's name, for the messages.
+        weights: The mapping given; a :class:`CheckedWeights` is returned as it is.
+        spec_of: Makes the spec from a size reader.
+        inputs: Input name -> (array, weight name): that array's last dimension must be the
+            first dimension of that weight.
+
+    Returns:
+        The mapping, marked as checked.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: Missing or unexpected names, a wrong shape, or an input whose width does
+            not fit its kernel.
+    """
+    if isinstance(weights, CheckedWeights):
+        return weights
+    if not isinstance(weights, Mapping):
+        check_names({}, weights, where)  # raises the TypeError
+
+    def size(name: str, axis: int, ndim: int) -> int | None:
+        if name not in weights:
+            return None
+        shape = tuple(ops.shape(weights[name]))
+        return shape[axis] if len(shape) == ndim and isinstance(shape[axis], int) else None
+
+    spec = spec_of(size)
+    check_names(spec, weights, where)
+    check_entries(spec, weights, where, ops.shape, ops.dtype_name)
+    for arg, (x, name) in (inputs or {}).items():
+        want = tuple(ops.shape(weights[name]))
+        got = ops.shape(x)[-1]
+        if isinstance(got, int) and isinstance(want[0], int) and got != want[0]:
+            raise ValueError(
+                f"{arg} last dimension ({got}) must be {want[0]}, as {name} has shape "
+                f"{fmt_shape(want)}"
+            )
+    return CheckedWeights(weights)
+
+
+Size = Callable[[str, int, int], int | None]
+
+
+def _heads(h: int | None, num_heads: int) -> None:
+    if h is None:
+        check_positive_int("num_heads", num_heads)
+    else:
+        check_heads(h, num_heads)
+
+
+def additive_call_spec(size: Size) -> Spec:
+    """The spec of ``additive_attention``'s mapping, sizes read off it (check_call_weights)."""
+    h = size("W_q.kernel", 1, 2)
+    if h is not None:
+        check_positive_int("num_hiddens", h)
+    return {
+        **dense_spec("W_q", size("W_q.kernel", 0, 2), h, False),
+        **dense_spec("W_k", size("W_k.kernel", 0, 2), h, False),
+        **dense_spec("w_v", h, 1, False),
+    }
+
+
+def multi_head_call_spec(
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None
+) -> Spec:
+    """The spec of ``multi_head_attention``'s mapping (names under ``prefix``).
+
+    h is ``W_q.kernel``'s output size; the projections have biases when any of them has one.
+    With ``width`` (a block's h), every kernel is ``(width, width)``.
+    """
+    h = width if width is not None else size(f"{prefix}W_q.kernel", 1, 2)
+    _heads(h, num_heads)
+    bias = any(f"{prefix}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o"))
+    spec: Spec = {}
+    for name in ("W_q", "W_k", "W_v"):
+        d_in = width if width is not None else size(f"{prefix}{name}.kernel", 0, 2)
+        spec.update(dense_spec(f"{prefix}{name}", d_in, h, bias))
+    spec.update(dense_spec(f"{prefix}W_o", h, h, bias))
+    return spec
+
+
+def relative_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
+    """The spec of ``relative_multi_head_attention``'s mapping.
+
+    :func:`multi_head_call_spec`'s, and ``rel_k.embedding`` (``rel_v.embedding`` too if
+    given) of ``2m + 1`` rows (an odd number) and h/H columns.
+    """
+    spec = multi_head_call_spec(size, names, num_heads)
+    h = size("W_q.kernel", 1, 2)
+    depth = h // num_heads if h is not None else None
+    rows = size("rel_k.embedding", 0, 2)
+    rows = rows if rows is None or rows % 2 else rows + 1
+    spec["rel_k.embedding"] = (rows, depth)
+    if "rel_v.embedding" in names:
+        spec["rel_v.embedding"] = (rows, depth)
+    return spec
+
+
+def ffn_call_spec(size: Size, prefix: str = "", width: int | None = None) -> Spec:
+    """The spec of ``position_wise_ffn``'s mapping (under ``prefix``).
+
+    With ``width`` (a block's h), the input and output sizes are ``width``.
+    """
+    hidden = size(f"{prefix}dense1.kernel", 1, 2)
+    d_in = width if width is not None else size(f"{prefix}dense1.kernel", 0, 2)
+    out = width if width is not None else size(f"{prefix}dense2.kernel", 1, 2)
+    return {
+        **dense_spec(f"{prefix}dense1", d_in, hidden, True),
+        **dense_spec(f"{prefix}dense2", hidden, out, True),
+    }
+
+
+def add_norm_call_spec(size: Size, prefix: str = "", width: int | None = None) -> Spec:
+    """The spec of ``add_norm``'s mapping (under ``prefix``), of ``width`` if given."""
+    h = width if width is not None else size(f"{prefix}ln.gamma", 0, 1)
+    return {f"{prefix}ln.gamma": (h,), f"{prefix}ln.beta": (h,)}
+
+
+def block_call_spec(
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None
+) -> Spec:
+    """The spec of ``transformer_encoder_block``'s mapping (under ``prefix``).
+
+    Every part has the width h: ``width`` if given (an encoder's), else the output size of
+    ``attention.W_q.kernel``.
+    """
+    h = width if width is not None else size(f"{prefix}attention.W_q.kernel", 1, 2)
+    return {
+        **multi_head_call_spec(size, names, num_heads, f"{prefix}attention.", h),
+        **add_norm_call_spec(size, f"{prefix}addnorm1.", h),
+        **ffn_call_spec(size, f"{prefix}ffn.", h),
+        **add_norm_call_spec(size, f"{prefix}addnorm2.", h),
+    }
+
+
+def encoder_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
+    """The spec of ``transformer_encoder``'s mapping.
+
+    ``token.embedding (V, h)`` and one block of width h per distinct ``blks.<i>`` prefix in
+    the mapping, numbered from 0.
+    """
+    h = size("token.embedding", 1, 2)
+    spec: Spec = {"token.embedding": (size("token.embedding", 0, 2), h)}
+    blocks = {name.split(".")[1] for name in names if name.startswith("blks.")}
+    for i in range(len(blocks)):
+        spec.update(block_call_spec(size, names, num_heads, f"blks.{i}.", h))
+    return spec
 
 
 # -- safetensors files ----------------------------------------------------------------------
