@@ -812,6 +812,16 @@ def save_weights(
         layer: A layer with ``get_weights()`` (numpy, torch, Keras, Gluon), a canonical mapping,
             or, for Flax, what ``init`` returns (``{"params": ...}``) or the params tree:
             its paths joined with dots are the canonical names.
+
+    The weights are read and encoded first, then written atomically: a save that fails (an
+    unbuilt layer, a reserved name, a full disk) leaves the previous file byte for byte, or
+    no file, and no temporary file.
+
+    Raises:
+        TypeError: ``layer`` is neither a layer nor a mapping, or a weight has a dtype the
+            file cannot hold.
+        ValueError: The layer has no weights yet, or a weight is named ``__metadata__``.
+        OSError: The file cannot be written.
     """
     write_safetensors(path, canonical_weights(layer, "save_weights"))
 
