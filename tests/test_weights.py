@@ -370,3 +370,15 @@ def test_other_writers_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         markdown.write_between_markers(readme, "new", "<!-- s -->", "<!-- e -->")
     assert readme.read_bytes() == previous
     assert [p.name for p in tmp_path.iterdir()] == ["README.md"]
+
+
+def test_header_larger_than_the_package_reads_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package refuses headers over 100 MB; so do we (the limit lowered here to test it)."""
+    path = tmp_path / "w.safetensors"
+    W.write_safetensors(path, {"a": np.ones(2, np.float32)})
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    monkeypatch.setattr(W, "MAX_HEADER_BYTES", n - 1)
+    with pytest.raises(ValueError, match=re.escape(f"header of {n} bytes is larger than {n - 1} bytes")):
+        W.read_safetensors(path)
