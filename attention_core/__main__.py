@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attention_core import examples, markdown, plot, registry
+from attention_core import examples, files, markdown, plot, registry
 from attention_core.attention import nadaraya_watson
 from attention_core.bench import cli as bench_cli
 
@@ -93,7 +93,7 @@ def demo(name: str | None = None, out: str | Path | None = None) -> str:
         lines.append(fitted)
         Path(out).mkdir(parents=True, exist_ok=True)
         for filename, figure in figures.items():
-            figure.savefig(Path(out) / filename)
+            files.save_figure(figure, Path(out) / filename)
             lines.append(f"wrote {Path(out) / filename}")
     return "\n".join(lines)
 

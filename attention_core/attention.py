@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import checks, masks
+from attention_core import weights as W
 from attention_core.blockwise import blockwise_attention
 from attention_core.linear import dense
 from attention_core.masks import FILL_VALUE
@@ -495,7 +496,9 @@ def additive_attention(
         queries: ``(B, Q, Dq)``.
         keys: ``(B, K, Dk)``.
         values: ``(B, K, Dv)``.
-        weights: ``W_q.kernel (Dq, h)``, ``W_k.kernel (Dk, h)``, ``w_v.kernel (h, 1)``.
+        weights: ``W_q.kernel (Dq, h)``, ``W_k.kernel (Dk, h)``, ``w_v.kernel (h, 1)``;
+            checked like ``set_weights`` checks a layer's (names, dtypes, shapes, and the
+            inputs' widths against the kernels).
         valid_lens: See :func:`dot_product_attention`.
         mask: See :func:`dot_product_attention`.
         causal: See :func:`dot_product_attention`.
@@ -508,6 +511,10 @@ def additive_attention(
     """
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
+    weights = W.check_call_weights(
+        ops, "additive_attention", weights, W.additive_call_spec,
+        {"queries": (queries, "W_q.kernel"), "keys": (keys, "W_k.kernel")},
+    )
     dropout = checks.check_dropout(dropout)
     if not known_finite(ops, queries, keys, values):
         queries, keys = non_finite_rows(ops, queries), non_finite_rows(ops, keys)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from attention_core import registry
+from attention_core import files, registry
 
 
 def load_backend_documents(
@@ -53,4 +53,4 @@ def write_between_markers(path: str | Path, body: str, start: str, end: str) -> 
     i, j = text.find(start), text.find(end)
     if i < 0 or j < i:
         raise ValueError(f"{file} has no {start} ... {end} markers to write between")
-    file.write_text(f"{text[: i + len(start)]}\n{body}\n{text[j:]}")
+    files.write_text(file, f"{text[: i + len(start)]}\n{body}\n{text[j:]}")

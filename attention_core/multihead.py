@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention_core import checks, masks
+from attention_core import weights as W
 from attention_core.attention import (
     check_projected_inputs,
     dot_product_attention,
@@ -44,6 +45,12 @@ def project(ops: Ops, x: Array, weights: Mapping[str, Array], name: str) -> Arra
     return dense(ops, x, weights[f"{name}.kernel"], weights.get(f"{name}.bias"))
 
 
+def _widths(queries: Array, keys: Array, values: Array) -> dict[str, tuple[Array, str]]:
+    """Each input and the kernel whose first dimension its width must be."""
+    return {"queries": (queries, "W_q.kernel"), "keys": (keys, "W_k.kernel"),
+            "values": (values, "W_v.kernel")}
+
+
 def multi_head_attention(
     queries: Array,
     keys: Array,
@@ -66,7 +73,9 @@ def multi_head_attention(
         keys: ``(B, K, Dk)``.
         values: ``(B, K, Dv)``.
         weights: ``W_q.kernel (Dq, h)``, ``W_k.kernel (Dk, h)``, ``W_v.kernel (Dv, h)``,
-            ``W_o.kernel (h, h)`` and, with biases, ``W_q.bias (h,)`` etc.
+            ``W_o.kernel (h, h)`` and, with biases, ``W_q.bias (h,)`` etc.; checked like
+            ``set_weights`` checks a layer's (names, dtypes, shapes, and the inputs' widths
+            against the kernels).
         num_heads: H; must divide h.
         valid_lens: Integer lengths, ``(B,)`` or ``(B, Q)``, shared by every head.
         mask: Boolean, True = may attend: ``(Q, K)``, ``(B, Q, K)`` or ``(B, H, Q, K)``.
@@ -82,6 +91,10 @@ def multi_head_attention(
     """
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
+    weights = W.check_call_weights(
+        ops, "multi_head_attention", weights,
+        lambda size: W.multi_head_call_spec(size, weights, num_heads), _widths(queries, keys, values),
+    )
     num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
@@ -160,6 +173,10 @@ def relative_multi_head_attention(
     """
     ops = ops or ops_for(queries)
     check_projected_inputs(ops, queries, keys, values)
+    weights = W.check_call_weights(
+        ops, "relative_multi_head_attention", weights,
+        lambda size: W.relative_call_spec(size, weights, num_heads), _widths(queries, keys, values),
+    )
     dropout = checks.check_dropout(dropout)
     num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention_core import checks
+from attention_core import weights as W
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import multi_head_attention
 from attention_core.ops import Array, Ops
@@ -24,13 +25,16 @@ def position_wise_ffn(X: Array, weights: Mapping[str, Array], *, ops: Ops | None
     Args:
         X: ``(B, T, d_in)``.
         weights: ``dense1.kernel (d_in, f)``, ``dense1.bias (f,)``, ``dense2.kernel (f, out)``,
-            ``dense2.bias (out,)``.
+            ``dense2.bias (out,)``; checked like ``set_weights`` checks a layer's (names,
+            dtypes, shapes, and ``X``'s width against ``dense1.kernel``).
         ops: The backend's ops; found from ``X`` when omitted.
     """
     ops = ops or ops_for(X)
     checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
     checks.check_floating(ops, "X", X)
     checks.check_matmul_dtype(ops, "X", X)
+    weights = W.check_call_weights(ops, "position_wise_ffn", weights, W.ffn_call_spec,
+                                   {"X": (X, "dense1.kernel")})
     hidden = ops.relu(dense(ops, X, weights["dense1.kernel"], weights["dense1.bias"]))
     return dense(ops, hidden, weights["dense2.kernel"], weights["dense2.bias"])
 
@@ -48,7 +52,8 @@ def add_norm(
     Args:
         X: The residual input, ``(B, T, h)``.
         Y: The sublayer's output, same shape.
-        weights: ``ln.gamma (h,)`` and ``ln.beta (h,)``.
+        weights: ``ln.gamma (h,)`` and ``ln.beta (h,)``, checked like ``set_weights`` checks
+            a layer's (and ``X``'s width against them).
         dropout: Dropout rate on ``Y`` (applied whenever > 0).
         ops: The backend's ops; found from ``X`` when omitted.
     """
@@ -66,6 +71,8 @@ def add_norm(
             f"X and Y must have the same shape, got {checks.fmt_shape(x_shape)} and "
             f"{checks.fmt_shape(y_shape)}"
         )
+    weights = W.check_call_weights(ops, "add_norm", weights, W.add_norm_call_spec,
+                                   {"X": (X, "ln.gamma")})
     dropout = checks.check_dropout(dropout)
     Y = ops.dropout(Y, dropout) if dropout > 0 else Y
     return layer_norm(ops, X + Y, weights["ln.gamma"], weights["ln.beta"])
@@ -89,7 +96,9 @@ def transformer_encoder_block(
 
     Args:
         X: ``(B, T, h)``.
-        weights: ``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*`` (DESIGN section 5).
+        weights: ``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*`` (DESIGN section 5),
+            all of width h = the output size of ``attention.W_q.kernel``; checked like
+            ``set_weights`` checks a layer's (and ``X``'s width against h).
         num_heads: Heads of the self-attention.
         valid_lens: Integer lengths of ``X``, ``(B,)`` or ``(B, T)``.
         mask: Boolean self-attention mask, True = may attend.
@@ -104,6 +113,10 @@ def transformer_encoder_block(
     """
     ops = ops or ops_for(X)
     checks.check_floating(ops, "X", X)
+    weights = W.check_call_weights(
+        ops, "transformer_encoder_block", weights,
+        lambda size: W.block_call_spec(size, weights, num_heads), {"X": (X, "attention.W_q.kernel")},
+    )
     result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
         mask=mask, dropout=dropout, return_weights=return_weights, implementation=implementation,
@@ -161,7 +174,8 @@ def transformer_encoder(
     Args:
         tokens: Integer ids ``(B, T)``.
         weights: ``token.embedding (V, h)`` and ``blks.<i>.*`` for each block
-            (:func:`transformer_encoder_block`'s names).
+            (:func:`transformer_encoder_block`'s names), numbered from 0, all of width h;
+            checked like ``set_weights`` checks a layer's.
         num_heads: Heads of every block's self-attention.
         valid_lens: Integer lengths of the sequences, ``(B,)`` or ``(B, T)``.
         mask: Boolean self-attention mask, True = may attend.
@@ -178,6 +192,8 @@ def transformer_encoder(
         ``(B, T, h)``, and the list of the blocks' attention weights if asked.
     """
     ops = ops or ops_for(tokens)
+    weights = W.check_call_weights(ops, "transformer_encoder", weights,
+                                   lambda size: W.encoder_call_spec(size, weights, num_heads))
     table = weights["token.embedding"]
     num_hiddens = ops.shape(table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)

@@ -11,13 +11,15 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from attention_core import files
 from attention_core.checks import check_heads, check_positive_int, fmt_shape
 from attention_core.host import host_array
+from attention_core.ops import Array, Ops
 
 Shape = tuple[int | None, ...]
 Spec = dict[str, Shape]
@@ -38,7 +40,7 @@ class HasWeights(Protocol):
 # -- specs --------------------------------------------------------------------------------
 
 
-def dense_spec(name: str, d_in: int | None, d_out: int, bias: bool) -> Spec:
+def dense_spec(name: str, d_in: int | None, d_out: int | None, bias: bool) -> Spec:
     """``name.kernel (d_in, d_out)`` and, with ``bias``, ``name.bias (d_out,)``."""
     spec: Spec = {f"{name}.kernel": (d_in, d_out)}
     if bias:
@@ -183,9 +185,13 @@ def prefixed(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def subset(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """The entries under ``prefix.``, with the prefix removed."""
+    """The entries under ``prefix.``, with the prefix removed.
+
+    The result is still marked as checked if ``mapping`` was (:class:`CheckedWeights`).
+    """
     start = len(prefix) + 1
-    return {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
+    out = {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
+    return CheckedWeights(out) if isinstance(mapping, CheckedWeights) else out
 
 
 # -- initialisation -----------------------------------------------------------------------
@@ -228,23 +234,12 @@ def _known_dims(name: str, shape: Shape) -> tuple[int, ...]:
 # -- checking -------------------------------------------------------------------------------
 
 
-def check_weights(
-    spec: Spec, weights: Mapping[str, Any], where: str = "set_weights"
-) -> dict[str, np.ndarray]:
-    """Checks every name and shape against a spec before anything is changed.
-
-    Args:
-        spec: The expected names and shapes (``None`` matches any size).
-        weights: The mapping given by the user (arrays of any framework, read by
-            :func:`attention_core.host.host_array`).
-        where: The caller's name, for the message.
-
-    Returns:
-        The weights as NumPy arrays, in the spec's order.
+def check_names(spec: Spec, weights: Any, where: str) -> None:
+    """Checks that ``weights`` is a mapping holding exactly the names of ``spec``.
 
     Raises:
-        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
-        ValueError: Missing or unexpected names, or a wrong shape.
+        TypeError: ``weights`` is not a mapping.
+        ValueError: Missing or unexpected names (both listed, with the expected ones).
     """
     if not isinstance(weights, Mapping):
         raise TypeError(
@@ -257,19 +252,289 @@ def check_weights(
             f"{where}: missing weights {missing}, unexpected weights {unexpected}; "
             f"expected exactly {sorted(spec)}"
         )
-    out: dict[str, np.ndarray] = {}
+
+
+def is_float_dtype(name: str) -> bool:
+    """Whether a dtype name is real floating point.
+
+    float16/32/64, longdouble (float96 or float128), bfloat16 and ml_dtypes' other floats; any
+    byte order (the name has none).
+    """
+    return name.startswith(("float", "bfloat"))
+
+
+def check_entries(
+    spec: Spec,
+    weights: Mapping[str, Any],
+    where: str,
+    shape_of: Callable[[Any], Sequence[Any]],
+    dtype_of: Callable[[Any], str],
+) -> None:
+    """Checks each entry's dtype (real floating) and shape against ``spec``, in its order.
+
+    The one check of ``set_weights``, ``load_weights`` and the functional API's weights, on
+    NumPy arrays (``np.shape``) or on a backend's arrays (``ops.shape``: static shapes, so it
+    costs nothing at run time under tracing). An unknown dimension (None, or not an int)
+    matches any size.
+
+    Args:
+        spec: The expected names and shapes, all present in ``weights``.
+        weights: Name -> array.
+        where: The caller's name, for the message.
+        shape_of: The shape of an array.
+        dtype_of: The NumPy-style name of an array's dtype.
+
+    Raises:
+        TypeError: An entry is not real floating point.
+        ValueError: An entry has the wrong shape.
+    """
     for name, want in spec.items():
-        value = host_array(weights[name])
-        if value.dtype.kind != "f" and value.dtype.name != "bfloat16":
-            raise TypeError(f"{where}: {name} must be floating point, got {value.dtype.name}")
-        if value.ndim != len(want) or any(
-            w is not None and g != w for g, w in zip(value.shape, want, strict=True)
+        value = weights[name]
+        dtype = dtype_of(value)
+        if not is_float_dtype(dtype):
+            raise TypeError(f"{where}: {name} must be floating point, got {dtype}")
+        shape = tuple(shape_of(value))
+        if len(shape) != len(want) or any(
+            isinstance(w, int) and isinstance(g, int) and g != w
+            for g, w in zip(shape, want, strict=True)
         ):
             raise ValueError(
-                f"{where}: {name} has shape {fmt_shape(value.shape)}, expected {fmt_shape(want)}"
+                f"{where}: {name} has shape {fmt_shape(shape)}, expected {fmt_shape(want)}"
             )
-        out[name] = value
+
+
+def host_dtype(dtype: str) -> np.dtype[Any]:
+    """The NumPy dtype that weights for a layer of ``dtype`` are converted to on the host.
+
+    ``dtype`` itself, except bfloat16 without ``ml_dtypes``: float32, which the framework then
+    narrows.
+    """
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            return np.dtype(np.float32)
+    return np.dtype(dtype)
+
+
+def check_weights(
+    spec: Spec,
+    weights: Mapping[str, Any],
+    where: str = "set_weights",
+    dtype: str | Mapping[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Checks every name, dtype and shape against a spec, then converts, before anything changes.
+
+    Every real floating dtype NumPy can cast is accepted (either byte order, float16, float64,
+    longdouble, bfloat16): with ``dtype`` given, each value is converted to it here (see
+    :func:`host_dtype`), so a caller that converts every value to its framework's arrays and
+    only then writes cannot fail half-way.
+
+    Args:
+        spec: The expected names and shapes (``None`` matches any size).
+        weights: The mapping given by the user (arrays of any framework, read on the host by
+            :func:`attention_core.host.host_array`).
+        where: The caller's name, for the message.
+        dtype: The layer's dtype name (one for every weight, or by name); None keeps each
+            value's dtype, in native byte order.
+
+    Returns:
+        The weights as C-contiguous native-byte-order NumPy arrays, in the spec's order.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: Missing or unexpected names, or a wrong shape.
+    """
+    check_names(spec, weights, where)
+    arrays = {name: host_array(weights[name]) for name in spec}
+    check_entries(spec, arrays, where, np.shape, lambda a: a.dtype.name)
+    out: dict[str, np.ndarray] = {}
+    for name, value in arrays.items():
+        want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
+        target = value.dtype.newbyteorder("=") if want is None else host_dtype(want)
+        out[name] = np.ascontiguousarray(value.astype(target, copy=False))
     return out
+
+
+# -- the functional API's mappings ------------------------------------------------------------
+
+
+class CheckedWeights(dict[str, Any]):
+    """A weights mapping :func:`check_call_weights` has checked (with its inputs' widths).
+
+    The functional entry points check the mapping they are given once; the parts they call
+    (a block's attention, an encoder's blocks) receive this type, directly or through
+    :func:`subset`, and do not check it again.
+    """
+
+
+def check_call_weights(
+    ops: Ops,
+    where: str,
+    weights: Any,
+    spec_of: Callable[[Callable[[str, int, int], int | None]], Spec],
+    inputs: Mapping[str, tuple[Array, str]] | None = None,
+) -> CheckedWeights:
+    """Checks a functional call's weights mapping as ``set_weights`` checks a layer's.
+
+    The spec is made from the mapping itself: ``spec_of(size)`` reads the sizes it depends on
+    (``size(name, axis, ndim)``: that axis of ``weights[name]`` when it is there with ``ndim``
+    dimensions, else None) and leaves None where a size cannot be read. Then, with the
+    messages of :func:`check_weights` (``where`` in place of ``set_weights``): the names, each
+    entry's dtype (real floating) and shape, and last, each input's last dimension against
+    the first dimension of its kernel. Only static shapes are read (``ops.shape``), so under
+    tracing the check is done once, when the graph is made.
+
+    Args:
+        ops: The backend's ops.
+        where: The function's name, for the messages.
+        weights: The mapping given; a :class:`CheckedWeights` is returned as it is.
+        spec_of: Makes the spec from a size reader.
+        inputs: Input name -> (array, weight name): that array's last dimension must be the
+            first dimension of that weight.
+
+    Returns:
+        The mapping, marked as checked.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: Missing or unexpected names, a wrong shape, or an input whose width does
+            not fit its kernel.
+    """
+    if isinstance(weights, CheckedWeights):
+        return weights
+    if not isinstance(weights, Mapping):
+        check_names({}, weights, where)  # raises the TypeError
+
+    def size(name: str, axis: int, ndim: int) -> int | None:
+        if name not in weights:
+            return None
+        shape = tuple(ops.shape(weights[name]))
+        return shape[axis] if len(shape) == ndim and isinstance(shape[axis], int) else None
+
+    spec = spec_of(size)
+    check_names(spec, weights, where)
+    check_entries(spec, weights, where, ops.shape, ops.dtype_name)
+    for arg, (x, name) in (inputs or {}).items():
+        want = tuple(ops.shape(weights[name]))
+        got = ops.shape(x)[-1]
+        if isinstance(got, int) and isinstance(want[0], int) and got != want[0]:
+            raise ValueError(
+                f"{arg} last dimension ({got}) must be {want[0]}, as {name} has shape "
+                f"{fmt_shape(want)}"
+            )
+    return CheckedWeights(weights)
+
+
+Size = Callable[[str, int, int], int | None]
+
+
+def _heads(h: int | None, num_heads: int) -> None:
+    if h is None:
+        check_positive_int("num_heads", num_heads)
+    else:
+        check_heads(h, num_heads)
+
+
+def additive_call_spec(size: Size) -> Spec:
+    """The spec of ``additive_attention``'s mapping, sizes read off it (check_call_weights)."""
+    h = size("W_q.kernel", 1, 2)
+    if h is not None:
+        check_positive_int("num_hiddens", h)
+    return {
+        **dense_spec("W_q", size("W_q.kernel", 0, 2), h, False),
+        **dense_spec("W_k", size("W_k.kernel", 0, 2), h, False),
+        **dense_spec("w_v", h, 1, False),
+    }
+
+
+def multi_head_call_spec(
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None
+) -> Spec:
+    """The spec of ``multi_head_attention``'s mapping (names under ``prefix``).
+
+    h is ``W_q.kernel``'s output size; the projections have biases when any of them has one.
+    With ``width`` (a block's h), every kernel is ``(width, width)``.
+    """
+    h = width if width is not None else size(f"{prefix}W_q.kernel", 1, 2)
+    _heads(h, num_heads)
+    bias = any(f"{prefix}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o"))
+    spec: Spec = {}
+    for name in ("W_q", "W_k", "W_v"):
+        d_in = width if width is not None else size(f"{prefix}{name}.kernel", 0, 2)
+        spec.update(dense_spec(f"{prefix}{name}", d_in, h, bias))
+    spec.update(dense_spec(f"{prefix}W_o", h, h, bias))
+    return spec
+
+
+def relative_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
+    """The spec of ``relative_multi_head_attention``'s mapping.
+
+    :func:`multi_head_call_spec`'s, and ``rel_k.embedding`` (``rel_v.embedding`` too if
+    given) of ``2m + 1`` rows (an odd number) and h/H columns.
+    """
+    spec = multi_head_call_spec(size, names, num_heads)
+    h = size("W_q.kernel", 1, 2)
+    depth = h // num_heads if h is not None else None
+    rows = size("rel_k.embedding", 0, 2)
+    rows = rows if rows is None or rows % 2 else rows + 1
+    spec["rel_k.embedding"] = (rows, depth)
+    if "rel_v.embedding" in names:
+        spec["rel_v.embedding"] = (rows, depth)
+    return spec
+
+
+def ffn_call_spec(size: Size, prefix: str = "", width: int | None = None) -> Spec:
+    """The spec of ``position_wise_ffn``'s mapping (under ``prefix``).
+
+    With ``width`` (a block's h), the input and output sizes are ``width``.
+    """
+    hidden = size(f"{prefix}dense1.kernel", 1, 2)
+    d_in = width if width is not None else size(f"{prefix}dense1.kernel", 0, 2)
+    out = width if width is not None else size(f"{prefix}dense2.kernel", 1, 2)
+    return {
+        **dense_spec(f"{prefix}dense1", d_in, hidden, True),
+        **dense_spec(f"{prefix}dense2", hidden, out, True),
+    }
+
+
+def add_norm_call_spec(size: Size, prefix: str = "", width: int | None = None) -> Spec:
+    """The spec of ``add_norm``'s mapping (under ``prefix``), of ``width`` if given."""
+    h = width if width is not None else size(f"{prefix}ln.gamma", 0, 1)
+    return {f"{prefix}ln.gamma": (h,), f"{prefix}ln.beta": (h,)}
+
+
+def block_call_spec(
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None
+) -> Spec:
+    """The spec of ``transformer_encoder_block``'s mapping (under ``prefix``).
+
+    Every part has the width h: ``width`` if given (an encoder's), else the output size of
+    ``attention.W_q.kernel``.
+    """
+    h = width if width is not None else size(f"{prefix}attention.W_q.kernel", 1, 2)
+    return {
+        **multi_head_call_spec(size, names, num_heads, f"{prefix}attention.", h),
+        **add_norm_call_spec(size, f"{prefix}addnorm1.", h),
+        **ffn_call_spec(size, f"{prefix}ffn.", h),
+        **add_norm_call_spec(size, f"{prefix}addnorm2.", h),
+    }
+
+
+def encoder_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
+    """The spec of ``transformer_encoder``'s mapping.
+
+    ``token.embedding (V, h)`` and one block of width h per distinct ``blks.<i>`` prefix in
+    the mapping, numbered from 0.
+    """
+    h = size("token.embedding", 1, 2)
+    spec: Spec = {"token.embedding": (size("token.embedding", 0, 2), h)}
+    blocks = {name.split(".")[1] for name in names if name.startswith("blks.")}
+    for i in range(len(blocks)):
+        spec.update(block_call_spec(size, names, num_heads, f"blks.{i}.", h))
+    return spec
 
 
 # -- safetensors files ----------------------------------------------------------------------
@@ -278,11 +543,34 @@ _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i
 _ST_NAMES = {np.dtype(v).name: k for k, v in _ST_DTYPES.items()}
 
 
+#: The header key the format reserves for the file's metadata (a str -> str object).
+METADATA_KEY = "__metadata__"
+
+#: The largest header the ``safetensors`` package reads (100 MB); larger ones are refused.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray]) -> None:
-    """Writes arrays to a safetensors file (little-endian, C order, 8-byte aligned header)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "attention-core"}}
+    """Writes arrays to a safetensors file (little-endian, C order, 8-byte aligned header).
+
+    Every tensor is encoded before the file is touched, and the file is written atomically
+    (:func:`attention_core.files.atomic_write`): a failed save leaves the previous file as it
+    was, or no file.
+
+    Raises:
+        ValueError: A tensor is named ``__metadata__``, the key the format reserves.
+        TypeError: A tensor's dtype is not one of float64, float32, float16, bfloat16, int64
+            and int32.
+        OSError: The file cannot be written.
+    """
+    header: dict[str, Any] = {METADATA_KEY: {"format": "attention-core"}}
     blobs, offset = [], 0
     for name in sorted(tensors):
+        if name == METADATA_KEY:
+            raise ValueError(
+                f"save_weights: a weight may not be named {METADATA_KEY!r}: the safetensors "
+                "format reserves that key for the file's metadata"
+            )
         array = np.asarray(tensors[name])
         if array.dtype.name == "bfloat16":
             code, raw = "BF16", np.ascontiguousarray(array).view("<u2").tobytes()
@@ -297,8 +585,11 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.nda
         offset += len(raw)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    with files.atomic_write(path) as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for raw in blobs:
+            f.write(raw)
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
@@ -307,15 +598,19 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     BF16 tensors are widened to float32 (exactly) when ``ml_dtypes`` is not installed.
 
     Every message names the file and what is wrong with it; nothing is returned from a file
-    with any fault.
+    with any fault. The rules are at least those of the ``safetensors`` package: the tensors'
+    data must tile the data area exactly (no overlap, no gap, no byte after the last tensor).
 
     Raises:
         OSError: The file cannot be read (e.g. FileNotFoundError).
         ValueError: The file is truncated, or not a safetensors file: too short for the header
-            length, a header that runs past the end or is not a JSON object, an entry without
-            a string dtype, a list of non-negative int dims and two non-negative int data
-            offsets, a dtype other than F64, F32, F16, BF16, I64 and I32, or data that lies
-            outside the file or does not match the entry's dtype and shape.
+            length, a header that runs past the end, is larger than 100 MB or is not a JSON
+            object, a key given twice in the header, a ``__metadata__`` entry that is not an
+            object of str -> str, an entry without a string dtype, a list of non-negative int
+            dims and two non-negative int data offsets, a dtype other than F64, F32, F16,
+            BF16, I64 and I32, data that lies outside the file or does not match the entry's
+            dtype and shape, or data areas that overlap, leave bytes between them, or leave
+            bytes after the last one.
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -325,16 +620,25 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
         raise ValueError(f"{bad}: header of {n} bytes runs past the end of the file")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"{bad}: header of {n} bytes is larger than {MAX_HEADER_BYTES} bytes")
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(data[8 : 8 + n], object_pairs_hook=_no_duplicates)
+    except _DuplicateKeyError as err:
+        raise ValueError(f"{bad}: key {err.args[0]!r} appears twice in the header") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{bad}: header is not JSON") from None
     if not isinstance(header, dict):
         raise ValueError(f"{bad}: header is not a JSON object")
+    metadata = header.get(METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(
+            f"{bad}: {METADATA_KEY} must be an object of str -> str, got {_brief(metadata)}"
+        )
     body = memoryview(data)[8 + n :]
-    out = {}
+    entries = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == METADATA_KEY:
             continue
         code, shape, (start, end) = _entry(bad, name, info)
         if code != "BF16" and code not in _ST_DTYPES:
@@ -342,8 +646,57 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         itemsize = 2 if code == "BF16" else np.dtype(_ST_DTYPES[code]).itemsize
         if not start <= end <= len(body) or end - start != itemsize * math.prod(shape):
             raise ValueError(f"{bad}: data of {name!r} is truncated or misplaced")
-        out[name] = _decode(code, body[start:end], shape)
+        entries[name] = (code, shape, start, end)
+    _check_tiling(bad, {name: (e[2], e[3]) for name, e in entries.items()}, len(body))
+    return {name: _decode(code, body[start:end], shape)
+            for name, (code, shape, start, end) in entries.items()}
+
+
+class _DuplicateKeyError(Exception):
+    """A JSON object of the header has a key twice (json.loads would keep the last silently)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
     return out
+
+
+def _brief(value: Any) -> str:
+    """A short description of a JSON value for a message (its repr, cut at 60 characters)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_tiling(bad: str, spans: dict[str, tuple[int, int]], size: int) -> None:
+    """Checks that the tensors' ``[start, end)`` spans tile ``[0, size)`` exactly.
+
+    Raises:
+        ValueError: Two spans overlap, bytes lie before the first span or between two spans
+            (belonging to no tensor), or bytes follow the last span.
+    """
+    previous: tuple[str, int] | None = None  # the name and end of the span before
+    for name, (start, end) in sorted(spans.items(), key=lambda item: (item[1], item[0])):
+        at = 0 if previous is None else previous[1]
+        if start < at:
+            assert previous is not None
+            raise ValueError(
+                f"{bad}: data of {name!r} (bytes {start} to {end}) overlaps data of "
+                f"{previous[0]!r} (ending at byte {at})"
+            )
+        if start > at:
+            after = "the start of the data" if previous is None else f"data of {previous[0]!r}"
+            raise ValueError(
+                f"{bad}: {start - at} bytes between {after} and data of {name!r} belong to "
+                "no tensor"
+            )
+        previous = (name, end)
+    at = 0 if previous is None else previous[1]
+    if size > at:
+        raise ValueError(f"{bad}: {size - at} bytes after the last tensor's data belong to no tensor")
 
 
 def _count(x: Any) -> bool:
@@ -462,6 +815,16 @@ def save_weights(
         layer: A layer with ``get_weights()`` (numpy, torch, Keras, Gluon), a canonical mapping,
             or, for Flax, what ``init`` returns (``{"params": ...}``) or the params tree:
             its paths joined with dots are the canonical names.
+
+    The weights are read and encoded first, then written atomically: a save that fails (an
+    unbuilt layer, a reserved name, a full disk) leaves the previous file byte for byte, or
+    no file, and no temporary file.
+
+    Raises:
+        TypeError: ``layer`` is neither a layer nor a mapping, or a weight has a dtype the
+            file cannot hold.
+        ValueError: The layer has no weights yet, or a weight is named ``__metadata__``.
+        OSError: The file cannot be written.
     """
     write_safetensors(path, canonical_weights(layer, "save_weights"))
 

@@ -184,6 +184,121 @@ def truncated(path: Path) -> Path:
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
 
 
+# -- issue 14: weights mappings of the functional API, set_weights conversions, files ----------
+
+
+def fn_weights(h: Harness, shapes: dict[str, tuple[int, ...]], drop: tuple[str, ...] = (),
+               **changes: np.ndarray) -> dict[str, Any]:
+    """Random weights of the given shapes, less ``drop``, with ``changes`` replacing or adding
+    entries (dotted names: pass ``**{"W_q.kernel": a}``), as backend arrays."""
+    base = {name: arr(shape) for name, shape in shapes.items() if name not in drop}
+    return {name: h.array(value) for name, value in {**base, **changes}.items()}
+
+
+ADDITIVE = {"W_q.kernel": (3, 6), "W_k.kernel": (8, 6), "w_v.kernel": (6, 1)}
+MHA = {"W_q.kernel": (8, 8), "W_k.kernel": (8, 8), "W_v.kernel": (5, 8), "W_o.kernel": (8, 8)}
+RELATIVE = {"W_q.kernel": (12, 12), "W_k.kernel": (12, 12), "W_v.kernel": (12, 12),
+            "W_o.kernel": (12, 12), "rel_k.embedding": (5, 4), "rel_v.embedding": (5, 4)}
+FFN = {"dense1.kernel": (5, 6), "dense1.bias": (6,), "dense2.kernel": (6, 4), "dense2.bias": (4,)}
+LN = {"ln.gamma": (8,), "ln.beta": (8,)}
+BLOCK = {name: tuple(int(d) for d in shape if d is not None)
+         for name, shape in W.encoder_block_spec(12, 16, 3).items()}
+ENCODER = {name: tuple(int(d) for d in shape if d is not None)
+           for name, shape in W.transformer_encoder_spec(11, 12, 16, 3, 2).items()}
+TOKENS = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+
+
+def fn_additive(c: Ctx, drop: tuple[str, ...] = (), **changes: np.ndarray) -> Any:
+    return ac.additive_attention(*(c.h.array(a) for a in qkv(q=(2, 4, 3))),
+                                 fn_weights(c.h, ADDITIVE, drop, **changes))
+
+
+def fn_mha(c: Ctx, drop: tuple[str, ...] = (), **changes: np.ndarray) -> Any:
+    return ac.multi_head_attention(*(c.h.array(a) for a in qkv()), fn_weights(c.h, MHA, drop, **changes), 2)
+
+
+def fn_relative(c: Ctx, drop: tuple[str, ...] = (), **changes: np.ndarray) -> Any:
+    x = c.h.array(arr((2, 4, 12)))
+    return ac.relative_multi_head_attention(x, x, x, fn_weights(c.h, RELATIVE, drop, **changes), 3)
+
+
+def fn_ffn(c: Ctx, width: int = 5, **changes: np.ndarray) -> Any:
+    return ac.position_wise_ffn(c.h.array(arr((2, 3, width))), fn_weights(c.h, FFN, **changes))
+
+
+def fn_add_norm(c: Ctx, drop: tuple[str, ...] = (), **changes: np.ndarray) -> Any:
+    x = c.h.array(arr((2, 3, 8)))
+    return ac.add_norm(x, x, fn_weights(c.h, LN, drop, **changes))
+
+
+def fn_block(c: Ctx, width: int = 12, **changes: np.ndarray) -> Any:
+    return ac.transformer_encoder_block(c.h.array(arr((2, 5, width))),
+                                        fn_weights(c.h, BLOCK, **changes), 3)
+
+
+def fn_encoder(c: Ctx, drop: tuple[str, ...] = (), rename: tuple[str, str] | None = None,
+               **changes: np.ndarray) -> Any:
+    weights = fn_weights(c.h, ENCODER, drop, **changes)
+    if rename is not None:
+        weights = {name.replace(*rename): value for name, value in weights.items()}
+    return ac.transformer_encoder(c.h.array(TOKENS), weights, 3)
+
+
+def names_message(where: str, missing: list[str], unexpected: list[str], expected: Any) -> str:
+    return (f"{where}: missing weights {missing}, unexpected weights {unexpected}; expected "
+            f"exactly {sorted(expected)}")
+
+
+def as_dtype(c: Ctx, dtype: Any, **changes: np.ndarray) -> dict[str, np.ndarray]:
+    """The layer's weights in ``dtype`` (a big-endian or extended one), with ``changes``."""
+    return {**{name: value.astype(dtype) for name, value in c.layer.get_weights().items()},
+            **changes}
+
+
+def unbuilt_mha_weights(dtype: Any, **changes: np.ndarray) -> dict[str, np.ndarray]:
+    """Weights for an unbuilt MultiHeadAttention(8, 2): queries 3, keys 4, values 5 wide."""
+    shapes = {"W_q.kernel": (3, 8), "W_k.kernel": (4, 8), "W_v.kernel": (5, 8), "W_o.kernel": (8, 8)}
+    return {**{name: arr(shape).astype(dtype) for name, shape in shapes.items()}, **changes}
+
+
+def fail_conversion(c: Ctx, at: int) -> None:
+    """Makes the backend's ``OPS.from_numpy`` raise on its ``at``-th call from now on."""
+    real, calls = c.h.ops.from_numpy, [0]
+
+    def failing(x: Any, like: Any = None) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise RuntimeError(f"conversion {at} failed (forced by the test)")
+        return real(x, like)
+
+    c.monkeypatch.setattr(c.h.ops, "from_numpy", failing)
+
+
+def with_file_size_limit(limit: int, act: Callable[[], Any]) -> Any:
+    """Runs ``act`` with writes past ``limit`` bytes of any file failing (EFBIG, as when a disk
+    fills up), then lifts the limit."""
+    import resource
+    import signal
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        return act()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def appended(path: Path, extra: bytes) -> Path:
+    good_file(path)
+    path.write_bytes(path.read_bytes() + extra)
+    return path
+
+
+K256 = entry("F32", [8, 8], 0, 256)
+
+
 # -- the catalogue ----------------------------------------------------------------------------
 
 
@@ -206,7 +321,9 @@ class Bad:
 
     ``message`` may hold ``{path}``: the repr of ``ctx.file()``. ``layer(h)`` makes the layer
     whose state must not change (None: no layer involved). ``without`` names the backends the
-    bad input cannot even be made on, as ``(backend, reason)`` pairs.
+    bad input cannot even be made on, as ``(backend, reason)`` pairs. ``files(ctx.file())``
+    writes the files the call finds in place (a file to load, one to overwrite); every file
+    in ``ctx.tmp`` must be byte-identical after the failed call, and no file may appear.
     """
 
     name: str
@@ -216,6 +333,7 @@ class Bad:
     message: str
     layer: Callable[[Harness], Any] | None = None
     without: tuple[tuple[str, str], ...] = ()
+    files: Callable[[Path], Any] | None = None
 
 
 #: MXNet has no complex dtype: ``mx.np.array`` refuses complex data (KeyError), ``mx.nd.array``
@@ -258,8 +376,9 @@ def does_not_fit(why: str) -> str:
     return f"load_weights: {{path}} does not fit the layer: set_weights: {why}"
 
 
-def load(c: Ctx, make: Callable[[Path], Path]) -> Any:
-    return ac.load_weights(make(c.file()), c.layer)
+def load_into_layer(c: Ctx) -> Any:
+    """Loads ``ctx.file()`` (made by the row's ``files``) into the row's layer."""
+    return ac.load_weights(c.file(), c.layer)
 
 
 #: JAX arrays hold no int64 (without ``jax_enable_x64``): int64 ids would be cut when the array
@@ -500,49 +619,63 @@ CATALOGUE: list[Bad] = [
         ValueError, "set_weights: W_o.kernel has shape (8, 7), expected (8, 8)", fresh_mha),
     # -- load_weights: files that do not fit the layer, and files that are not safetensors
     Bad("load_other_names", "load_weights",
-        lambda c: load(c, lambda p: raw_file(p, {"embeddings.weight": entry("F32", [2], 0, 8)}, bytes(8))),
+        load_into_layer,
         ValueError, does_not_fit(f"missing weights {MHA_NAMES}, unexpected weights "
-                                 "['embeddings.weight']; expected exactly " + MHA_NAMES), mha),
+                                 "['embeddings.weight']; expected exactly " + MHA_NAMES), mha,
+        files=lambda p: raw_file(p, {"embeddings.weight": entry("F32", [2], 0, 8)}, bytes(8))),
     Bad("load_wrong_shape", "load_weights",
-        lambda c: load(c, lambda p: good_file(p, **{"W_q.kernel": arr((3, 8))})), ValueError,
-        does_not_fit("W_q.kernel has shape (3, 8), expected (8, 8)"), mha),
+        load_into_layer, ValueError,
+        does_not_fit("W_q.kernel has shape (3, 8), expected (8, 8)"), mha,
+        files=lambda p: good_file(p, **{"W_q.kernel": arr((3, 8))})),
     Bad("load_integer", "load_weights",
-        lambda c: load(c, lambda p: good_file(p, **{"W_k.kernel": np.ones((8, 8), np.int32)})),
-        TypeError, does_not_fit("W_k.kernel must be floating point, got int32"), mha),
-    Bad("load_truncated", "load_weights", lambda c: load(c, truncated), ValueError,
-        not_valid("data of 'W_v.kernel' is truncated or misplaced"), mha),
-    Bad("load_too_short", "load_weights", lambda c: load(c, lambda p: (p.write_bytes(b"\x08\x00\x00"), p)[1]),
-        ValueError, not_valid("only 3 bytes"), mha),
+        load_into_layer,
+        TypeError, does_not_fit("W_k.kernel must be floating point, got int32"), mha,
+        files=lambda p: good_file(p, **{"W_k.kernel": np.ones((8, 8), np.int32)})),
+    Bad("load_truncated", "load_weights", load_into_layer, ValueError,
+        not_valid("data of 'W_v.kernel' is truncated or misplaced"), mha,
+        files=truncated),
+    Bad("load_too_short", "load_weights", load_into_layer,
+        ValueError, not_valid("only 3 bytes"), mha,
+        files=lambda p: (p.write_bytes(b"\x08\x00\x00"), p)[1]),
     Bad("load_header_past_end", "load_weights",
-        lambda c: load(c, lambda p: (p.write_bytes(struct.pack("<Q", 100) + b"{}"), p)[1]), ValueError,
-        not_valid("header of 100 bytes runs past the end of the file"), mha),
-    Bad("load_png", "load_weights", lambda c: load(c, lambda p: (p.write_bytes(PNG), p)[1]), ValueError,
+        load_into_layer, ValueError,
+        not_valid("header of 100 bytes runs past the end of the file"), mha,
+        files=lambda p: (p.write_bytes(struct.pack("<Q", 100) + b"{}"), p)[1]),
+    Bad("load_png", "load_weights", load_into_layer, ValueError,
         not_valid(f"header of {int.from_bytes(PNG[:8], 'little')} bytes runs past the end of the file"),
-        mha),
+        mha,
+        files=lambda p: (p.write_bytes(PNG), p)[1]),
     Bad("load_header_not_json", "load_weights",
-        lambda c: load(c, lambda p: raw_file(p, b"\xff\xfe{not json")), ValueError,
-        not_valid("header is not JSON"), mha),
-    Bad("load_header_not_object", "load_weights", lambda c: load(c, lambda p: raw_file(p, [1, 2])),
-        ValueError, not_valid("header is not a JSON object"), mha),
+        load_into_layer, ValueError,
+        not_valid("header is not JSON"), mha,
+        files=lambda p: raw_file(p, b"\xff\xfe{not json")),
+    Bad("load_header_not_object", "load_weights", load_into_layer,
+        ValueError, not_valid("header is not a JSON object"), mha,
+        files=lambda p: raw_file(p, [1, 2])),
     Bad("load_unsupported_dtype", "load_weights",
-        lambda c: load(c, lambda p: raw_file(p, {"W_q.kernel": entry("C64", [8, 8], 0, 512)}, bytes(512))),
-        ValueError, not_valid("entry 'W_q.kernel' has unsupported dtype C64"), mha),
+        load_into_layer,
+        ValueError, not_valid("entry 'W_q.kernel' has unsupported dtype C64"), mha,
+        files=lambda p: raw_file(p, {"W_q.kernel": entry("C64", [8, 8], 0, 512)}, bytes(512))),
     Bad("load_entry_without_offsets", "load_weights",
-        lambda c: load(c, lambda p: raw_file(p, {"W_q.kernel": {"dtype": "F32", "shape": [8, 8]}})),
+        load_into_layer,
         ValueError, not_valid("entry 'W_q.kernel' is malformed: expected an object with dtype, shape and "
-                              "data_offsets"), mha),
+                              "data_offsets"), mha,
+        files=lambda p: raw_file(p, {"W_q.kernel": {"dtype": "F32", "shape": [8, 8]}})),
     Bad("load_entry_bad_shape", "load_weights",
-        lambda c: load(c, lambda p: raw_file(p, {"W_q.kernel": entry("F32", ["8", 8], 0, 256)}, bytes(256))),
+        load_into_layer,
         ValueError, not_valid("entry 'W_q.kernel' has shape ['8', 8], expected a list of non-negative ints"),
-        mha),
+        mha,
+        files=lambda p: raw_file(p, {"W_q.kernel": entry("F32", ["8", 8], 0, 256)}, bytes(256))),
     Bad("load_entry_bad_offsets", "load_weights",
-        lambda c: load(c, lambda p: raw_file(
-            p, {"W_q.kernel": {"dtype": "F32", "shape": [8, 8], "data_offsets": [256]}}, bytes(256))),
+        load_into_layer,
         ValueError, not_valid("entry 'W_q.kernel' has data_offsets [256], expected [start, end], two "
-                              "non-negative ints"), mha),
+                              "non-negative ints"), mha,
+        files=lambda p: raw_file(
+            p, {"W_q.kernel": {"dtype": "F32", "shape": [8, 8], "data_offsets": [256]}}, bytes(256))),
     Bad("load_data_misplaced", "load_weights",
-        lambda c: load(c, lambda p: raw_file(p, {"W_q.kernel": entry("F32", [8, 8], 0, 100)}, bytes(256))),
-        ValueError, not_valid("data of 'W_q.kernel' is truncated or misplaced"), mha),
+        load_into_layer,
+        ValueError, not_valid("data of 'W_q.kernel' is truncated or misplaced"), mha,
+        files=lambda p: raw_file(p, {"W_q.kernel": entry("F32", [8, 8], 0, 100)}, bytes(256))),
     Bad("load_missing_file", "load_weights", lambda c: ac.load_weights(c.file("absent.safetensors"), c.layer),
         FileNotFoundError, "[Errno 2] No such file or directory: {absent}", mha),
     # -- issue 14: empty inputs (every layer and functional entry point refuses them up front)
@@ -684,6 +817,131 @@ CATALOGUE: list[Bad] = [
                                            c.h.array(arr((2, 6, 5)))),
         TypeError, "keys must be a {backend} array like queries, got a numpy array",
         without=(("numpy", "NumPy arrays are the numpy backend's own"),)),
+    # -- issue 14: weights and files
+    # the functional API's weights mappings: checked like set_weights, sizes read off the mapping
+    Bad("fn_additive_w_v_columns", "functional_weights",
+        lambda c: fn_additive(c, **{"w_v.kernel": arr((6, 2))}), ValueError,
+        "additive_attention: w_v.kernel has shape (6, 2), expected (6, 1)"),
+    Bad("fn_additive_missing", "functional_weights", lambda c: fn_additive(c, drop=("w_v.kernel",)),
+        ValueError, names_message("additive_attention", ["w_v.kernel"], [], ADDITIVE)),
+    Bad("fn_additive_keys_width", "functional_weights",
+        lambda c: fn_additive(c, **{"W_k.kernel": arr((4, 6))}), ValueError,
+        "keys last dimension (8) must be 4, as W_k.kernel has shape (4, 6)"),
+    Bad("fn_additive_integer", "functional_weights",
+        lambda c: fn_additive(c, **{"w_v.kernel": np.ones((6, 1), np.int32)}), TypeError,
+        "additive_attention: w_v.kernel must be floating point, got int32"),
+    Bad("fn_mha_unexpected", "functional_weights",
+        lambda c: fn_mha(c, **{"W_x.kernel": arr((8, 8))}), ValueError,
+        names_message("multi_head_attention", [], ["W_x.kernel"], MHA)),
+    Bad("fn_mha_values_width", "functional_weights",
+        lambda c: fn_mha(c, **{"W_v.kernel": arr((4, 8))}), ValueError,
+        "values last dimension (5) must be 4, as W_v.kernel has shape (4, 8)"),
+    Bad("fn_mha_output_shape", "functional_weights",
+        lambda c: fn_mha(c, **{"W_o.kernel": arr((8, 6))}), ValueError,
+        "multi_head_attention: W_o.kernel has shape (8, 6), expected (8, 8)"),
+    Bad("fn_mha_kernel_rank", "functional_weights",
+        lambda c: fn_mha(c, **{"W_q.kernel": arr((8,))}), ValueError,
+        "multi_head_attention: W_q.kernel has shape (8,), expected (?, ?)"),
+    Bad("fn_mha_one_bias", "functional_weights",
+        lambda c: fn_mha(c, **{"W_q.bias": arr((8,))}), ValueError,
+        names_message("multi_head_attention", ["W_k.bias", "W_o.bias", "W_v.bias"], [],
+                      W.multi_head_spec(8, 2, True))),
+    Bad("fn_mha_not_mapping", "functional_weights",
+        lambda c: ac.multi_head_attention(*(c.h.array(a) for a in qkv()), [arr((8, 8))], 2),
+        TypeError, "multi_head_attention: weights must be a mapping of name -> array, got list"),
+    Bad("fn_relative_even_table", "functional_weights",
+        lambda c: fn_relative(c, **{"rel_k.embedding": arr((4, 4)), "rel_v.embedding": arr((4, 4))}),
+        ValueError, "relative_multi_head_attention: rel_k.embedding has shape (4, 4), expected (5, 4)"),
+    Bad("fn_relative_value_table", "functional_weights",
+        lambda c: fn_relative(c, **{"rel_v.embedding": arr((5, 3))}), ValueError,
+        "relative_multi_head_attention: rel_v.embedding has shape (5, 3), expected (5, 4)"),
+    Bad("fn_ffn_bias", "functional_weights", lambda c: fn_ffn(c, **{"dense2.bias": arr((5,))}),
+        ValueError, "position_wise_ffn: dense2.bias has shape (5,), expected (4,)"),
+    Bad("fn_ffn_width", "functional_weights", lambda c: fn_ffn(c, width=7), ValueError,
+        "X last dimension (7) must be 5, as dense1.kernel has shape (5, 6)"),
+    Bad("fn_add_norm_missing", "functional_weights", lambda c: fn_add_norm(c, drop=("ln.beta",)),
+        ValueError, names_message("add_norm", ["ln.beta"], [], LN)),
+    Bad("fn_add_norm_width", "functional_weights",
+        lambda c: fn_add_norm(c, **{"ln.gamma": arr((6,)), "ln.beta": arr((6,))}), ValueError,
+        "X last dimension (8) must be 6, as ln.gamma has shape (6,)"),
+    Bad("fn_add_norm_beta", "functional_weights", lambda c: fn_add_norm(c, **{"ln.beta": arr((7,))}),
+        ValueError, "add_norm: ln.beta has shape (7,), expected (8,)"),
+    Bad("fn_block_ffn_output", "functional_weights",
+        lambda c: fn_block(c, **{"ffn.dense2.kernel": arr((16, 8))}), ValueError,
+        "transformer_encoder_block: ffn.dense2.kernel has shape (16, 8), expected (16, 12)"),
+    Bad("fn_block_width", "functional_weights", lambda c: fn_block(c, width=8), ValueError,
+        "X last dimension (8) must be 12, as attention.W_q.kernel has shape (12, 12)"),
+    Bad("fn_encoder_block_shape", "functional_weights",
+        lambda c: fn_encoder(c, **{"blks.1.addnorm1.ln.gamma": arr((8,))}), ValueError,
+        "transformer_encoder: blks.1.addnorm1.ln.gamma has shape (8,), expected (12,)"),
+    Bad("fn_encoder_missing_embedding", "functional_weights",
+        lambda c: fn_encoder(c, drop=("token.embedding",)), ValueError,
+        names_message("transformer_encoder", ["token.embedding"], [], ENCODER)),
+    Bad("fn_encoder_block_numbering", "functional_weights",
+        lambda c: fn_encoder(c, rename=("blks.1.", "blks.2.")), ValueError,
+        names_message("transformer_encoder", sorted(n for n in ENCODER if n.startswith("blks.1.")),
+                      sorted(n.replace("blks.1.", "blks.2.") for n in ENCODER if n.startswith("blks.1.")),
+                      ENCODER)),
+    # set_weights: every value checked and converted before the first write
+    Bad("set_weights_big_endian_last_bad", "set_weights",
+        lambda c: c.layer.set_weights(as_dtype(c, ">f4", **{"W_o.kernel": arr((8, 7)).astype(">f4")})),
+        ValueError, "set_weights: W_o.kernel has shape (8, 7), expected (8, 8)", mha),
+    Bad("set_weights_longdouble_last_integer", "set_weights",
+        lambda c: c.layer.set_weights(as_dtype(c, np.longdouble,
+                                               **{"W_o.kernel": np.ones((8, 8), np.int64)})),
+        TypeError, "set_weights: W_o.kernel must be floating point, got int64", mha),
+    Bad("set_weights_complex", "set_weights",
+        lambda c: c.layer.set_weights(as_dtype(c, F32, **{"W_v.kernel": arr((5, 8), "complex64")})),
+        TypeError, "set_weights: W_v.kernel must be floating point, got complex64", mha),
+    Bad("set_weights_unbuilt_last_bad", "set_weights",
+        lambda c: c.layer.set_weights(unbuilt_mha_weights(">f8", **{"W_o.kernel": arr((8, 7))})),
+        ValueError, "set_weights: W_o.kernel has shape (8, 7), expected (8, 8)", fresh_mha),
+    Bad("set_weights_conversion_fails_last", "set_weights",
+        lambda c: (fail_conversion(c, 4), c.layer.set_weights(as_dtype(c, ">f4"))), RuntimeError,
+        "conversion 4 failed (forced by the test)", mha),
+    Bad("set_weights_unbuilt_conversion_fails_last", "set_weights",
+        lambda c: (fail_conversion(c, 4), c.layer.set_weights(unbuilt_mha_weights(np.longdouble))),
+        RuntimeError, "conversion 4 failed (forced by the test)", fresh_mha),
+    # save_weights: a failed save leaves the previous file as it was, and no temporary file
+    Bad("save_unbuilt_creates_no_file", "save_weights", lambda c: ac.save_weights(c.file(), c.layer),
+        ValueError, "MultiHeadAttention: weights are created on the first call; call the layer or "
+        "set_weights first", fresh_mha),
+    Bad("save_overwrite_disk_full", "save_weights",
+        lambda c: with_file_size_limit(512, lambda: ac.save_weights(c.file(), c.layer)), OSError,
+        "[Errno 27] File too large", mha, files=good_file),
+    Bad("save_reserved_name", "save_weights",
+        lambda c: ac.save_weights(c.file(), {"W_q.kernel": arr((2, 2)), "__metadata__": arr((2,))}),
+        ValueError, "save_weights: a weight may not be named '__metadata__': the safetensors format "
+        "reserves that key for the file's metadata", files=good_file),
+    Bad("save_unsupported_dtype_keeps_file", "save_weights",
+        lambda c: ac.save_weights(c.file(), {"w": np.ones(2, np.int8)}), TypeError,
+        "save_weights: w has unsupported dtype int8", files=good_file),
+    # load_weights: the tensors' data must tile the data area exactly; a strict header
+    Bad("load_overlapping_offsets", "load_weights", load_into_layer, ValueError,
+        not_valid("data of 'W_q.kernel' (bytes 0 to 256) overlaps data of 'W_k.kernel' (ending at "
+                  "byte 256)"), mha,
+        files=lambda p: raw_file(p, {"W_q.kernel": K256, "W_k.kernel": K256}, bytes(256))),
+    Bad("load_gap_between_tensors", "load_weights", load_into_layer, ValueError,
+        not_valid("4 bytes between data of 'W_k.kernel' and data of 'W_q.kernel' belong to no tensor"),
+        mha, files=lambda p: raw_file(p, {"W_k.kernel": K256, "W_q.kernel": entry("F32", [8, 8], 260, 516)},
+                                      bytes(516))),
+    Bad("load_data_not_from_start", "load_weights", load_into_layer, ValueError,
+        not_valid("8 bytes between the start of the data and data of 'W_q.kernel' belong to no tensor"),
+        mha, files=lambda p: raw_file(p, {"W_q.kernel": entry("F32", [8, 8], 8, 264)}, bytes(264))),
+    Bad("load_trailing_bytes", "load_weights", load_into_layer, ValueError,
+        not_valid("8 bytes after the last tensor's data belong to no tensor"), mha,
+        files=lambda p: appended(p, bytes(8))),
+    Bad("load_duplicate_key", "load_weights", load_into_layer, ValueError,
+        not_valid("key 'W_q.kernel' appears twice in the header"), mha,
+        files=lambda p: raw_file(p, b'{"W_q.kernel": ' + json.dumps(K256).encode() + b', "W_q.kernel": '
+                                 + json.dumps(K256).encode() + b"}", bytes(256))),
+    Bad("load_metadata_not_str", "load_weights", load_into_layer, ValueError,
+        not_valid("__metadata__ must be an object of str -> str, got {{'format': 1}}"), mha,
+        files=lambda p: raw_file(p, {"__metadata__": {"format": 1}, "W_q.kernel": K256}, bytes(256))),
+    Bad("load_tensor_named_metadata", "load_weights", load_into_layer, ValueError,
+        not_valid("__metadata__ must be an object of str -> str, got {{'dtype': 'F32', 'shape': [8, 8], "
+                  "'data_offsets': [0, 256]}}"), mha,
+        files=lambda p: raw_file(p, {"__metadata__": K256}, bytes(256))),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,
@@ -731,6 +989,12 @@ def assert_same_state(before: Any, after: Any) -> None:
             np.testing.assert_array_equal(y, x)
 
 
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (hidden and temporary ones too) and its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.parametrize("row", CATALOGUE, ids=[row.name for row in CATALOGUE])
 def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reason = dict(row.without).get(backend)
@@ -743,6 +1007,9 @@ def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.Mo
         layer = row.layer(h) if row.layer is not None else None
         before = state(h, layer) if layer is not None else None
         ctx = Ctx(h, layer, tmp_path, monkeypatch)
+        if row.files is not None:
+            row.files(ctx.file())
+        files_before = snapshot(tmp_path)
         message = row.message.format(path=repr(str(ctx.file())), backend=h.name,
                                      absent=repr(str(ctx.file("absent.safetensors"))))
         with pytest.raises(row.exc) as info:
@@ -751,6 +1018,7 @@ def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.Mo
         assert str(info.value) == message
         if layer is not None:
             assert_same_state(before, state(h, layer))
+        assert snapshot(tmp_path) == files_before, "the failed call changed the files"
         passed = True
     finally:
         report.count("bad_input", backend, row.name, passed, cases)
@@ -759,7 +1027,8 @@ def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.Mo
 def test_catalogue_covers_every_category() -> None:
     categories = {row.category for row in CATALOGUE}
     assert categories == {"rank", "mismatch", "heads", "sizes", "valid_lens", "mask", "dtype", "empty",
-                          "dropout", "tokens", "set_weights", "load_weights", "backend"}
+                          "dropout", "tokens", "set_weights", "load_weights", "backend",
+                          "functional_weights", "save_weights"}
     assert len(CATALOGUE) >= 45
     assert sum(row.layer is not None for row in CATALOGUE) >= 30
 

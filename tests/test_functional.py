@@ -69,3 +69,47 @@ def test_every_public_function_is_covered() -> None:
     assert rest == {"masked_softmax", "sinusoidal_encoding", "relative_rotation", "save_weights",
                     "load_weights", "available_backends", "backend", "set_backend",
                     "use_backend"}
+
+
+def _tracer(backend: str) -> Any:
+    """The backend's tracing compiler (None: no tracing, or torch.compile, whose layer path the
+    compile mode of tests/test_torch.py covers)."""
+    if backend == "jax":
+        import jax
+
+        return jax.jit
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function
+    return None
+
+
+def test_weights_are_checked_once_when_traced(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under jax.jit / tf.function the weights mapping is checked on static shapes while
+    tracing (same message as eagerly), and not again when the traced program runs."""
+    trace = _tracer(backend)
+    if trace is None:
+        pytest.skip(f"{backend}: no tracing compiler for functions here")
+    from attention_core import weights as W
+
+    h = Harness(backend)
+    rng = np.random.default_rng(5)
+    q = h.array(rng.standard_normal((2, 4, 8)).astype(np.float32))
+    weights = {name: h.array(rng.standard_normal((8, 8)).astype(np.float32))
+               for name in ("W_q.kernel", "W_k.kernel", "W_v.kernel", "W_o.kernel")}
+    checks = []
+    real = W.check_entries
+    monkeypatch.setattr(W, "check_entries", lambda *a: (checks.append(1), real(*a))[1])
+    f = trace(lambda q, w: ac.multi_head_attention(q, q, q, w, 2))
+    eager = h.numpy(ac.multi_head_attention(q, q, q, weights, 2))
+    checks.clear()
+    for _ in range(3):
+        np.testing.assert_allclose(h.numpy(f(q, weights)), eager, rtol=1e-5, atol=1e-6)
+    assert len(checks) == 1, "checked on every run, not once at tracing"
+    bad = {**weights, "W_o.kernel": h.array(rng.standard_normal((8, 6)).astype(np.float32))}
+    with pytest.raises(ValueError) as info:
+        f(q, bad)
+    # tf.function's autograph puts the traced call's stack before the message
+    assert str(info.value).rstrip().endswith(
+        "multi_head_attention: W_o.kernel has shape (8, 6), expected (8, 8)")

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attention_core import files
+
 #: Suites in the order they run.
 SUITES = ("speed", "flops", "memory")
 
@@ -182,6 +184,6 @@ def child_main(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{prefix}-{doc['backend']}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    files.write_text(path, json.dumps(doc, indent=1) + "\n")
     print(path)
     return 0

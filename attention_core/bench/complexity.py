@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_core import registry
+from attention_core import files, registry
 from attention_core.bench import child_main, run_child, thread_env, timing
 from attention_core.bench.report import pyplot
 
@@ -443,7 +443,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> str | None:
     fig.suptitle(f"{doc['backend']}: conv, RNN and self-attention forward time, float32, "
                  f"{doc['threads']['count']} thread(s), {doc['machine']['cpu']}{quick}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return str(path)
 

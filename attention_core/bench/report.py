@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attention_core import markdown
+from attention_core import files, markdown
 from attention_core.bench import MEMORY_QUADRATIC_MAX
 from attention_core.bench.run import SCHEMA
 
@@ -351,6 +351,6 @@ def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
             ax.legend(fontsize=7)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return str(path)

@@ -184,9 +184,9 @@ def set_weights(
         return {**(variables or {}), **built} if wrapped else built["params"]
     current = flatten(params)
     spec = {name: tuple(np.shape(value)) for name, value in current.items()}
-    checked = W.check_weights(spec, weights)
-    new = nest({name: jnp.asarray(checked[name], dtype=value.dtype)
-                for name, value in current.items()})
+    dtypes = {name: OPS.dtype_name(value) for name, value in current.items()}
+    checked = W.check_weights(spec, weights, dtype=dtypes)
+    new = nest({name: OPS.from_numpy(checked[name], like=value) for name, value in current.items()})
     return {**(variables or {}), "params": new} if wrapped else new
 
 
@@ -225,8 +225,9 @@ def init_from_weights(layer: Layer, weights: Mapping[str, Any]) -> dict[str, Any
     Returns:
         Variables ready for ``layer.apply``, in ``layer.param_dtype``.
     """
-    checked = W.check_weights(layer.spec(), weights)
-    return {"params": nest({name: jnp.asarray(value, dtype=layer.param_dtype)
+    dtype = np.dtype(layer.param_dtype).name
+    checked = W.check_weights(layer.spec(), weights, dtype=dtype)
+    return {"params": nest({name: OPS.astype(OPS.from_numpy(value), dtype)
                             for name, value in checked.items()})}
 
 

@@ -182,12 +182,14 @@ class Layer(PlainArguments, HybridBlock):
         """Sets every weight from a canonical mapping; checks all names and shapes first.
 
         Works before ``initialize()`` and before the first call: input sizes are read off the
-        kernels' shapes.
+        kernels' shapes. Values of any real float dtype are cast to the parameters' dtype;
+        every value is checked and converted before the first parameter changes.
         """
-        checked = W.check_weights(self.spec(), weights)
-        for name, value in checked.items():
-            param = self._weights[name]
-            param._load_init(mx.np.array(value, dtype=param.dtype), None)
+        dtypes = {name: np.dtype(p.dtype).name for name, p in self._weights.items()}
+        checked = W.check_weights(self.spec(), weights, dtype=dtypes)
+        staged = {name: OPS.from_numpy(value) for name, value in checked.items()}
+        for name, value in staged.items():
+            self._weights[name]._load_init(value, None)
 
     def _current(self, dims: Mapping[str, int], ctx: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The weights to use for inputs of the given sizes, and those that must be created.

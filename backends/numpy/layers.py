@@ -16,7 +16,7 @@ from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import PlainArguments
 from attention_core.ops import FLOAT_DTYPES
-from backends.numpy.ops import NumpyOps
+from backends.numpy.ops import OPS, NumpyOps
 
 
 class Layer(PlainArguments):
@@ -81,10 +81,15 @@ class Layer(PlainArguments):
         return {name: value.copy() for name, value in (self._weights or {}).items()}
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
-        """Sets every weight from a canonical mapping; checks all names and shapes first."""
-        checked = W.check_weights(self.spec(), weights)
-        self._dims.update(W.dims_from_weights(checked))
-        self._weights = {name: value.astype(self.dtype) for name, value in checked.items()}
+        """Sets every weight from a canonical mapping; checks all names and shapes first.
+
+        Values of any real float dtype are converted to the layer's dtype; every value is
+        checked and converted before the layer changes.
+        """
+        checked = W.check_weights(self.spec(), weights, dtype=np.dtype(self.dtype).name)
+        staged = {name: OPS.from_numpy(value).copy() for name, value in checked.items()}
+        self._dims.update(W.dims_from_weights(staged))
+        self._weights = staged
 
     def _rate(self, training: bool) -> float:
         return self.dropout if training else 0.0

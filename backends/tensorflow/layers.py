@@ -44,7 +44,7 @@ import tensorflow as tf
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import PlainArguments
-from backends.tensorflow.ops import TensorFlowOps
+from backends.tensorflow.ops import OPS, TensorFlowOps
 
 _serializable = keras.saving.register_keras_serializable(package="attention_core")
 
@@ -172,17 +172,28 @@ class Layer(PlainArguments, keras.layers.Layer):
         """Sets every weight from a canonical mapping; checks all names and shapes first.
 
         Before the first call, the input sizes are read off the mapping and the layer is
-        built. A list (Keras' form) is refused: use :meth:`set_weight_list` for that.
+        built. A list (Keras' form) is refused: use :meth:`set_weight_list` for that. Values
+        of any real float dtype are cast to the layer's variable dtype; every value is checked
+        and converted before the layer changes (and a layer built here is unbuilt again if
+        the assignment fails).
 
         Raises:
             TypeError: ``weights`` is not a mapping, or an entry is not floating point.
             ValueError: Missing or unexpected names, or a wrong shape.
         """
-        checked = W.check_weights(self.spec(), weights)
-        if not self._params and checked:
+        dtype = keras.backend.standardize_dtype(self.variable_dtype)
+        checked = W.check_weights(self.spec(), weights, dtype=dtype)
+        staged = {name: tf.cast(OPS.from_numpy(value), dtype) for name, value in checked.items()}
+        fresh = not self._params and bool(staged)
+        if fresh:
             self.build(**self._input_shapes(W.dims_from_weights(checked)))
-        for name, value in checked.items():
-            self._params[name].assign(tf.cast(value, self._params[name].dtype))
+        try:
+            for name, value in staged.items():
+                self._params[name].assign(value)
+        except BaseException:
+            if fresh:
+                self._unbuild()
+            raise
 
     def get_weight_list(self) -> list[np.ndarray]:
         """Keras' list form: the values of ``layer.weights``, in order."""

@@ -189,18 +189,21 @@ class Layer(PlainArguments, nn.Module):
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Sets every weight from a canonical mapping; checks all names and shapes first.
 
-        Values may be arrays of any framework (read on the host by
-        :func:`attention_core.host.host_array`); they are cast to the parameters' dtype.
-        Setting the weights of a layer not called yet fixes its input sizes.
+        Values may be arrays of any framework and of any real float dtype (read on the host
+        by :func:`attention_core.host.host_array`); they are cast to the parameters' dtype.
+        Every value is checked and converted before the first parameter changes. Setting the
+        weights of a layer not called yet fixes its input sizes.
         """
-        checked = W.check_weights(self.spec(), weights)
         params = self._weights()
+        dtypes = {name: OPS.dtype_name(p) for name, p in params.items()}
+        checked = W.check_weights(self.spec(), weights, dtype=dtypes)
+        staged = {name: OPS.from_numpy(value, like=params[name]) for name, value in checked.items()}
         with torch.no_grad():
-            for name, value in checked.items():
+            for name, value in staged.items():
                 param = params[name]
                 if isinstance(param, UninitializedParameter):
                     param.materialize(value.shape)
-                param.copy_(OPS.from_numpy(value))
+                param.copy_(value)
 
     def reset_parameters(self) -> None:
         """Draws initial values for every weight whose shape is known.
