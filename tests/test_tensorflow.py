@@ -369,16 +369,131 @@ def test_low_precision_fully_masked_rows(layer: str, dtype: str) -> None:
 # -- Keras integration details ------------------------------------------------------------------
 
 
-def test_keras_padding_mask_is_not_read_as_an_attention_mask() -> None:
-    """Keras fills ``mask`` from X's padding mask; with B == T it would pass the shape checks."""
-    embedded = keras.layers.Embedding(10, 8, mask_zero=True)(np.array([[1, 2, 0, 0]] * 4))
-    assert embedded._keras_mask is not None
+#: Token ids with padding (0) at the end; row 2 has none, row 3 only one real token.
+PADDED_TOKENS = np.array([[1, 2, 0, 0], [3, 1, 2, 0], [1, 1, 1, 1], [2, 0, 0, 0]])
+
+
+def _padding_model(kind: str, batch: int) -> tuple[keras.Model, keras.Model, np.ndarray]:
+    """``Embedding(mask_zero=True)`` -> layer, and the same weights given the explicit mask.
+
+    Returns the model reading Keras' padding mask, the model given the equivalent ``(B, T, T)``
+    attention mask (query AND key padding) as a second input, and the tokens.
+    """
+    keras.utils.set_random_seed(1)
+    tokens = PADDED_TOKENS[:batch]
+    steps = tokens.shape[1]
+    ids = keras.Input((steps,), dtype="int32")
+    explicit = keras.Input((steps, steps), dtype="bool")
+    embed = keras.layers.Embedding(10, 8, mask_zero=True)
+    if kind == "block":
+        layer = keras_layers.TransformerEncoderBlock(8, 12, 2)
+        masked, given = layer(embed(ids)), layer(embed(ids), mask=explicit)
+    else:
+        layer = keras_layers.MultiHeadAttention(8, 2)
+        X = embed(ids)
+        masked, given = layer(X, X, X), layer(X, X, X, mask=explicit)
+    return keras.Model(ids, masked), keras.Model([ids, explicit], given), tokens
+
+
+@pytest.mark.parametrize("batch", [4, 3], ids=["B==T", "B!=T"])
+@pytest.mark.parametrize("kind", ["block", "mha"])
+def test_keras_padding_mask_is_query_and_key_padding(kind: str, batch: int) -> None:
+    """Keras' ``(B, T)`` padding mask hides padded keys and rows, never read as ``(Q, K)``."""
+    model, explicit_model, tokens = _padding_model(kind, batch)
+    real = tokens != 0
+    pair_mask = real[:, :, None] & real[:, None, :]  # (B, T, T)
+    got = model.predict(tokens, verbose=0)
+    want = explicit_model.predict([tokens, pair_mask], verbose=0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The unpadded rows equal the same layer given the lengths instead (valid_lens hides keys).
+    layer = model.layers[-1]
+    embedded = tf.identity(model.layers[1](tokens))  # the same values, no Keras mask
+    lens = real.sum(axis=1)
+    args = (embedded, lens) if kind == "block" else (embedded, embedded, embedded, lens)
+    by_lens = layer(*args).numpy()
+    np.testing.assert_allclose(got[real], by_lens[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["block", "mha", "encoder"])
+def test_keras_padding_mask_keeps_padded_positions_out(kind: str) -> None:
+    """Changing the padded positions' inputs does not change the real positions' outputs."""
+    real = tf.constant(PADDED_TOKENS != 0)
+    rng = np.random.default_rng(3)
+    if kind == "encoder":
+        layer: Any = keras_layers.TransformerEncoder(10, 8, 12, 2, 2)
+        inputs = PADDED_TOKENS
+        other = np.where(PADDED_TOKENS != 0, PADDED_TOKENS, rng.integers(1, 10, PADDED_TOKENS.shape))
+    else:
+        layer = (keras_layers.TransformerEncoderBlock(8, 12, 2) if kind == "block"
+                 else keras_layers.MultiHeadAttention(8, 2))
+        inputs = rng.standard_normal((4, 4, 8)).astype(np.float32)
+        fresh = rng.standard_normal(inputs.shape)
+        other = np.where(PADDED_TOKENS[..., None] != 0, inputs, fresh).astype(np.float32)
+    outs = []
+    for x in (inputs, other):
+        x = tf.constant(x)
+        x._keras_mask = real  # as Keras attaches a padding mask
+        out = layer(x) if kind != "mha" else layer(x, x, x)
+        assert getattr(out, "_keras_mask", None) is real  # the query's padding is propagated
+        outs.append(out.numpy())
+    np.testing.assert_allclose(outs[0][PADDED_TOKENS != 0], outs[1][PADDED_TOKENS != 0],
+                               rtol=1e-5, atol=1e-5)
+    if kind == "mha":  # a padded query sees no key: its row is 0, as any fully masked row
+        np.testing.assert_array_equal(outs[0][PADDED_TOKENS == 0], 0.0)
+    else:  # the padded rows did change (they pass through the residual branches)
+        assert not np.allclose(outs[0], outs[1])
+
+
+def test_keras_padding_mask_and_explicit_mask_combine() -> None:
+    """An explicit attention mask is ANDed with the padding mask and is not propagated."""
+    embedded = keras.layers.Embedding(10, 8, mask_zero=True)(PADDED_TOKENS)
     block = keras_layers.TransformerEncoderBlock(8, 12, 2)
-    plain = tf.identity(embedded)  # the same values, no Keras mask
-    np.testing.assert_array_equal(block(embedded).numpy(), block(plain).numpy())
-    np.testing.assert_array_equal(block(embedded, mask=np.tril(np.ones((4, 4), bool))).numpy(),
-                                  block(plain, mask=np.tril(np.ones((4, 4), bool))).numpy())
-    assert getattr(block(embedded), "_keras_mask", None) is None
+    causal = np.tril(np.ones((4, 4), bool))
+    real = PADDED_TOKENS != 0
+    both = causal[None] & real[:, :, None] & real[:, None, :]
+    out = block(embedded, mask=causal)
+    plain = tf.identity(embedded)
+    np.testing.assert_allclose(out.numpy(), block(plain, mask=both).numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out._keras_mask.numpy(), real)
+    assert getattr(block(plain, mask=causal), "_keras_mask", None) is None
+
+
+def test_keras_padding_mask_is_checked() -> None:
+    X = tf.ones((2, 3, 8))
+    layer = keras_layers.MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError) as err:
+        layer(X, X, X, queries_mask=tf.ones((2, 3), tf.int32))
+    assert str(err.value) == (
+        "queries_mask must be a boolean padding mask (True = real position), got int32"
+    )
+    with pytest.raises(ValueError) as err:
+        layer(X, X, X, keys_mask=tf.ones((2, 4), tf.bool))
+    assert str(err.value) == "keys_mask must have shape (2, 3), got (2, 4)"
+
+
+def test_keras_padding_mask_trains() -> None:
+    """``fit`` on Embedding(mask_zero=True) -> block -> masked pooling: finite, weights move."""
+    keras.utils.set_random_seed(2)
+    ids = keras.Input((None,), dtype="int32")
+    h = keras_layers.TransformerEncoderBlock(8, 12, 2)(keras.layers.Embedding(10, 8, mask_zero=True)(ids))
+    h = keras_layers.MultiHeadAttention(8, 2)(h, h, h)
+    out = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(ids, out)
+    model.compile("adam", "mse")
+    before = [w.numpy().copy() for w in model.weights]
+    history = model.fit(np.tile(PADDED_TOKENS, (4, 1)), np.ones((16, 1)), epochs=3, batch_size=8,
+                        verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert any(not np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights, strict=True))
+
+
+def test_keras_padding_mask_survives_a_keras_file(tmp_path: Path) -> None:
+    model, _, tokens = _padding_model("block", 3)
+    path = tmp_path / "padded.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_valid_lens_may_be_a_list() -> None:
