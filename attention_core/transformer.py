@@ -122,6 +122,9 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
 
     Returns:
         ``(B, T, h)``.
+
+    Ids of any integer dtype are taken (int8 to uint64); those other than int32 and int64 are
+    cast to int32 for the lookup, after the range check.
     """
     checks.check_rank(ops, "tokens", tokens, (2,), "(B, T) token ids")
     dtype = ops.dtype_name(tokens)
@@ -132,6 +135,8 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
         raise ValueError(f"tokens must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+    if dtype not in ("int32", "int64"):  # every framework's lookup takes these two
+        tokens = ops.astype(tokens, "int32")  # ids < vocab_size, which int32 holds
     return ops.take(table, tokens)
 
 
