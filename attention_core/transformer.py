@@ -151,6 +151,7 @@ def transformer_encoder(
     return_weights: bool = False,
     implementation: str | None = None,
     positions: Array | None = None,
+    max_len: int | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
@@ -170,9 +171,10 @@ def transformer_encoder(
         return_weights: Also return each block's self-attention weights ``(B, H, T, T)``.
         implementation: How the blocks' heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
-        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, from a caller that cannot
-            let it be made here (a traced graph that takes no host constants: MXNet's
-            hybridized blocks pass it as an input); made here when None.
+        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, sliced to the first T
+            rows (the layers hold one of ``max_len`` rows); made here when None.
+        max_len: Rows of the table made here when ``positions`` is None: by default T rows
+            when T is known, else 1000 (a run-time length under tracing or export).
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -183,7 +185,7 @@ def transformer_encoder(
     num_hiddens = ops.shape(table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
     if positions is None:
-        X = positional_encoding(X, dropout, ops=ops)
+        X = positional_encoding(X, dropout, max_len=max_len, ops=ops)
     else:
         X = add_positions(X, positions, dropout, ops=ops)
     num_blks = len({name.split(".")[1] for name in weights if name.startswith("blks.")})

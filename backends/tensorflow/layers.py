@@ -705,9 +705,14 @@ class TransformerEncoder(Layer):
             ``attention_weights``; when False, calls pool by ``implementation``.
         implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
             not form the weights pool (None lets the core choose).
+        max_len: Rows of the sinusoidal table ``P``: the longest sequence the encoder takes.
+            Calls slice it to their length, which may be unknown until run time
+            (``keras.Input((None,))``, ``tf.function`` with ``TensorSpec((None, None))``).
         **kwargs: Passed to ``keras.layers.Layer``.
 
     Attributes:
+        P: The sinusoidal table ``(1, max_len, h)``, a constant in the compute dtype (not a
+            weight).
         attention_weights: A list with one entry per block: that block's self-attention
             weights ``(B, H, T, T)`` of the last call, before dropout (None entries when the
             weights are not kept).
@@ -725,6 +730,7 @@ class TransformerEncoder(Layer):
         *,
         keep_attention_weights: bool = True,
         implementation: str | None = None,
+        max_len: int = positional.DEFAULT_MAX_LEN,
         **kwargs: Any,
     ) -> None:
         implementation = checks.check_implementation(implementation)
@@ -736,6 +742,8 @@ class TransformerEncoder(Layer):
         self._create()
         self.built = True
         self.attention_weights: list[tf.Tensor | None] = [None] * num_blks
+        table = positional.sinusoidal_encoding(max_len, num_hiddens, "float64")[None]
+        self.max_len, self.P = max_len, tf.cast(table, self.compute_dtype)
 
     def spec(self) -> W.Spec:
         return W.transformer_encoder_spec(
@@ -762,7 +770,8 @@ class TransformerEncoder(Layer):
         result = transformer.transformer_encoder(
             tokens, self._tensors(), self.num_heads, valid_lens, mask=mask,
             dropout=self._rate(training), return_weights=need,
-            implementation=None if need else self.implementation, ops=self._ops,
+            implementation=None if need else self.implementation, positions=self.P,
+            ops=self._ops,
         )
         out, weights = result if need else (result, [None] * self.num_blks)
         self.attention_weights = list(weights)
@@ -774,7 +783,7 @@ class TransformerEncoder(Layer):
                 "num_heads": self.num_heads, "num_blks": self.num_blks,
                 "dropout": self.dropout, "bias": self.bias,
                 "keep_attention_weights": self.keep_attention_weights,
-                "implementation": self.implementation}
+                "implementation": self.implementation, "max_len": self.max_len}
 
 
 @_serializable
