@@ -184,6 +184,10 @@ def transformer_encoder(
     table = weights["token.embedding"]
     num_hiddens = ops.shape(table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
+    if positions is not None:
+        steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]
+        if isinstance(steps, int) and steps > rows:
+            raise ValueError(f"tokens have {steps} positions, more than max_len ({rows})")
     if positions is None:
         X = positional_encoding(X, dropout, max_len=max_len, ops=ops)
     else:

@@ -28,6 +28,7 @@ import backends.numpy as numpy_layers
 import backends.tensorflow as keras_layers
 from attention_core import attention, blockwise
 from backends.tensorflow.ops import OPS, TensorFlowOps
+from tests import naive
 from tests.harness import TOLERANCE, max_diff
 from tests.reference.cases import MASK_KINDS, mask_arguments
 from tests.reference.generate import load
@@ -851,3 +852,55 @@ def test_additive_attention_with_one_query_and_a_large_batch() -> None:
     reference.set_weights(layer.get_weights())
     expected = reference(q.astype(np.float64), kv.astype(np.float64), kv.astype(np.float64), lens)
     assert max_diff(out.numpy(), expected) <= TOLERANCE["float32"]
+
+
+# -- unknown sequence lengths (issue 14, item 16) -------------------------------------------------
+
+
+def _encoder_reference(encoder: Any, tokens: np.ndarray) -> np.ndarray:
+    """The independent float64 NumPy encoder on the layer's weights (nothing masked)."""
+    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
+    B, T = tokens.shape
+    out, _ = naive.transformer_encoder(tokens, weights, encoder.num_heads,
+                                       np.ones((B, encoder.num_heads, T, T), bool))
+    return out
+
+
+def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None:
+    """``keras.Input((None,))``: build, predict at two lengths, fit, save and load."""
+    keras.utils.set_random_seed(4)
+    ids = keras.Input((None,), dtype="int32")
+    encoder = keras_layers.TransformerEncoder(**ENC)
+    model = keras.Model(ids, encoder(ids))
+    rng = np.random.default_rng(5)
+    for steps in (3, 9):
+        tokens = rng.integers(0, 10, (2, steps))
+        got = model.predict(tokens, verbose=0)
+        assert max_diff(got, _encoder_reference(encoder, tokens)) <= 1e-4
+    model.compile("adam", "mse")
+    history = model.fit(rng.integers(0, 10, (8, 6)), rng.standard_normal((8, 6, 8)), epochs=2,
+                        batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    model.save(tmp_path / "encoder.keras")
+    loaded = keras.models.load_model(tmp_path / "encoder.keras")
+    tokens = rng.integers(0, 10, (2, 7))
+    np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_encoder_under_tf_function_of_unknown_length() -> None:
+    """``tf.function`` with ``TensorSpec((None, None))``: the layer and the functional API."""
+    encoder = keras_layers.TransformerEncoder(**ENC)
+    encoder(tf.zeros((1, 2), tf.int32))
+    weights = {name: tf.constant(w) for name, w in encoder.get_weights().items()}
+    spec = [tf.TensorSpec((None, None), tf.int32)]
+    layer_fn = tf.function(lambda t: encoder(t), input_signature=spec)
+    core_fn = tf.function(lambda t: ac.transformer_encoder(t, weights, 2), input_signature=spec)
+    rng = np.random.default_rng(6)
+    for steps in (4, 11):
+        tokens = rng.integers(0, 10, (3, steps)).astype(np.int32)
+        want = _encoder_reference(encoder, tokens)
+        assert max_diff(layer_fn(tokens).numpy(), want) <= 1e-4
+        assert max_diff(core_fn(tokens).numpy(), want) <= 1e-4
+    assert layer_fn.experimental_get_tracing_count() == 1  # one trace served both lengths
+    assert core_fn.experimental_get_tracing_count() == 1

@@ -711,6 +711,10 @@ class TransformerEncoder(Layer):
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
 
+    def check_arguments(self) -> None:
+        super().check_arguments()
+        checks.check_positive_int("max_len", self.max_len)
+
     def spec(self, **dims: int | None) -> W.Spec:
         return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
                                           self.num_heads, self.num_blks, self.bias)
