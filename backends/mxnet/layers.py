@@ -34,8 +34,9 @@ output alone (not the attention weights a hybridized call also returns).
 
 MXNet 1.9.1 is the last release, so a few of its internals are relied on: ``Block._reg_params``
 (registering under canonical names, which contain dots), ``Parameter._load_init`` (what
-``load_parameters`` uses), ``Parameter._deferred_init``/``_data`` and
-``HybridBlock._clear_cached_op``.
+``load_parameters`` uses), ``Parameter._deferred_init``/``_data``,
+``HybridBlock._clear_cached_op`` and ``_cached_graph`` (``export()``), and
+``Block._collect_params_with_prefix`` (what the parameters files hold).
 """
 
 from __future__ import annotations
