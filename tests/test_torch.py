@@ -703,3 +703,28 @@ def test_encoder_onnx_export_with_a_dynamic_axis(tmp_path: Any) -> None:
         tokens = np.random.default_rng(length).integers(0, 11, (batch, length))
         (got,) = session.run(None, {"tokens": tokens})
         assert max_diff(got, _encoder_reference(encoder, tokens)) <= 1e-4
+
+
+class _FunctionalEncoder(torch.nn.Module):
+    """The functional ``transformer_encoder`` over a layer's parameters (no table held)."""
+
+    def __init__(self, encoder: torch_layers.TransformerEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        return ac.transformer_encoder(tokens, dict(self.encoder.named_parameters()), 3)
+
+
+def test_functional_encoder_torch_export_with_a_dynamic_length() -> None:
+    """Under a symbolic length the functional API slices a table of max_len (1000) rows."""
+    torch.manual_seed(1)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
+    steps = torch.export.Dim("steps", min=2, max=64)
+    program = torch.export.export(_FunctionalEncoder(encoder).eval(),
+                                  (torch.randint(0, 11, (2, 5)),),
+                                  dynamic_shapes={"tokens": {1: steps}})
+    for length in (3, 17):
+        tokens = torch.randint(0, 11, (2, length))
+        got = program.module()(tokens).detach().numpy()
+        assert max_diff(got, _encoder_reference(encoder, tokens.numpy())) <= 1e-4
