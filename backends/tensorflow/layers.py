@@ -107,8 +107,10 @@ class Layer(keras.layers.Layer):
         masks their own arguments first keeps them apart: Keras then fills nothing, and a
         ``mask`` the caller gave stays the attention mask.
         """
-        if not self._padded_inputs:
-            return kwargs
+        if not self._padded_inputs or all(
+            getattr(value, "_keras_mask", None) is None for value in (*args, *kwargs.values())
+        ):
+            return kwargs  # the common case, decided without binding the arguments
         try:
             bound = self._call_signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
