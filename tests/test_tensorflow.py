@@ -390,14 +390,23 @@ def _padding_model(kind: str, batch: int) -> tuple[keras.Model, keras.Model, np.
         layer = keras_layers.TransformerEncoderBlock(8, 12, 2)
         masked, given = layer(embed(ids)), layer(embed(ids), mask=explicit)
     else:
-        layer = keras_layers.MultiHeadAttention(8, 2)
+        layer = ATTENTION_LAYERS[kind]()
         X = embed(ids)
         masked, given = layer(X, X, X), layer(X, X, X, mask=explicit)
     return keras.Model(ids, masked), keras.Model([ids, explicit], given), tokens
 
 
+#: The attention layers, each taking (B, T, 8) queries, keys and values.
+ATTENTION_LAYERS = {
+    "mha": lambda: keras_layers.MultiHeadAttention(8, 2),
+    "dot": lambda: keras_layers.DotProductAttention(),
+    "additive": lambda: keras_layers.AdditiveAttention(6),
+    "relative": lambda: keras_layers.RelativeMultiHeadAttention(8, 2, 2),
+}
+
+
 @pytest.mark.parametrize("batch", [4, 3], ids=["B==T", "B!=T"])
-@pytest.mark.parametrize("kind", ["block", "mha"])
+@pytest.mark.parametrize("kind", ["block", *ATTENTION_LAYERS])
 def test_keras_padding_mask_is_query_and_key_padding(kind: str, batch: int) -> None:
     """Keras' ``(B, T)`` padding mask hides padded keys and rows, never read as ``(Q, K)``."""
     model, explicit_model, tokens = _padding_model(kind, batch)
