@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import attention_core as ac
 from tests import naive
 from tests.harness import Harness, max_diff
 
@@ -85,4 +86,7 @@ def test_encoder_token_ids_of_every_integer_dtype(backend: str) -> None:
         tried.append(dtype)
         got = h.numpy(h.call(encoder, tokens))
         assert max_diff(got, want) <= 1e-4, dtype
+        functional = ac.transformer_encoder(tokens, {k: h.array(v.astype(np.float32))
+                                                     for k, v in weights.items()}, 2)
+        assert max_diff(h.numpy(functional), want) <= 1e-4, dtype
     assert {"int8", "uint8", "int32", "int64"} <= set(tried) or backend == "jax"
