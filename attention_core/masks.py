@@ -295,3 +295,55 @@ def combine(
         A boolean array broadcastable to ``scores_shape``, or None when nothing is masked.
     """
     return Visibility(ops, scores_shape, valid_lens, mask, causal).full()
+
+
+def with_padding(
+    ops: Ops,
+    mask: Any,
+    scores_shape: tuple[Any, ...],
+    queries_mask: Any = None,
+    keys_mask: Any = None,
+) -> Any:
+    """ANDs padding masks of the queries and keys into an attention mask.
+
+    A padding mask (Keras' ``_keras_mask``, e.g. from ``Embedding(mask_zero=True)``) marks the
+    real positions of a sequence: ``(B, Q)`` for the queries, ``(B, K)`` for the keys, True =
+    a real position. A padded key is hidden from every query; a padded query sees no key, so
+    its row is 0 (as a fully masked row always is). Nothing changes when both are None.
+
+    Args:
+        ops: The backend's ops.
+        mask: The caller's attention mask (None, or anything :func:`boolean_mask` takes).
+        scores_shape: ``(B, H, Q, K)`` of the scores (H may be None).
+        queries_mask: Optional ``(B, Q)`` padding mask of the queries.
+        keys_mask: Optional ``(B, K)`` padding mask of the keys.
+
+    Returns:
+        ``mask`` itself when there is no padding mask, else a boolean mask of rank 3 or 4
+        broadcastable to ``scores_shape``: the AND of ``mask`` and the padding.
+
+    Raises:
+        TypeError: A padding mask is not boolean.
+        ValueError: A padding mask does not have the shape ``(B, Q)`` or ``(B, K)``.
+    """
+    if queries_mask is None and keys_mask is None:
+        return mask
+    B, _, Q, K = scores_shape
+    padding = None
+    for name, pad, size, axis in (("queries_mask", queries_mask, Q, -1),
+                                  ("keys_mask", keys_mask, K, 1)):
+        if pad is None:
+            continue
+        dtype = _dtype_name(ops, pad)
+        if dtype != "bool":
+            raise TypeError(f"{name} must be a boolean padding mask (True = real position), "
+                            f"got {dtype}")
+        pad = as_backend_array(ops, pad)
+        shape = ops.shape(pad)
+        if not _fits(shape, (B, size), broadcast=False):
+            raise ValueError(f"{name} must have shape {fmt_shape((B, size))}, got {fmt_shape(shape)}")
+        pad = ops.expand_dims(pad, axis)  # (B, Q, 1) or (B, 1, K)
+        padding = pad if padding is None else ops.logical_and(padding, pad)
+    if mask is None:
+        return padding
+    return ops.logical_and(boolean_mask(ops, mask, scores_shape), ops.expand_dims(padding, 1))

@@ -100,14 +100,33 @@ def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None =
     return ops.dropout(out, dropout) if dropout > 0 else out
 
 
-def positional_encoding(X: Array, dropout: float = 0.0, *, ops: Ops | None = None) -> Array:
-    """Adds the sinusoidal encoding to ``X`` ``(B, T, d)``: the functional ``PositionalEncoding``."""
+#: Rows of the sinusoidal table when the number of positions is not known until run time.
+DEFAULT_MAX_LEN = 1000
+
+
+def positional_encoding(
+    X: Array, dropout: float = 0.0, *, max_len: int | None = None, ops: Ops | None = None
+) -> Array:
+    """Adds the sinusoidal encoding to ``X`` ``(B, T, d)``: the functional ``PositionalEncoding``.
+
+    Args:
+        X: ``(B, T, d)``; ``d`` must be known, ``T`` may be a run-time size (a traced graph).
+        dropout: Dropout rate on the sum (applied whenever > 0).
+        max_len: Rows of the table, sliced to the first T. None: T rows when T is known, else
+            :data:`DEFAULT_MAX_LEN` (1000).
+        ops: The backend's ops; found from ``X`` when omitted.
+
+    Returns:
+        ``dropout(X + P[:T])``, shape ``(B, T, d)``.
+    """
     ops = ops or ops_for(X)
     shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
     steps, width = shape[1], shape[2]
-    if not isinstance(steps, int) or not isinstance(width, int):
-        raise ValueError("X must have a known number of positions and width")
-    table = ops.from_numpy(sinusoidal_encoding(steps, width, "float64")[None], like=X)
+    if not isinstance(width, int):
+        raise ValueError("X must have a known width (last dimension)")
+    if max_len is None:
+        max_len = steps if isinstance(steps, int) else DEFAULT_MAX_LEN
+    table = ops.from_numpy(sinusoidal_encoding(max_len, width, "float64")[None], like=X)
     return add_positions(X, table, dropout, ops=ops)
 
 

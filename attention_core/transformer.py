@@ -139,6 +139,9 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
 
     Returns:
         ``(B, T, h)``.
+
+    Ids of any integer dtype are taken (int8 to uint64); those other than int32 and int64 are
+    cast to int32 for the lookup, after the range check.
     """
     checks.check_rank(ops, "tokens", tokens, (2,), "(B, T) token ids")
     dtype = ops.dtype_name(tokens)
@@ -149,6 +152,8 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
         raise ValueError(f"tokens must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+    if dtype not in ("int32", "int64"):  # every framework's lookup takes these two
+        tokens = ops.astype(tokens, "int32")  # ids < vocab_size, which int32 holds
     return ops.take(table, tokens)
 
 
@@ -163,6 +168,7 @@ def transformer_encoder(
     return_weights: bool = False,
     implementation: str | None = None,
     positions: Array | None = None,
+    max_len: int | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
@@ -183,9 +189,10 @@ def transformer_encoder(
         return_weights: Also return each block's self-attention weights ``(B, H, T, T)``.
         implementation: How the blocks' heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
-        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, from a caller that cannot
-            let it be made here (a traced graph that takes no host constants: MXNet's
-            hybridized blocks pass it as an input); made here when None.
+        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, sliced to the first T
+            rows (the layers hold one of ``max_len`` rows); made here when None.
+        max_len: Rows of the table made here when ``positions`` is None: by default T rows
+            when T is known, else 1000 (a run-time length under tracing or export).
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -197,8 +204,12 @@ def transformer_encoder(
     table = weights["token.embedding"]
     num_hiddens = ops.shape(table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
+    if positions is not None:
+        steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]
+        if isinstance(steps, int) and steps > rows:
+            raise ValueError(f"tokens have {steps} positions, more than max_len ({rows})")
     if positions is None:
-        X = positional_encoding(X, dropout, ops=ops)
+        X = positional_encoding(X, dropout, max_len=max_len, ops=ops)
     else:
         X = add_positions(X, positions, dropout, ops=ops)
     num_blks = len({name.split(".")[1] for name in weights if name.startswith("blks.")})

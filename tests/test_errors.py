@@ -116,6 +116,14 @@ def encoder(h: Harness) -> Any:
     return layer
 
 
+def short_encoder(h: Harness) -> Any:
+    """An encoder whose sinusoidal table has 5 rows (``max_len=5``), called once."""
+    layer = h.make("TransformerEncoder", {"vocab_size": 11, "num_hiddens": 12, "ffn_num_hiddens": 16,
+                                          "num_heads": 3, "num_blks": 1, "max_len": 5})
+    call(h, layer, np.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]))
+    return layer
+
+
 def positional(h: Harness) -> Any:
     layer = h.make("PositionalEncoding", {"num_hiddens": 4, "max_len": 5})
     call(h, layer, arr((1, 5, 4)))
@@ -942,6 +950,16 @@ CATALOGUE: list[Bad] = [
         not_valid("__metadata__ must be an object of str -> str, got {{'dtype': 'F32', 'shape': [8, 8], "
                   "'data_offsets': [0, 256]}}"), mha,
         files=lambda p: raw_file(p, {"__metadata__": K256}, bytes(256))),
+    # -- issue 14: the encoders' sinusoidal table (max_len rows, sliced by the length)
+    Bad("encoder_max_len_zero", "sizes",
+        lambda c: c.h.module.TransformerEncoder(11, 12, 16, 3, 1, max_len=0), ValueError,
+        "max_len must be a positive int, got 0"),
+    Bad("encoder_max_len_float", "sizes",
+        lambda c: c.h.module.TransformerEncoder(11, 12, 16, 3, 1, max_len=5.0), ValueError,
+        "max_len must be a positive int, got 5.0"),
+    Bad("layer_encoder_longer_than_max_len", "tokens",
+        lambda c: call(c.h, c.layer, np.array([[1, 2, 3, 4, 5, 6]])), ValueError,
+        "tokens have 6 positions, more than max_len (5)", short_encoder),
     # -- backends: unknown, uninstalled, badly named
     Bad("unknown_backend", "backend", lambda c: use("caffe"), ValueError, unknown_backend("caffe")),
     Bad("unknown_backend_set", "backend", lambda c: ac.set_backend("theano"), ValueError,

@@ -913,3 +913,21 @@ def test_importing_and_using_the_backend_leaves_x64_alone() -> None:
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "True", "float64", "True"]
+
+
+# -- sequence lengths under jax.jit (issue 14, item 16) -------------------------------------------
+
+
+def test_encoder_under_jit_at_two_lengths() -> None:
+    """One jitted apply (and the functional API) at two lengths, against the float64 reference."""
+    layer = bj.TransformerEncoder(11, 12, 16, 3, 2)
+    tokens = np.random.default_rng(7).integers(0, 11, (2, 13))
+    variables = layer.init(KEY, jnp.asarray(tokens[:, :4]))
+    weights = {k: np.asarray(v, np.float64) for k, v in bj.get_weights(variables, layer=layer).items()}
+    apply = jax.jit(layer.apply)
+    functional = jax.jit(lambda t: ac.transformer_encoder(t, bj.get_weights(variables, layer=layer), 3))
+    for steps in (4, 13):
+        part = tokens[:, :steps]
+        want, _ = naive.transformer_encoder(part, weights, 3, np.ones((2, 3, steps, steps), bool))
+        assert max_diff(np.asarray(apply(variables, jnp.asarray(part))), want) <= 1e-4
+        assert max_diff(np.asarray(functional(jnp.asarray(part))), want) <= 1e-4

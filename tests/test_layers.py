@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.harness import Harness
+import attention_core as ac
+from tests import naive
+from tests.harness import Harness, max_diff
 
 
 def test_seed_usage_multi_head(backend: str) -> None:
@@ -55,3 +57,36 @@ def test_numpy_seed_fixes_initial_weights() -> None:
     a(x, x, x), b(x, x, x)
     for name, value in a.get_weights().items():
         np.testing.assert_array_equal(value, b.get_weights()[name])
+
+
+#: Token id dtypes: each framework's integer dtypes (MXNet has no int16/uint16/uint32/uint64
+#: arrays; JAX holds 64-bit ids only with x64 on, else NumPy's are narrowed to 32 bits).
+TOKEN_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "int64", "uint32", "uint64")
+
+
+def test_encoder_token_ids_of_every_integer_dtype(backend: str) -> None:
+    """The encoder takes ids of every integer dtype its framework holds, all giving one answer."""
+    h = Harness(backend)
+    config = {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 12, "num_heads": 2,
+              "num_blks": 2}
+    encoder = h.make("TransformerEncoder", config)
+    ids = np.array([[1, 2, 3, 10], [0, 0, 5, 9]])
+    h.call(encoder, h.array(ids.astype(np.int32)))
+    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
+    vis = np.ones((2, 2, 4, 4), bool)
+    want, _ = naive.transformer_encoder(ids, weights, 2, vis)
+    tried = []
+    for dtype in TOKEN_DTYPES:
+        try:
+            tokens = h.array(ids.astype(dtype))
+        except (TypeError, ValueError, KeyError):  # a dtype the framework cannot hold
+            continue
+        if h.ops.dtype_name(tokens) != dtype:
+            continue  # narrowed on the way in (JAX without x64)
+        tried.append(dtype)
+        got = h.numpy(h.call(encoder, tokens))
+        assert max_diff(got, want) <= 1e-4, dtype
+        functional = ac.transformer_encoder(tokens, {k: h.array(v.astype(np.float32))
+                                                     for k, v in weights.items()}, 2)
+        assert max_diff(h.numpy(functional), want) <= 1e-4, dtype
+    assert {"int8", "uint8", "int32", "int64"} <= set(tried) or backend == "jax"

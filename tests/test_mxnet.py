@@ -304,19 +304,67 @@ def test_load_parameters_into_a_deferred_layer_fixes_input_sizes(tmp_path: Path)
     np.testing.assert_array_equal(dst(arr(q), arr(k), arr(v)).asnumpy(), out)
 
 
-def test_export_and_symbol_block(tmp_path: Path) -> None:
-    layer = gluon_layers.MultiHeadAttention(8, 2, bias=True)
+#: Layers to export and the inputs a caller gives them (the names SymbolBlock.imports takes).
+EXPORTS = {
+    "mha": (lambda: gluon_layers.MultiHeadAttention(8, 2, bias=True),
+            lambda: [*(arr(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5))),
+                     mx.np.array([3, 6], dtype="int32")]),
+    "dot": (lambda: gluon_layers.DotProductAttention(),
+            lambda: [arr(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5))]),
+    "additive": (lambda: gluon_layers.AdditiveAttention(6),
+                 lambda: [*(arr(x) for x in draw((2, 4, 3), (2, 6, 8), (2, 6, 5))),
+                          mx.np.array([3, 6], dtype="int32")]),
+    "relative": (lambda: gluon_layers.RelativeMultiHeadAttention(8, 2, 2),
+                 lambda: [arr(x) for x in draw((2, 4, 8), (2, 4, 8), (2, 4, 8))]),
+    "block": (lambda: gluon_layers.TransformerEncoderBlock(8, 12, 2),
+              lambda: [arr(draw((2, 5, 8))[0]), mx.np.array([3, 5], dtype="int32")]),
+    "positional": (lambda: gluon_layers.PositionalEncoding(8, max_len=20),
+                   lambda: [arr(draw((2, 5, 8))[0])]),
+    "encoder": (lambda: gluon_layers.TransformerEncoder(10, 8, 12, 2, 2),
+                lambda: [mx.np.array([[1, 2, 3, 9, 0], [4, 5, 0, 0, 0]], dtype="int32")]),
+    "encoder_lens": (lambda: gluon_layers.TransformerEncoder(10, 8, 12, 2, 2),
+                     lambda: [mx.np.array([[1, 2, 3, 9, 0], [4, 5, 0, 0, 0]], dtype="int32"),
+                              mx.np.array([4, 2], dtype="int32")]),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPORTS))
+def test_export_takes_only_the_callers_inputs_and_returns_the_output(
+    tmp_path: Path, kind: str
+) -> None:
+    """``SymbolBlock.imports`` with the caller's inputs alone gives the block's one output."""
+    make, inputs = EXPORTS[kind]
+    layer = make()
     layer.initialize()
     layer.hybridize()
-    q, k, v = (arr(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5)))
-    lens = mx.np.array([3, 6], dtype="int32")
-    out = layer(q, k, v, lens).asnumpy()
-    layer.export(str(tmp_path / "mha"))
-    imported = mx.gluon.SymbolBlock.imports(str(tmp_path / "mha-symbol.json"),
-                                            ["data0", "data1", "data2", "data3"],
-                                            str(tmp_path / "mha-0000.params"))
-    outputs = imported(q, k, v, lens)
-    np.testing.assert_array_equal(outputs[0].asnumpy(), out)
+    args = inputs()
+    out = layer(*args).asnumpy()
+    layer.export(str(tmp_path / kind))
+    names = ["data"] if len(args) == 1 else [f"data{i}" for i in range(len(args))]
+    symbol = mx.sym.load(str(tmp_path / f"{kind}-symbol.json"))
+    assert len(symbol.list_outputs()) == 1
+    params = set(mx.npx.load(str(tmp_path / f"{kind}-0000.params")))
+    assert set(symbol.list_inputs()) == set(names) | {name.partition(":")[2] for name in params}
+    imported = mx.gluon.SymbolBlock.imports(str(tmp_path / f"{kind}-symbol.json"), names,
+                                            str(tmp_path / f"{kind}-0000.params"))
+    got = imported(*args)
+    assert isinstance(got, mx.np.ndarray)  # one output, not a list
+    np.testing.assert_array_equal(got.asnumpy(), out)
+
+
+def test_encoder_files_hold_the_weights_only(tmp_path: Path) -> None:
+    """The table is a constant of the graph, not a weight: files and get_weights are unchanged."""
+    src = gluon_layers.TransformerEncoder(10, 8, 12, 2, 2)
+    src.initialize()
+    tokens = mx.np.array([[1, 2, 3], [4, 5, 0]], dtype="int32")
+    out = src(tokens).asnumpy()
+    path = str(tmp_path / "encoder.params")
+    src.save_parameters(path)
+    assert sorted(mx.npx.load(path)) == sorted(src.spec()) == sorted(src.get_weights())
+    dst = gluon_layers.TransformerEncoder(10, 8, 12, 2, 2)  # not initialized: the file does it
+    dst.load_parameters(path)
+    dst.hybridize()
+    np.testing.assert_array_equal(dst(tokens).asnumpy(), out)
 
 
 # -- autograd.record() turns dropout on ------------------------------------------------------

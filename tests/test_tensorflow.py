@@ -28,6 +28,7 @@ import backends.numpy as numpy_layers
 import backends.tensorflow as keras_layers
 from attention_core import attention, blockwise
 from backends.tensorflow.ops import OPS, TensorFlowOps
+from tests import naive
 from tests.harness import TOLERANCE, max_diff
 from tests.reference.cases import MASK_KINDS, mask_arguments
 from tests.reference.generate import load
@@ -369,16 +370,140 @@ def test_low_precision_fully_masked_rows(layer: str, dtype: str) -> None:
 # -- Keras integration details ------------------------------------------------------------------
 
 
-def test_keras_padding_mask_is_not_read_as_an_attention_mask() -> None:
-    """Keras fills ``mask`` from X's padding mask; with B == T it would pass the shape checks."""
-    embedded = keras.layers.Embedding(10, 8, mask_zero=True)(np.array([[1, 2, 0, 0]] * 4))
-    assert embedded._keras_mask is not None
+#: Token ids with padding (0) at the end; row 2 has none, row 3 only one real token.
+PADDED_TOKENS = np.array([[1, 2, 0, 0], [3, 1, 2, 0], [1, 1, 1, 1], [2, 0, 0, 0]])
+
+
+def _padding_model(kind: str, batch: int) -> tuple[keras.Model, keras.Model, np.ndarray]:
+    """``Embedding(mask_zero=True)`` -> layer, and the same weights given the explicit mask.
+
+    Returns the model reading Keras' padding mask, the model given the equivalent ``(B, T, T)``
+    attention mask (query AND key padding) as a second input, and the tokens.
+    """
+    keras.utils.set_random_seed(1)
+    tokens = PADDED_TOKENS[:batch]
+    steps = tokens.shape[1]
+    ids = keras.Input((steps,), dtype="int32")
+    explicit = keras.Input((steps, steps), dtype="bool")
+    embed = keras.layers.Embedding(10, 8, mask_zero=True)
+    if kind == "block":
+        layer = keras_layers.TransformerEncoderBlock(8, 12, 2)
+        masked, given = layer(embed(ids)), layer(embed(ids), mask=explicit)
+    else:
+        layer = ATTENTION_LAYERS[kind]()
+        X = embed(ids)
+        masked, given = layer(X, X, X), layer(X, X, X, mask=explicit)
+    return keras.Model(ids, masked), keras.Model([ids, explicit], given), tokens
+
+
+#: The attention layers, each taking (B, T, 8) queries, keys and values.
+ATTENTION_LAYERS = {
+    "mha": lambda: keras_layers.MultiHeadAttention(8, 2),
+    "dot": lambda: keras_layers.DotProductAttention(),
+    "additive": lambda: keras_layers.AdditiveAttention(6),
+    "relative": lambda: keras_layers.RelativeMultiHeadAttention(8, 2, 2),
+}
+
+
+@pytest.mark.parametrize("batch", [4, 3], ids=["B==T", "B!=T"])
+@pytest.mark.parametrize("kind", ["block", *ATTENTION_LAYERS])
+def test_keras_padding_mask_is_query_and_key_padding(kind: str, batch: int) -> None:
+    """Keras' ``(B, T)`` padding mask hides padded keys and rows, never read as ``(Q, K)``."""
+    model, explicit_model, tokens = _padding_model(kind, batch)
+    real = tokens != 0
+    pair_mask = real[:, :, None] & real[:, None, :]  # (B, T, T)
+    got = model.predict(tokens, verbose=0)
+    want = explicit_model.predict([tokens, pair_mask], verbose=0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The unpadded rows equal the same layer given the lengths instead (valid_lens hides keys).
+    layer = model.layers[-1]
+    embedded = tf.identity(model.layers[1](tokens))  # the same values, no Keras mask
+    lens = real.sum(axis=1)
+    args = (embedded, lens) if kind == "block" else (embedded, embedded, embedded, lens)
+    by_lens = layer(*args).numpy()
+    np.testing.assert_allclose(got[real], by_lens[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["block", "mha", "encoder"])
+def test_keras_padding_mask_keeps_padded_positions_out(kind: str) -> None:
+    """Changing the padded positions' inputs does not change the real positions' outputs."""
+    real = tf.constant(PADDED_TOKENS != 0)
+    rng = np.random.default_rng(3)
+    if kind == "encoder":
+        layer: Any = keras_layers.TransformerEncoder(10, 8, 12, 2, 2)
+        inputs = PADDED_TOKENS
+        other = np.where(PADDED_TOKENS != 0, PADDED_TOKENS, rng.integers(1, 10, PADDED_TOKENS.shape))
+    else:
+        layer = (keras_layers.TransformerEncoderBlock(8, 12, 2) if kind == "block"
+                 else keras_layers.MultiHeadAttention(8, 2))
+        inputs = rng.standard_normal((4, 4, 8)).astype(np.float32)
+        fresh = rng.standard_normal(inputs.shape)
+        other = np.where(PADDED_TOKENS[..., None] != 0, inputs, fresh).astype(np.float32)
+    outs = []
+    for x in (inputs, other):
+        x = tf.constant(x)
+        x._keras_mask = real  # as Keras attaches a padding mask
+        out = layer(x) if kind != "mha" else layer(x, x, x)
+        assert getattr(out, "_keras_mask", None) is real  # the query's padding is propagated
+        outs.append(out.numpy())
+    np.testing.assert_allclose(outs[0][PADDED_TOKENS != 0], outs[1][PADDED_TOKENS != 0],
+                               rtol=1e-5, atol=1e-5)
+    if kind == "mha":  # a padded query sees no key: its row is 0, as any fully masked row
+        np.testing.assert_array_equal(outs[0][PADDED_TOKENS == 0], 0.0)
+    else:  # the padded rows did change (they pass through the residual branches)
+        assert not np.allclose(outs[0], outs[1])
+
+
+def test_keras_padding_mask_and_explicit_mask_combine() -> None:
+    """An explicit attention mask is ANDed with the padding mask and is not propagated."""
+    embedded = keras.layers.Embedding(10, 8, mask_zero=True)(PADDED_TOKENS)
     block = keras_layers.TransformerEncoderBlock(8, 12, 2)
-    plain = tf.identity(embedded)  # the same values, no Keras mask
-    np.testing.assert_array_equal(block(embedded).numpy(), block(plain).numpy())
-    np.testing.assert_array_equal(block(embedded, mask=np.tril(np.ones((4, 4), bool))).numpy(),
-                                  block(plain, mask=np.tril(np.ones((4, 4), bool))).numpy())
-    assert getattr(block(embedded), "_keras_mask", None) is None
+    causal = np.tril(np.ones((4, 4), bool))
+    real = PADDED_TOKENS != 0
+    both = causal[None] & real[:, :, None] & real[:, None, :]
+    out = block(embedded, mask=causal)
+    plain = tf.identity(embedded)
+    np.testing.assert_allclose(out.numpy(), block(plain, mask=both).numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out._keras_mask.numpy(), real)
+    assert getattr(block(plain, mask=causal), "_keras_mask", None) is None
+
+
+def test_keras_padding_mask_is_checked() -> None:
+    X = tf.ones((2, 3, 8))
+    layer = keras_layers.MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError) as err:
+        layer(X, X, X, queries_mask=tf.ones((2, 3), tf.int32))
+    assert str(err.value) == (
+        "queries_mask must be a boolean padding mask (True = real position), got int32"
+    )
+    with pytest.raises(ValueError) as err:
+        layer(X, X, X, keys_mask=tf.ones((2, 4), tf.bool))
+    assert str(err.value) == "keys_mask must have shape (2, 3), got (2, 4)"
+
+
+def test_keras_padding_mask_trains() -> None:
+    """``fit`` on Embedding(mask_zero=True) -> block -> masked pooling: finite, weights move."""
+    keras.utils.set_random_seed(2)
+    ids = keras.Input((None,), dtype="int32")
+    h = keras_layers.TransformerEncoderBlock(8, 12, 2)(keras.layers.Embedding(10, 8, mask_zero=True)(ids))
+    h = keras_layers.MultiHeadAttention(8, 2)(h, h, h)
+    out = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(ids, out)
+    model.compile("adam", "mse")
+    before = [w.numpy().copy() for w in model.weights]
+    history = model.fit(np.tile(PADDED_TOKENS, (4, 1)), np.ones((16, 1)), epochs=3, batch_size=8,
+                        verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert any(not np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights, strict=True))
+
+
+def test_keras_padding_mask_survives_a_keras_file(tmp_path: Path) -> None:
+    model, _, tokens = _padding_model("block", 3)
+    path = tmp_path / "padded.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_valid_lens_may_be_a_list() -> None:
@@ -736,3 +861,55 @@ def test_additive_attention_with_one_query_and_a_large_batch() -> None:
     reference.set_weights(layer.get_weights())
     expected = reference(q.astype(np.float64), kv.astype(np.float64), kv.astype(np.float64), lens)
     assert max_diff(out.numpy(), expected) <= TOLERANCE["float32"]
+
+
+# -- unknown sequence lengths (issue 14, item 16) -------------------------------------------------
+
+
+def _encoder_reference(encoder: Any, tokens: np.ndarray) -> np.ndarray:
+    """The independent float64 NumPy encoder on the layer's weights (nothing masked)."""
+    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
+    B, T = tokens.shape
+    out, _ = naive.transformer_encoder(tokens, weights, encoder.num_heads,
+                                       np.ones((B, encoder.num_heads, T, T), bool))
+    return out
+
+
+def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None:
+    """``keras.Input((None,))``: build, predict at two lengths, fit, save and load."""
+    keras.utils.set_random_seed(4)
+    ids = keras.Input((None,), dtype="int32")
+    encoder = keras_layers.TransformerEncoder(**ENC)
+    model = keras.Model(ids, encoder(ids))
+    rng = np.random.default_rng(5)
+    for steps in (3, 9):
+        tokens = rng.integers(0, 10, (2, steps))
+        got = model.predict(tokens, verbose=0)
+        assert max_diff(got, _encoder_reference(encoder, tokens)) <= 1e-4
+    model.compile("adam", "mse")
+    history = model.fit(rng.integers(0, 10, (8, 6)), rng.standard_normal((8, 6, 8)), epochs=2,
+                        batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    model.save(tmp_path / "encoder.keras")
+    loaded = keras.models.load_model(tmp_path / "encoder.keras")
+    tokens = rng.integers(0, 10, (2, 7))
+    np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_encoder_under_tf_function_of_unknown_length() -> None:
+    """``tf.function`` with ``TensorSpec((None, None))``: the layer and the functional API."""
+    encoder = keras_layers.TransformerEncoder(**ENC)
+    encoder(tf.zeros((1, 2), tf.int32))
+    weights = {name: tf.constant(w) for name, w in encoder.get_weights().items()}
+    spec = [tf.TensorSpec((None, None), tf.int32)]
+    layer_fn = tf.function(lambda t: encoder(t), input_signature=spec)
+    core_fn = tf.function(lambda t: ac.transformer_encoder(t, weights, 2), input_signature=spec)
+    rng = np.random.default_rng(6)
+    for steps in (4, 11):
+        tokens = rng.integers(0, 10, (3, steps)).astype(np.int32)
+        want = _encoder_reference(encoder, tokens)
+        assert max_diff(layer_fn(tokens).numpy(), want) <= 1e-4
+        assert max_diff(core_fn(tokens).numpy(), want) <= 1e-4
+    assert layer_fn.experimental_get_tracing_count() == 1  # one trace served both lengths
+    assert core_fn.experimental_get_tracing_count() == 1

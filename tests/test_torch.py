@@ -680,3 +680,69 @@ def test_new_layers_trace_without_graph_breaks(keep: bool) -> None:
     encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep)
     explained = torch._dynamo.explain(encoder)(tokens([1, 2, 3], [4, 5, 6]), torch.tensor([3, 1]))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+# -- unknown sequence lengths: torch.export and ONNX (issue 14, item 16) --------------------------
+
+
+def _encoder_reference(encoder: Any, tokens: np.ndarray) -> np.ndarray:
+    """The independent float64 NumPy encoder on the module's weights (nothing masked)."""
+    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
+    B, T = tokens.shape
+    out, _ = naive.transformer_encoder(tokens, weights, encoder.num_heads,
+                                       np.ones((B, encoder.num_heads, T, T), bool))
+    return out
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["weights", "fused"])
+def test_encoder_torch_export_with_a_dynamic_length(keep: bool) -> None:
+    torch.manual_seed(0)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep).eval()
+    steps = torch.export.Dim("steps", min=2, max=64)
+    program = torch.export.export(encoder, (torch.randint(0, 11, (2, 5)),),
+                                  dynamic_shapes={"tokens": {1: steps}})
+    for length in (3, 17):
+        tokens = torch.randint(0, 11, (2, length))
+        got = program.module()(tokens).detach().numpy()
+        assert max_diff(got, _encoder_reference(encoder, tokens.numpy())) <= 1e-4
+
+
+def test_encoder_onnx_export_with_a_dynamic_axis(tmp_path: Any) -> None:
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=False).eval()
+    path = tmp_path / "encoder.onnx"
+    torch.onnx.export(encoder, (torch.randint(0, 11, (2, 5)),), str(path), input_names=["tokens"],
+                      output_names=["out"], dynamic_axes={"tokens": {0: "B", 1: "T"}},
+                      dynamo=True, verbose=False)
+    session = ort.InferenceSession(str(path))
+    for batch, length in ((2, 3), (3, 17)):
+        tokens = np.random.default_rng(length).integers(0, 11, (batch, length))
+        (got,) = session.run(None, {"tokens": tokens})
+        assert max_diff(got, _encoder_reference(encoder, tokens)) <= 1e-4
+
+
+class _FunctionalEncoder(torch.nn.Module):
+    """The functional ``transformer_encoder`` over a layer's parameters (no table held)."""
+
+    def __init__(self, encoder: torch_layers.TransformerEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        return ac.transformer_encoder(tokens, dict(self.encoder.named_parameters()), 3)
+
+
+def test_functional_encoder_torch_export_with_a_dynamic_length() -> None:
+    """Under a symbolic length the functional API slices a table of max_len (1000) rows."""
+    torch.manual_seed(1)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
+    steps = torch.export.Dim("steps", min=2, max=64)
+    program = torch.export.export(_FunctionalEncoder(encoder).eval(),
+                                  (torch.randint(0, 11, (2, 5)),),
+                                  dynamic_shapes={"tokens": {1: steps}})
+    for length in (3, 17):
+        tokens = torch.randint(0, 11, (2, length))
+        got = program.module()(tokens).detach().numpy()
+        assert max_diff(got, _encoder_reference(encoder, tokens.numpy())) <= 1e-4

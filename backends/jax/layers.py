@@ -715,6 +715,8 @@ class TransformerEncoder(Layer):
             when that collection is mutable; when False, calls never form them.
         implementation: How the blocks pool when the weights are not needed; see
             :class:`TransformerEncoderBlock`.
+        max_len: Rows of the sinusoidal table (a constant, not a param): the longest sequence
+            the encoder takes.
     """
 
     vocab_size: int
@@ -727,6 +729,11 @@ class TransformerEncoder(Layer):
     param_dtype: DTypeLike = jnp.float32
     keep_attention_weights: bool = True
     implementation: str | None = None
+    max_len: int = positional.DEFAULT_MAX_LEN
+
+    def check_arguments(self) -> None:
+        super().check_arguments()
+        checks.check_positive_int("max_len", self.max_len)
 
     def spec(self, **dims: int | None) -> W.Spec:
         return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
@@ -747,9 +754,10 @@ class TransformerEncoder(Layer):
         weights = self._weights()
         ops, rate = self._ops(training)
         pooling = self._pooling(False)
+        table = jnp.asarray(_sinusoidal_table(self.max_len, self.num_hiddens), self.param_dtype)
         result = transformer.transformer_encoder(
-            tokens, weights, self.num_heads, valid_lens, mask=mask, dropout=rate, ops=ops,
-            **pooling,
+            tokens, weights, self.num_heads, valid_lens, mask=mask, dropout=rate,
+            positions=table, ops=ops, **pooling,
         )
         if not pooling["return_weights"]:
             return result

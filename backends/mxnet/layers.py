@@ -28,13 +28,15 @@ wrap bad ids around instead of failing).
 
 Host constants: a Symbol cannot hold an array's values, so :class:`MXNetOps` refuses
 ``ops.from_numpy`` while a graph is built. The one the core would make, the sinusoidal table of
-``TransformerEncoder``, the layer makes itself for the call's length and passes as an input of
-the graph (:meth:`Layer._constant_inputs`; an ``export()`` ed graph expects it too).
+``PositionalEncoding`` and ``TransformerEncoder``, is a Gluon ``Constant`` ``P`` of the layer,
+so an ``export()`` ed graph takes only the caller's inputs. ``export()`` writes the layer's
+output alone (not the attention weights a hybridized call also returns).
 
 MXNet 1.9.1 is the last release, so a few of its internals are relied on: ``Block._reg_params``
 (registering under canonical names, which contain dots), ``Parameter._load_init`` (what
-``load_parameters`` uses), ``Parameter._deferred_init``/``_data`` and
-``HybridBlock._clear_cached_op``.
+``load_parameters`` uses), ``Parameter._deferred_init``/``_data``,
+``HybridBlock._clear_cached_op`` and ``_cached_graph`` (``export()``), and
+``Block._collect_params_with_prefix`` (what the parameters files hold).
 """
 
 from __future__ import annotations
@@ -257,7 +259,6 @@ class Layer(PlainArguments, HybridBlock):
         for i, x in zip(floating, cast, strict=True):
             arrays[i] = x
         dims = self._check_inputs(arrays)
-        arrays = [*arrays, *self._constant_inputs(arrays)]
         weights, new = self._current(dims, arrays[0].ctx)
         if new:  # the first call: run it on the new weights before keeping them
             with autograd.pause():
@@ -278,9 +279,21 @@ class Layer(PlainArguments, HybridBlock):
         """Checks what the core does not check before weights are made; returns the input sizes."""
         return {}
 
-    def _constant_inputs(self, arrays: list[Any]) -> list[Any]:
-        """Arrays the computation needs besides the call's, made on the host; passed after them."""
-        return []
+    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None:
+        """``HybridBlock.export`` of the layer's output alone.
+
+        A hybridized call also returns the attention weights (to fill ``attention_weights``);
+        the exported graph returns only the output, so ``SymbolBlock.imports`` gives one array.
+        """
+        graph = self._cached_graph
+        if not graph or len(graph[1].list_outputs()) == 1:
+            super().export(path, epoch, remove_amp_cast)  # also raises when nothing was built
+            return
+        self._cached_graph = (graph[0], graph[1][0])
+        try:
+            super().export(path, epoch, remove_amp_cast)
+        finally:
+            self._cached_graph = graph
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Calls the core with arrays (imperative) or Symbols (building the hybridized graph)."""
@@ -552,23 +565,17 @@ class RelativeMultiHeadAttention(_Attention):
         return {**config, **_path_config(self)}
 
 
-class PositionalEncoding(Layer):
-    """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
+class _SinusoidalTable(Layer):
+    """A layer holding the sinusoidal table ``P`` ``(1, max_len, num_hiddens)``, a Gluon ``Constant``.
 
-    ``P`` is a Gluon ``Constant`` (no gradient, not in the canonical weights); like every
-    parameter it exists after ``initialize()``.
-
-    Args:
-        num_hiddens: Width of the encoding.
-        dropout: Dropout rate on the sum in training.
-        max_len: Number of positions in the table.
-        **kwargs: See :class:`Layer`.
+    ``P`` has no gradient and is not one of the canonical weights; its value stays float64, so
+    the table is rounded once to the parameter dtype (also after ``cast()``).
     """
 
-    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000,
-                 **kwargs: Any) -> None:
-        super().__init__(dropout, **kwargs)
-        self.num_hiddens, self.max_len = num_hiddens, max_len
+    max_len: int
+    num_hiddens: int
+
+    def _register_table(self, max_len: int, num_hiddens: int) -> None:
         table = positional.sinusoidal_encoding(max_len, num_hiddens, "float64")[None]
         constant = self.params.get_constant("P", mx.np.array(table, dtype="float64"))
         constant.cast(self._param_dtype)  # its value stays float64: the table is rounded once
@@ -586,6 +593,26 @@ class PositionalEncoding(Layer):
         table = self._reg_params["P"]
         if _has_data(table):
             table.set_data(table.value.astype(table.dtype))
+
+
+class PositionalEncoding(_SinusoidalTable):
+    """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
+
+    ``P`` is a Gluon ``Constant`` (no gradient, not in the canonical weights); like every
+    parameter it exists after ``initialize()``.
+
+    Args:
+        num_hiddens: Width of the encoding.
+        dropout: Dropout rate on the sum in training.
+        max_len: Number of positions in the table.
+        **kwargs: See :class:`Layer`.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0,
+                 max_len: int = positional.DEFAULT_MAX_LEN, **kwargs: Any) -> None:
+        super().__init__(dropout, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self._register_table(max_len, num_hiddens)
 
     def __call__(self, X: Any) -> Any:
         """Returns ``dropout(X + P[:, :T])`` for ``X`` of shape ``(B, T, num_hiddens)``."""
@@ -771,7 +798,7 @@ class TransformerEncoderBlock(Layer):
                 **_path_config(self)}
 
 
-class TransformerEncoder(Layer):
+class TransformerEncoder(_SinusoidalTable):
     """The Transformer encoder: scaled token embedding, sinusoidal encoding, ``num_blks`` blocks.
 
     ``X = dropout(E[tokens] * sqrt(h) + P)``, then every :class:`TransformerEncoderBlock` in
@@ -791,6 +818,9 @@ class TransformerEncoder(Layer):
             None when False); when False, calls pool by ``implementation``.
         implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
             not form the weights pool (None lets the core choose).
+        max_len: Rows of the sinusoidal table ``P``, the longest sequence the encoder takes.
+            ``P`` is a Gluon ``Constant`` of the graph (as in :class:`PositionalEncoding`) but
+            stays out of ``save_parameters`` files, which hold the canonical weights only.
         **kwargs: See :class:`Layer`.
     """
 
@@ -808,6 +838,7 @@ class TransformerEncoder(Layer):
         *,
         keep_attention_weights: bool = True,
         implementation: str | None = None,
+        max_len: int = positional.DEFAULT_MAX_LEN,
         **kwargs: Any,
     ) -> None:
         W.transformer_encoder_spec(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks)
@@ -817,8 +848,15 @@ class TransformerEncoder(Layer):
         self.keep_attention_weights = bool(keep_attention_weights)
         self.implementation = checks.check_implementation(implementation)
         self.attention_weights = [None] * num_blks
-        self._table: tuple[Any, Any] | None = None
         self._declare()
+        self.max_len = max_len
+        self._register_table(max_len, num_hiddens)
+
+    def _collect_params_with_prefix(self, prefix: str = "") -> dict[str, Parameter]:
+        """What ``save_parameters``/``load_parameters`` see: the weights, not the constant ``P``."""
+        params: dict[str, Parameter] = super()._collect_params_with_prefix(prefix)
+        params.pop(f"{prefix}.P" if prefix else "P", None)
+        return params
 
     def _spec(self, dims: Mapping[str, int | None]) -> W.Spec:
         return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
@@ -839,6 +877,9 @@ class TransformerEncoder(Layer):
         return out
 
     def _check_inputs(self, arrays: list[Any]) -> dict[str, int]:
+        table = self._reg_params["P"]
+        if not _has_data(table):  # weights from load_parameters, without initialize()
+            table.initialize(ctx=arrays[0].ctx)
         if self._active:  # a built graph skips the core's value checks; check the ids here
             probe = mx.np.zeros((self.vocab_size, 1), ctx=arrays[0].ctx)
             transformer.embed_tokens(arrays[0], probe, ops=OPS)
@@ -846,7 +887,10 @@ class TransformerEncoder(Layer):
 
     def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
                  options: Mapping[str, Any]) -> Any:
-        tokens, valid_lens, mask, table = arrays
+        tokens, valid_lens, mask = arrays
+        table = weights.get("P")
+        if table is None:  # a first call passes only the canonical weights
+            table = self.P
         need = options["weights"]
         return transformer.transformer_encoder(
             tokens, weights, self.num_heads, valid_lens, mask=mask, dropout=self.dropout,
@@ -854,23 +898,12 @@ class TransformerEncoder(Layer):
             positions=table, ops=ops,
         )
 
-    def _constant_inputs(self, arrays: list[Any]) -> list[Any]:
-        """The sinusoidal table for the call's length, in float64 (the core rounds it once).
-
-        Made once per length and context; the tokens' shape is checked first, as the core does.
-        """
-        tokens = arrays[0]
-        steps = checks.check_rank(OPS, "tokens", tokens, (2,), "(B, T) token ids")[1]
-        if self._table is None or self._table[0] != (steps, tokens.ctx):
-            table = positional.sinusoidal_encoding(steps, self.num_hiddens, "float64")
-            self._table = ((steps, tokens.ctx), mx.np.array(table[None], dtype="float64", ctx=tokens.ctx))
-        return [self._table[1]]
-
     def _config(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "num_hiddens": self.num_hiddens,
                 "ffn_num_hiddens": self.ffn_num_hiddens, "num_heads": self.num_heads,
                 "num_blks": self.num_blks, "dropout": self.dropout, "bias": self.bias,
-                **_path_config(self)}
+                **_path_config(self),
+                **({} if self.max_len == positional.DEFAULT_MAX_LEN else {"max_len": self.max_len})}
 
 
 class NadarayaWatson(Layer):

@@ -280,7 +280,8 @@ class PositionalEncoding(Layer):
     """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input."""
 
     def __init__(
-        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, **kwargs: Any
+        self, num_hiddens: int, dropout: float = 0.0, max_len: int = positional.DEFAULT_MAX_LEN,
+        **kwargs: Any,
     ):
         super().__init__(dropout, **kwargs)
         self.num_hiddens, self.max_len = num_hiddens, max_len
@@ -423,13 +424,16 @@ class TransformerEncoder(Layer):
         keep_attention_weights: Keep each block's self-attention weights, in
             ``attention_weights`` (a list, one ``(B, H, T, T)`` array per block).
         implementation: See :class:`DotProductAttention`.
+        max_len: Rows of the sinusoidal table ``P`` ``(1, max_len, h)``, the longest sequence
+            the encoder takes.
         **kwargs: ``seed``, ``dtype``.
     """
 
     def __init__(
         self, vocab_size: int, num_hiddens: int, ffn_num_hiddens: int, num_heads: int,
         num_blks: int, dropout: float = 0.0, bias: bool = False, *,
-        keep_attention_weights: bool = True, implementation: str | None = None, **kwargs: Any,
+        keep_attention_weights: bool = True, implementation: str | None = None,
+        max_len: int = positional.DEFAULT_MAX_LEN, **kwargs: Any,
     ):
         self.implementation = checks.check_implementation(implementation)
         super().__init__(dropout, **kwargs)
@@ -438,6 +442,8 @@ class TransformerEncoder(Layer):
         self.num_heads, self.num_blks, self.bias = num_heads, num_blks, bool(bias)
         self._weights = W.init_weights(self.spec(), self._rng, self.dtype)
         self.attention_weights: list[np.ndarray | None] = [None] * num_blks  # type: ignore[assignment]
+        self.max_len = max_len
+        self.P = positional.sinusoidal_encoding(max_len, num_hiddens, self.dtype)[None]
 
     def spec(self) -> W.Spec:
         return W.transformer_encoder_spec(
@@ -454,7 +460,7 @@ class TransformerEncoder(Layer):
         result: Any = transformer.transformer_encoder(
             tokens, self._weights, self.num_heads, valid_lens, mask=mask,
             dropout=self._rate(training), return_weights=need,
-            implementation=self.implementation, ops=self._ops,
+            implementation=self.implementation, positions=self.P, ops=self._ops,
         )
         out, weights = result if need else (result, [None] * self.num_blks)
         self.attention_weights = list(weights)

@@ -41,7 +41,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import attention, checks, masks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import PlainArguments
 from backends.tensorflow.ops import OPS, TensorFlowOps
@@ -89,6 +89,7 @@ class Layer(PlainArguments, keras.layers.Layer):
         if getattr(self, "autocast", False) and self.dtype_policy.name == "float32" and not self.spec():
             self.autocast = False
         fresh = not self.built
+        kwargs = self._with_padding_masks(args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
         except BaseException as err:
@@ -98,6 +99,33 @@ class Layer(PlainArguments, keras.layers.Layer):
             if original is err:
                 raise
         raise original  # outside the except block: the original's own context is kept
+
+    #: The call arguments whose Keras padding masks this layer honours: each gets a keyword
+    #: argument ``<name>_mask`` (Keras' naming, as in ``keras.layers.MultiHeadAttention``).
+    _padded_inputs: tuple[str, ...] = ()
+
+    def _with_padding_masks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Moves the inputs' Keras padding masks (``_keras_mask``) into ``<name>_mask`` arguments.
+
+        Keras hands the padding mask of a layer's only tensor argument to the call argument
+        named ``mask``, which here is the attention mask (DESIGN section 4). Giving the padding
+        masks their own arguments first keeps them apart: Keras then fills nothing, and a
+        ``mask`` the caller gave stays the attention mask.
+        """
+        if not self._padded_inputs or all(
+            getattr(value, "_keras_mask", None) is None for value in (*args, *kwargs.values())
+        ):
+            return kwargs  # the common case, decided without binding the arguments
+        try:
+            bound = self._call_signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return kwargs  # Keras raises its own error for a call that does not bind
+        found = {}
+        for name in self._padded_inputs:
+            padding = getattr(bound.get(name), "_keras_mask", None)
+            if padding is not None and bound.get(f"{name}_mask") is None:
+                found[f"{name}_mask"] = padding
+        return {**kwargs, **found} if found else kwargs
 
     def _create(self, **dims: int | None) -> None:
         """Creates every weight of the spec for the given input sizes (initial values from the core)."""
@@ -203,14 +231,13 @@ class Layer(PlainArguments, keras.layers.Layer):
         """Keras' list form: sets ``layer.weights`` in order (see :meth:`get_weight_list`)."""
         keras.layers.Layer.set_weights(self, weights)
 
-    def compute_mask(self, inputs: Any, previous_mask: Any = None) -> None:
-        """Returns None: Keras padding masks are not propagated.
+    def compute_mask(self, inputs: Any, previous_mask: Any = None) -> Any:
+        """The output's Keras padding mask: the first input's (``(B, T)``), as Keras' MHA does.
 
-        The ``mask`` call argument of these layers is an attention mask (DESIGN section 4),
-        not a Keras padding mask; returning None also keeps Keras from attaching it to the
-        output.
+        ``previous_mask`` is ignored: Keras sets it to the ``mask`` call argument when one is
+        given, which here is an attention mask (DESIGN section 4), not a padding mask.
         """
-        return None
+        return getattr(inputs, "_keras_mask", None)
 
 
 def _unwrap_call_error(err: BaseException) -> BaseException:
@@ -245,6 +272,12 @@ def _constant(value: np.ndarray) -> Any:
     return lambda shape, dtype=None: tf.cast(value, dtype or "float32")
 
 
+def _scores_shape(ops: TensorFlowOps, queries: Any, keys: Any) -> tuple[Any, ...]:
+    """``(B, None, Q, K)`` of the scores of ``queries`` and ``keys`` (for the padding masks)."""
+    q_shape, k_shape = ops.shape(queries), ops.shape(keys)
+    return (q_shape[0], None, q_shape[-2], k_shape[-2])
+
+
 class _Attention(Layer):
     """Shared call of the attention layers: checks, the core, ``attention_weights``."""
 
@@ -257,6 +290,8 @@ class _Attention(Layer):
         """Sets the two pooling options of the layers that have them."""
         self.keep_attention_weights = bool(keep_attention_weights)
         self.implementation = checks.check_implementation(implementation)
+
+    _padded_inputs = ("queries", "keys", "values")
 
     def _attend(self, queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -272,7 +307,23 @@ class _Attention(Layer):
         causal: bool = False,
         return_attention: bool = False,
         training: bool | None = None,
+        queries_mask: Any = None,
+        keys_mask: Any = None,
+        values_mask: Any = None,
     ) -> Any:
+        """Attends; ``<input>_mask`` are Keras padding masks, filled in from ``_keras_mask``.
+
+        ``queries_mask`` ``(B, Q)`` and ``keys_mask``/``values_mask`` ``(B, K)`` (True = a real
+        position) are ANDed with ``valid_lens``, ``mask`` and ``causal``; see
+        :func:`attention_core.masks.with_padding`.
+        """
+        if keys_mask is None or values_mask is None:
+            keys_mask = values_mask if keys_mask is None else keys_mask
+        else:
+            keys_mask = self._ops.logical_and(keys_mask, values_mask)
+        mask = masks.with_padding(
+            self._ops, mask, _scores_shape(self._ops, queries, keys), queries_mask, keys_mask
+        )
         need = return_attention or self.keep_attention_weights
         result = self._attend(
             queries, keys, values, valid_lens=valid_lens, mask=mask, causal=causal,
@@ -617,13 +668,20 @@ class TransformerEncoderBlock(Layer):
             self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.bias
         )
 
+    _padded_inputs = ("X",)
+
     def call(
-        self, X: Any, valid_lens: Any = None, *, mask: Any = None, training: bool | None = None
+        self, X: Any, valid_lens: Any = None, *, mask: Any = None, training: bool | None = None,
+        X_mask: Any = None,
     ) -> Any:
-        if mask is not None and mask is getattr(X, "_keras_mask", None):
-            mask = None  # Keras filled in X's padding mask; `mask` is an attention mask
+        """Runs the block; ``X_mask`` ``(B, T)`` is X's Keras padding mask (True = real position).
+
+        Keras fills ``X_mask`` in from ``X._keras_mask``; padded positions are hidden as keys
+        and their rows are 0 in the attention (ANDed with ``valid_lens`` and ``mask``).
+        """
         checks.check_rank(self._ops, "X", X, (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(self._ops, "X", X, self.num_hiddens)
+        mask = masks.with_padding(self._ops, mask, _scores_shape(self._ops, X, X), X_mask, X_mask)
         need = self.keep_attention_weights
         result = transformer.transformer_encoder_block(
             X, self._tensors(), self.num_heads, valid_lens, mask=mask,
@@ -665,9 +723,14 @@ class TransformerEncoder(Layer):
             ``attention_weights``; when False, calls pool by ``implementation``.
         implementation: None, ``"direct"``, ``"blockwise"`` or ``"fused"``: how calls that do
             not form the weights pool (None lets the core choose).
+        max_len: Rows of the sinusoidal table ``P``: the longest sequence the encoder takes.
+            Calls slice it to their length, which may be unknown until run time
+            (``keras.Input((None,))``, ``tf.function`` with ``TensorSpec((None, None))``).
         **kwargs: Passed to ``keras.layers.Layer``.
 
     Attributes:
+        P: The sinusoidal table ``(1, max_len, h)``, a constant in the compute dtype (not a
+            weight).
         attention_weights: A list with one entry per block: that block's self-attention
             weights ``(B, H, T, T)`` of the last call, before dropout (None entries when the
             weights are not kept).
@@ -685,6 +748,7 @@ class TransformerEncoder(Layer):
         *,
         keep_attention_weights: bool = True,
         implementation: str | None = None,
+        max_len: int = positional.DEFAULT_MAX_LEN,
         **kwargs: Any,
     ) -> None:
         implementation = checks.check_implementation(implementation)
@@ -696,6 +760,8 @@ class TransformerEncoder(Layer):
         self._create()
         self.built = True
         self.attention_weights: list[tf.Tensor | None] = [None] * num_blks
+        table = positional.sinusoidal_encoding(max_len, num_hiddens, "float64")[None]
+        self.max_len, self.P = max_len, tf.cast(table, self.compute_dtype)
 
     def spec(self) -> W.Spec:
         return W.transformer_encoder_spec(
@@ -703,16 +769,27 @@ class TransformerEncoder(Layer):
             self.num_blks, self.bias,
         )
 
+    _padded_inputs = ("tokens",)
+
     def call(
-        self, tokens: Any, valid_lens: Any = None, *, mask: Any = None, training: bool | None = None
+        self, tokens: Any, valid_lens: Any = None, *, mask: Any = None,
+        training: bool | None = None, tokens_mask: Any = None,
     ) -> Any:
-        if mask is not None and mask is getattr(tokens, "_keras_mask", None):
-            mask = None  # Keras filled in the tokens' padding mask; `mask` is an attention mask
+        """Encodes; ``tokens_mask`` ``(B, T)`` is the tokens' Keras padding mask, if they have one.
+
+        Keras fills ``tokens_mask`` in from ``tokens._keras_mask``; it is ANDed into every
+        block's self-attention mask as in :class:`TransformerEncoderBlock`.
+        """
+        if tokens_mask is not None:
+            shape = checks.check_rank(self._ops, "tokens", tokens, (2,), "(B, T) token ids")
+            scores = (shape[0], None, shape[1], shape[1])
+            mask = masks.with_padding(self._ops, mask, scores, tokens_mask, tokens_mask)
         need = self.keep_attention_weights
         result = transformer.transformer_encoder(
             tokens, self._tensors(), self.num_heads, valid_lens, mask=mask,
             dropout=self._rate(training), return_weights=need,
-            implementation=None if need else self.implementation, ops=self._ops,
+            implementation=None if need else self.implementation, positions=self.P,
+            ops=self._ops,
         )
         out, weights = result if need else (result, [None] * self.num_blks)
         self.attention_weights = list(weights)
@@ -724,7 +801,7 @@ class TransformerEncoder(Layer):
                 "num_heads": self.num_heads, "num_blks": self.num_blks,
                 "dropout": self.dropout, "bias": self.bias,
                 "keep_attention_weights": self.keep_attention_weights,
-                "implementation": self.implementation}
+                "implementation": self.implementation, "max_len": self.max_len}
 
 
 @_serializable

@@ -571,7 +571,36 @@ class RelativeMultiHeadAttention(Layer):
                 f"bias={self.bias}, relative_values={self.relative_values}")
 
 
-class PositionalEncoding(Layer):
+class _SinusoidalTable(Layer):
+    """A layer holding the sinusoidal table ``P`` as a non-persistent buffer.
+
+    ``P`` ``(1, max_len, num_hiddens)`` follows ``.to()`` like any buffer and stays out of
+    ``state_dict``. Changing its dtype recomputes it from the float64 table, so ``.double()``
+    gives the exact table.
+    """
+
+    P: Tensor
+    max_len: int
+    num_hiddens: int
+
+    def _register_table(
+        self, table: np.ndarray, device: torch.device | str | None, dtype: torch.dtype | None
+    ) -> None:
+        """Holds the float64 ``table`` ``(max_len, num_hiddens)`` as ``P``, in ``dtype``."""
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer(
+            "P", torch.from_numpy(table[None]).to(device=device, dtype=dtype), persistent=False
+        )
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _SinusoidalTable:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.P.is_floating_point():  # a cast from float32 to float64 would keep float32 digits
+            table = positional.sinusoidal_encoding(self.max_len, self.num_hiddens, "float64")
+            self.P = torch.from_numpy(table[None]).to(device=self.P.device, dtype=self.P.dtype)
+        return self
+
+
+class PositionalEncoding(_SinusoidalTable):
     """Adds the sinusoidal table ``P`` (a non-persistent buffer ``(1, max_len, num_hiddens)``).
 
     ``P`` follows ``.to()`` like any buffer and stays out of ``state_dict``. Changing its
@@ -585,29 +614,19 @@ class PositionalEncoding(Layer):
         dtype: Dtype of ``P``.
     """
 
-    P: Tensor
-
     def __init__(
         self,
         num_hiddens: int,
         dropout: float = 0.0,
-        max_len: int = 1000,
+        max_len: int = positional.DEFAULT_MAX_LEN,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        table = torch.from_numpy(positional.sinusoidal_encoding(max_len, num_hiddens, "float64"))
+        table = positional.sinusoidal_encoding(max_len, num_hiddens, "float64")
         super().__init__(dropout, device=device, dtype=dtype)
         self.num_hiddens, self.max_len = num_hiddens, max_len
-        dtype = dtype or torch.get_default_dtype()
-        self.register_buffer("P", table[None].to(device=device, dtype=dtype), persistent=False)
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PositionalEncoding:
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.P.is_floating_point():  # a cast from float32 to float64 would keep float32 digits
-            table = positional.sinusoidal_encoding(self.max_len, self.num_hiddens, "float64")
-            self.P = torch.from_numpy(table[None]).to(device=self.P.device, dtype=self.P.dtype)
-        return self
+        self._register_table(table, device, dtype)
 
     def forward(self, X: Tensor) -> Tensor:
         """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
@@ -807,7 +826,7 @@ class TransformerEncoderBlock(Layer):
                 f"num_heads={self.num_heads}, dropout={self.dropout}, bias={self.bias}")
 
 
-class TransformerEncoder(Layer):
+class TransformerEncoder(_SinusoidalTable):
     """The Transformer encoder: token embedding scaled by sqrt(h), sinusoidal positions, blocks.
 
     Its parts are ``token`` (holding ``embedding (vocab_size, h)``) and ``blks``, a
@@ -830,6 +849,10 @@ class TransformerEncoder(Layer):
         implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
             ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
             core choose (fused on torch).
+        max_len: Rows of the sinusoidal table ``P`` (a non-persistent buffer, as in
+            :class:`PositionalEncoding`): the longest sequence the encoder takes. Calls slice
+            it to their length, which may be symbolic (``torch.export`` with a ``Dim``,
+            ``torch.onnx.export`` with a dynamic axis).
         device: Device of the parameters.
         dtype: Dtype of the parameters.
     """
@@ -846,6 +869,7 @@ class TransformerEncoder(Layer):
         *,
         keep_attention_weights: bool = True,
         implementation: str | None = None,
+        max_len: int = positional.DEFAULT_MAX_LEN,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -866,6 +890,10 @@ class TransformerEncoder(Layer):
         )
         self.attention_weights: list[Tensor | None] = [None] * num_blks  # type: ignore[assignment]
         self.reset_parameters()
+        self.max_len = max_len
+        self._register_table(
+            positional.sinusoidal_encoding(max_len, num_hiddens, "float64"), device, dtype
+        )
 
     def spec(self) -> W.Spec:
         return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
@@ -877,7 +905,7 @@ class TransformerEncoder(Layer):
         need = self.keep_attention_weights
         result: Any = transformer.transformer_encoder(
             tokens, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
-            return_weights=need, implementation=self.implementation, ops=ops,
+            return_weights=need, implementation=self.implementation, positions=self.P, ops=ops,
         )
         out, weights = result if need else (result, [None] * self.num_blks)
         for block, attn in zip(self.blks, weights, strict=True):
@@ -888,7 +916,8 @@ class TransformerEncoder(Layer):
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, num_hiddens={self.num_hiddens}, "
                 f"ffn_num_hiddens={self.ffn_num_hiddens}, num_heads={self.num_heads}, "
-                f"num_blks={self.num_blks}, dropout={self.dropout}, bias={self.bias}")
+                f"num_blks={self.num_blks}, dropout={self.dropout}, bias={self.bias}, "
+                f"max_len={self.max_len}")
 
 
 class NadarayaWatson(Layer):

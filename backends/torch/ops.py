@@ -113,8 +113,6 @@ class TorchOps:
         return torch.arange(n, dtype=torch.int32, device=self.device)
 
     def take(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if indices.dtype not in (torch.int32, torch.int64):  # F.embedding takes only these
-            indices = indices.long()
         return F.embedding(indices, table)
 
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
