@@ -334,11 +334,12 @@ def with_padding(
                                   ("keys_mask", keys_mask, K, 1)):
         if pad is None:
             continue
-        dtype = _dtype_name(ops, pad)
+        host = None if _own(ops, pad) else host_array(pad)  # read as given, before converting
+        dtype = ops.dtype_name(pad) if host is None else host.dtype.name
         if dtype != "bool":
             raise TypeError(f"{name} must be a boolean padding mask (True = real position), "
                             f"got {dtype}")
-        pad = as_backend_array(ops, pad)
+        pad = pad if host is None else ops.from_numpy(host)
         shape = ops.shape(pad)
         if not _fits(shape, (B, size), broadcast=False):
             raise ValueError(f"{name} must have shape {fmt_shape((B, size))}, got {fmt_shape(shape)}")
