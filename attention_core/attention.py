@@ -444,11 +444,15 @@ def check_projected_inputs(ops: Ops, queries: Array, keys: Array, values: Array)
         checks.check_floating(ops, name, x)
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
     checks.check_equal(
-        f"keys and values must have the same length, got {k[1]} keys and {v[1]} values", k[1], v[1]
+        lambda: f"keys and values must have the same length, got {k[1]} keys and {v[1]} values",
+        k[1],
+        v[1],
     )
     for name, s in (("keys", k), ("values", v)):
         checks.check_equal(
-            f"{name} batch size ({s[0]}) must equal queries batch size ({q[0]})", s[0], q[0]
+            lambda: f"{name} batch size ({s[0]}) must equal queries batch size ({q[0]})",
+            s[0],
+            q[0],
         )
 
 
@@ -483,14 +487,16 @@ def nadaraya_watson(
     k, v = ops.shape(keys), ops.shape(values)
     for i, axis in enumerate(("batch", "length")[2 - len(q) :]):
         checks.check_equal(
-            f"keys and values must have the same shape, got {checks.fmt_shape(k)} and "
+            lambda: f"keys and values must have the same shape, got {checks.fmt_shape(k)} and "
             f"{checks.fmt_shape(v)}",
             k[i],
             v[i],
         )
         if axis == "batch":
             checks.check_equal(
-                f"keys batch size ({k[0]}) must equal queries batch size ({q[0]})", k[0], q[0]
+                lambda: f"keys batch size ({k[0]}) must equal queries batch size ({q[0]})",
+                k[0],
+                q[0],
             )
     batched = [x if len(q) == 2 else ops.expand_dims(x, 0) for x in (queries, keys, values)]
     diff = ops.expand_dims(batched[0], -1) - ops.expand_dims(batched[1], 1)  # (B, Q, K)

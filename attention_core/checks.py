@@ -8,7 +8,7 @@ int, under tracing) are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attention_core.ops import FLOAT_DTYPES, Array, Ops
@@ -109,10 +109,15 @@ def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> No
             raise TypeError(f"{name} dtype ({got}) must match {ref_name} dtype ({want})")
 
 
-def check_equal(what: str, a: Any, b: Any) -> None:
-    """Raises ``ValueError(what)`` when two known dimensions differ."""
+def check_equal(what: str | Callable[[], str], a: Any, b: Any) -> None:
+    """Raises ``ValueError`` with the message ``what`` when two known dimensions differ.
+
+    ``what`` may be a function making the message, called only on failure: a message that
+    names a dimension must be made that way, since formatting a symbolic dimension (a length
+    under ``torch.compile(dynamic=True)``) fixes it to its value and the trace to that length.
+    """
     if _known(a) and _known(b) and a != b:
-        raise ValueError(what)
+        raise ValueError(what if isinstance(what, str) else what())
 
 
 def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
@@ -124,23 +129,25 @@ def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         check_floating(ops, name, x)
     check_same_dtype(ops, "queries", queries, keys=keys, values=values)
-    check_equal(f"queries depth ({q[-1]}) must equal keys depth ({k[-1]})", q[-1], k[-1])
+    check_equal(lambda: f"queries depth ({q[-1]}) must equal keys depth ({k[-1]})", q[-1], k[-1])
     check_equal(
-        f"keys and values must have the same length, got {k[-2]} keys and {v[-2]} values",
+        lambda: f"keys and values must have the same length, got {k[-2]} keys and {v[-2]} values",
         k[-2],
         v[-2],
     )
     for i, axis in enumerate(("batch", "heads")[: len(q) - 2]):
         for name, s in (("keys", k), ("values", v)):
             check_equal(
-                f"{name} {axis} size ({s[i]}) must equal queries {axis} size ({q[i]})", s[i], q[i]
+                lambda: f"{name} {axis} size ({s[i]}) must equal queries {axis} size ({q[i]})",
+                s[i],
+                q[i],
             )
 
 
 def check_last_dim(ops: Ops, name: str, x: Array, expected: int) -> None:
     """Checks the size of the last axis (e.g. the model width a layer was built for)."""
     got = ops.shape(x)[-1]
-    check_equal(f"{name} last dimension ({got}) must be {expected}", got, expected)
+    check_equal(lambda: f"{name} last dimension ({got}) must be {expected}", got, expected)
 
 
 def check_built_size(arg: str, size: Any, built: int | None) -> None:
