@@ -85,7 +85,7 @@ def blockwise_attention(
     """
     B, H, Q, _ = ops.shape(queries)
     K = ops.shape(keys)[2]
-    batch_heads = math.prod(d if isinstance(d, int) else 1 for d in (B, H))  # unknown: 1
+    batch_heads = math.prod([d if isinstance(d, int) else 1 for d in (B, H)])  # unknown: 1
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
     fill = FILL_VALUE[ops.dtype_name(queries)]
@@ -137,7 +137,7 @@ def _fold_blocks(
 
     Full blocks run in the backend's loop (``ops.fold``) when it has one; the tail in Python.
     """
-    full, tail = divmod(total - start, size)
+    full, tail = (total - start) // size, (total - start) % size  # (divmod: not on SymInts)
     fold = getattr(ops, "fold", None)
     if fold is not None and full > 1:
         carry = fold(lambda i, c: step(c, start + i * size, size), carry, full)
@@ -152,7 +152,7 @@ def _map_blocks(ops: Ops, fn: Callable[[Any, int], Array], total: int, size: int
 
     Full blocks run in the backend's loop (``ops.map_concat``) when it has one; the tail in Python.
     """
-    full, tail = divmod(total, size)
+    full, tail = total // size, total % size  # (divmod: not on SymInts)
     map_concat = getattr(ops, "map_concat", None)
     if map_concat is not None and full > 1:
         parts = [map_concat(lambda i: fn(i * size, size), full, axis)]

@@ -43,6 +43,10 @@ def add_norm(
 ) -> Array:
     """Residual connection then layer normalisation: ``LayerNorm(dropout(Y) + X)``.
 
+    ``X`` and ``Y`` must have the same dtype, except under mixed precision
+    (``ops.mixes_dtypes``, e.g. ``torch.autocast``), where the sum takes the wider one; a
+    float16 or bfloat16 sum is then normalised in float32 and the result cast back.
+
     Args:
         X: The residual input, ``(B, T, h)``.
         Y: The sublayer's output, same shape.
@@ -64,7 +68,13 @@ def add_norm(
         )
     dropout = checks.check_dropout(dropout)
     Y = ops.dropout(Y, dropout) if dropout > 0 else Y
-    return layer_norm(ops, X + Y, weights["ln.gamma"], weights["ln.beta"])
+    total = X + Y  # under mixed precision, in the wider dtype by the framework's promotion
+    gamma, beta = weights["ln.gamma"], weights["ln.beta"]
+    dtype = ops.dtype_name(total)
+    if getattr(ops, "mixes_dtypes", False) and dtype in ("float16", "bfloat16"):
+        # as torch's layer_norm under autocast: statistics in float32, the result in the input's dtype
+        return ops.astype(layer_norm(ops, ops.astype(total, "float32"), gamma, beta), dtype)
+    return layer_norm(ops, total, gamma, beta)
 
 
 def transformer_encoder_block(

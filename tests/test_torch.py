@@ -25,7 +25,7 @@ import backends.numpy as numpy_layers
 import backends.torch as torch_layers
 from backends.torch import OPS, TorchOps
 from tests import naive
-from tests.harness import TOLERANCE, Harness, max_diff
+from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, Harness, max_diff, tolerance
 from tests.reference.cases import CASES, INTEGER_INPUTS, MASK_KINDS, Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
@@ -662,3 +662,98 @@ def test_new_layers_trace_without_graph_breaks(keep: bool) -> None:
     encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep)
     explained = torch._dynamo.explain(encoder)(tokens([1, 2, 3], [4, 5, 6]), torch.tensor([3, 1]))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+# -- torch.autocast -------------------------------------------------------------------------
+
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_cases() -> list[Any]:
+    """One gradient case per layer and mask kind (no edge-shape variants), fused where possible."""
+    return [pytest.param(c, id=key(c)) for c in gradient_cases() if "-" not in c.name
+            or c.layer in ("PositionalEncoding", "NadarayaWatson")]
+
+
+@pytest.mark.parametrize("dtype", list(AUTOCAST))
+@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
+@pytest.mark.parametrize("case", autocast_cases())
+def test_every_layer_under_autocast_matches_reference(case: Case, keep: bool, dtype: str) -> None:
+    """A float32 layer under ``torch.autocast("cpu", dtype)``, forward and backward: outputs
+    and gradients within the autocast dtype's tolerance of the float64 files (the encoder's
+    gradients finite only, tests/harness.py), the gradients in float32 like the parameters."""
+    if not keep and case.layer not in FUSABLE:
+        pytest.skip("no fused path")
+    options = {} if case.layer not in FUSABLE else {"keep_attention_weights": keep}
+    layer = build(case, "float32", **options)
+    inputs, _, call = case_data(case)
+    ref = load_gradients()[key(case)]
+    leaves = [torch.tensor(x) if x.dtype.kind in "iu"
+              else torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in inputs]
+    kwargs = {k: (v if k == "causal" else torch.from_numpy(v)) for k, v in call.items()}
+    with torch.autocast("cpu", dtype=AUTOCAST[dtype]):
+        out = layer(*leaves, **kwargs)
+        loss = (out.float() * torch.from_numpy(ref["cotangent"]).float()).sum()
+    loss.backward()
+    _, _, _, record_ = reference(case, "float32")
+    assert max_diff(out_of(out), record_["output.out"]) <= TOLERANCE[dtype]
+    grads = {f"input.{i}": x.grad for i, x in enumerate(leaves) if x.is_floating_point()}
+    grads.update({f"weight.{n}": p.grad for n, p in layer.named_parameters()})
+    for name, grad in grads.items():
+        assert grad is not None and grad.dtype == torch.float32, name
+        assert torch.isfinite(grad).all(), name
+        if case.layer not in LOW_PRECISION_UNBOUNDED_GRADIENTS:
+            bound = tolerance("grad." + name, dtype, ref[name])
+            assert max_diff(grad.double().numpy(), ref[name]) <= bound, name
+
+
+@pytest.mark.parametrize("dtype", list(AUTOCAST))
+@pytest.mark.parametrize("input_dtype", ["float32", "bfloat16"])
+def test_autocast_output_dtypes_are_torchs(dtype: str, input_dtype: str) -> None:
+    """Under autocast the block gives the dtype ``nn.TransformerEncoderLayer`` gives, and the
+    projections the dtype of ``nn.Linear`` / ``nn.MultiheadAttention`` (the autocast dtype)."""
+    X = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(3)).to(DTYPES[input_dtype])
+    block = torch_layers.TransformerEncoderBlock(12, 20, 3, bias=True)
+    mha = torch_layers.MultiHeadAttention(12, 3, bias=True, keep_attention_weights=False)
+    ffn = torch_layers.PositionWiseFFN(20, 12, d_in=12)
+    ours = torch.nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=True)
+    theirs = torch.nn.MultiheadAttention(12, 3, batch_first=True)
+    with torch.autocast("cpu", dtype=AUTOCAST[dtype]):
+        assert block(X).dtype == ours(X).dtype
+        assert mha(X, X, X).dtype == theirs(X, X, X)[0].dtype == AUTOCAST[dtype]
+        assert ffn(X).dtype == torch.nn.Linear(12, 20)(X).dtype == AUTOCAST[dtype]
+        wider = torch.promote_types(X.dtype, AUTOCAST[dtype])  # torch's promotion, as in X + Y
+        assert torch_layers.AddNorm(12)(X, X.to(AUTOCAST[dtype])).dtype == wider
+
+
+@pytest.mark.parametrize("dtype", list(AUTOCAST))
+def test_encoder_training_step_under_autocast(dtype: str) -> None:
+    """loss.backward and an optimizer step under autocast: float32 gradients within the autocast
+    dtype's reach of the float32 ones, every parameter moved, the loss lower after a few steps."""
+    def losses_and_grads(autocast: bool, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2)
+        ids = tokens([1, 3, 3, 7, 2], [4, 1, 7, 7, 0])
+        target = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(1))
+        optimizer = torch.optim.Adam(encoder.parameters(), lr=1e-2)
+        losses, first = [], {}
+        for step in range(steps):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=AUTOCAST[dtype], enabled=autocast):
+                loss = ((encoder(ids, torch.tensor([5, 3])) - target) ** 2).mean()
+            loss.backward()
+            if step == 0:
+                first = {n: p.grad.clone() for n, p in encoder.named_parameters()}
+            before = {n: p.detach().clone() for n, p in encoder.named_parameters()}
+            optimizer.step()
+            assert all(not torch.equal(p, before[n]) for n, p in encoder.named_parameters())
+            losses.append(loss.item())
+        return losses, first
+
+    mixed, grads = losses_and_grads(True, 5)
+    _, exact = losses_and_grads(False, 1)
+    assert mixed[-1] < mixed[0]
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and torch.isfinite(grad).all(), name
+        scale = max(1.0, float(exact[name].abs().max()))
+        assert float((grad - exact[name]).abs().max()) <= 4 * TOLERANCE[dtype] * scale, name

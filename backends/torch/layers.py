@@ -275,9 +275,11 @@ class Layer(nn.Module):
         """Checks that an input is real floating point and has the parameters' dtype.
 
         The first check gives the message of every backend; the second is torch's own (torch
-        does not mix dtypes).
+        does not mix dtypes), skipped under ``torch.autocast``, whose dtype then governs.
         """
         checks.check_floating(OPS, name, x)
+        if _ops(x).mixes_dtypes:  # under torch.autocast, which casts the inputs itself
+            return
         param = next(self.parameters(), None)
         if param is not None and x.dtype != param.dtype:
             got, want = OPS.dtype_name(x), OPS.dtype_name(param)

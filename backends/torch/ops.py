@@ -22,6 +22,17 @@ class TorchOps:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = None if device is None else torch.device(device)
 
+    @property
+    def mixes_dtypes(self) -> bool:
+        """Whether ``torch.autocast`` is on for this device (any device when none was given).
+
+        Autocast runs the matrix products in its own dtype, so arrays of different floating
+        dtypes meet in the core; it then lets them (see :class:`attention_core.ops.Ops`).
+        """
+        if self.device is not None:
+            return bool(torch.is_autocast_enabled(self.device.type))
+        return bool(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+
     def from_numpy(self, x: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # The core's constant tables (sinusoidal encoding, clipped offsets) are NumPy code,
