@@ -246,3 +246,14 @@ class InPlaceOps(Ops, Protocol):
     def exp_diff(self, x: Array, y: Array) -> Array:
         """Returns ``np.exp(x - y)`` (``y`` broadcast); may overwrite ``x`` with the result."""
         ...
+
+
+def fixed_shape(ops: Ops, x: Array) -> tuple[Any, ...]:
+    """The shape of a weight (a kernel, an embedding table), which stays fixed under tracing.
+
+    ``ops.fixed_shape(x)`` when the ops have it: ints where :meth:`Ops.shape` gives run-time
+    sizes for every array (``torch.jit.trace`` gives each dimension as a tensor, to record how
+    the input's shape flows). Else ``ops.shape(x)``.
+    """
+    method = getattr(ops, "fixed_shape", None)
+    return ops.shape(x) if method is None else tuple(method(x))

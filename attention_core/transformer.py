@@ -12,7 +12,7 @@ from typing import Any
 from attention_core import checks
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import multi_head_attention
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, fixed_shape
 from attention_core.positional import add_positions, positional_encoding
 from attention_core.registry import ops_for
 from attention_core.weights import subset
@@ -137,7 +137,7 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     dtype = ops.dtype_name(tokens)
     if not dtype.startswith(("int", "uint")):
         raise TypeError(f"tokens must be integer token ids, got dtype {dtype}")
-    vocab_size = ops.shape(table)[0]
+    vocab_size = fixed_shape(ops, table)[0]
     values = ops.concrete(tokens)
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
@@ -185,7 +185,7 @@ def transformer_encoder(
     """
     ops = ops or ops_for(tokens)
     table = weights["token.embedding"]
-    num_hiddens = ops.shape(table)[1]
+    num_hiddens = fixed_shape(ops, table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
     if positions is None:
         X = positional_encoding(X, dropout, ops=ops)

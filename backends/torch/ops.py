@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,17 @@ class TorchOps:
 
     def shape(self, x: torch.Tensor) -> tuple[Any, ...]:
         return tuple(x.shape)
+
+    def fixed_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """``x.shape`` as ints, also under ``torch.jit.trace``, which gives dimensions as tensors.
+
+        For weights, whose shapes a trace may fix (see :func:`attention_core.ops.fixed_shape`).
+        """
+        if not torch.jit.is_tracing():  # type: ignore[no-untyped-call]
+            return tuple(x.shape)
+        with warnings.catch_warnings():  # "converting a tensor to a Python integer": it is fixed
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return tuple(int(d) for d in x.shape)
 
     def dtype_name(self, x: torch.Tensor) -> str:
         return str(x.dtype).removeprefix("torch.")
@@ -141,7 +153,7 @@ class TorchOps:
         keys: torch.Tensor,
         values: torch.Tensor,
         visible: torch.Tensor | None,
-        scale: float,
+        scale: float | torch.Tensor,
         dropout: float,
     ) -> torch.Tensor:
         """``matmul(dropout(softmax_visible(q k^T * scale, visible)), v)`` in one fused kernel.
@@ -151,13 +163,16 @@ class TorchOps:
             keys: ``(B, H, K, D)``.
             values: ``(B, H, K, Dv)``.
             visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
-            scale: Multiplies the scores.
+            scale: Multiplies the scores; a float, or a 0-d tensor when the depth is a run-time
+                size (then folded into the queries).
             dropout: Dropout rate on the weights (0 for none).
 
         Returns:
             ``(B, H, Q, Dv)``; rows with no visible key are zero (torch's SDPA gives zeros
             there, checked by tests/test_torch.py).
         """
+        if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
+            queries, scale = queries * scale, 1.0
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
         )
