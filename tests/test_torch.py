@@ -7,6 +7,7 @@ the reference gradients, never from the torch code under test.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -879,3 +880,62 @@ def test_jit_trace_encoder_equals_eager_at_any_length() -> None:
     trace = traced(encoder, ids(5))
     for t in (5, 3, 9):
         assert max_diff(out_of(trace(*ids(t))), out_of(encoder(*ids(t)))) <= 1e-6, t
+
+
+# -- torch.compile with symbolic lengths ------------------------------------------------------
+
+
+def compilations(module: torch.nn.Module, args: Callable[[int], tuple[torch.Tensor, ...]],
+                 dynamic: bool | None, lengths: tuple[int, ...] = (5, 7, 9, 12)) -> int:
+    """How many graphs ``torch.compile(module, dynamic=dynamic)`` makes over calls at
+    ``lengths``, checking each call's output against eager."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(module, dynamic=dynamic, backend=counting)
+    for t in lengths:
+        got, want = compiled(*args(t)), module(*args(t))
+        assert max_diff(out_of(got), out_of(want)) <= 1e-6, t
+    return len(graphs)
+
+
+COMPILED = {**TRACED, "TransformerEncoder": (
+    lambda: torch_layers.TransformerEncoder(11, 12, 16, 3, 2),
+    lambda t: (torch.arange(2 * t).reshape(2, t) % 11, torch.tensor([t, 2])))}
+
+
+@functools.cache
+def torch_encoder_compilations(dynamic: bool | None) -> int:
+    """The bar: how often ``nn.TransformerEncoder`` compiles over the same four lengths."""
+    layer = torch.nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    return compilations(encoder, lambda t: (_x(2, t, 12),), dynamic)
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "default"])
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compile_does_not_recompile_per_length(name: str, dynamic: bool | None) -> None:
+    """Over four lengths a layer compiles no more often than ``nn.TransformerEncoder`` (once with
+    ``dynamic=True``; twice by default: static, then dynamic), with eager's outputs."""
+    bar = torch_encoder_compilations(dynamic)
+    make, args = COMPILED[name]
+    module = make().eval()
+    module(*args(4))  # input sizes are inferred eagerly
+    assert compilations(module, args, dynamic) <= bar
+
+
+def test_compiled_blockwise_path_has_no_graph_break() -> None:
+    """The blockwise path's blocks are Python loops over the lengths, so it compiles per length
+    (documented), but each length in one graph."""
+    mha = torch_layers.MultiHeadAttention(12, 3, keep_attention_weights=False,
+                                          implementation="blockwise").eval()
+    mha(*_attention_args(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(mha, fullgraph=True, backend="eager")
+    for t in (5, 9):
+        got = compiled(*_attention_args(t), causal=True)
+        assert max_diff(out_of(got), out_of(mha(*_attention_args(t), causal=True))) <= 1e-6
