@@ -450,7 +450,9 @@ def check_projected_inputs(ops: Ops, queries: Array, keys: Array, values: Array)
     )
     for name, s in (("keys", k), ("values", v)):
         checks.check_equal(
-            lambda: f"{name} batch size ({s[0]}) must equal queries batch size ({q[0]})",
+            functools.partial(
+                "{} batch size ({}) must equal queries batch size ({})".format, name, s[0], q[0]
+            ),
             s[0],
             q[0],
         )

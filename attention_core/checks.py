@@ -8,6 +8,7 @@ int, under tracing) are skipped.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -143,7 +144,10 @@ def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     for i, axis in enumerate(("batch", "heads")[: len(q) - 2]):
         for name, s in (("keys", k), ("values", v)):
             check_equal(
-                lambda: f"{name} {axis} size ({s[i]}) must equal queries {axis} size ({q[i]})",
+                functools.partial(
+                    "{0} {1} size ({2}) must equal queries {1} size ({3})".format,
+                    name, axis, s[i], q[i],
+                ),
                 s[i],
                 q[i],
             )

@@ -72,10 +72,10 @@ class TorchOps:
 
         For weights, whose shapes a trace may fix (see :func:`attention_core.ops.fixed_shape`).
         """
-        if not torch.jit.is_tracing():  # type: ignore[no-untyped-call]
+        if not torch.jit.is_tracing():  # type: ignore[attr-defined, no-untyped-call]
             return tuple(x.shape)
         with warnings.catch_warnings():  # "converting a tensor to a Python integer": it is fixed
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)  # type: ignore[attr-defined]
             return tuple(int(d) for d in x.shape)
 
     def dtype_name(self, x: torch.Tensor) -> str:
