@@ -299,10 +299,10 @@ def _fused_nan_rows(
     The NaN is made from booleans, so no gradient passes through it: on finite inputs the
     values and the gradients are the kernel's own.
     """
-    dtype = ops.dtype_name(q)
     q_ok, k_ok = ops.sum(q - q, -1) == 0, ops.sum(k - k, -1) == 0  # (B, H, Q|K, 1): finite rows
     q, k = ops.where(q_ok, q, 0.0), ops.where(k_ok, k, 0.0)
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    dtype = ops.dtype_name(out)  # not the queries' under torch.autocast
     q_bad = 1.0 - ops.astype(q_ok, dtype)  # (B, H, Q, 1): 1 for a non-finite query
     k_bad = 1.0 - ops.astype(ops.transpose(k_ok, (0, 1, 3, 2)), dtype)  # (B, H, 1, K)
     if visible is None:  # every row sees every key

@@ -88,19 +88,19 @@ def blockwise_attention(
     batch_heads = math.prod([d if isinstance(d, int) else 1 for d in (B, H)])  # unknown: 1
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
-    fill = FILL_VALUE[ops.dtype_name(queries)]
 
     def scores(q: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
         k_t = ops.transpose(ops.slice(keys, 2, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
         s = ops.matmul(q, k_t)  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
-        return s if mask is None else ops.where(mask, s, fill)
+        # the fill of the scores' dtype, which is not the queries' under torch.autocast
+        return s if mask is None else ops.where(mask, s, FILL_VALUE[ops.dtype_name(s)])
 
     exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
 
     def weigh(s: Array, m: Array) -> Array:
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
-        return exp_diff(s, ops.where(m > fill, m, 0.0))  # s is not read again
+        return exp_diff(s, ops.where(m > FILL_VALUE[ops.dtype_name(m)], m, 0.0))  # s not read again
 
     def pool(p: Array, k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p

@@ -939,3 +939,29 @@ def test_compiled_blockwise_path_has_no_graph_break() -> None:
     for t in (5, 9):
         got = compiled(*_attention_args(t), causal=True)
         assert max_diff(out_of(got), out_of(mha(*_attention_args(t), causal=True))) <= 1e-6
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("implementation", ["direct", "blockwise", "fused"])
+def test_autocast_every_path_over_many_key_blocks(implementation: str, compile_: bool) -> None:
+    """float32 inputs under bfloat16 autocast, keys over three blocks of the blockwise path and
+    rows with no visible key: every path within bfloat16's tolerance of float64 NumPy (the fill
+    is the scores' dtype's, not the queries'; the mended NaN rows keep the kernel's dtype)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(shape) for shape in ((2, 4, 8), (2, 2100, 8), (2, 2100, 8)))
+    lens = np.array([[0, 5, 2100, 1500], [2100, 1100, 0, 3]])  # (B, Q)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(8)  # (B, Q, K)
+    seen = np.arange(2100)[None, None, :] < lens[:, :, None]
+    weights = np.where(seen, np.exp(scores - np.where(seen, scores, -np.inf).max(-1, keepdims=True,
+                                                                                  initial=0.0)), 0)
+    total = weights.sum(-1, keepdims=True)
+    expected = (weights / np.where(total > 0, total, 1)) @ v
+    layer = torch_layers.DotProductAttention(keep_attention_weights=False,
+                                             implementation=implementation)
+    call = torch.compile(layer, fullgraph=True, backend="eager") if compile_ else layer
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(*(torch.tensor(x, dtype=torch.float32) for x in (q, k, v)),
+                   torch.from_numpy(lens))
+    assert out.dtype == torch.bfloat16
+    assert max_diff(out_of(out), expected) <= TOLERANCE["bfloat16"]
