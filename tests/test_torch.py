@@ -673,20 +673,20 @@ AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def autocast_cases() -> list[Any]:
-    """One gradient case per layer and mask kind (no edge-shape variants), fused where possible."""
-    return [pytest.param(c, id=key(c)) for c in gradient_cases() if "-" not in c.name
-            or c.layer in ("PositionalEncoding", "NadarayaWatson")]
+    """One gradient case per layer and mask kind (no edge-shape variants), on the direct path
+    and, for the layers that have one, the fused path."""
+    cases = [c for c in gradient_cases()
+             if "-" not in c.name or c.layer in ("PositionalEncoding", "NadarayaWatson")]
+    return [pytest.param(c, keep, id=f"{key(c)}-{'direct' if keep else 'fused'}")
+            for c in cases for keep in (True, False) if keep or c.layer in FUSABLE]
 
 
 @pytest.mark.parametrize("dtype", list(AUTOCAST))
-@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
-@pytest.mark.parametrize("case", autocast_cases())
+@pytest.mark.parametrize(("case", "keep"), autocast_cases())
 def test_every_layer_under_autocast_matches_reference(case: Case, keep: bool, dtype: str) -> None:
     """A float32 layer under ``torch.autocast("cpu", dtype)``, forward and backward: outputs
     and gradients within the autocast dtype's tolerance of the float64 files (the encoder's
     gradients finite only, tests/harness.py), the gradients in float32 like the parameters."""
-    if not keep and case.layer not in FUSABLE:
-        pytest.skip("no fused path")
     options = {} if case.layer not in FUSABLE else {"keep_attention_weights": keep}
     layer = build(case, "float32", **options)
     inputs, _, call = case_data(case)
