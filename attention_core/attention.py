@@ -353,10 +353,10 @@ def _fused_nan_rows(
     The NaN is made from booleans, so no gradient passes through it: on finite inputs the
     values and the gradients are the kernel's own.
     """
-    dtype = ops.dtype_name(q)
     q_ok, k_ok = ops.sum(q - q, -1) == 0, ops.sum(k - k, -1) == 0  # (B, H, Q|K, 1): finite rows
     q, k = ops.where(q_ok, q, 0.0), ops.where(k_ok, k, 0.0)
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    dtype = ops.dtype_name(out)  # not the queries' under torch.autocast
     q_bad = 1.0 - ops.astype(q_ok, dtype)  # (B, H, Q, 1): 1 for a non-finite query
     k_bad = 1.0 - ops.astype(ops.transpose(k_ok, (0, 1, 3, 2)), dtype)  # (B, H, 1, K)
     if visible is None:  # every row sees every key
@@ -539,11 +539,17 @@ def check_projected_inputs(ops: Ops, queries: Array, keys: Array, values: Array)
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
     checks.check_matmul_dtype(ops, "queries", queries)
     checks.check_equal(
-        f"keys and values must have the same length, got {k[1]} keys and {v[1]} values", k[1], v[1]
+        lambda: f"keys and values must have the same length, got {k[1]} keys and {v[1]} values",
+        k[1],
+        v[1],
     )
     for name, s in (("keys", k), ("values", v)):
         checks.check_equal(
-            f"{name} batch size ({s[0]}) must equal queries batch size ({q[0]})", s[0], q[0]
+            functools.partial(
+                "{} batch size ({}) must equal queries batch size ({})".format, name, s[0], q[0]
+            ),
+            s[0],
+            q[0],
         )
 
 
@@ -580,14 +586,16 @@ def nadaraya_watson(
     k, v = ops.shape(keys), ops.shape(values)
     for i, axis in enumerate(("batch", "length")[2 - len(q) :]):
         checks.check_equal(
-            f"keys and values must have the same shape, got {checks.fmt_shape(k)} and "
+            lambda: f"keys and values must have the same shape, got {checks.fmt_shape(k)} and "
             f"{checks.fmt_shape(v)}",
             k[i],
             v[i],
         )
         if axis == "batch":
             checks.check_equal(
-                f"keys batch size ({k[0]}) must equal queries batch size ({q[0]})", k[0], q[0]
+                lambda: f"keys batch size ({k[0]}) must equal queries batch size ({q[0]})",
+                k[0],
+                q[0],
             )
     batched = [x if len(q) == 2 else ops.expand_dims(x, 0) for x in (queries, keys, values)]
     diff = ops.expand_dims(batched[0], -1) - ops.expand_dims(batched[1], 1)  # (B, Q, K)

@@ -85,16 +85,16 @@ def blockwise_attention(
     """
     B, H, Q, _ = ops.shape(queries)
     K = ops.shape(keys)[2]
-    batch_heads = math.prod(d if isinstance(d, int) else 1 for d in (B, H))  # unknown: 1
+    batch_heads = math.prod([d if isinstance(d, int) else 1 for d in (B, H)])  # unknown: 1
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
-    fill = FILL_VALUE[ops.dtype_name(queries)]
 
     def scores(q: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
         k_t = ops.transpose(ops.slice(keys, 2, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
         s = ops.matmul(q, k_t)  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
-        return s if mask is None else ops.where(mask, s, fill)
+        # the fill of the scores' dtype, which is not the queries' under torch.autocast
+        return s if mask is None else ops.where(mask, s, FILL_VALUE[ops.dtype_name(s)])
 
     exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
 
@@ -105,11 +105,12 @@ def blockwise_attention(
         ``exp(m - m_new)`` would be NaN.
         """
         m = ops.max(s, -1)
+        fill = FILL_VALUE[ops.dtype_name(m)]
         return ops.where(m > fill, m, fill)  # a NaN row stays NaN through its weights
 
     def weigh(s: Array, m: Array) -> Array:
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
-        return exp_diff(s, ops.where(m > fill, m, 0.0))  # s is not read again
+        return exp_diff(s, ops.where(m > FILL_VALUE[ops.dtype_name(m)], m, 0.0))  # s not read again
 
     def pool(p: Array, k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p
@@ -146,7 +147,7 @@ def _fold_blocks(
 
     Full blocks run in the backend's loop (``ops.fold``) when it has one; the tail in Python.
     """
-    full, tail = divmod(total - start, size)
+    full, tail = (total - start) // size, (total - start) % size  # (divmod: not on SymInts)
     fold = getattr(ops, "fold", None)
     if fold is not None and full > 1:
         carry = fold(lambda i, c: step(c, start + i * size, size), carry, full)
@@ -161,7 +162,7 @@ def _map_blocks(ops: Ops, fn: Callable[[Any, int], Array], total: int, size: int
 
     Full blocks run in the backend's loop (``ops.map_concat``) when it has one; the tail in Python.
     """
-    full, tail = divmod(total, size)
+    full, tail = total // size, total % size  # (divmod: not on SymInts)
     map_concat = getattr(ops, "map_concat", None)
     if map_concat is not None and full > 1:
         parts = [map_concat(lambda i: fn(i * size, size), full, axis)]

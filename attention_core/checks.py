@@ -8,8 +8,9 @@ int, under tracing) are skipped.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attention_core.host import framework_of, plain
@@ -208,7 +209,12 @@ def check_inputs_framework(**inputs: Array) -> None:
 
 
 def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> None:
-    """Checks that every array in ``others`` has the dtype of ``ref``."""
+    """Checks that every array in ``others`` has the dtype of ``ref``.
+
+    Skipped while the ops mix dtypes (``ops.mixes_dtypes``, under ``torch.autocast``).
+    """
+    if getattr(ops, "mixes_dtypes", False):
+        return
     want = ops.dtype_name(ref)
     for name, x in others.items():
         got = ops.dtype_name(x)
@@ -216,10 +222,15 @@ def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> No
             raise TypeError(f"{name} dtype ({got}) must match {ref_name} dtype ({want})")
 
 
-def check_equal(what: str, a: Any, b: Any) -> None:
-    """Raises ``ValueError(what)`` when two known dimensions differ."""
+def check_equal(what: str | Callable[[], str], a: Any, b: Any) -> None:
+    """Raises ``ValueError`` with the message ``what`` when two known dimensions differ.
+
+    ``what`` may be a function making the message, called only on failure: a message that
+    names a dimension must be made that way, since formatting a symbolic dimension (a length
+    under ``torch.compile(dynamic=True)``) fixes it to its value and the trace to that length.
+    """
     if _known(a) and _known(b) and a != b:
-        raise ValueError(what)
+        raise ValueError(what if isinstance(what, str) else what())
 
 
 def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
@@ -233,23 +244,28 @@ def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
         check_floating(ops, name, x)
     check_same_dtype(ops, "queries", queries, keys=keys, values=values)
     check_matmul_dtype(ops, "queries", queries)
-    check_equal(f"queries depth ({q[-1]}) must equal keys depth ({k[-1]})", q[-1], k[-1])
+    check_equal(lambda: f"queries depth ({q[-1]}) must equal keys depth ({k[-1]})", q[-1], k[-1])
     check_equal(
-        f"keys and values must have the same length, got {k[-2]} keys and {v[-2]} values",
+        lambda: f"keys and values must have the same length, got {k[-2]} keys and {v[-2]} values",
         k[-2],
         v[-2],
     )
     for i, axis in enumerate(("batch", "heads")[: len(q) - 2]):
         for name, s in (("keys", k), ("values", v)):
             check_equal(
-                f"{name} {axis} size ({s[i]}) must equal queries {axis} size ({q[i]})", s[i], q[i]
+                functools.partial(
+                    "{0} {1} size ({2}) must equal queries {1} size ({3})".format,
+                    name, axis, s[i], q[i],
+                ),
+                s[i],
+                q[i],
             )
 
 
 def check_last_dim(ops: Ops, name: str, x: Array, expected: int) -> None:
     """Checks the size of the last axis (e.g. the model width a layer was built for)."""
     got = ops.shape(x)[-1]
-    check_equal(f"{name} last dimension ({got}) must be {expected}", got, expected)
+    check_equal(lambda: f"{name} last dimension ({got}) must be {expected}", got, expected)
 
 
 def check_built_size(arg: str, size: Any, built: int | None) -> None:

@@ -15,10 +15,14 @@ def dense(ops: Ops, x: Array, kernel: Array, bias: Array | None = None) -> Array
         ops: The backend's ops.
         x: ``(..., in)``.
         kernel: ``(in, out)``, the canonical layout.
-        bias: ``(out,)`` or None.
+        bias: ``(out,)`` or None; added in the product's dtype, which differs from the
+            bias's only under mixed precision (``ops.mixes_dtypes``), as in ``F.linear``.
     """
     y = ops.matmul(x, kernel)
-    return y if bias is None else y + bias
+    if bias is None:
+        return y
+    dtype = ops.dtype_name(y)
+    return y + (bias if ops.dtype_name(bias) == dtype else ops.astype(bias, dtype))
 
 
 def layer_norm(

@@ -21,7 +21,7 @@ from attention_core.attention import (
     values_onto_keys,
 )
 from attention_core.linear import dense
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, fixed_shape
 from attention_core.positional import relative_offsets
 from attention_core.registry import ops_for
 
@@ -95,7 +95,7 @@ def multi_head_attention(
         ops, "multi_head_attention", weights,
         lambda size: W.multi_head_call_spec(size, weights, num_heads), _widths(queries, keys, values),
     )
-    num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
+    num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, h/H)
@@ -178,7 +178,7 @@ def relative_multi_head_attention(
         lambda size: W.relative_call_spec(size, weights, num_heads), _widths(queries, keys, values),
     )
     dropout = checks.check_dropout(dropout)
-    num_hiddens = ops.shape(weights["W_q.kernel"])[-1]
+    num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
     table_k, table_v = weights["rel_k.embedding"], weights.get("rel_v.embedding")
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
@@ -187,10 +187,10 @@ def relative_multi_head_attention(
     if not known_finite(ops, q, k, v):
         q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)
         k, v = values_onto_keys(ops, k, v)
-    B, H, Q, depth = ops.shape(q)
+    B, H, Q, _ = ops.shape(q)
     K = ops.shape(k)[2]
-    offsets = relative_offsets(ops, Q, K, (ops.shape(table_k)[0] - 1) // 2, like=q)  # (Q, K, R)
-    q = q * (1.0 / math.sqrt(depth))
+    offsets = relative_offsets(ops, Q, K, (fixed_shape(ops, table_k)[0] - 1) // 2, like=q)  # (Q,K,R)
+    q = q * (1.0 / math.sqrt(num_hiddens // num_heads))  # the heads' depth
     scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
     by_offset = ops.matmul(q, ops.transpose(table_k, (1, 0)))  # (B, H, Q, R)
     scores = scores + per_query(ops, by_offset, ops.transpose(offsets, (0, 2, 1)))

@@ -26,6 +26,14 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 class Ops(Protocol):
     """Array primitives used by the core, one method per primitive.
 
+    Ops may also set ``mixes_dtypes: bool`` (False when absent): True while the framework
+    casts the operands of some primitives itself, as ``torch.autocast`` runs the matrix
+    products in bfloat16 or float16. Arrays of different floating dtypes then meet: the core
+    does not reject them (:func:`~attention_core.checks.check_same_dtype`), they combine by the
+    framework's type promotion, a bias is added in its product's dtype, and layer
+    normalisation of a float16 or bfloat16 sum computes its statistics in float32 (see
+    :func:`~attention_core.transformer.add_norm`).
+
     Attributes:
         name: The canonical backend name (``"numpy"``, ``"torch"``, ...).
     """
@@ -242,3 +250,14 @@ class InPlaceOps(Ops, Protocol):
     def exp_diff(self, x: Array, y: Array) -> Array:
         """Returns ``np.exp(x - y)`` (``y`` broadcast); may overwrite ``x`` with the result."""
         ...
+
+
+def fixed_shape(ops: Ops, x: Array) -> tuple[Any, ...]:
+    """The shape of a weight (a kernel, an embedding table), which stays fixed under tracing.
+
+    ``ops.fixed_shape(x)`` when the ops have it: ints where :meth:`Ops.shape` gives run-time
+    sizes for every array (``torch.jit.trace`` gives each dimension as a tensor, to record how
+    the input's shape flows). Else ``ops.shape(x)``.
+    """
+    method = getattr(ops, "fixed_shape", None)
+    return ops.shape(x) if method is None else tuple(method(x))

@@ -90,7 +90,7 @@ def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None =
     shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
     checks.check_floating(ops, "X", X)
     _, max_len, width = ops.shape(P)
-    checks.check_equal(f"X last dimension ({shape[2]}) must be num_hiddens ({width})",
+    checks.check_equal(lambda: f"X last dimension ({shape[2]}) must be num_hiddens ({width})",
                        shape[2], width)
     steps = shape[1]
     if isinstance(steps, int) and steps > max_len:

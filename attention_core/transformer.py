@@ -13,7 +13,7 @@ from attention_core import checks
 from attention_core import weights as W
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import multi_head_attention
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, fixed_shape
 from attention_core.positional import add_positions, positional_encoding
 from attention_core.registry import ops_for
 from attention_core.weights import subset
@@ -49,6 +49,10 @@ def add_norm(
 ) -> Array:
     """Residual connection then layer normalisation: ``LayerNorm(dropout(Y) + X)``.
 
+    ``X`` and ``Y`` must have the same dtype, except under mixed precision
+    (``ops.mixes_dtypes``, e.g. ``torch.autocast``), where the sum takes the wider one; a
+    float16 or bfloat16 sum is then normalised in float32 and the result cast back.
+
     Args:
         X: The residual input, ``(B, T, h)``.
         Y: The sublayer's output, same shape.
@@ -75,7 +79,13 @@ def add_norm(
                                    {"X": (X, "ln.gamma")})
     dropout = checks.check_dropout(dropout)
     Y = ops.dropout(Y, dropout) if dropout > 0 else Y
-    return layer_norm(ops, X + Y, weights["ln.gamma"], weights["ln.beta"])
+    total = X + Y  # under mixed precision, in the wider dtype by the framework's promotion
+    gamma, beta = weights["ln.gamma"], weights["ln.beta"]
+    dtype = ops.dtype_name(total)
+    if getattr(ops, "mixes_dtypes", False) and dtype in ("float16", "bfloat16"):
+        # as torch's layer_norm under autocast: statistics in float32, the result in the input's dtype
+        return ops.astype(layer_norm(ops, ops.astype(total, "float32"), gamma, beta), dtype)
+    return layer_norm(ops, total, gamma, beta)
 
 
 def transformer_encoder_block(
@@ -147,7 +157,7 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     dtype = ops.dtype_name(tokens)
     if not dtype.startswith(("int", "uint")):
         raise TypeError(f"tokens must be integer token ids, got dtype {dtype}")
-    vocab_size = ops.shape(table)[0]
+    vocab_size = fixed_shape(ops, table)[0]
     values = ops.concrete(tokens)
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
@@ -202,7 +212,7 @@ def transformer_encoder(
     weights = W.check_call_weights(ops, "transformer_encoder", weights,
                                    lambda size: W.encoder_call_spec(size, weights, num_heads))
     table = weights["token.embedding"]
-    num_hiddens = ops.shape(table)[1]
+    num_hiddens = fixed_shape(ops, table)[1]
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
     if positions is not None:
         steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]

@@ -19,7 +19,7 @@ import numpy as np
 from attention_core import files
 from attention_core.checks import check_heads, check_positive_int, fmt_shape
 from attention_core.host import host_array
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, fixed_shape
 
 Shape = tuple[int | None, ...]
 Spec = dict[str, Shape]
@@ -384,7 +384,7 @@ def check_call_weights(
     dimensions, else None) and leaves None where a size cannot be read. Then, with the
     messages of :func:`check_weights` (``where`` in place of ``set_weights``): the names, each
     entry's dtype (real floating) and shape, and last, each input's last dimension against
-    the first dimension of its kernel. Only static shapes are read (``ops.shape``), so under
+    the first dimension of its kernel. Only static shapes are read (``fixed_shape``), so under
     tracing the check is done once, when the graph is made.
 
     Args:
@@ -411,14 +411,14 @@ def check_call_weights(
     def size(name: str, axis: int, ndim: int) -> int | None:
         if name not in weights:
             return None
-        shape = tuple(ops.shape(weights[name]))
+        shape = tuple(fixed_shape(ops, weights[name]))
         return shape[axis] if len(shape) == ndim and isinstance(shape[axis], int) else None
 
     spec = spec_of(size)
     check_names(spec, weights, where)
-    check_entries(spec, weights, where, ops.shape, ops.dtype_name)
+    check_entries(spec, weights, where, lambda a: fixed_shape(ops, a), ops.dtype_name)
     for arg, (x, name) in (inputs or {}).items():
-        want = tuple(ops.shape(weights[name]))
+        want = tuple(fixed_shape(ops, weights[name]))
         got = ops.shape(x)[-1]
         if isinstance(got, int) and isinstance(want[0], int) and got != want[0]:
             raise ValueError(

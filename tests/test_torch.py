@@ -7,6 +7,9 @@ the reference gradients, never from the torch code under test.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +28,7 @@ import backends.numpy as numpy_layers
 import backends.torch as torch_layers
 from backends.torch import OPS, TorchOps
 from tests import naive
-from tests.harness import TOLERANCE, Harness, max_diff
+from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, Harness, max_diff, tolerance
 from tests.reference.cases import CASES, INTEGER_INPUTS, MASK_KINDS, Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
@@ -746,3 +749,301 @@ def test_functional_encoder_torch_export_with_a_dynamic_length() -> None:
         tokens = torch.randint(0, 11, (2, length))
         got = program.module()(tokens).detach().numpy()
         assert max_diff(got, _encoder_reference(encoder, tokens.numpy())) <= 1e-4
+# -- torch.autocast -------------------------------------------------------------------------
+
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_cases() -> list[Any]:
+    """One gradient case per layer and mask kind (no edge-shape variants), on the direct path
+    and, for the layers that have one, the fused path."""
+    cases = [c for c in gradient_cases()
+             if "-" not in c.name or c.layer in ("PositionalEncoding", "NadarayaWatson")]
+    return [pytest.param(c, keep, id=f"{key(c)}-{'direct' if keep else 'fused'}")
+            for c in cases for keep in (True, False) if keep or c.layer in FUSABLE]
+
+
+@pytest.mark.parametrize("dtype", list(AUTOCAST))
+@pytest.mark.parametrize(("case", "keep"), autocast_cases())
+def test_every_layer_under_autocast_matches_reference(case: Case, keep: bool, dtype: str) -> None:
+    """A float32 layer under ``torch.autocast("cpu", dtype)``, forward and backward: outputs
+    and gradients within the autocast dtype's tolerance of the float64 files (the encoder's
+    gradients finite only, tests/harness.py), the gradients in float32 like the parameters."""
+    options = {} if case.layer not in FUSABLE else {"keep_attention_weights": keep}
+    layer = build(case, "float32", **options)
+    inputs, _, call = case_data(case)
+    ref = load_gradients()[key(case)]
+    leaves = [torch.tensor(x) if x.dtype.kind in "iu"
+              else torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in inputs]
+    kwargs = {k: (v if k == "causal" else torch.from_numpy(v)) for k, v in call.items()}
+    with torch.autocast("cpu", dtype=AUTOCAST[dtype]):
+        out = layer(*leaves, **kwargs)
+        loss = (out.float() * torch.from_numpy(ref["cotangent"]).float()).sum()
+    loss.backward()
+    _, _, _, record_ = reference(case, "float32")
+    assert max_diff(out_of(out), record_["output.out"]) <= TOLERANCE[dtype]
+    grads = {f"input.{i}": x.grad for i, x in enumerate(leaves) if x.is_floating_point()}
+    grads.update({f"weight.{n}": p.grad for n, p in layer.named_parameters()})
+    for name, grad in grads.items():
+        assert grad is not None and grad.dtype == torch.float32, name
+        assert torch.isfinite(grad).all(), name
+        if case.layer not in LOW_PRECISION_UNBOUNDED_GRADIENTS:
+            bound = tolerance("grad." + name, dtype, ref[name])
+            assert max_diff(grad.double().numpy(), ref[name]) <= bound, name
+
+
+@pytest.mark.parametrize("dtype", list(AUTOCAST))
+@pytest.mark.parametrize("input_dtype", ["float32", "bfloat16"])
+def test_autocast_output_dtypes_are_torchs(dtype: str, input_dtype: str) -> None:
+    """Under autocast the block gives the dtype ``nn.TransformerEncoderLayer`` gives, and the
+    projections the dtype of ``nn.Linear`` / ``nn.MultiheadAttention`` (the autocast dtype)."""
+    X = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(3)).to(DTYPES[input_dtype])
+    block = torch_layers.TransformerEncoderBlock(12, 20, 3, bias=True)
+    mha = torch_layers.MultiHeadAttention(12, 3, bias=True, keep_attention_weights=False)
+    ffn = torch_layers.PositionWiseFFN(20, 12, d_in=12)
+    ours = torch.nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=True)
+    theirs = torch.nn.MultiheadAttention(12, 3, batch_first=True)
+    with torch.autocast("cpu", dtype=AUTOCAST[dtype]):
+        assert block(X).dtype == ours(X).dtype
+        assert mha(X, X, X).dtype == theirs(X, X, X)[0].dtype == AUTOCAST[dtype]
+        assert ffn(X).dtype == torch.nn.Linear(12, 20)(X).dtype == AUTOCAST[dtype]
+        wider = torch.promote_types(X.dtype, AUTOCAST[dtype])  # torch's promotion, as in X + Y
+        assert torch_layers.AddNorm(12)(X, X.to(AUTOCAST[dtype])).dtype == wider
+
+
+@pytest.mark.parametrize("dtype", list(AUTOCAST))
+def test_encoder_training_step_under_autocast(dtype: str) -> None:
+    """loss.backward and an optimizer step under autocast: float32 gradients within the autocast
+    dtype's reach of the float32 ones, every parameter moved, the loss lower after a few steps."""
+    def losses_and_grads(autocast: bool, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2)
+        ids = tokens([1, 3, 3, 7, 2], [4, 1, 7, 7, 0])
+        target = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(1))
+        optimizer = torch.optim.Adam(encoder.parameters(), lr=1e-2)
+        losses, first = [], {}
+        for step in range(steps):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=AUTOCAST[dtype], enabled=autocast):
+                loss = ((encoder(ids, torch.tensor([5, 3])) - target) ** 2).mean()
+            loss.backward()
+            if step == 0:
+                first = {n: p.grad.clone() for n, p in encoder.named_parameters()}
+            before = {n: p.detach().clone() for n, p in encoder.named_parameters()}
+            optimizer.step()
+            assert all(not torch.equal(p, before[n]) for n, p in encoder.named_parameters())
+            losses.append(loss.item())
+        return losses, first
+
+    mixed, grads = losses_and_grads(True, 5)
+    _, exact = losses_and_grads(False, 1)
+    assert mixed[-1] < mixed[0]
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and torch.isfinite(grad).all(), name
+        scale = max(1.0, float(exact[name].abs().max()))
+        assert float((grad - exact[name]).abs().max()) <= 4 * TOLERANCE[dtype] * scale, name
+
+
+# -- torch.jit.trace ------------------------------------------------------------------------
+
+
+class Calling(torch.nn.Module):
+    """Calls a layer with fixed keyword arguments (``torch.jit.trace`` passes tensors only)."""
+
+    def __init__(self, layer: torch.nn.Module, **kwargs: Any) -> None:
+        super().__init__()
+        self.layer, self.kwargs = layer, kwargs
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.layer(*args, **self.kwargs)
+
+
+def _x(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _attention_args(t: int) -> tuple[torch.Tensor, ...]:
+    return _x(2, t, 12), _x(2, t + 1, 10), _x(2, t + 1, 9), torch.tensor([2, t + 1])
+
+
+TRACED: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], tuple[torch.Tensor, ...]]]] = {
+    "DotProductAttention": (lambda: torch_layers.DotProductAttention(),
+                            lambda t: (_x(2, t, 12), _x(2, t + 1, 12), _x(2, t + 1, 9),
+                                       torch.tensor([2, t + 1]))),
+    "DotProductAttention-fused-causal": (
+        lambda: Calling(torch_layers.DotProductAttention(keep_attention_weights=False), causal=True),
+        lambda t: (_x(2, t, 12), _x(2, t + 1, 12), _x(2, t + 1, 9))),
+    "AdditiveAttention-causal": (lambda: Calling(torch_layers.AdditiveAttention(8), causal=True),
+                                 _attention_args),
+    "MultiHeadAttention": (lambda: torch_layers.MultiHeadAttention(12, 3, bias=True),
+                           _attention_args),
+    "MultiHeadAttention-fused-causal": (
+        lambda: Calling(torch_layers.MultiHeadAttention(12, 3, keep_attention_weights=False),
+                        causal=True), _attention_args),
+    "RelativeMultiHeadAttention-causal": (
+        lambda: Calling(torch_layers.RelativeMultiHeadAttention(12, 3, 2), causal=True),
+        _attention_args),
+    "TransformerEncoderBlock": (lambda: torch_layers.TransformerEncoderBlock(12, 20, 3),
+                                lambda t: (_x(2, t, 12), torch.tensor([2, t]))),
+    "TransformerEncoderBlock-fused-lens2d": (
+        lambda: torch_layers.TransformerEncoderBlock(12, 20, 3, keep_attention_weights=False),
+        lambda t: (_x(2, t, 12), torch.arange(2 * t).reshape(2, t) % (t + 1))),
+    "PositionalEncoding": (lambda: torch_layers.PositionalEncoding(12), lambda t: (_x(2, t, 12),)),
+    "LearnedPositionalEncoding": (lambda: torch_layers.LearnedPositionalEncoding(12),
+                                  lambda t: (_x(2, t, 12),)),
+    "PositionWiseFFN": (lambda: torch_layers.PositionWiseFFN(20, 12), lambda t: (_x(2, t, 12),)),
+    "AddNorm": (lambda: torch_layers.AddNorm(12), lambda t: (_x(2, t, 12), _x(2, t, 12) + 1)),
+    "NadarayaWatson": (lambda: torch_layers.NadarayaWatson(True),
+                       lambda t: (_x(2, t), _x(2, t + 1), _x(2, t + 1))),
+}
+
+
+def traced(module: Any, args: tuple[torch.Tensor, ...]) -> Any:
+    """``torch.jit.trace(module, args)``, failing on any TracerWarning (a value fixed by the trace)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", "`torch.jit.trace", FutureWarning)
+        warnings.filterwarnings("ignore", "`torch.jit.trace", DeprecationWarning)
+        return torch.jit.trace(module, args)
+
+
+@pytest.mark.parametrize("name", list(TRACED))
+def test_jit_trace_every_layer_equals_eager_at_any_length(name: str) -> None:
+    """Traced at one length, the module equals eager there and at two other lengths: no
+    dimension of an input is fixed by the trace (only the weights' shapes are)."""
+    make, args = TRACED[name]
+    module = make().eval()
+    module(*args(4))  # input sizes are inferred eagerly
+    trace = traced(module, args(5))
+    for t in (5, 3, 9):
+        expected = module(*args(t))
+        assert max_diff(out_of(trace(*args(t))), out_of(expected)) <= 1e-6, t
+
+
+def test_jit_trace_functional_api() -> None:
+    """The functions trace too, the weights passed as inputs of the trace."""
+    mha = torch_layers.MultiHeadAttention(12, 3, bias=True)
+    mha(*_attention_args(3)[:3])
+    names = list(dict(mha.named_parameters()))
+    params = tuple(p.detach() for p in mha.parameters())
+
+    def functional(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                   *weights: torch.Tensor) -> torch.Tensor:
+        return ac.multi_head_attention(q, k, v, dict(zip(names, weights, strict=True)), 3, lens,
+                                       causal=True)
+
+    trace = traced(functional, (*_attention_args(5), *params))
+    for t in (5, 8):
+        got, want = trace(*_attention_args(t), *params), functional(*_attention_args(t), *params)
+        assert max_diff(out_of(got), out_of(want)) <= 1e-6
+    dot = traced(lambda q, k, v: ac.dot_product_attention(q, k, v, causal=True),
+                 (_x(2, 5, 12), _x(2, 6, 12), _x(2, 6, 9)))
+    q, k, v = _x(2, 7, 12), _x(2, 8, 12), _x(2, 8, 9)
+    assert max_diff(out_of(dot(q, k, v)), out_of(ac.dot_product_attention(q, k, v, causal=True))) <= 1e-6
+
+
+def test_jit_trace_blockwise_needs_known_lengths() -> None:
+    """The blockwise path's blocks are Python loops over the lengths: under jit.trace, where
+    lengths are run-time sizes, it says so (the automatic choice never takes it there)."""
+    mha = torch_layers.MultiHeadAttention(12, 3, keep_attention_weights=False,
+                                          implementation="blockwise")
+    mha(*_attention_args(3))
+    with pytest.raises(ValueError, match=r"^implementation='blockwise' needs the numbers of "
+                       r"queries and keys to be known when the call is traced"):
+        traced(mha, _attention_args(5))
+
+
+@pytest.mark.xfail(raises=ValueError, strict=False,
+                   reason="the encoder makes its position table per length on the host, until "
+                   "the layer-held table of helper E (issue 14)")
+def test_jit_trace_encoder_equals_eager_at_any_length() -> None:
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
+    ids = lambda t: (torch.arange(2 * t).reshape(2, t) % 11, torch.tensor([t, 2]))  # noqa: E731
+    trace = traced(encoder, ids(5))
+    for t in (5, 3, 9):
+        assert max_diff(out_of(trace(*ids(t))), out_of(encoder(*ids(t)))) <= 1e-6, t
+
+
+# -- torch.compile with symbolic lengths ------------------------------------------------------
+
+
+def compilations(module: torch.nn.Module, args: Callable[[int], tuple[torch.Tensor, ...]],
+                 dynamic: bool | None, lengths: tuple[int, ...] = (5, 7, 9, 12)) -> int:
+    """How many graphs ``torch.compile(module, dynamic=dynamic)`` makes over calls at
+    ``lengths``, checking each call's output against eager."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(module, dynamic=dynamic, backend=counting)
+    for t in lengths:
+        got, want = compiled(*args(t)), module(*args(t))
+        assert max_diff(out_of(got), out_of(want)) <= 1e-6, t
+    return len(graphs)
+
+
+COMPILED = {**TRACED, "TransformerEncoder": (
+    lambda: torch_layers.TransformerEncoder(11, 12, 16, 3, 2),
+    lambda t: (torch.arange(2 * t).reshape(2, t) % 11, torch.tensor([t, 2])))}
+
+
+@functools.cache
+def torch_encoder_compilations(dynamic: bool | None) -> int:
+    """The bar: how often ``nn.TransformerEncoder`` compiles over the same four lengths."""
+    layer = torch.nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    return compilations(encoder, lambda t: (_x(2, t, 12),), dynamic)
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "default"])
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compile_does_not_recompile_per_length(name: str, dynamic: bool | None) -> None:
+    """Over four lengths a layer compiles no more often than ``nn.TransformerEncoder`` (once with
+    ``dynamic=True``; twice by default: static, then dynamic), with eager's outputs."""
+    bar = torch_encoder_compilations(dynamic)
+    make, args = COMPILED[name]
+    module = make().eval()
+    module(*args(4))  # input sizes are inferred eagerly
+    assert compilations(module, args, dynamic) <= bar
+
+
+def test_compiled_blockwise_path_has_no_graph_break() -> None:
+    """The blockwise path's blocks are Python loops over the lengths, so it compiles per length
+    (documented), but each length in one graph."""
+    mha = torch_layers.MultiHeadAttention(12, 3, keep_attention_weights=False,
+                                          implementation="blockwise").eval()
+    mha(*_attention_args(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(mha, fullgraph=True, backend="eager")
+    for t in (5, 9):
+        got = compiled(*_attention_args(t), causal=True)
+        assert max_diff(out_of(got), out_of(mha(*_attention_args(t), causal=True))) <= 1e-6
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("implementation", ["direct", "blockwise", "fused"])
+def test_autocast_every_path_over_many_key_blocks(implementation: str, compile_: bool) -> None:
+    """float32 inputs under bfloat16 autocast, keys over three blocks of the blockwise path and
+    rows with no visible key: every path within bfloat16's tolerance of float64 NumPy (the fill
+    is the scores' dtype's, not the queries'; the mended NaN rows keep the kernel's dtype)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(shape) for shape in ((2, 4, 8), (2, 2100, 8), (2, 2100, 8)))
+    lens = np.array([[0, 5, 2100, 1500], [2100, 1100, 0, 3]])  # (B, Q)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(8)  # (B, Q, K)
+    seen = np.arange(2100)[None, None, :] < lens[:, :, None]
+    weights = np.where(seen, np.exp(scores - np.where(seen, scores, -np.inf).max(-1, keepdims=True,
+                                                                                  initial=0.0)), 0)
+    total = weights.sum(-1, keepdims=True)
+    expected = (weights / np.where(total > 0, total, 1)) @ v
+    layer = torch_layers.DotProductAttention(keep_attention_weights=False,
+                                             implementation=implementation)
+    call = torch.compile(layer, fullgraph=True, backend="eager") if compile_ else layer
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(*(torch.tensor(x, dtype=torch.float32) for x in (q, k, v)),
+                   torch.from_numpy(lens))
+    assert out.dtype == torch.bfloat16
+    assert max_diff(out_of(out), expected) <= TOLERANCE["bfloat16"]

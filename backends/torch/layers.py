@@ -86,7 +86,7 @@ class Dense(LazyModuleMixin, nn.Module):
     def d_in(self) -> int | None:
         """The input size, None until known."""
         unknown = isinstance(self.kernel, UninitializedParameter)  # (not is_lazy: dynamo)
-        return None if unknown else int(self.kernel.shape[0])
+        return None if unknown else OPS.fixed_shape(self.kernel)[0]
 
     def materialize(self, d_in: int) -> None:
         """Gives the kernel its shape ``(d_in, d_out)``, in place (values uninitialised)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,17 @@ class TorchOps:
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = None if device is None else torch.device(device)
+
+    @property
+    def mixes_dtypes(self) -> bool:
+        """Whether ``torch.autocast`` is on for this device (any device when none was given).
+
+        Autocast runs the matrix products in its own dtype, so arrays of different floating
+        dtypes meet in the core; it then lets them (see :class:`attention_core.ops.Ops`).
+        """
+        if self.device is not None:
+            return bool(torch.is_autocast_enabled(self.device.type))
+        return bool(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
 
     def from_numpy(self, x: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -54,6 +66,17 @@ class TorchOps:
 
     def shape(self, x: torch.Tensor) -> tuple[Any, ...]:
         return tuple(x.shape)
+
+    def fixed_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """``x.shape`` as ints, also under ``torch.jit.trace``, which gives dimensions as tensors.
+
+        For weights, whose shapes a trace may fix (see :func:`attention_core.ops.fixed_shape`).
+        """
+        if not torch.jit.is_tracing():  # type: ignore[attr-defined, no-untyped-call]
+            return tuple(x.shape)
+        with warnings.catch_warnings():  # "converting a tensor to a Python integer": it is fixed
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)  # type: ignore[attr-defined]
+            return tuple(int(d) for d in x.shape)
 
     def dtype_name(self, x: torch.Tensor) -> str:
         return str(x.dtype).removeprefix("torch.")
@@ -128,7 +151,7 @@ class TorchOps:
         keys: torch.Tensor,
         values: torch.Tensor,
         visible: torch.Tensor | None,
-        scale: float,
+        scale: float | torch.Tensor,
         dropout: float,
     ) -> torch.Tensor:
         """``matmul(dropout(softmax_visible(q k^T * scale, visible)), v)`` in one fused kernel.
@@ -138,13 +161,16 @@ class TorchOps:
             keys: ``(B, H, K, D)``.
             values: ``(B, H, K, Dv)``.
             visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
-            scale: Multiplies the scores.
+            scale: Multiplies the scores; a float, or a 0-d tensor when the depth is a run-time
+                size (then folded into the queries).
             dropout: Dropout rate on the weights (0 for none).
 
         Returns:
             ``(B, H, Q, Dv)``; rows with no visible key are zero (torch's SDPA gives zeros
             there, checked by tests/test_torch.py).
         """
+        if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
+            queries, scale = queries * scale, 1.0
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
         )
