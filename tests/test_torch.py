@@ -953,9 +953,6 @@ def test_jit_trace_blockwise_needs_known_lengths() -> None:
         traced(mha, _attention_args(5))
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="the encoder makes its position table per length on the host, until "
-                   "the layer-held table of helper E (issue 14)")
 def test_jit_trace_encoder_equals_eager_at_any_length() -> None:
     encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
     ids = lambda t: (torch.arange(2 * t).reshape(2, t) % 11, torch.tensor([t, 2]))  # noqa: E731
