@@ -888,7 +888,8 @@ class TransformerEncoder(_SinusoidalTable):
     def _compute(self, ops: MXNetOps, arrays: list[Any], weights: Mapping[str, Any],
                  options: Mapping[str, Any]) -> Any:
         tokens, valid_lens, mask = arrays
-        table = weights.get("P")
+        weights = dict(weights)
+        table = weights.pop("P", None)  # the held table is no canonical weight
         if table is None:  # a first call passes only the canonical weights
             table = self.P
         need = options["weights"]
