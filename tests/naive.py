@@ -205,3 +205,11 @@ def transformer_encoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
         x, weights = encoder_block(x, sub(w, f"blks.{i}"), H, vis)
         all_weights.append(weights)
     return x, all_weights
+
+
+def encoder_of(layer: Any, tokens: np.ndarray) -> np.ndarray:
+    """A ``TransformerEncoder`` layer's output on ``tokens``, nothing masked, in float64 from
+    its canonical weights."""
+    w = {name: np.asarray(x, np.float64) for name, x in layer.get_weights().items()}
+    B, T = tokens.shape
+    return transformer_encoder(tokens, w, layer.num_heads, np.ones((B, layer.num_heads, T, T), bool))[0]

@@ -866,14 +866,6 @@ def test_additive_attention_with_one_query_and_a_large_batch() -> None:
 # -- unknown sequence lengths (issue 14, item 16) -------------------------------------------------
 
 
-def _encoder_reference(encoder: Any, tokens: np.ndarray) -> np.ndarray:
-    """The independent float64 NumPy encoder on the layer's weights (nothing masked)."""
-    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
-    B, T = tokens.shape
-    out, _ = naive.transformer_encoder(tokens, weights, encoder.num_heads,
-                                       np.ones((B, encoder.num_heads, T, T), bool))
-    return out
-
 
 def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None:
     """``keras.Input((None,))``: build, predict at two lengths, fit, save and load."""
@@ -885,7 +877,7 @@ def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None
     for steps in (3, 9):
         tokens = rng.integers(0, 10, (2, steps))
         got = model.predict(tokens, verbose=0)
-        assert max_diff(got, _encoder_reference(encoder, tokens)) <= 1e-4
+        assert max_diff(got, naive.encoder_of(encoder, tokens)) <= 1e-4
     model.compile("adam", "mse")
     history = model.fit(rng.integers(0, 10, (8, 6)), rng.standard_normal((8, 6, 8)), epochs=2,
                         batch_size=4, verbose=0)
@@ -908,7 +900,7 @@ def test_encoder_under_tf_function_of_unknown_length() -> None:
     rng = np.random.default_rng(6)
     for steps in (4, 11):
         tokens = rng.integers(0, 10, (3, steps)).astype(np.int32)
-        want = _encoder_reference(encoder, tokens)
+        want = naive.encoder_of(encoder, tokens)
         assert max_diff(layer_fn(tokens).numpy(), want) <= 1e-4
         assert max_diff(core_fn(tokens).numpy(), want) <= 1e-4
     assert layer_fn.experimental_get_tracing_count() == 1  # one trace served both lengths

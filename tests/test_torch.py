@@ -417,6 +417,20 @@ def test_torch_func_grad_and_vmap(implementation: str) -> None:
 
 
 
+def _compiled_fused_equals_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  lens: torch.Tensor, nan_rows: int) -> None:
+    """The fused path under ``torch.compile`` gives the eager direct path's rows, NaN ones
+    included (``nan_rows`` of them)."""
+
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> Any:
+        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=OPS)
+
+    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, lens)
+    want = ac.dot_product_attention(q, k, v, lens, implementation="direct")
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().any(-1).sum()) == nan_rows
+    assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
+
+
 def test_compiled_fused_path_puts_nan_where_eager_does() -> None:
     """Under ``torch.compile`` the inputs cannot be probed, so the mending is always traced:
     NaN in a query, a masked key and a masked value give the eager direct path's rows."""
@@ -424,14 +438,7 @@ def test_compiled_fused_path_puts_nan_where_eager_does() -> None:
     q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (4, 6, 6))
     q[1, 0, 2, 3] = k[0, 1, 5, 0] = v[1, 1, 4, 2] = float("nan")
     lens = torch.tensor([5, 4])
-
-    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> Any:
-        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=OPS)
-
-    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, lens)
-    want = ac.dot_product_attention(q, k, v, lens, implementation="direct")
-    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().any(-1).sum()) == 1
-    assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
+    _compiled_fused_equals_direct(q, k, v, lens, nan_rows=1)
 
 
 def test_compiled_fused_path_treats_inf_in_queries_and_keys_as_nan() -> None:
@@ -443,14 +450,7 @@ def test_compiled_fused_path_treats_inf_in_queries_and_keys_as_nan() -> None:
     k[0, 1, 1, 0] = -float("inf")
     k[1, 0, 5, 2] = float("inf")  # past example 1's length
     lens = torch.tensor([6, 4])
-
-    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> Any:
-        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=OPS)
-
-    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, lens)
-    want = ac.dot_product_attention(q, k, v, lens, implementation="direct")
-    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().any(-1).sum()) == 5
-    assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
+    _compiled_fused_equals_direct(q, k, v, lens, nan_rows=5)
 
 
 # -- the blockwise path ----------------------------------------------------------------------
@@ -688,14 +688,6 @@ def test_new_layers_trace_without_graph_breaks(keep: bool) -> None:
 # -- unknown sequence lengths: torch.export and ONNX (issue 14, item 16) --------------------------
 
 
-def _encoder_reference(encoder: Any, tokens: np.ndarray) -> np.ndarray:
-    """The independent float64 NumPy encoder on the module's weights (nothing masked)."""
-    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
-    B, T = tokens.shape
-    out, _ = naive.transformer_encoder(tokens, weights, encoder.num_heads,
-                                       np.ones((B, encoder.num_heads, T, T), bool))
-    return out
-
 
 @pytest.mark.parametrize("keep", [True, False], ids=["weights", "fused"])
 def test_encoder_torch_export_with_a_dynamic_length(keep: bool) -> None:
@@ -707,7 +699,7 @@ def test_encoder_torch_export_with_a_dynamic_length(keep: bool) -> None:
     for length in (3, 17):
         tokens = torch.randint(0, 11, (2, length))
         got = program.module()(tokens).detach().numpy()
-        assert max_diff(got, _encoder_reference(encoder, tokens.numpy())) <= 1e-4
+        assert max_diff(got, naive.encoder_of(encoder, tokens.numpy())) <= 1e-4
 
 
 def test_encoder_onnx_export_with_a_dynamic_axis(tmp_path: Any) -> None:
@@ -723,7 +715,7 @@ def test_encoder_onnx_export_with_a_dynamic_axis(tmp_path: Any) -> None:
     for batch, length in ((2, 3), (3, 17)):
         tokens = np.random.default_rng(length).integers(0, 11, (batch, length))
         (got,) = session.run(None, {"tokens": tokens})
-        assert max_diff(got, _encoder_reference(encoder, tokens)) <= 1e-4
+        assert max_diff(got, naive.encoder_of(encoder, tokens)) <= 1e-4
 
 
 class _FunctionalEncoder(torch.nn.Module):
@@ -748,7 +740,7 @@ def test_functional_encoder_torch_export_with_a_dynamic_length() -> None:
     for length in (3, 17):
         tokens = torch.randint(0, 11, (2, length))
         got = program.module()(tokens).detach().numpy()
-        assert max_diff(got, _encoder_reference(encoder, tokens.numpy())) <= 1e-4
+        assert max_diff(got, naive.encoder_of(encoder, tokens.numpy())) <= 1e-4
 # -- torch.autocast -------------------------------------------------------------------------
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
