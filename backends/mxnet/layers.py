@@ -120,6 +120,8 @@ class Layer(PlainArguments, HybridBlock):
 
     #: The names of the arrays :meth:`_run` gets, in order.
     _slots: tuple[str, ...] = ("X",)
+    #: ``HybridBlock``'s built graph, ``(inputs, outputs)`` (empty before the first call).
+    _cached_graph: Any
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32", **kwargs: Any) -> None:
         dropout = checks.check_dropout(dropout)
