@@ -12,7 +12,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -197,31 +197,53 @@ def subset(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 # -- initialisation -----------------------------------------------------------------------
 
 
-def init_weights(spec: Spec, rng: np.random.Generator, dtype: str = "float32") -> dict[str, Any]:
-    """Draws initial weights for a fully known spec.
+class InitRule(NamedTuple):
+    """How one weight's initial values are drawn: ``kind`` with parameters ``a`` and ``b``.
 
-    Kernels are Glorot-uniform, biases and ``beta`` zero, ``gamma`` one, a learned table
-    ``P`` normal with std 0.02, an ``embedding`` table ``(N, D)`` normal with std
-    ``1 / sqrt(D)`` (unit-norm rows on average), a kernel width ``w`` uniform in [0, 1).
+    ``"uniform"`` draws from [a, b), ``"normal"`` from N(a, b**2), ``"constant"`` fills with a.
     """
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+
+def init_rule(name: str, shape: tuple[int, ...]) -> InitRule:
+    """The initialisation rule of a weight, from its canonical name's last part and its shape.
+
+    Kernels ``(in, out)`` are Glorot-uniform, biases and ``beta`` zero, ``gamma`` one, a learned
+    table ``P`` normal with std 0.02, an ``embedding`` table ``(N, D)`` normal with std
+    ``1 / sqrt(D)`` (unit-norm rows on average), a kernel width ``w`` uniform in [0, 1).
+    Every backend draws these with its own random numbers.
+    """
+    leaf = name.rpartition(".")[2]
+    if leaf == "kernel":
+        limit = math.sqrt(6.0 / (shape[0] + shape[1]))
+        return InitRule("uniform", -limit, limit)
+    if leaf in ("bias", "beta", "gamma"):
+        return InitRule("constant", 1.0 if leaf == "gamma" else 0.0)
+    if leaf == "P":
+        return InitRule("normal", 0.0, 0.02)
+    if leaf == "embedding":
+        return InitRule("normal", 0.0, 1.0 / math.sqrt(shape[-1]))
+    return InitRule("uniform", 0.0, 1.0)
+
+
+def draw(rule: InitRule, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Draws ``rule`` with NumPy (float64)."""
+    if rule.kind == "uniform":
+        return rng.uniform(rule.a, rule.b, shape)
+    if rule.kind == "normal":
+        return rng.normal(rule.a, rule.b, shape)
+    return np.full(shape, rule.a)
+
+
+def init_weights(spec: Spec, rng: np.random.Generator, dtype: str = "float32") -> dict[str, Any]:
+    """Draws initial weights for a fully known spec, by :func:`init_rule`, in spec order."""
     out: dict[str, Any] = {}
     for name, shape in spec.items():
         dims = _known_dims(name, shape)
-        leaf = name.rpartition(".")[2]
-        if leaf == "kernel":
-            limit = np.sqrt(6.0 / (dims[0] + dims[1]))
-            value = rng.uniform(-limit, limit, dims)
-        elif leaf in ("bias", "beta"):
-            value = np.zeros(dims)
-        elif leaf == "gamma":
-            value = np.ones(dims)
-        elif leaf == "P":
-            value = rng.normal(0.0, 0.02, dims)
-        elif leaf == "embedding":
-            value = rng.normal(0.0, 1.0 / np.sqrt(dims[-1]), dims)
-        else:
-            value = rng.uniform(0.0, 1.0, dims)
-        out[name] = value.astype(dtype)
+        out[name] = draw(init_rule(name, dims), dims, rng).astype(dtype)
     return out
 
 

@@ -1,0 +1,715 @@
+"""Every layer, declared once: its arguments, weights, sublayers, inputs and forward.
+
+A declaration is a dataclass whose fields are the layer's constructor arguments (their order,
+defaults and keyword-only marks are the public signature). Its class attributes and methods say
+the rest, over :class:`~attention_core.ops.Ops` only:
+
+- :meth:`Declaration.check` validates and normalises the arguments;
+- :meth:`Declaration.weight_shapes` names the weights and gives their shapes from the arguments
+  and the input sizes (``q_in`` ...; None while unknown); the initial values follow
+  :func:`attention_core.weights.init_weights`' rule for each name;
+- :meth:`Declaration.sublayers` names the declared layers a composite is made of (their weights
+  are its weights, under the sublayer's name);
+- :meth:`Declaration.constants` gives fixed tables (the sinusoidal ``P``), held but not trained;
+- :attr:`Declaration.sizes` maps each input size to the call argument whose last axis gives it;
+- :meth:`Declaration.compute` is the forward: its signature after ``run`` is the layer's call
+  signature, and it returns the output, with the attention weights when ``run.need`` is True.
+
+Each framework's adapter (``backends/<name>/layers.py``) turns any declaration into a native
+layer with one generic base class: a backend's ``MultiHeadAttention`` is
+``class MultiHeadAttention(Layer, declarations.MultiHeadAttention)``. The call sequence the
+adapters share (bind the call, cast, check, size, compute, keep the attention weights) is
+:meth:`Declaration.bind_call`, :meth:`Declaration.prepare` and :meth:`Declaration.finish`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import numpy as np
+
+from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import weights as W
+from attention_core.host import plain
+from attention_core.ops import Array, Ops
+
+_T = TypeVar("_T")
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform as dataclass_transform
+else:  # the decorator only informs type checkers
+
+    def dataclass_transform(**_: Any) -> Callable[[_T], _T]:
+        """Python 3.10: a decorator that changes nothing (see PEP 681)."""
+        return lambda cls: cls
+
+
+def keyword_parameters(arguments: type) -> tuple[inspect.Parameter, ...]:
+    """A dataclass's fields as keyword-only parameters (a backend's :attr:`Declaration.extras`)."""
+    return tuple(
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+        for f in dataclasses.fields(arguments)
+    )
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a forward needs besides its inputs.
+
+    Attributes:
+        ops: The backend's ops for this call (with its dropout randomness).
+        weights: The weights by canonical name, in the compute dtype.
+        constants: The fixed tables of :meth:`Declaration.constants`, as the backend holds them.
+        dropout: The dropout rate of this call (0.0 outside training).
+        need: Whether to form and return the attention weights too.
+    """
+
+    ops: Ops
+    weights: Mapping[str, Array]
+    constants: Mapping[str, Array]
+    dropout: float
+    need: bool
+
+
+class Sublayer(NamedTuple):
+    """A declared layer inside a composite, with the input sizes the composite fixes."""
+
+    layer: Declaration
+    dims: Mapping[str, int] = {}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A bound, cast and checked call (see :meth:`Declaration.prepare`).
+
+    Attributes:
+        arguments: The call's arguments by name (array inputs cast to the compute dtype),
+            without ``return_attention``.
+        return_attention: Whether the caller asked for ``(output, attention_weights)``.
+        dims: The input sizes read off the inputs (``q_in`` ...).
+    """
+
+    arguments: dict[str, Any]
+    return_attention: bool
+    dims: dict[str, int]
+
+
+@dataclass(eq=False)
+class Declaration:
+    """Base of the layer declarations (see the module's docstring).
+
+    Attributes:
+        cast: The array inputs that follow the dtype rule of
+            :func:`attention_core.checks.compute_inputs` (token ids do not).
+        sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
+        sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
+        attention: The attention weights a call forms: None, ``"single"`` (one array
+            ``(B, H, Q, K)``, kept in ``attention_weights``), or ``"blocks"`` (one per block).
+        returns_attention: Whether the call takes ``return_attention``.
+        always_keeps: Whether the attention weights are kept whatever
+            ``keep_attention_weights`` says (layers without that argument).
+    """
+
+    cast: ClassVar[tuple[str, ...]] = ()
+    sizes: ClassVar[Mapping[str, str]] = {}
+    sequences: ClassVar[tuple[str, ...]] = ()
+    attention: ClassVar[str | None] = None
+    returns_attention: ClassVar[bool] = False
+    always_keeps: ClassVar[bool] = False
+
+    #: A backend's own keyword-only constructor arguments, after the declared ones.
+    extras: ClassVar[tuple[inspect.Parameter, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Gives a backend's layer class its constructor's signature, for ``help`` and IDEs."""
+        super().__init_subclass__(**kwargs)
+        if "LAYERS" in globals() and cls not in LAYERS.values() and cls.declared_or_none():
+            cls.__signature__ = cls.signature(*cls.extras)  # type: ignore[attr-defined]
+            if "__doc__" not in cls.__dict__ or cls.__doc__ is None:
+                cls.__doc__ = cls.declared().__doc__
+
+    # -- arguments ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Validates the arguments (raising as every backend does) and normalises them."""
+        self.normalise("dropout", checks.check_dropout)
+        self.normalise("implementation", checks.check_implementation)
+        for name in ("keep_attention_weights", "bias", "relative_values", "parametric"):
+            self.normalise(name, bool)
+        self.weight_shapes()  # the shape rules check the sizes
+
+    def normalise(self, name: str, rule: Callable[[Any], Any]) -> None:
+        """Replaces argument ``name``, if the layer has it, by ``rule(value)``.
+
+        The attribute is set as on a plain object, which every framework's layer allows
+        for a constructor argument (Flax modules are frozen dataclasses after init).
+        """
+        if name in self.argument_names():
+            object.__setattr__(self, name, rule(getattr(self, name)))
+
+    @classmethod
+    def declared_or_none(cls) -> type[Declaration] | None:
+        """The declaration among this class's bases (the class itself for a declaration)."""
+        return next((c for c in cls.__mro__ if c in LAYERS.values()), None)
+
+    @classmethod
+    def declared(cls) -> type[Declaration]:
+        """The declaration among this class's bases (the class itself for a declaration)."""
+        found = cls.declared_or_none()
+        assert found is not None, f"{cls.__name__} has no declared layer among its bases"
+        return found
+
+    @classmethod
+    def argument_names(cls) -> tuple[str, ...]:
+        """The constructor arguments, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls.declared()))
+
+    @classmethod
+    def signature(cls, *extras: inspect.Parameter) -> inspect.Signature:
+        """The constructor's signature, with a framework's keyword-only ``extras`` after it."""
+        params = list(inspect.signature(cls.declared()).parameters.values())
+        return inspect.Signature([*params, *extras])
+
+    @classmethod
+    def bind_arguments(
+        cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], *extras: inspect.Parameter
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Binds constructor arguments like Python would: ``(declared, framework extras)``.
+
+        NumPy scalars become Python numbers (:func:`attention_core.host.plain`).
+        """
+        bound = cls.signature(*extras).bind(*args, **kwargs)
+        bound.apply_defaults()
+        names = set(cls.argument_names())
+        values = {k: plain(v) for k, v in bound.arguments.items()}
+        return (
+            {k: v for k, v in values.items() if k in names},
+            {k: v for k, v in values.items() if k not in names},
+        )
+
+    def arguments(self) -> dict[str, Any]:
+        """The constructor arguments and their values (a layer's config)."""
+        return {name: getattr(self, name) for name in self.argument_names()}
+
+    def describe(self) -> str:
+        """The arguments as ``name=value, ...`` for reprs: keyword-only ones when not default."""
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self.declared())
+            if not f.kw_only or getattr(self, f.name) != f.default
+        ]
+        return ", ".join(shown)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        """The layer's own weights (not its sublayers'), for the given input sizes."""
+        return {}
+
+    def sublayers(self) -> dict[str, Sublayer]:
+        """The declared layers this one is made of, by name (their weights go under it)."""
+        return {}
+
+    def weight_shapes(self, **dims: int | None) -> W.Spec:
+        """Every weight's canonical name and shape (None = an input size not known yet)."""
+        spec = self.own_weight_shapes(**dims)
+        for name, sub in self.sublayers().items():
+            spec.update(W.prefixed(sub.layer.weight_shapes(**sub.dims), name))
+        return spec
+
+    def constants(self, dtype: str) -> dict[str, np.ndarray]:
+        """Fixed tables the layer holds but does not train (e.g. ``P``), in ``dtype``."""
+        return {}
+
+    # -- calls -------------------------------------------------------------------------------
+
+    @classmethod
+    def call_signature(cls) -> inspect.Signature:
+        """The call's signature: :meth:`compute`'s after ``run``, plus ``return_attention``."""
+        params = list(inspect.signature(cls.compute).parameters.values())[2:]
+        if cls.returns_attention:
+            params.append(inspect.Parameter(
+                "return_attention", inspect.Parameter.KEYWORD_ONLY, default=False
+            ))
+        return inspect.Signature(params)
+
+    def bind_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Binds a call's arguments to :meth:`call_signature` (a TypeError like Python's)."""
+        bound = self.call_signature().bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def prepare(self, ops: Ops, dtype: str | None, arguments: Mapping[str, Any]) -> Prepared:
+        """Casts the array inputs (the dtype rule), checks them and reads the input sizes.
+
+        Args:
+            ops: The backend's ops.
+            dtype: The layer's compute dtype; None to compute in the inputs' own dtype.
+            arguments: The bound call (:meth:`bind_call`).
+        """
+        arguments = dict(arguments)
+        return_attention = bool(arguments.pop("return_attention", False))
+        names = [n for n in self.cast if n in arguments]
+        weighted = dtype if self.weight_shapes() else None
+        cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
+        arguments.update(zip(names, cast, strict=True))
+        self.check_inputs(ops, **arguments)
+        dims = {dim: int(ops.shape(arguments[arg])[-1]) for dim, arg in self.sizes.items()}
+        return Prepared(arguments, return_attention, dims)
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        """Checks the inputs before any weight is made for them (ranks, widths)."""
+
+    def needs_attention(self, return_attention: bool, keeping: bool = True) -> bool:
+        """Whether a call forms the attention weights.
+
+        Args:
+            return_attention: The caller asked for them.
+            keeping: The framework can keep them now (False e.g. for Flax without a mutable
+                ``'intermediates'``).
+        """
+        if self.attention is None:
+            return False
+        keep = self.always_keeps or bool(getattr(self, "keep_attention_weights", True))
+        return return_attention or (keep and keeping)
+
+    def finish(self, result: Any, need: bool, return_attention: bool) -> tuple[Any, Any]:
+        """Splits a forward's result: ``(what the call returns, the attention weights to keep)``.
+
+        The weights to keep are None when not formed (a list of None for ``"blocks"``).
+        """
+        if not need:
+            kept: Any = [None] * len(self.sublayers()) if self.attention == "blocks" else None
+            return result, kept
+        out, kept = result
+        if self.attention == "blocks":
+            kept = list(kept)
+        return (result if return_attention else out), kept
+
+    def compute(self, run: Run, *args: Any, **kwargs: Any) -> Any:
+        """The forward (see the module's docstring)."""
+        raise NotImplementedError
+
+
+# -- attention -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Attention(Declaration):
+    """Shared by the attention layers: their inputs, checks and call."""
+
+    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    attention: ClassVar[str | None] = "single"
+    returns_attention: ClassVar[bool] = True
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        attention.check_projected_inputs(
+            ops, arguments["queries"], arguments["keys"], arguments["values"]
+        )
+
+    def compute(
+        self, run: Run, queries: Array, keys: Array, values: Array, valid_lens: Any = None, *,
+        mask: Any = None, causal: bool = False,
+    ) -> Any:
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``."""
+        options = {
+            "mask": mask, "causal": causal, "dropout": run.dropout, "return_weights": run.need,
+            "ops": run.ops,
+        }
+        return self.attend(run, queries, keys, values, valid_lens, **options)
+
+    def attend(self, run: Run, *args: Any, **options: Any) -> Any:
+        """Calls the core's attention function with the layer's weights."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class DotProductAttention(_Attention):
+    """Scaled dot-product attention (no weights).
+
+    Args:
+        dropout: Dropout rate on the attention weights in training.
+        keep_attention_weights: Keep each call's weights (``attention_weights``, or a sow into
+            ``'intermediates'`` on Flax). When False, calls without ``return_attention`` never
+            form them, so the core may pool blockwise or with the framework's fused kernel.
+        implementation: How calls that do not need the weights pool: ``"direct"``,
+            ``"blockwise"`` or ``"fused"``; None lets the core choose
+            (:func:`attention_core.attention.choose_implementation`).
+    """
+
+    dropout: float = 0.0
+    _: KW_ONLY
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+
+    def attend(self, run: Run, *args: Any, **options: Any) -> Any:
+        return attention.dot_product_attention(
+            *args, implementation=self.implementation, **options
+        )
+
+
+@dataclass(eq=False)
+class AdditiveAttention(_Attention):
+    """Additive (Bahdanau) attention: ``w_v^T tanh(W_q q + W_k k)`` scores.
+
+    Args:
+        num_hiddens: h, the size of the hidden layer scoring each query-key pair.
+        dropout: Dropout rate on the attention weights in training.
+    """
+
+    num_hiddens: int
+    dropout: float = 0.0
+    sizes: ClassVar[Mapping[str, str]] = {"q_in": "queries", "k_in": "keys"}
+    always_keeps: ClassVar[bool] = True
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.additive_spec(self.num_hiddens, dims.get("q_in"), dims.get("k_in"))
+
+    def attend(self, run: Run, *args: Any, **options: Any) -> Any:
+        q, k, v, valid_lens = args
+        return attention.additive_attention(q, k, v, run.weights, valid_lens, **options)
+
+
+@dataclass(eq=False)
+class MultiHeadAttention(_Attention):
+    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features.
+
+    Args:
+        num_hiddens: h, the width of the projections and of the output.
+        num_heads: H; must divide ``num_hiddens``.
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        keep_attention_weights: See :class:`DotProductAttention`.
+        implementation: See :class:`DotProductAttention`.
+    """
+
+    num_hiddens: int
+    num_heads: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+    sizes: ClassVar[Mapping[str, str]] = {"q_in": "queries", "k_in": "keys", "v_in": "values"}
+
+    def check(self) -> None:
+        heads = checks.check_heads(self.num_hiddens, self.num_heads)
+        self.normalise("num_hiddens", lambda _: heads[0])
+        self.normalise("num_heads", lambda _: heads[1])
+        super().check()
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.multi_head_spec(
+            self.num_hiddens, self.num_heads, self.bias,
+            dims.get("q_in"), dims.get("k_in"), dims.get("v_in"),
+        )
+
+    def attend(self, run: Run, *args: Any, **options: Any) -> Any:
+        q, k, v, valid_lens = args
+        return multihead.multi_head_attention(
+            q, k, v, run.weights, self.num_heads, valid_lens,
+            implementation=self.implementation, **options,
+        )
+
+
+@dataclass(eq=False)
+class RelativeMultiHeadAttention(_Attention):
+    """Multi-head attention with relative position representations (Shaw et al., 2018).
+
+    Args:
+        num_hiddens: h, the width of the projections and of the output.
+        num_heads: H; must divide ``num_hiddens``.
+        max_relative_position: m: offsets between a key and a query are clipped to [-m, m].
+        dropout: Dropout rate on the attention weights in training.
+        bias: Whether the four projections have biases.
+        relative_values: Also add the offsets' vectors to the values (``rel_v.embedding``).
+        keep_attention_weights: Keep each call's weights.
+    """
+
+    num_hiddens: int
+    num_heads: int
+    max_relative_position: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    relative_values: bool = True
+    keep_attention_weights: bool = True
+    sizes: ClassVar[Mapping[str, str]] = {"q_in": "queries", "k_in": "keys", "v_in": "values"}
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.relative_multi_head_spec(
+            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
+            self.relative_values, dims.get("q_in"), dims.get("k_in"), dims.get("v_in"),
+        )
+
+    def attend(self, run: Run, *args: Any, **options: Any) -> Any:
+        q, k, v, valid_lens = args
+        return multihead.relative_multi_head_attention(
+            q, k, v, run.weights, self.num_heads, valid_lens, **options
+        )
+
+
+@dataclass(eq=False)
+class NadarayaWatson(Declaration):
+    """Nadaraya-Watson attention pooling with a Gaussian kernel.
+
+    Args:
+        parametric: Learn the kernel's inverse width ``w`` (weight ``w`` of shape ``(1,)``).
+    """
+
+    parametric: bool = False
+    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    attention: ClassVar[str | None] = "single"
+    always_keeps: ClassVar[bool] = True
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.nadaraya_watson_spec(self.parametric)
+
+    def compute(self, run: Run, queries: Array, keys: Array, values: Array) -> Any:
+        """Pools ``values`` by a Gaussian kernel of the ``queries``' distance to the ``keys``."""
+        w = run.weights.get("w")
+        result = attention.nadaraya_watson(
+            queries, keys, values, w, return_weights=run.need, ops=run.ops
+        )
+        return result
+
+
+# -- positions -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PositionalEncoding(Declaration):
+    """Adds the sinusoidal table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
+
+    Args:
+        num_hiddens: h, the width of the input and of the table.
+        dropout: Dropout rate on the sum, in training.
+        max_len: Rows of the table, the longest sequence the layer takes.
+    """
+
+    num_hiddens: int
+    dropout: float = 0.0
+    max_len: int = positional.DEFAULT_MAX_LEN
+    cast: ClassVar[tuple[str, ...]] = ("X",)
+
+    def check(self) -> None:
+        for name in ("num_hiddens", "max_len"):
+            self.normalise(name, functools.partial(checks.check_positive_int, name))
+        super().check()
+
+    def constants(self, dtype: str) -> dict[str, np.ndarray]:
+        return {"P": positional.sinusoidal_encoding(self.max_len, self.num_hiddens, dtype)[None]}
+
+    def compute(self, run: Run, X: Array) -> Array:
+        """Adds ``P[:, :T]`` to ``X (B, T, h)``, then dropout."""
+        return positional.add_positions(X, run.constants["P"], run.dropout, ops=run.ops)
+
+
+@dataclass(eq=False)
+class LearnedPositionalEncoding(Declaration):
+    """Adds a learned table ``P`` (shape ``(1, max_len, num_hiddens)``) to the input.
+
+    Args:
+        num_hiddens: h, the width of the input and of the table.
+        dropout: Dropout rate on the sum, in training.
+        max_len: Rows of the table, the longest sequence the layer takes.
+    """
+
+    num_hiddens: int
+    dropout: float = 0.0
+    max_len: int = positional.DEFAULT_MAX_LEN
+    cast: ClassVar[tuple[str, ...]] = ("X",)
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.learned_positional_spec(self.num_hiddens, self.max_len)
+
+    def compute(self, run: Run, X: Array) -> Array:
+        """Adds ``P[:, :T]`` to ``X (B, T, h)``, then dropout."""
+        return positional.add_positions(X, run.weights["P"], run.dropout, ops=run.ops)
+
+
+# -- the Transformer encoder -----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PositionWiseFFN(Declaration):
+    """Two dense layers with a ReLU between, applied at every position.
+
+    Args:
+        ffn_num_hiddens: Width of the hidden layer.
+        ffn_num_outputs: Width of the output.
+    """
+
+    ffn_num_hiddens: int
+    ffn_num_outputs: int
+    cast: ClassVar[tuple[str, ...]] = ("X",)
+    sizes: ClassVar[Mapping[str, str]] = {"d_in": "X"}
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, dims.get("d_in"))
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        checks.check_rank(ops, "X", arguments["X"], (3,), "(B, T, d)")
+
+    def compute(self, run: Run, X: Array) -> Array:
+        """``dense2(relu(dense1(X)))`` for ``X (B, T, d)``."""
+        return transformer.position_wise_ffn(X, run.weights, ops=run.ops)
+
+
+@dataclass(eq=False)
+class AddNorm(Declaration):
+    """Residual connection followed by layer normalisation over the last axis (eps 1e-5).
+
+    Args:
+        num_hiddens: h, the width normalised over.
+        dropout: Dropout rate on the sublayer's output ``Y``, in training.
+    """
+
+    num_hiddens: int
+    dropout: float = 0.0
+    cast: ClassVar[tuple[str, ...]] = ("X", "Y")
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.add_norm_spec(self.num_hiddens)
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        checks.check_last_dim(ops, "X", arguments["X"], self.num_hiddens)
+
+    def compute(self, run: Run, X: Array, Y: Array) -> Array:
+        """``LayerNorm(dropout(Y) + X)`` for ``X``, ``Y`` ``(B, T, h)``."""
+        return transformer.add_norm(X, Y, run.weights, run.dropout, ops=run.ops)
+
+
+@dataclass(eq=False)
+class TransformerEncoderBlock(Declaration):
+    """Self-attention and a position-wise FFN, each wrapped in add & norm.
+
+    Args:
+        num_hiddens: h, the model width.
+        ffn_num_hiddens: Width of the FFN's hidden layer.
+        num_heads: H; must divide ``num_hiddens``.
+        dropout: Dropout rate of the attention weights and both residual branches, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's self-attention weights; False lets the core
+            pool without forming them.
+        implementation: See :class:`DotProductAttention`.
+    """
+
+    num_hiddens: int
+    ffn_num_hiddens: int
+    num_heads: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+    cast: ClassVar[tuple[str, ...]] = ("X",)
+    sequences: ClassVar[tuple[str, ...]] = ("X",)
+    attention: ClassVar[str | None] = "single"
+
+    def sublayers(self) -> dict[str, Sublayer]:
+        h, dropout = self.num_hiddens, self.dropout
+        mha = MultiHeadAttention(h, self.num_heads, dropout, self.bias)
+        return {
+            "attention": Sublayer(mha, {"q_in": h, "k_in": h, "v_in": h}),
+            "addnorm1": Sublayer(AddNorm(h, dropout)),
+            "ffn": Sublayer(PositionWiseFFN(self.ffn_num_hiddens, h), {"d_in": h}),
+            "addnorm2": Sublayer(AddNorm(h, dropout)),
+        }
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        checks.check_rank(ops, "X", arguments["X"], (3,), "(B, T, num_hiddens)")
+        checks.check_last_dim(ops, "X", arguments["X"], self.num_hiddens)
+
+    def compute(
+        self, run: Run, X: Array, valid_lens: Any = None, *, mask: Any = None,
+    ) -> Any:
+        """One post-norm block over ``X (B, T, h)``."""
+        return transformer.transformer_encoder_block(
+            X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
+            return_weights=run.need, implementation=self.implementation, ops=run.ops,
+        )
+
+
+@dataclass(eq=False)
+class TransformerEncoder(Declaration):
+    """The Transformer encoder: scaled token embedding, sinusoidal encoding, ``num_blks`` blocks.
+
+    Args:
+        vocab_size: V, the number of token ids.
+        num_hiddens: h, the model width.
+        ffn_num_hiddens: Width of the blocks' FFN hidden layers.
+        num_heads: H; must divide ``num_hiddens``.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the encoding's sum and inside every block, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each block's self-attention weights (a list, one
+            ``(B, H, T, T)`` array per block).
+        implementation: See :class:`DotProductAttention`.
+        max_len: Rows of the sinusoidal table ``P`` ``(1, max_len, h)``, the longest sequence
+            the encoder takes.
+    """
+
+    vocab_size: int
+    num_hiddens: int
+    ffn_num_hiddens: int
+    num_heads: int
+    num_blks: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+    max_len: int = positional.DEFAULT_MAX_LEN
+    sequences: ClassVar[tuple[str, ...]] = ("tokens",)
+    attention: ClassVar[str | None] = "blocks"
+
+    def check(self) -> None:
+        for name in ("vocab_size", "num_blks", "max_len"):
+            self.normalise(name, functools.partial(checks.check_positive_int, name))
+        super().check()
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        num_hiddens = checks.check_positive_int("num_hiddens", self.num_hiddens)
+        return {"token.embedding": (self.vocab_size, num_hiddens)}
+
+    def sublayers(self) -> dict[str, Sublayer]:
+        block = TransformerEncoderBlock(
+            self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
+            keep_attention_weights=self.keep_attention_weights,
+            implementation=self.implementation,
+        )
+        return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
+
+    def constants(self, dtype: str) -> dict[str, np.ndarray]:
+        return {"P": positional.sinusoidal_encoding(self.max_len, self.num_hiddens, dtype)[None]}
+
+    def compute(
+        self, run: Run, tokens: Array, valid_lens: Any = None, *, mask: Any = None,
+    ) -> Any:
+        """Embeds ``tokens (B, T)``, adds positions and runs the blocks: ``(B, T, h)``."""
+        return transformer.transformer_encoder(
+            tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
+            return_weights=run.need, implementation=self.implementation,
+            positions=run.constants["P"], ops=run.ops,
+        )
+
+
+#: The declared layers, by their public name.
+LAYERS: dict[str, type[Declaration]] = {
+    cls.__name__: cls
+    for cls in (
+        DotProductAttention, AdditiveAttention, MultiHeadAttention, RelativeMultiHeadAttention,
+        PositionalEncoding, LearnedPositionalEncoding, PositionWiseFFN, AddNorm,
+        TransformerEncoderBlock, TransformerEncoder, NadarayaWatson,
+    )
+}
+
+
