@@ -255,7 +255,7 @@ class Declaration:
         """
         arguments = dict(arguments)
         return_attention = bool(arguments.pop("return_attention", False))
-        names = [n for n in self.cast if n in arguments]
+        names = [n for n in self.declared().cast if n in arguments]  # Gluon's cast() is a method
         weighted = dtype if self.weight_shapes() else None
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
@@ -351,7 +351,7 @@ class DotProductAttention(_Attention):
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         return attention.dot_product_attention(
-            *args, implementation=self.implementation, **options
+            *args, implementation=None if run.need else self.implementation, **options
         )
 
 
@@ -415,7 +415,7 @@ class MultiHeadAttention(_Attention):
         q, k, v, valid_lens = args
         return multihead.multi_head_attention(
             q, k, v, run.weights, self.num_heads, valid_lens,
-            implementation=self.implementation, **options,
+            implementation=None if run.need else self.implementation, **options,
         )
 
 
@@ -634,7 +634,8 @@ class TransformerEncoderBlock(Declaration):
         """One post-norm block over ``X (B, T, h)``."""
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.implementation, ops=run.ops,
+            return_weights=run.need, implementation=None if run.need else self.implementation,
+            ops=run.ops,
         )
 
 
@@ -676,6 +677,9 @@ class TransformerEncoder(Declaration):
             self.normalise(name, functools.partial(checks.check_positive_int, name))
         super().check()
 
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
+
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         num_hiddens = checks.check_positive_int("num_hiddens", self.num_hiddens)
         return {"token.embedding": (self.vocab_size, num_hiddens)}
@@ -697,7 +701,7 @@ class TransformerEncoder(Declaration):
         """Embeds ``tokens (B, T)``, adds positions and runs the blocks: ``(B, T, h)``."""
         return transformer.transformer_encoder(
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.implementation,
+            return_weights=run.need, implementation=None if run.need else self.implementation,
             positions=run.constants["P"], ops=run.ops,
         )
 
