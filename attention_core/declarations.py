@@ -105,7 +105,7 @@ class Declaration:
     """Base of the layer declarations (see the module's docstring).
 
     Attributes:
-        cast: The array inputs that follow the dtype rule of
+        cast_inputs: The array inputs that follow the dtype rule of
             :func:`attention_core.checks.compute_inputs` (token ids do not).
         sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
@@ -116,7 +116,7 @@ class Declaration:
             ``keep_attention_weights`` says (layers without that argument).
     """
 
-    cast: ClassVar[tuple[str, ...]] = ()
+    cast_inputs: ClassVar[tuple[str, ...]] = ()
     sizes: ClassVar[Mapping[str, str]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
     attention: ClassVar[str | None] = None
@@ -255,7 +255,7 @@ class Declaration:
         """
         arguments = dict(arguments)
         return_attention = bool(arguments.pop("return_attention", False))
-        names = [n for n in self.declared().cast if n in arguments]  # Gluon's cast() is a method
+        names = [n for n in self.cast_inputs if n in arguments]
         weighted = dtype if self.weight_shapes() else None
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
@@ -304,7 +304,7 @@ class Declaration:
 class _Attention(Declaration):
     """Shared by the attention layers: their inputs, checks and call."""
 
-    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention: ClassVar[str | None] = "single"
     returns_attention: ClassVar[bool] = True
@@ -465,7 +465,7 @@ class NadarayaWatson(Declaration):
     """
 
     parametric: bool = False
-    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention: ClassVar[str | None] = "single"
     always_keeps: ClassVar[bool] = True
 
@@ -497,7 +497,7 @@ class PositionalEncoding(Declaration):
     num_hiddens: int
     dropout: float = 0.0
     max_len: int = positional.DEFAULT_MAX_LEN
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def check(self) -> None:
         for name in ("num_hiddens", "max_len"):
@@ -525,7 +525,7 @@ class LearnedPositionalEncoding(Declaration):
     num_hiddens: int
     dropout: float = 0.0
     max_len: int = positional.DEFAULT_MAX_LEN
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.learned_positional_spec(self.num_hiddens, self.max_len)
@@ -549,7 +549,7 @@ class PositionWiseFFN(Declaration):
 
     ffn_num_hiddens: int
     ffn_num_outputs: int
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sizes: ClassVar[Mapping[str, str]] = {"d_in": "X"}
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -574,7 +574,7 @@ class AddNorm(Declaration):
 
     num_hiddens: int
     dropout: float = 0.0
-    cast: ClassVar[tuple[str, ...]] = ("X", "Y")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X", "Y")
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.add_norm_spec(self.num_hiddens)
@@ -610,7 +610,7 @@ class TransformerEncoderBlock(Declaration):
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
     attention: ClassVar[str | None] = "single"
 

@@ -1,36 +1,17 @@
 """Gluon layers: every declared layer (:mod:`attention_core.declarations`) as a ``HybridBlock``.
 
-Every layer works imperatively and after ``hybridize()``, with the Gluon habits: parameters are
-created by ``initialize()`` (input sizes deferred to the first call, like
-``nn.Dense(flatten=False)``), ``save_parameters``/``load_parameters`` round-trip, dropout is on
-inside ``autograd.record()``, and ``attention_weights`` holds the last call's weights (None, or
-a list of None for the encoder, when a call did not form them).
-
-Parameters are registered under their canonical names (``W_q.kernel``, ``attention.W_q.kernel``,
-..., DESIGN section 5), which are also the names in a ``save_parameters`` file; kernels are
-``(in, out)``, not Gluon's ``(out, in)``. Initial values follow
-:func:`attention_core.weights.init_rule`, drawn by ``mxnet.numpy.random``.
-
-How a call runs: the layer checks its inputs, creates the weights a first call needs (and keeps
-them only once that call has succeeded), then goes through ``HybridBlock.__call__``:
-``hybrid_forward`` runs the declared forward with :class:`~backends.mxnet.ops.MXNetOps` on
-arrays, or on Symbols while a hybridized block builds its graph. A graph is built for given
-input shapes, dtypes and call options (``causal``, whether the attention weights are formed); a
-call with others builds a new one, as ``jax.jit`` retraces. Value checks (e.g. ``valid_lens``
-<= the number of keys) run in imperative calls only, except those of the declaration's input
-checks (the encoder's token ids: MXNet's ``take`` would wrap bad ids around instead of failing).
-MXNet has no loop the core can use, so a hybridized graph holds the blockwise path's loops
-unrolled.
-
-Fixed tables (the sinusoidal ``P``) are Gluon ``Constant`` s, so an ``export()`` ed graph takes
-only the caller's inputs; ``export()`` writes the layer's output alone. A layer with canonical
-weights leaves its tables out of ``save_parameters`` files.
-
-MXNet 1.9.1 is the last release, so a few of its internals are relied on: ``Block._reg_params``
-(registering under canonical names, which contain dots), ``Parameter._load_init`` (what
-``load_parameters`` uses), ``Parameter._deferred_init``/``_data``,
-``HybridBlock._clear_cached_op`` and ``_cached_graph`` (``export()``), and
-``Block._collect_params_with_prefix`` (what the parameters files hold).
+The Gluon habits hold: ``initialize()`` creates the parameters (input sizes deferred to the first
+call), registered under their canonical names (``W_q.kernel``, kernels ``(in, out)``), which are
+also the names of a ``save_parameters`` file; initial values follow
+:func:`attention_core.weights.init_rule`. Dropout is on inside ``autograd.record()``. A first
+call runs on new weights, kept once it succeeded. Calls go through ``HybridBlock.__call__``, so
+``hybridize()`` builds a graph per input shapes, dtypes and call options (``causal``, whether
+the attention weights are formed), as ``jax.jit`` retraces; a built graph skips the core's
+value checks except the declaration's input checks (token ids). Fixed tables (``P``) are Gluon
+``Constant`` s, left out of the files of layers that have weights; ``export()`` writes the
+output alone. MXNet 1.9.1 is the last release, so a few internals are relied on:
+``Block._reg_params`` (names with dots), ``_collect_params_with_prefix``,
+``Parameter._load_init``/``_deferred_init``/``_data``, ``HybridBlock._cached_graph``.
 """
 
 from __future__ import annotations
@@ -42,12 +23,29 @@ from typing import TYPE_CHECKING, Any
 import mxnet as mx
 import numpy as np
 from mxnet import autograd, npx
-from mxnet.gluon import HybridBlock, Parameter
+from mxnet.gluon import Parameter
 
 from attention_core import checks, masks
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.mxnet.ops import OPS, MXNetOps
+
+if TYPE_CHECKING:  # MXNet has no type information: what these layers use of a HybridBlock
+
+    class HybridBlock:
+        params: Any
+        _reg_params: dict[str, Any]
+        _active: bool
+        _cached_graph: Any  # the built graph, (inputs, outputs); empty before the first call
+        def __init__(self, prefix: str | None = None, params: Any = None) -> None: ...
+        def __call__(self, *args: Any) -> Any: ...
+        def cast(self, dtype: Any) -> None: ...
+        def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None: ...
+        def _collect_params_with_prefix(self, prefix: str = "") -> dict[str, Parameter]: ...
+        def _clear_cached_op(self) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...  # initialize(), hybridize(), ...
+else:
+    from mxnet.gluon import HybridBlock
 
 #: Parameter dtypes the layers can be built in (MXNet's CPU matmul has no float16).
 DTYPES = ("float32", "float64")
@@ -55,10 +53,7 @@ DTYPES = ("float32", "float64")
 
 @mx.init.register
 class CanonicalInit(mx.init.Initializer):
-    """A weight's initial values by :func:`attention_core.weights.init_rule`, as a Gluon initializer.
-
-    Values are drawn in float32 and cast, so every parameter dtype works (MXNet's own
-    ``Xavier`` fails on float64).
+    """Draws a weight by its :func:`~attention_core.weights.init_rule` (in float32, then cast).
 
     Args:
         name: The canonical name (``W_q.kernel``, ...).
@@ -71,10 +66,9 @@ class CanonicalInit(mx.init.Initializer):
     def _init_weight(self, _: Any, arr: Any) -> None:
         rule = W.init_rule(self.canonical, arr.shape)
         if rule.kind == "constant":
-            value = mx.np.full(arr.shape, rule.a)
+            arr[:] = rule.a
         else:  # mx.np.random.uniform(low, high) or .normal(loc, scale)
-            value = getattr(mx.np.random, rule.kind)(rule.a, rule.b, size=arr.shape)
-        arr[:] = value.astype(arr.dtype)
+            arr[:] = getattr(mx.np.random, rule.kind)(rule.a, rule.b, size=arr.shape).astype(arr.dtype)
 
 
 @dataclass(eq=False)
@@ -98,7 +92,7 @@ def _has_data(param: Parameter) -> bool:
 
 
 @D.dataclass_transform()
-class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: its cast() wins
+class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: its params, cast()
     """Holds a declared layer's weights as Gluon parameters and calls its forward.
 
     Attributes:
@@ -107,8 +101,6 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
     """
 
     extras = D.keyword_parameters(GluonArguments)
-    #: ``HybridBlock``'s built graph, ``(inputs, outputs)`` (empty before the first call).
-    _cached_graph: Any
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 
@@ -121,15 +113,15 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         HybridBlock.__init__(self, prefix=extras["prefix"], params=extras["params"])
-        vars(self).update(declared)
+        self.__dict__.update(declared)  # plain values: no Block.__setattr__ needed
         self.check()
         self._weights: dict[str, Parameter] = {}
         for name, shape in self.weight_shapes().items():
             param = self.params.get(name, shape=tuple(d or 0 for d in shape), dtype=dtype,
                                     allow_deferred_init=True, init=CanonicalInit(name))
             self._reg_params[name] = self._weights[name] = param  # names contain dots
-        self._tables = tuple(self.constants("float64").items())
-        for name, table in self._tables:  # kept float64: rounded once to the dtype (cast())
+        self._tables = tuple(self.constants("float64"))
+        for name, table in self.constants("float64").items():  # rounded once to the dtype
             self._reg_params[name] = self.params.get_constant(name, mx.np.array(table, dtype="float64"))
             self._reg_params[name].cast(dtype)
         signature = self.call_signature().parameters.items()
@@ -140,24 +132,20 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
 
     def __getattr__(self, name: str) -> Any:
         """A held table by its name (``P``): a constant, or a weight of that name."""
-        param = vars(self).get("_reg_params", {}).get(name)
+        param = self.__dict__.get("_reg_params", {}).get(name)
         if param is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if _has_data(param) or name in vars(self).get("_weights", {}):
-            return param.data()
-        return param.value.astype(param.dtype)
+        return param.data() if _has_data(param) else param.value.astype(param.dtype)
 
     # -- parameters ------------------------------------------------------------------------
-
-    def _dims(self) -> dict[str, int]:
-        """The input sizes already fixed by the parameters' shapes."""
-        shapes = {dim: self._weights[name].shape for dim, name in W.INPUT_KERNELS.items()
-                  if name in self._weights}
-        return {dim: int(shape[0]) for dim, shape in shapes.items() if shape and shape[0] > 0}
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
         return self.weight_shapes(**self._dims())
+
+    def _dims(self) -> dict[str, int]:
+        """The input sizes fixed by the parameters that have values (``np.shape`` reads theirs)."""
+        return W.dims_from_weights({n: p for n, p in self._weights.items() if _has_data(p)})
 
     def canonical_params(self) -> dict[str, Parameter]:
         """The Gluon parameters by canonical name (``W_q.kernel``, ...), e.g. to read gradients."""
@@ -177,9 +165,9 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Sets every weight from a canonical mapping; checks all names and shapes first.
 
-        Works before ``initialize()`` and before the first call: input sizes are read off the
-        kernels' shapes. Values of any real float dtype are cast to the parameters' dtype;
-        every value is checked and converted before the first parameter changes.
+        Works before ``initialize()`` and the first call (input sizes from the kernels' shapes).
+        Values of any real float dtype are cast to the parameters' dtype; every value is
+        checked and converted before the first parameter changes.
         """
         dtypes = {name: np.dtype(p.dtype).name for name, p in self._weights.items()}
         checked = W.check_weights(self.spec(), weights, dtype=dtypes)
@@ -190,43 +178,39 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
     def cast(self, dtype: Any) -> None:
         """Casts like any block, the tables computed again from float64 rather than re-rounded."""
         super().cast(dtype)
-        for name, _ in self._tables:
-            if _has_data(table := self._reg_params[name]):
+        for table in (self._reg_params[name] for name in self._tables):
+            if _has_data(table):
                 table.set_data(table.value.astype(table.dtype))
 
     def _collect_params_with_prefix(self, prefix: str = "") -> dict[str, Parameter]:
         """What ``save_parameters``/``load_parameters`` see: the weights, or else the tables."""
-        params: dict[str, Parameter] = super()._collect_params_with_prefix(prefix)
-        for name, _ in self._tables if self._weights else ():
+        params = super()._collect_params_with_prefix(prefix)
+        for name in self._tables if self._weights else ():
             params.pop(f"{prefix}.{name}" if prefix else name, None)
         return params
 
     def _new_weights(self, dims: Mapping[str, int], ctx: Any) -> dict[str, Any]:
         """Values for the deferred weights a first call needs (not stored); {} when built."""
-        for name, _ in self._tables:  # tables need no initialize() (e.g. after load_parameters)
-            if not _has_data(table := self._reg_params[name]) and not table._deferred_init:
+        for table in (self._reg_params[name] for name in self._tables):
+            if not _has_data(table) and not table._deferred_init:  # e.g. after load_parameters
                 table.initialize(ctx=ctx)
         if self.built:
             known = self._dims()
             for name, size in dims.items():
                 checks.check_built_size(self.sizes[name], size, known[name])
             return {}
-        spec, new = self.weight_shapes(**{**self._dims(), **dims}), {}
-        for name, param in self._weights.items():
+        spec = self.weight_shapes(**{**self._dims(), **dims})
+        for param in self._weights.values():
             if not _has_data(param) and not param._deferred_init:
                 param.data(ctx)  # raises Gluon's "has not been initialized" error
-            if not _has_data(param):
-                new[name] = _initial_value(param, spec[name], ctx)
-        return new
+        return {n: _initial_value(p, spec[n], ctx) for n, p in self._weights.items() if not _has_data(p)}
 
     # -- calls -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not npx.is_np_array():
-            raise RuntimeError(
-                "backends.mxnet uses MXNet's NumPy interface, which was switched off: call "
-                "mxnet.npx.set_np() again"
-            )
+            raise RuntimeError("backends.mxnet uses MXNet's NumPy interface, which was switched "
+                               "off: call mxnet.npx.set_np() again")
         bound = self.bind_call(args, kwargs)
         if any(isinstance(bound[n], mx.sym.Symbol) for n in self._arrays):
             raise TypeError(
@@ -237,23 +221,21 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
             )
         # before converting: NumPy inputs are taken (all of one framework), lengths and masks
         # from anywhere
-        checks.check_inputs_framework(**{n: bound[n] for n in self.declared().cast})
+        checks.check_inputs_framework(**{n: bound[n] for n in self.cast_inputs})
         masks.check_dtypes(OPS, bound.get("valid_lens"), bound.get("mask"))
         for n in self._arrays:
             bound[n] = None if bound[n] is None else masks.as_backend_array(OPS, bound[n])
         params = list(self._weights.values())
-        dtype = np.dtype(params[0].dtype).name if params else None
-        prepared = self.prepare(OPS, dtype, bound)
+        prepared = self.prepare(OPS, np.dtype(params[0].dtype).name if params else None, bound)
         arrays = [prepared.arguments[n] for n in self._arrays]
         options = {n: v for n, v in prepared.arguments.items() if n not in self._arrays}
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
         new = self._new_weights(prepared.dims, ctx)
         if new:  # the first call: run it on the new weights before keeping them
-            weights = {n: new[n] if n in new else p.data(ctx) for n, p in self._weights.items()}
-            tables = {n: self._reg_params[n].data(ctx) for n, _ in self._tables}
+            held = {n: p.data(ctx) for n, p in self._reg_params.items() if n not in new}
             with autograd.pause():
-                self._forward(OPS, arrays, options, need, {**weights, **tables})
+                self._forward(OPS, arrays, options, need, {**held, **new})
             for name, value in new.items():
                 self._weights[name]._load_init(value, None)
         key = (tuple(None if a is None else (a.shape, a.dtype) for a in arrays),
@@ -273,15 +255,13 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         return returned
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
-        """Calls the forward with arrays (imperative) or Symbols (building the hybridized graph)."""
+        """Runs the forward on arrays (imperative) or Symbols (building the hybridized graph)."""
         options, need, inputs = self._call
         ops = OPS
-        if F is mx.sym:  # shapes and dtypes of the graph's inputs, for the core's checks
-            known = {s.name: (a.shape, np.dtype(a.dtype).name)
-                     for s, a in zip(arrays, inputs, strict=True) if s is not None}
-            for name, s in params.items():
-                known[s.name] = (self._reg_params[name].shape, np.dtype(self._reg_params[name].dtype).name)
-            ops = MXNetOps(known)
+        if F is mx.sym:  # the graph inputs' shapes and dtypes, for the core's checks
+            held = [(s, self._reg_params[n]) for n, s in params.items()]
+            known = [(s, a) for s, a in zip(arrays, inputs, strict=True) if s is not None] + held
+            ops = MXNetOps({s.name: (a.shape, np.dtype(a.dtype).name) for s, a in known})
         return self._forward(ops, list(arrays), options, need, params)
 
     def _forward(self, ops: MXNetOps, arrays: list[Any], options: Mapping[str, Any], need: bool,
@@ -293,19 +273,12 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         return self.compute(run, **dict(zip(self._arrays, arrays, strict=True)), **options)
 
     def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None:
-        """``HybridBlock.export`` of the layer's output alone.
-
-        A hybridized call may also return the attention weights (to fill
-        ``attention_weights``); the exported graph returns only the output, so
-        ``SymbolBlock.imports`` gives one array.
-        """
+        """``HybridBlock.export`` of the output alone (a built graph may return the weights too)."""
         graph = self._cached_graph
-        if not graph or len(graph[1].list_outputs()) == 1:
-            super().export(path, epoch, remove_amp_cast)  # also raises when nothing was built
-            return
-        self._cached_graph = (graph[0], graph[1][0])
+        if graph and len(graph[1].list_outputs()) > 1:
+            self._cached_graph = (graph[0], graph[1][0])
         try:
-            super().export(path, epoch, remove_amp_cast)
+            super().export(path, epoch, remove_amp_cast)  # also raises when nothing was built
         finally:
             self._cached_graph = graph
 
@@ -317,11 +290,10 @@ def _initial_value(param: Parameter, shape: tuple[int | None, ...], ctx: Any) ->
     """A new value for a deferred parameter, as its deferred initialisation would make it."""
     init, _, default_init, data = param._deferred_init
     if data is None:
-        dims = tuple(int(d) for d in shape if d is not None)
-        if len(dims) != len(shape):
+        if None in shape:
             raise ValueError(f"{param.name} has unknown dimensions {checks.fmt_shape(shape)}")
         with autograd.pause():
-            data = mx.np.zeros(dims, dtype=param.dtype, ctx=mx.cpu())
+            data = mx.np.zeros(shape, dtype=param.dtype, ctx=mx.cpu())
             mx.init.create(default_init)(mx.init.InitDesc(param.name, {"__init__": init}), data)
     return data.as_in_ctx(ctx)
 
