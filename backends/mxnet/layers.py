@@ -1,17 +1,12 @@
 """Gluon layers: every declared layer (:mod:`attention_core.declarations`) as a ``HybridBlock``.
 
-The Gluon habits hold: ``initialize()`` creates the parameters (input sizes deferred to the first
-call), registered under their canonical names (``W_q.kernel``, kernels ``(in, out)``), which are
-also the names of a ``save_parameters`` file; initial values follow
-:func:`attention_core.weights.init_rule`. Dropout is on inside ``autograd.record()``. A first
-call runs on new weights, kept once it succeeded. Calls go through ``HybridBlock.__call__``, so
-``hybridize()`` builds a graph per input shapes, dtypes and call options (``causal``, whether
-the attention weights are formed), as ``jax.jit`` retraces; a built graph skips the core's
-value checks except the declaration's input checks (token ids). Fixed tables (``P``) are Gluon
-``Constant`` s, left out of the files of layers that have weights; ``export()`` writes the
-output alone. MXNet 1.9.1 is the last release, so a few internals are relied on:
-``Block._reg_params`` (names with dots), ``_collect_params_with_prefix``,
-``Parameter._load_init``/``_deferred_init``/``_data``, ``HybridBlock._cached_graph``.
+Gluon habits: ``initialize()`` makes the parameters (input sizes deferred to the first call)
+under their canonical names (kernels ``(in, out)``), also a ``save_parameters`` file's names;
+dropout is on inside ``autograd.record()``; ``hybridize()`` builds a graph per input shapes,
+dtypes and call options, which skips the core's value checks but not the declared input checks.
+Fixed tables (``P``) are ``Constant`` s, kept out of files of layers with weights. MXNet 1.9.1
+is the last release: ``Block._reg_params`` (names with dots), ``_collect_params_with_prefix``,
+``Parameter._load_init``/``_deferred_init``/``_data`` and ``_cached_graph`` are relied on.
 """
 
 from __future__ import annotations
@@ -30,20 +25,15 @@ from attention_core import declarations as D
 from attention_core import weights as W
 from backends.mxnet.ops import OPS, MXNetOps
 
-if TYPE_CHECKING:  # MXNet has no type information: what these layers use of a HybridBlock
+if TYPE_CHECKING:  # MXNet has no types; the rest of a HybridBlock is Any (Layer.__getattr__)
 
     class HybridBlock:
-        params: Any
-        _reg_params: dict[str, Any]
-        _active: bool
         _cached_graph: Any  # the built graph, (inputs, outputs); empty before the first call
         def __init__(self, prefix: str | None = None, params: Any = None) -> None: ...
         def __call__(self, *args: Any) -> Any: ...
         def cast(self, dtype: Any) -> None: ...
         def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None: ...
         def _collect_params_with_prefix(self, prefix: str = "") -> dict[str, Parameter]: ...
-        def _clear_cached_op(self) -> None: ...
-        def __getattr__(self, name: str) -> Any: ...  # initialize(), hybridize(), ...
 else:
     from mxnet.gluon import HybridBlock
 
@@ -137,8 +127,6 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return param.data() if _has_data(param) else param.value.astype(param.dtype)
 
-    # -- parameters ------------------------------------------------------------------------
-
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
         return self.weight_shapes(**self._dims())
@@ -163,11 +151,10 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         return {name: p.data().asnumpy() for name, p in self._weights.items()}
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
-        """Sets every weight from a canonical mapping; checks all names and shapes first.
+        """Sets every weight from a canonical mapping (of any real float dtype, cast).
 
-        Works before ``initialize()`` and the first call (input sizes from the kernels' shapes).
-        Values of any real float dtype are cast to the parameters' dtype; every value is
-        checked and converted before the first parameter changes.
+        Works before ``initialize()`` and the first call (input sizes from the kernels' shapes);
+        every name, shape and value is checked and converted before the first one is set.
         """
         dtypes = {name: np.dtype(p.dtype).name for name, p in self._weights.items()}
         checked = W.check_weights(self.spec(), weights, dtype=dtypes)
@@ -199,13 +186,16 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
             for name, size in dims.items():
                 checks.check_built_size(self.sizes[name], size, known[name])
             return {}
-        spec = self.weight_shapes(**{**self._dims(), **dims})
-        for param in self._weights.values():
-            if not _has_data(param) and not param._deferred_init:
+        spec, new = self.weight_shapes(**{**self._dims(), **dims}), {}
+        for name, param in ((n, p) for n, p in self._weights.items() if not _has_data(p)):
+            if not param._deferred_init:
                 param.data(ctx)  # raises Gluon's "has not been initialized" error
-        return {n: _initial_value(p, spec[n], ctx) for n, p in self._weights.items() if not _has_data(p)}
-
-    # -- calls -----------------------------------------------------------------------------
+            init, _, default_init, data = param._deferred_init  # as deferred init makes it
+            if data is None:
+                data = mx.np.zeros(spec[name], dtype=param.dtype, ctx=mx.cpu())
+                mx.init.create(default_init)(mx.init.InitDesc(param.name, {"__init__": init}), data)
+            new[name] = data.as_in_ctx(ctx)
+        return new
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not npx.is_np_array():
@@ -213,14 +203,11 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
                                "off: call mxnet.npx.set_np() again")
         bound = self.bind_call(args, kwargs)
         if any(isinstance(bound[n], mx.sym.Symbol) for n in self._arrays):
-            raise TypeError(
-                f"{type(self).__name__} was called with Symbols (a hybridized parent block passes "
-                "them): these blocks build their graph from arrays of known shapes, so hybridize() "
-                "them under a parent that runs imperatively (nn.Block, nn.Sequential) and call "
-                "them with mxnet.numpy arrays"
-            )
-        # before converting: NumPy inputs are taken (all of one framework), lengths and masks
-        # from anywhere
+            raise TypeError(f"{type(self).__name__} was called with Symbols (a hybridized parent "
+                            "block passes them): these blocks build their graph from arrays of known "
+                            "shapes, so hybridize() them under a parent that runs imperatively "
+                            "(nn.Block, nn.Sequential) and call them with mxnet.numpy arrays")
+        # before converting: NumPy inputs (all of one framework), lengths and masks from anywhere
         checks.check_inputs_framework(**{n: bound[n] for n in self.cast_inputs})
         masks.check_dtypes(OPS, bound.get("valid_lens"), bound.get("mask"))
         for n in self._arrays:
@@ -231,10 +218,10 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         options = {n: v for n, v in prepared.arguments.items() if n not in self._arrays}
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
-        new = self._new_weights(prepared.dims, ctx)
-        if new:  # the first call: run it on the new weights before keeping them
-            held = {n: p.data(ctx) for n, p in self._reg_params.items() if n not in new}
-            with autograd.pause():
+        with autograd.pause():  # a first call runs on new weights, kept once it succeeded
+            new = self._new_weights(prepared.dims, ctx)
+            if new:
+                held = {n: p.data(ctx) for n, p in self._reg_params.items() if n not in new}
                 self._forward(OPS, arrays, options, need, {**held, **new})
             for name, value in new.items():
                 self._weights[name]._load_init(value, None)
@@ -284,18 +271,6 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
-
-
-def _initial_value(param: Parameter, shape: tuple[int | None, ...], ctx: Any) -> Any:
-    """A new value for a deferred parameter, as its deferred initialisation would make it."""
-    init, _, default_init, data = param._deferred_init
-    if data is None:
-        if None in shape:
-            raise ValueError(f"{param.name} has unknown dimensions {checks.fmt_shape(shape)}")
-        with autograd.pause():
-            data = mx.np.zeros(shape, dtype=param.dtype, ctx=mx.cpu())
-            mx.init.create(default_init)(mx.init.InitDesc(param.name, {"__init__": init}), data)
-    return data.as_in_ctx(ctx)
 
 
 class DotProductAttention(Layer, D.DotProductAttention): ...
