@@ -260,13 +260,17 @@ PRODUCERS = {"numpy": produce_numpy, "torch": produce_torch, "tensorflow": produ
              "jax": produce_jax, "mxnet": produce_mxnet}
 
 
+def save_npz(path: Path, arrays: dict[str, Any]) -> None:
+    np.savez(path, **arrays)
+
+
 def main(backends: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     if "numpy" in backends:
         inputs = draw_inputs()
         weights = draw_weights(inputs)
-        np.savez(OUT / "inputs.npz", **inputs)
-        np.savez(OUT / "weights.npz", **weights)
+        save_npz(OUT / "inputs.npz", inputs)
+        save_npz(OUT / "weights.npz", weights)
         layers = {name: {"config": config, "inputs": list(shapes_)}
                   for name, (config, shapes_) in LAYERS.items()}
         (OUT / "layers.json").write_text(json.dumps(layers, indent=1) + "\n")
@@ -276,7 +280,7 @@ def main(backends: list[str]) -> None:
         folder = OUT / backend
         folder.mkdir(exist_ok=True)
         outputs, keys = PRODUCERS[backend](inputs, weights, folder)
-        np.savez(folder / "outputs.npz", **outputs)
+        save_npz(folder / "outputs.npz", outputs)
         (folder / "keys.json").write_text(json.dumps(keys, indent=1) + "\n")
         print(f"{backend}: {len(outputs)} layers, {len(keys)} files")
 
