@@ -132,7 +132,7 @@ def fit_width(data: RegressionData, low: float = 0.05, high: float = 50.0, steps
 
 
 def demo(name: str | None = None, out: str | Path | None = None) -> str:
-    """Runs the chapter's multi-head attention and positional encoding 
+    """Runs the chapter's multi-head attention and positional encoding examples.
 
     Args:
         name: The backend (default: the active one).
@@ -189,8 +189,8 @@ def demo_figures(ops: Any, weights: np.ndarray, valid_lens: Sequence[int],
     The positional-encoding columns and heatmap of ``table``; the multi-head weights as (example
     rows, head columns) heatmaps; and the Nadaraya-Watson example of the notes, computed on the
     backend of ``ops``: the non-parametric fit (``w = 1``) and the parametric one, whose width
-    :func:`fit_width` fits on NumPy by minimising the leave-one-out loss
-    with a golden-section search on ``log w`` (no autodiff), and the weights of both fits.
+    :func:`fit_width` fits on NumPy by minimising the leave-one-out loss with a golden-section
+    search on ``log w`` (no autodiff), and the weights of both fits.
 
     Args:
         ops: The backend's ops (the Nadaraya-Watson pooling runs on this backend).

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from attention_core import files
-from tools import markdown
 from benchmarks import MEMORY_QUADRATIC_MAX
 from benchmarks.run import SCHEMA
+from tools import markdown
 
 #: The markers in README.md between which ``python -m benchmarks --merge`` writes its section.
 BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"

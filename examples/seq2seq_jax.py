@@ -42,6 +42,7 @@ class StackedGRUCell(nn.Module):
 
     @nn.compact
     def __call__(self, state: jax.Array, x: jax.Array, training: bool = False) -> tuple[jax.Array, jax.Array]:
+        """One step of every cell on ``x (B, in)``; the new state and the top output."""
         states = []
         for i in range(self.num_layers):
             if i:
@@ -147,6 +148,7 @@ class Seq2Seq(nn.Module):
     dropout: float = 0.0
 
     def setup(self) -> None:
+        """Makes the encoder and the attention decoder of the same sizes."""
         sizes = (self.vocab_size, self.embed_size, self.num_hiddens, self.num_layers, self.dropout)
         self.encoder = Seq2SeqEncoder(*sizes)
         self.decoder = Seq2SeqAttentionDecoder(*sizes)

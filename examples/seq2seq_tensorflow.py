@@ -46,6 +46,7 @@ class StackedGRU(_BuiltByCall, keras.layers.Layer):
         self.dropout = keras.layers.Dropout(dropout)
 
     def call(self, X: Any, training: bool | None = None) -> tuple[Any, Any]:
+        """Runs the stacked GRUs over ``X (B, T, in)``; the top outputs and the final state."""
         states = []
         for i, gru in enumerate(self.grus):
             if i:
@@ -70,6 +71,7 @@ class StackedGRUCell(_BuiltByCall, keras.layers.Layer):
         self.dropout = keras.layers.Dropout(dropout)
 
     def call(self, x: Any, state: Any, training: bool | None = None) -> tuple[Any, Any]:
+        """One step of every cell on ``x (B, in)``; the top output and the new state."""
         states = []
         for i, cell in enumerate(self.cells):
             if i:
@@ -98,6 +100,7 @@ class Seq2SeqEncoder(_BuiltByCall, keras.layers.Layer):
         self.rnn = StackedGRU(num_hiddens, num_layers, dropout)
 
     def call(self, X: Any, training: bool | None = None) -> tuple[Any, Any]:
+        """Runs the stacked GRUs over ``X (B, T, in)``; the top outputs and the final state."""
         """Encodes tokens ``X (B, S)``; returns the outputs ``(B, S, h)`` and state ``(layers, B, h)``."""
         return self.rnn(self.embedding(X), training=training)
 
