@@ -3,7 +3,7 @@
 Attention on ``(B, H, n, D)`` does two products of ``2 B H n^2 D`` flops each (scores and
 pooling), so its rate is ``4 B H n^2 D / time``, counted in full although a quarter of the
 keys are masked. The denominator is the rate of a square fp32 matrix product
-(:data:`~attention_core.bench.GEMM_SIZE`) in the same framework, process and thread count: a
+(:data:`~benchmarks.GEMM_SIZE`) in the same framework, process and thread count: a
 fraction near 1 means attention runs as fast as the machine multiplies matrices.
 """
 
@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from attention_core.bench import BATCH, DEPTH, timing
+from benchmarks import BATCH, DEPTH, timing
 
 
 def attention_flops(heads: int, n: int, batch: int = BATCH, depth: int = DEPTH) -> float:
@@ -47,7 +47,7 @@ def core_rates(
     """Rates of every attention path of a harness at one n, each with its GEMM fraction.
 
     Args:
-        harness: A :class:`~attention_core.bench.natives.Harness`.
+        harness: A :class:`~benchmarks.natives.Harness`.
         heads: H.
         n: Sequence length (queries = keys).
         samples: Timed samples per path (the median is kept).

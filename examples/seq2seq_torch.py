@@ -1,12 +1,14 @@
-"""The worked examples in PyTorch: a Nadaraya-Watson fit and a GRU seq2seq with Bahdanau attention.
+"""The Bahdanau-attention seq2seq example in PyTorch: a GRU encoder-decoder that attends.
 
-Both train with torch's autograd and optimisers. The data, the masks of the loss and greedy
-decoding are the framework-free ones of :mod:`attention_core.examples` and
-:mod:`attention_core.seq2seq`.
+It trains with torch's autograd and ``torch.optim.Adam``. The data, the masks of the loss and
+greedy decoding are the framework-free ones of :mod:`examples.seq2seq`. Run from the repository
+root: ``python -m examples.seq2seq_torch`` (trains 200 steps and decodes held-out sequences).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -14,41 +16,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from attention_core import examples, seq2seq
-from backends.torch.layers import AdditiveAttention, NadarayaWatson
+from backends.torch import AdditiveAttention
+from examples import seq2seq
 
 Tensor = torch.Tensor
-
-# -- Nadaraya-Watson attention pooling ----------------------------------------------------------
-
-
-def fit_nadaraya_watson(
-    data: examples.RegressionData | None = None, epochs: int = 10, lr: float = 2.0, w0: float = 1.0
-) -> tuple[NadarayaWatson, list[float]]:
-    """Fits ``w`` as :mod:`attention_core.examples` describes, by ``torch.optim.SGD``."""
-    data = data or examples.nadaraya_watson_data()
-    queries, keys, values, targets = map(torch.from_numpy, examples.training_arrays(data))
-    layer = NadarayaWatson(parametric=True)
-    layer.set_weights({"w": np.array([w0], np.float32)})
-    optimizer = torch.optim.SGD(layer.parameters(), lr=lr)
-    losses = []
-    for _ in range(epochs):
-        optimizer.zero_grad()
-        loss = ((layer(queries, keys, values)[:, 0] - targets) ** 2).mean() / 2
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return layer, losses
-
-
-def predict_nadaraya_watson(layer: NadarayaWatson, data: examples.RegressionData) -> np.ndarray:
-    """The example's predictions at the test inputs (see :mod:`attention_core.examples`)."""
-    with torch.no_grad():
-        out = layer(*(torch.from_numpy(a) for a in (data.x_test, data.x_train, data.y_train)))
-    return out.numpy()
-
-
-# -- Bahdanau attention ---------------------------------------------------------------------------
 
 
 class Seq2SeqEncoder(nn.Module):
@@ -178,7 +149,7 @@ def train_seq2seq(
     clip: float = 1.0,
     seed: int = 0,
 ) -> tuple[Seq2Seq, list[float]]:
-    """Trains as :mod:`attention_core.seq2seq` describes, with ``torch.optim.Adam``.
+    """Trains as :mod:`examples.seq2seq` describes, with ``torch.optim.Adam``.
 
     ``seed`` goes to ``torch.manual_seed``; the model comes back in eval mode.
     """
@@ -203,3 +174,17 @@ def train_seq2seq(
         losses.append(loss.item())
     model.eval()
     return model, losses
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Trains on the reversal task, decodes held-out sequences and prints how it went."""
+    steps = seq2seq.steps_argument(argv)
+    model, losses = train_seq2seq(steps=steps)
+    test = seq2seq.toy_task(200, seed=1000)
+    tokens, _ = model.predict(test.source, test.source_lens, test.targets.shape[1])
+    print(seq2seq.report("PyTorch", losses, tokens, test))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Peak extra memory of one attention call, one subprocess per point.
 
-The parent (:func:`measure`) starts ``python -m attention_core.bench.memory --backend NAME
+The parent (:func:`measure`) starts ``python -m benchmarks.memory --backend NAME
 --path PATH --n N --heads H --threads T``, with ``MALLOC_MMAP_THRESHOLD_=65536`` in its
 environment so that freed large blocks go back to the operating system at once. The child
 creates the inputs, warms the call up once (JAX: at the same shape, which compiles it;
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attention_core.bench import thread_env
+from benchmarks import thread_env
 
 #: Warm-up size of backends that do not compile per shape.
 WARMUP_MAX = 4096
@@ -56,7 +56,7 @@ def child(backend: str, path: str, n: int, heads: int, threads: int) -> dict[str
     Returns:
         ``{"extra_mib", "baseline_mib", "peak_mib", "seconds", "implementation"}``.
     """
-    from attention_core.bench.natives import harness as make_harness
+    from benchmarks.natives import harness as make_harness
 
     harness = make_harness(backend, threads)
     harness.thread_settings()
@@ -93,9 +93,9 @@ def measure(backend: str, path: str, n: int, heads: int, threads: int,
         failed, ran out of memory or time.
     """
     env = {**os.environ, **thread_env(threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "attention_core.bench.memory", "--backend", backend,
+    command = [sys.executable, "-m", "benchmarks.memory", "--backend", backend,
                "--path", path, "--n", str(n), "--heads", str(heads), "--threads", str(threads)]
     start = time.perf_counter()
     try:
@@ -133,7 +133,7 @@ def slope(points: Sequence[tuple[int, float]], min_mib: float = 1.0) -> float | 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The child's entry point: prints one JSON line with the measurement."""
-    parser = argparse.ArgumentParser(prog="python -m attention_core.bench.memory",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory",
                                      description="peak extra memory of one attention call")
     parser.add_argument("--backend", required=True)
     parser.add_argument("--path", required=True,

@@ -1,4 +1,4 @@
-"""Per backend: the three sequence layers of ``bench complexity``, each the framework's own.
+"""Per backend: the three sequence layers of ``python -m benchmarks complexity``, each the framework's own.
 
 For one backend, a :class:`Builder` makes the contenders that map a sequence ``X (B, n, d)``
 to a sequence of the same shape, all with weights given as NumPy arrays (:func:`layer_weights`)
@@ -19,7 +19,7 @@ Gluon's convolutions take channels first, ``(B, d, n)``). Every call runs in inf
 and waits for its result: torch under ``torch.inference_mode()`` with the modules in eval
 mode; TensorFlow inside one ``tf.function`` per contender (``autograph=False``); JAX through
 ``jax.jit`` and ``block_until_ready``; MXNet imperative (not hybridized) and ``wait_to_read``,
-as in :mod:`attention_core.bench.natives`. A framework is imported only inside the builder of
+as in :mod:`benchmarks.natives`. A framework is imported only inside the builder of
 its backend, which :func:`builder` makes after the thread environment is in place.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from attention_core import registry
-from attention_core.bench import natives
+from benchmarks import natives
 
 Call = Callable[[], Any]
 
@@ -126,7 +126,7 @@ class Builder:
 
     Args:
         threads: Threads of the framework's intra-op pool (see
-            :meth:`attention_core.bench.natives.Harness.thread_settings`).
+            :meth:`benchmarks.natives.Harness.thread_settings`).
     """
 
     name = "numpy"

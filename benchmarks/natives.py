@@ -1,7 +1,7 @@
 """Per backend: this library's layer and the framework's own, with the same weights and mask.
 
 Each :class:`Harness` imports its framework only when built (:func:`harness`), after the
-thread environment of :func:`attention_core.bench.thread_env` is in place, and gives the
+thread environment of :func:`benchmarks.thread_env` is in place, and gives the
 benchmark calls that wait for their result:
 
 * :meth:`Harness.mha_pair`: ``MultiHeadAttention(512, 8, bias=True,
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import registry
-from attention_core.bench import BATCH, DEPTH
+from benchmarks import BATCH, DEPTH
 
 Call = Callable[[], Any]
 

@@ -1,49 +1,23 @@
-"""The worked examples in Keras 3 (TensorFlow): a Nadaraya-Watson fit, a GRU seq2seq with Bahdanau attention.
+"""The Bahdanau-attention seq2seq example in Keras 3 (TensorFlow): a GRU encoder-decoder that attends.
 
-Both train with ``tf.GradientTape`` and Keras optimisers; the seq2seq train step runs under
-``tf.function``. The data, the masks of the loss and greedy decoding are the framework-free
-ones of :mod:`attention_core.examples` and :mod:`attention_core.seq2seq`.
+It trains with ``tf.GradientTape`` and ``keras.optimizers.Adam``, the train step under
+``tf.function``. The data, the masks of the loss and greedy decoding are the framework-free ones
+of :mod:`examples.seq2seq`. Run from the repository root: ``python -m examples.seq2seq_tensorflow``
+(trains 200 steps and decodes held-out sequences).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from attention_core import examples, seq2seq
-from backends.tensorflow.layers import AdditiveAttention, NadarayaWatson
-
-# -- Nadaraya-Watson attention pooling ----------------------------------------------------------
-
-
-def fit_nadaraya_watson(
-    data: examples.RegressionData | None = None, epochs: int = 10, lr: float = 2.0, w0: float = 1.0
-) -> tuple[NadarayaWatson, list[float]]:
-    """Fits ``w`` as :mod:`attention_core.examples` describes, by ``keras.optimizers.SGD``."""
-    data = data or examples.nadaraya_watson_data()
-    queries, keys, values, targets = map(tf.constant, examples.training_arrays(data))
-    layer = NadarayaWatson(parametric=True)
-    layer.set_weights({"w": np.array([w0], np.float32)})
-    optimizer = keras.optimizers.SGD(learning_rate=lr)
-    losses = []
-    for _ in range(epochs):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((layer(queries, keys, values)[:, 0] - targets) ** 2) / 2
-        grads = tape.gradient(loss, layer.trainable_variables)
-        optimizer.apply_gradients(zip(grads, layer.trainable_variables, strict=True))
-        losses.append(float(loss))
-    return layer, losses
-
-
-def predict_nadaraya_watson(layer: NadarayaWatson, data: examples.RegressionData) -> np.ndarray:
-    """The example's predictions at the test inputs (see :mod:`attention_core.examples`)."""
-    return np.asarray(layer(data.x_test, data.x_train, data.y_train))
-
-
-# -- Bahdanau attention ---------------------------------------------------------------------------
+from backends.tensorflow import AdditiveAttention
+from examples import seq2seq
 
 
 class _BuiltByCall:
@@ -72,6 +46,7 @@ class StackedGRU(_BuiltByCall, keras.layers.Layer):
         self.dropout = keras.layers.Dropout(dropout)
 
     def call(self, X: Any, training: bool | None = None) -> tuple[Any, Any]:
+        """Runs the stacked GRUs over ``X (B, T, in)``; the top outputs and the final state."""
         states = []
         for i, gru in enumerate(self.grus):
             if i:
@@ -96,6 +71,7 @@ class StackedGRUCell(_BuiltByCall, keras.layers.Layer):
         self.dropout = keras.layers.Dropout(dropout)
 
     def call(self, x: Any, state: Any, training: bool | None = None) -> tuple[Any, Any]:
+        """One step of every cell on ``x (B, in)``; the top output and the new state."""
         states = []
         for i, cell in enumerate(self.cells):
             if i:
@@ -124,6 +100,7 @@ class Seq2SeqEncoder(_BuiltByCall, keras.layers.Layer):
         self.rnn = StackedGRU(num_hiddens, num_layers, dropout)
 
     def call(self, X: Any, training: bool | None = None) -> tuple[Any, Any]:
+        """Runs the stacked GRUs over ``X (B, T, in)``; the top outputs and the final state."""
         """Encodes tokens ``X (B, S)``; returns the outputs ``(B, S, h)`` and state ``(layers, B, h)``."""
         return self.rnn(self.embedding(X), training=training)
 
@@ -227,7 +204,7 @@ def train_seq2seq(
     clip: float = 1.0,
     seed: int = 0,
 ) -> tuple[Seq2Seq, list[float]]:
-    """Trains as :mod:`attention_core.seq2seq` describes, with ``keras.optimizers.Adam``.
+    """Trains as :mod:`examples.seq2seq` describes, with ``keras.optimizers.Adam``.
 
     Clipping is Adam's ``global_clipnorm``, the padding mask the loss's ``sample_weight``, and
     ``seed`` goes to ``keras.utils.set_random_seed``.
@@ -257,3 +234,17 @@ def train_seq2seq(
             optimizer.build(model.trainable_variables)
         losses.append(float(compiled_step(*arrays, batch.loss_weights())))
     return model, losses
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Trains on the reversal task, decodes held-out sequences and prints how it went."""
+    steps = seq2seq.steps_argument(argv)
+    model, losses = train_seq2seq(steps=steps)
+    test = seq2seq.toy_task(200, seed=1000)
+    tokens, _ = model.translate(test.source, test.source_lens, test.targets.shape[1])
+    print(seq2seq.report("TensorFlow/Keras", losses, tokens, test))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,14 +1,16 @@
-"""The worked examples in JAX/Flax: a Nadaraya-Watson fit and a GRU seq2seq with Bahdanau attention.
+"""The Bahdanau-attention seq2seq example in JAX/Flax: a GRU encoder-decoder that attends.
 
 Parameters are Flax params pytrees, gradients come from ``jax.value_and_grad`` and updates from
-optax; every train step is one ``jax.jit``-compiled function. The data, the masks of the loss
-and greedy decoding are the framework-free ones of :mod:`attention_core.examples` and
-:mod:`attention_core.seq2seq`.
+optax; every train step is one ``jax.jit``-compiled function. The data, the masks of the loss and
+greedy decoding are the framework-free ones of :mod:`examples.seq2seq`. Run from the repository
+root: ``python -m examples.seq2seq_jax`` (trains 200 steps and decodes held-out sequences).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -16,52 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax  # type: ignore[import-untyped]
 
-from attention_core import examples, seq2seq
-from backends.jax.layers import AdditiveAttention, NadarayaWatson, set_weights
+from backends.jax import AdditiveAttention
+from examples import seq2seq
 
 Params = Any
-
-# -- Nadaraya-Watson attention pooling ----------------------------------------------------------
-
-
-def fit_nadaraya_watson(
-    data: examples.RegressionData | None = None, epochs: int = 10, lr: float = 2.0, w0: float = 1.0
-) -> tuple[Params, list[float]]:
-    """Fits ``w`` as :mod:`attention_core.examples` describes, by ``optax.sgd``.
-
-    Returns the variables ``{"params": {"w": ...}}`` in place of a layer.
-    """
-    data = data or examples.nadaraya_watson_data()
-    queries, keys, values, targets = map(jnp.asarray, examples.training_arrays(data))
-    layer = NadarayaWatson(parametric=True)
-    variables = set_weights(None, {"w": np.array([w0], np.float32)}, layer=layer)
-    optimizer = optax.sgd(lr)
-
-    def loss_fn(variables: Params) -> jax.Array:
-        predicted = cast(jax.Array, layer.apply(variables, queries, keys, values))
-        return jnp.mean((predicted[:, 0] - targets) ** 2) / 2
-
-    @jax.jit
-    def step(variables: Params, opt_state: Any) -> tuple[Params, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(variables)
-        updates, opt_state = optimizer.update(grads, opt_state)
-        return optax.apply_updates(variables, updates), opt_state, loss
-
-    opt_state = optimizer.init(variables)
-    losses = []
-    for _ in range(epochs):
-        variables, opt_state, loss = step(variables, opt_state)
-        losses.append(float(loss))
-    return variables, losses
-
-
-def predict_nadaraya_watson(variables: Params, data: examples.RegressionData) -> np.ndarray:
-    """The example's predictions at the test inputs (see :mod:`attention_core.examples`)."""
-    layer = NadarayaWatson(parametric=True)
-    return np.asarray(layer.apply(variables, data.x_test, data.x_train, data.y_train))
-
-
-# -- Bahdanau attention ---------------------------------------------------------------------------
 
 
 class StackedGRUCell(nn.Module):
@@ -82,6 +42,7 @@ class StackedGRUCell(nn.Module):
 
     @nn.compact
     def __call__(self, state: jax.Array, x: jax.Array, training: bool = False) -> tuple[jax.Array, jax.Array]:
+        """One step of every cell on ``x (B, in)``; the new state and the top output."""
         states = []
         for i in range(self.num_layers):
             if i:
@@ -187,6 +148,7 @@ class Seq2Seq(nn.Module):
     dropout: float = 0.0
 
     def setup(self) -> None:
+        """Makes the encoder and the attention decoder of the same sizes."""
         sizes = (self.vocab_size, self.embed_size, self.num_hiddens, self.num_layers, self.dropout)
         self.encoder = Seq2SeqEncoder(*sizes)
         self.decoder = Seq2SeqAttentionDecoder(*sizes)
@@ -244,7 +206,7 @@ def train_seq2seq(
     clip: float = 1.0,
     seed: int = 0,
 ) -> tuple[Seq2Seq, Params, list[float]]:
-    """Trains as :mod:`attention_core.seq2seq` describes, with ``optax.adam``.
+    """Trains as :mod:`examples.seq2seq` describes, with ``optax.adam``.
 
     Clipping is ``optax.clip_by_global_norm``; ``seed`` makes the ``jax.random.key`` of the
     initial params and of dropout. Returns the model, its trained params and the losses.
@@ -278,3 +240,17 @@ def train_seq2seq(
         params, opt_state, loss = train_step(params, opt_state, batch, jax.random.fold_in(dropout_key, i))
         losses.append(float(loss))
     return model, params, losses
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Trains on the reversal task, decodes held-out sequences and prints how it went."""
+    steps = seq2seq.steps_argument(argv)
+    model, params, losses = train_seq2seq(steps=steps)
+    test = seq2seq.toy_task(200, seed=1000)
+    tokens, _ = translate(model, params, test.source, test.source_lens, test.targets.shape[1])
+    print(seq2seq.report("JAX/Flax", losses, tokens, test))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m attention_core bench complexity``: conv, RNN and self-attention against n.
+"""``python -m benchmarks complexity``: conv, RNN and self-attention against n.
 
 The source chapter compares three ways of mapping a sequence of n tokens of width d to another
 such sequence (Vaswani et al. 2017, table 1): a convolution with kernel k costs O(k n d^2)
@@ -20,8 +20,8 @@ Timing reuses :mod:`.timing`: every round times the three contenders once each, 
 rotated from round to round; a sample repeats a call until it lasts ``min_time``; the tables
 give the median over rounds and, for the ratios, the median of the per-round ratios with its
 order-statistic confidence interval. The run happens in a child process
-(``python -m attention_core.bench.complexity``) started with the pinned thread environment of
-:func:`attention_core.bench.thread_env`, as the other suites; it writes
+(``python -m benchmarks.complexity``) started with the pinned thread environment of
+:func:`benchmarks.thread_env`, as the other suites; it writes
 ``<out>/complexity-<backend>.json``. The parent prints the table and the crossover points and
 draws ``<out>/complexity-<backend>.png`` (matplotlib, imported only there; without it,
 ``--replot`` draws it later from the JSON file in an environment that has it).
@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 
 from attention_core import files, registry
-from attention_core.bench import child_main, run_child, thread_env, timing
-from attention_core.bench.report import pyplot
+from benchmarks import child_main, run_child, thread_env, timing
+from benchmarks.report import pyplot
 
 #: Identifies the JSON documents of this module.
 SCHEMA = "attention-core-complexity/1"
@@ -67,7 +67,7 @@ QUICK_SIZES, QUICK_ROUNDS, QUICK_MIN_TIME = (8, 16), 2, 0.001
 
 @dataclass
 class ComplexityConfig:
-    """What one ``bench complexity`` run measures.
+    """What one ``python -m benchmarks complexity`` run measures.
 
     Attributes:
         sizes: Sequence lengths n, increasing.
@@ -254,8 +254,8 @@ def run_backend(name: str, config: ComplexityConfig, progress: bool = True) -> d
     Returns:
         The JSON document (see ``benchmarks/README.md``).
     """
-    from attention_core.bench.complexity_natives import builder, layer_weights
-    from attention_core.bench.run import Progress, machine_info
+    from benchmarks.complexity_natives import builder, layer_weights
+    from benchmarks.run import Progress, machine_info
 
     b = builder(name, config.threads)
     settings = b.thread_settings()
@@ -325,7 +325,7 @@ def _ratio(r: dict[str, Any]) -> str:
 
 def report(doc: dict[str, Any]) -> str:
     """The screen report of one run: machine, layers, table, crossovers, operation model."""
-    from attention_core.bench.report import machine_line, render
+    from benchmarks.report import machine_line, render
 
     c = doc["config"]
     points = doc["points"]
@@ -462,7 +462,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Adds the ``bench complexity`` arguments to a (sub)parser."""
+    """Adds the ``python -m benchmarks complexity`` arguments to a (sub)parser."""
     parser.add_argument("--backend", metavar="NAME",
                         help=f"the backend to time (default: the active one, ${registry.ENV_VAR} or numpy)")
     parser.add_argument("--sizes", type=_ints, metavar="N,...",
@@ -509,7 +509,7 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     Raises:
         ValueError: None found.
     """
-    from attention_core import markdown
+    from tools import markdown
 
     target = Path(path)
     if target.is_file():
@@ -520,7 +520,7 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return markdown.load_backend_documents(
         target, "complexity-*.json", lambda doc: isinstance(doc, dict) and doc.get("schema") == SCHEMA,
         f"no complexity results (complexity-<backend>.json) in {target}: run "
-        "python -m attention_core bench complexity --out DIR first")
+        "python -m benchmarks complexity --out DIR first")
 
 
 def _show(doc: dict[str, Any], folder: Path) -> None:
@@ -530,11 +530,11 @@ def _show(doc: dict[str, Any], folder: Path) -> None:
     png = plot(doc, folder / f"complexity-{doc['backend']}.png")
     print(f"\nsaved {json_path}" + (
         f" and {png}" if png else " (no plot: matplotlib is not installed; pip install matplotlib, "
-                                  f"then python -m attention_core bench complexity --replot {json_path})"))
+                                  f"then python -m benchmarks complexity --replot {json_path})"))
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``bench complexity`` command; returns the exit status.
+    """The ``python -m benchmarks complexity`` command; returns the exit status.
 
     Raises:
         ValueError: An unknown backend, an option out of range, or --replot without results.
@@ -551,7 +551,7 @@ def run(args: argparse.Namespace) -> int:
         raise registry.BackendNotInstalledError(
             f"backend {name!r} is not installed here: {registry.PIP[name]}")
     out = Path(args.out)
-    if run_child("attention_core.bench.complexity", name, config, out, not args.no_progress) != 0:
+    if run_child("benchmarks.complexity", name, config, out, not args.no_progress) != 0:
         print(f"error: the complexity benchmark failed on {name} (see above)", file=sys.stderr)
         return 1
     _show(json.loads((out / f"complexity-{name}.json").read_text()), out)
@@ -560,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the child: runs one backend and writes its JSON file."""
-    return child_main(argv, "attention_core.bench.complexity", ComplexityConfig.from_dict,
+    return child_main(argv, "benchmarks.complexity", ComplexityConfig.from_dict,
                       run_backend, "complexity")
 
 

@@ -11,11 +11,11 @@ Every sequence uses three special tokens: :data:`PAD` fills the rows up to a com
 ``c b a <eos> <pad> ...`` (valid length 4), and the decoder is fed ``<bos> c b a <pad> ...``
 during training (teacher forcing).
 
-The backends' model code lives in ``backends/<name>/examples.py``; what they would otherwise
-each repeat lives here, on NumPy arrays: the data, the weights of the masked loss, minibatch
+The frameworks' model code lives in ``examples/seq2seq_<framework>.py``; what they would
+otherwise each repeat lives here, on NumPy arrays: the data, the weights of the masked loss, minibatch
 indices, greedy decoding around a framework's decoder step, and the accuracy of a prediction.
 
-Each of those modules has ``train_seq2seq(model=None, data=None, *, steps=200, batch_size=64,
+Each of those scripts has ``train_seq2seq(model=None, data=None, *, steps=200, batch_size=64,
 lr=0.005, clip=1.0, seed=0)``: ``steps`` minibatch steps of ``batch_size`` examples with teacher
 forcing, Adam at rate ``lr`` and the global gradient norm clipped to ``clip``; the loss is
 softmax cross-entropy averaged over the target tokens and ``<eos>``, padding masked out by the
@@ -26,6 +26,7 @@ batches. It returns the trained model and the loss of each step.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -216,3 +217,31 @@ def token_accuracy(predicted: np.ndarray, data: Seq2SeqData) -> float:
     right = np.zeros(data.targets.shape, dtype=bool)
     right[:, :steps] = predicted[:, :steps] == data.targets[:, :steps]
     return float(right[scored].mean())
+
+
+def steps_argument(argv: Sequence[str] | None = None) -> int:
+    """The ``--steps`` of a script's command line (default 200): how many training steps."""
+    parser = argparse.ArgumentParser(description="Trains the seq2seq example and decodes held-out data.")
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
+    steps: int = parser.parse_args(argv).steps
+    return steps
+
+
+def report(framework: str, losses: Sequence[float], predicted: np.ndarray, data: Seq2SeqData) -> str:
+    """What a script's ``main`` prints after training and greedy decoding.
+
+    Args:
+        framework: The framework's name, for the first line.
+        losses: The loss of each training step.
+        predicted: ``(N, T')`` greedily decoded tokens of the held-out ``data``.
+        data: The held-out examples.
+    """
+    first, last = float(np.mean(losses[:10])), float(np.mean(losses[-10:]))
+    source = data.source[0, : int(data.source_lens[0])].tolist()
+    decoded = predicted[0].tolist()
+    return "\n".join([
+        f"Seq2seq with Bahdanau attention in {framework}, {len(losses)} training steps",
+        f"  loss, mean of the first 10 steps {first:.4f}, of the last 10 {last:.4f}",
+        f"  held-out token accuracy {token_accuracy(predicted, data):.3f} ({len(data)} sequences)",
+        f"  source {source} -> decoded {decoded}",
+    ])

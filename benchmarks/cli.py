@@ -1,14 +1,15 @@
-"""``python -m attention_core bench``: run the benchmarks, or merge runs into the README.
+"""``python -m benchmarks``: run the benchmarks, or merge runs into the README.
 
-Run mode starts one child process per backend (``python -m attention_core.bench.run``) with
-the thread environment pinned (:func:`attention_core.bench.thread_env`), so each framework has
+Run mode starts one child process per backend (``python -m benchmarks.run``) with
+the thread environment pinned (:func:`benchmarks.thread_env`), so each framework has
 a process to itself and every one uses the same number of threads; then prints each backend's
 tables and saves ``<out>/bench-<backend>.json`` and ``<out>/bench-<backend>.png``.
 Merge mode (``--merge DIR``) reads the ``bench-*.json`` files that runs in several
 environments wrote to DIR, writes the combined Markdown into README.md between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->`` and draws ``DIR/bench.png``.
-``bench complexity`` (:mod:`attention_core.bench.complexity`) times a convolution, an RNN and
-self-attention against n on one backend.
+``python -m benchmarks complexity`` (:mod:`benchmarks.complexity`) times a convolution, an RNN
+and self-attention against n on one backend. Run from the repository root (the benchmarks are
+not part of the installed package). Errors are printed as one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from attention_core import registry
-from attention_core.bench import SUITES, Config, complexity, report, run_child
+from benchmarks import SUITES, Config, complexity, report, run_child
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -43,7 +45,7 @@ def _suites(text: str) -> tuple[str, ...]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Adds the ``bench`` arguments to a (sub)parser."""
+    """Adds the benchmark arguments to a parser."""
     parser.add_argument("--backend", nargs="+", metavar="NAME",
                         help="backends to run, each in its own process (default: the installed ones)")
     parser.add_argument("--suite", type=_suites, default=SUITES, metavar="LIST",
@@ -77,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="bench_command", metavar="{complexity}")
     complexity.configure(commands.add_parser(
         "complexity", help="conv, RNN and self-attention forward time against n on one backend "
-                           "(see python -m attention_core bench complexity --help)",
+                           "(see python -m benchmarks complexity --help)",
         description="Times a 1-D convolution, an RNN and self-attention of the same width against "
                     "the sequence length n on one backend, in a child process with pinned threads; "
                     "writes complexity-<backend>.json and .png."))
@@ -117,7 +119,7 @@ def merge(directory: str | Path, readme: str | Path | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``bench`` command; returns the exit status.
+    """Runs what the parsed arguments ask for; returns the exit status.
 
     Raises:
         ValueError: Unknown backend names, or --merge on a directory without results.
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     failed = []
     for name in dict.fromkeys(names):
-        if run_child("attention_core.bench.run", name, config, out, not args.no_progress) != 0:
+        if run_child("benchmarks.run", name, config, out, not args.no_progress) != 0:
             failed.append(name)
             continue
         doc = json.loads((out / f"bench-{name}.json").read_text())
@@ -155,3 +157,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: the benchmark failed on {', '.join(failed)} (see above)", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="benchmarks: speed against the native layers, memory, GEMM fraction (or --merge "
+                    "the results into README.md); complexity: conv vs RNN vs self-attention")
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError, ImportError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,7 +1,7 @@
-"""One backend's benchmark run, in this process: ``python -m attention_core.bench.run``.
+"""One backend's benchmark run, in this process: ``python -m benchmarks.run``.
 
-The CLI (:mod:`attention_core.bench.cli`) starts this module in a child process per backend,
-with the thread environment of :func:`attention_core.bench.thread_env`, so that every
+The CLI (:mod:`benchmarks.cli`) starts this module in a child process per backend,
+with the thread environment of :func:`benchmarks.thread_env`, so that every
 framework (and NumPy's BLAS) starts with the same thread count and no two frameworks share a
 process. It writes ``<out>/bench-<backend>.json``.
 """
@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from attention_core.bench import (
+from benchmarks import (
     MEMORY_HEADS,
     SPEED_HEADS,
     Config,
@@ -99,7 +99,7 @@ def machine_info() -> dict[str, Any]:
         pass
     commit = None
     try:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
                               capture_output=True, text=True, timeout=10, check=False)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
@@ -143,7 +143,7 @@ def run_backend(name: str, config: Config, progress: bool = True) -> dict[str, A
     Returns:
         The JSON document (see ``benchmarks/README.md`` for its fields).
     """
-    from attention_core.bench.natives import NATIVE_ATTENTION, NATIVE_LAYER, harness
+    from benchmarks.natives import NATIVE_ATTENTION, NATIVE_LAYER, harness
 
     h = harness(name, config.threads)
     settings = h.thread_settings()
@@ -210,7 +210,7 @@ def run_backend(name: str, config: Config, progress: bool = True) -> dict[str, A
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the child: runs one backend and writes its JSON file."""
-    return child_main(argv, "attention_core.bench.run", Config.from_dict, run_backend, "bench")
+    return child_main(argv, "benchmarks.run", Config.from_dict, run_backend, "bench")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tables (screen and Markdown), the target check, the plot, and merging several runs.
 
-Every function here reads the JSON documents of :func:`attention_core.bench.run.run_backend`;
+Every function here reads the JSON documents of :func:`benchmarks.run.run_backend`;
 none imports a framework. The plot needs matplotlib (``pip install "attention-core[plot]"``);
 without it :func:`plot` says so and returns None.
 """
@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attention_core import files, markdown
-from attention_core.bench import MEMORY_QUADRATIC_MAX
-from attention_core.bench.run import SCHEMA
+from attention_core import files
+from benchmarks import MEMORY_QUADRATIC_MAX
+from benchmarks.run import SCHEMA
+from tools import markdown
 
-#: The markers in README.md between which ``bench --merge`` writes its section.
+#: The markers in README.md between which ``python -m benchmarks --merge`` writes its section.
 BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 #: The issue's targets: speed ratio bounds (n >= 1024 and n = 128) on these backends ...
@@ -40,7 +41,7 @@ def load(directory: str | Path) -> list[dict[str, Any]]:
     return markdown.load_backend_documents(
         directory, "bench-*.json", lambda doc: isinstance(doc, dict) and doc.get("schema") == SCHEMA,
         f"no benchmark results (bench-<backend>.json) in {Path(directory)}: run "
-        "python -m attention_core bench --out DIR first",
+        "python -m benchmarks --out DIR first",
     )
 
 
@@ -204,7 +205,7 @@ def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None
     """The README section for runs of several backends (without the markers)."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     names = [d["backend"] for d in docs]
-    lines = [f"Generated {now:%Y-%m-%d %H:%M} UTC by `python -m attention_core bench --merge` "
+    lines = [f"Generated {now:%Y-%m-%d %H:%M} UTC by `python -m benchmarks --merge` "
              "from the runs below (one environment and process per backend); never typed by hand.",
              "", "| backend | machine and versions |", "|---|---|"]
     lines += [f"| `{d['backend']}` | {machine_line(d)} |" for d in docs]
@@ -274,7 +275,7 @@ def _widest(ratios: Sequence[dict[str, Any]]) -> str:
 
 def write_between_markers(path: str | Path, body: str, start: str = BENCH_START,
                           end: str = BENCH_END) -> None:
-    """Replaces what lies between the bench markers in a file (see :mod:`attention_core.markdown`)."""
+    """Replaces what lies between the bench markers in a file (see :mod:`tools.markdown`)."""
     markdown.write_between_markers(path, body, start, end)
 
 

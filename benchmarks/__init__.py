@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m attention_core bench`` (issue 6).
+"""Benchmarks: ``python -m benchmarks`` (issue 6).
 
 Three suites, each run for one backend per process (a child process with the thread count
 pinned before the framework is imported):
@@ -151,7 +151,7 @@ def run_child(module: str, backend: str, config: Any, out: Path, progress: bool)
     its module hands the command line to :func:`child_main`.
     """
     env = {**os.environ, **thread_env(config.threads)}
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", module, "--backend", backend,
                "--config", json.dumps(config.as_dict()), "--out", str(out)]
