@@ -1,10 +1,9 @@
 """The MXNet/Gluon backend: ``HybridBlock`` layers over MXNet's NumPy interface.
 
-Importing this package switches MXNet to its NumPy interface for the whole process
-(``mxnet.npx.set_np()``, as the MXNet chapters of d2l do): arrays are ``mxnet.numpy.ndarray``
-with NumPy shape semantics and a real ``bool`` dtype, which the masks need. The layers refuse
-to run (a ``RuntimeError`` asking for ``npx.set_np()``) if code switches it back. MXNet 1.9.1,
-the last release, needs ``numpy<1.24``.
+Importing it switches MXNet to its NumPy interface for the whole process (``mxnet.npx.set_np()``,
+as d2l's MXNet chapters do): ``mxnet.numpy.ndarray`` arrays, with NumPy shape semantics and the
+``bool`` dtype the masks need. The layers refuse to run (a ``RuntimeError`` asking for
+``npx.set_np()``) if code switches it back. MXNet 1.9.1, the last release, needs ``numpy<1.24``.
 """
 
 from typing import Any

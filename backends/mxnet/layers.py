@@ -103,15 +103,15 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         HybridBlock.__init__(self, prefix=extras["prefix"], params=extras["params"])
-        self.__dict__.update(declared)  # plain values: no Block.__setattr__ needed
+        self.__dict__.update(declared, dtype=dtype)  # plain values: no Block.__setattr__ needed
         self.check()
         self._weights: dict[str, Parameter] = {}
         for name, shape in self.weight_shapes().items():
             param = self.params.get(name, shape=tuple(d or 0 for d in shape), dtype=dtype,
                                     allow_deferred_init=True, init=CanonicalInit(name))
             self._reg_params[name] = self._weights[name] = param  # names contain dots
-        self._tables = tuple(self.constants("float64"))
-        for name, table in self.constants("float64").items():  # rounded once to the dtype
+        self._tables = tuple(tables := self.constants("float64"))
+        for name, table in tables.items():  # float64 values, rounded once to the dtype
             self._reg_params[name] = self.params.get_constant(name, mx.np.array(table, dtype="float64"))
             self._reg_params[name].cast(dtype)
         signature = self.call_signature().parameters.items()
@@ -125,7 +125,9 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         param = self.__dict__.get("_reg_params", {}).get(name)
         if param is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return param.data() if _has_data(param) else param.value.astype(param.dtype)
+        if _has_data(param) or name not in self.__dict__.get("_tables", ()):
+            return param.data()  # a weight's, or Gluon's "not initialized" error
+        return param.value.astype(param.dtype)  # a table before initialize()
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
@@ -165,6 +167,7 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
     def cast(self, dtype: Any) -> None:
         """Casts like any block, the tables computed again from float64 rather than re-rounded."""
         super().cast(dtype)
+        self.__dict__["dtype"] = np.dtype(dtype).name
         for table in (self._reg_params[name] for name in self._tables):
             if _has_data(table):
                 table.set_data(table.value.astype(table.dtype))
@@ -244,11 +247,9 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Runs the forward on arrays (imperative) or Symbols (building the hybridized graph)."""
         options, need, inputs = self._call
-        ops = OPS
-        if F is mx.sym:  # the graph inputs' shapes and dtypes, for the core's checks
-            held = [(s, self._reg_params[n]) for n, s in params.items()]
-            known = [(s, a) for s, a in zip(arrays, inputs, strict=True) if s is not None] + held
-            ops = MXNetOps({s.name: (a.shape, np.dtype(a.dtype).name) for s, a in known})
+        known = [(s, a) for s, a in zip(arrays, inputs, strict=True) if s is not None]
+        known += [(s, self._reg_params[n]) for n, s in params.items()]  # a graph's input shapes
+        ops = MXNetOps({s.name: (a.shape, np.dtype(a.dtype).name) for s, a in known}) if F is mx.sym else OPS
         return self._forward(ops, list(arrays), options, need, params)
 
     def _forward(self, ops: MXNetOps, arrays: list[Any], options: Mapping[str, Any], need: bool,
