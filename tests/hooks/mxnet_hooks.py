@@ -75,10 +75,9 @@ MODES = {"eager": eager, "hybridize": hybridized}
 
 
 def call_mode(layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
-    """Gluon's training mode is ``autograd.record()`` (``train_mode=True``)."""
-    if not training:
-        return bm.call_layer(layer, *args, **kwargs)
-    with autograd.record():
+    """Gluon's training mode is ``autograd.record()``; inference here is recording with
+    ``train_mode=False`` (a plain call is inference too)."""
+    with autograd.record(train_mode=training):
         return bm.call_layer(layer, *args, **kwargs)
 
 
