@@ -377,6 +377,23 @@ def test_invalid_implementation_gives_the_core_message(backend: str, name: str) 
         "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'")
 
 
+def test_fused_runs_where_the_backend_has_a_kernel_and_is_refused_elsewhere(backend: str) -> None:
+    """A fused layer gives the direct path's output on a backend with a kernel (torch: SDPA,
+    JAX: jax.nn.dot_product_attention); elsewhere the core refuses it on the first call."""
+    h = Harness(backend)
+    fused = h.make("DotProductAttention", {"keep_attention_weights": False,
+                                           "implementation": "fused"})
+    q, k, v = (h.array(x) for x in draw((2, 3, 4), (2, 5, 4), (2, 5, 6)))
+    if not hasattr(h.ops, "fused_attention"):
+        with pytest.raises(ValueError) as err:
+            h.call(fused, q, k, v)
+        assert str(err.value) == (f"implementation='fused': the {backend} backend has no fused "
+                                  "attention kernel; use None, 'direct' or 'blockwise'")
+        return
+    direct = h.make("DotProductAttention", {})
+    assert max_diff(h.numpy(h.call(fused, q, k, v)), h.numpy(h.call(direct, q, k, v))) <= TOL
+
+
 # -- the blockwise path equals the direct one ----------------------------------------------
 
 
