@@ -501,7 +501,6 @@ def test_unknown_input_width_cannot_build() -> None:
 
 #: Ragged blocks: 13 queries in blocks of 4 (3 full and 1), 19 keys in blocks of 5 (3 and 4).
 BQ, BH, BLQ, BLK, DEPTH = 2, 3, 13, 19, 8
-BLOCK_KINDS = (*MASK_KINDS, "combined")
 
 
 @pytest.fixture
@@ -610,26 +609,10 @@ def test_blockwise_dropout_in_a_layer_under_tf_function(small_blocks: None) -> N
     assert 0.5 < float(np.mean(outs[0])) < 1.5  # inverted dropout keeps the mean near 1
 
 
-@pytest.mark.parametrize("layer", ["DotProductAttention", "MultiHeadAttention",
-                                   "TransformerEncoderBlock"])
-
-
-@pytest.mark.parametrize("layer, args", [("DotProductAttention", ()),
-                                         ("MultiHeadAttention", (8, 2)),
-                                         ("TransformerEncoderBlock", (8, 6, 2))])
-
-
 # -- relative positions and the Transformer encoder ---------------------------------------------
 
 #: A small encoder: 10 token ids, width 8, FFN 12, 2 heads, 2 blocks.
 ENC = {"vocab_size": 10, "num_hiddens": 8, "ffn_num_hiddens": 12, "num_heads": 2, "num_blks": 2}
-
-
-def encoder_tokens(batch: int = B, steps: int = 5, ids: tuple[int, ...] = (1, 3, 4, 7)) -> np.ndarray:
-    """Token ids drawn from ``ids`` only, each of them used at least once."""
-    tokens = np.random.default_rng(2).choice(ids, (batch, steps)).astype(np.int32)
-    tokens.flat[: len(ids)] = ids
-    return tokens
 
 
 def test_relative_attention_with_unknown_lengths_under_xla() -> None:
