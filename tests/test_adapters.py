@@ -310,6 +310,52 @@ def test_encoder_token_ids_are_checked_on_every_call(backend: str) -> None:
             np.testing.assert_array_equal(weights_of(encoder)[weight], value)
 
 
+# -- the same weights as NumPy --------------------------------------------------------------
+
+MHA_CASES = [f"{kind}{suffix}" for kind in MASK_KINDS for suffix in ("", "_bias")]
+#: Compiled modes run on every case here: JAX's jit (the matrix runs three multi-head cases).
+EVERY_CASE_MODES = {"jax": ("jit",)}
+
+
+@pytest.mark.parametrize("case_name", MHA_CASES)
+def test_multi_head_equals_numpy_with_the_same_weights(backend: str, case_name: str) -> None:
+    """The reference weights, set before the first call (sizes from the kernels), give the
+    NumPy layer's output and weights and the file's: keeping the weights, and not (torch: the
+    fused path), in each way a layer can be set up and in the modes of EVERY_CASE_MODES."""
+    h = Harness(backend)
+    case = next(c for c in CASES if c.layer == "MultiHeadAttention" and c.name == case_name)
+    ref = record(case)
+    weights = {k[len("weight."):]: v.astype(np.float32)
+               for k, v in ref.items() if k.startswith("weight.")}
+    inputs = [ref[f"input.{n}"].astype(np.float32) for n in case.inputs]
+    call = {k[len("call."):]: v for k, v in ref.items() if k.startswith("call.")}
+    static = {"causal": bool(call.pop("causal"))} if "causal" in call else {}
+    reference = Harness("numpy").make("MultiHeadAttention", case.config, "float32")
+    reference.set_weights(weights)
+    expected, expected_w = reference(*inputs, **call, **static, return_attention=True)
+    arrays = [h.array(x) for x in [*inputs, *call.values()]]
+
+    def attend(layer: Any, *a: Any) -> Any:
+        asks = {"return_attention": True} if keep else {}
+        return h.call(layer, *a[:3], **dict(zip(call, a[3:], strict=True)), **static, **asks)
+
+    for keep, setup in ((keep, setup) for keep in (True, False) for setup in h.setups()):
+        layer = h.make("MultiHeadAttention", {**case.config, "keep_attention_weights": keep})
+        layer.set_weights(weights)
+        setup(layer)
+        for mode in ("eager", *EVERY_CASE_MODES.get(backend, ())):
+            result = h.run(mode, layer, attend, arrays)
+            out = result[0] if keep else result
+            assert max_diff(h.numpy(out), expected) <= TOL, (keep, mode)
+            assert max_diff(h.numpy(out), ref["output.out"]) <= TOL, (keep, mode)
+            if keep:
+                assert max_diff(h.numpy(result[1]), ref["output.attention"]) <= TOL, mode
+                assert max_diff(h.numpy(result[1]), expected_w) <= TOL, mode
+        if keep:  # the last eager call's kept weights
+            h.call(layer, *arrays[:3], **dict(zip(call, arrays[3:], strict=True)), **static)
+            assert max_diff(h.numpy(h.attention_weights(layer)), reference.attention_weights) <= TOL
+
+
 # -- keep_attention_weights=False and the implementation argument ------------------------------
 
 #: Ragged blocks: 13 queries in blocks of 4 (3 full and 1), 19 keys in blocks of 5 (3 and 4).

@@ -1,7 +1,7 @@
 """Flax habits of the JAX backend: jit, grad, vmap, the 'dropout' rng, sow, functional weights.
 
-The cross-backend files (test_reference_matrix, test_errors, test_weights, ...) already run on
-this backend through tests/hooks/jax_hooks.py; these tests use the Flax API directly
+The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
+already run on this backend through tests/hooks/jax_hooks.py; these tests use the Flax API directly
 (``init``/``apply``, params pytrees) and cover what only JAX has.
 """
 
@@ -34,8 +34,6 @@ from attention_core import weights as W
 from attention_core.attention import choose_implementation
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
-from tests.reference.cases import MASK_KINDS
-from tests.reference.generate import load
 
 REPO = Path(__file__).resolve().parent.parent
 TOL = TOLERANCE["float32"]
@@ -306,44 +304,6 @@ def test_seed_usage_positional_encoding() -> None:
     assert jax.tree_util.tree_leaves(variables) == []  # no params
     np.testing.assert_array_equal(np.asarray(encoding.apply(variables, X)), P[:, :60])
     np.testing.assert_array_equal(np.asarray(jax.jit(encoding.apply)(variables, X)), P[:, :60])
-
-
-# -- the same weights in NumPy and Flax ---------------------------------------------------------
-
-
-MHA_CASES = [f"{kind}{suffix}" for kind in MASK_KINDS for suffix in ("", "_bias")]
-
-
-@pytest.fixture(scope="module")
-def mha_reference() -> dict[str, dict[str, np.ndarray]]:
-    return load("MultiHeadAttention")
-
-
-@pytest.mark.parametrize("case", MHA_CASES)
-def test_numpy_and_flax_multi_head_agree(mha_reference: Any, case: str) -> None:
-    ref = mha_reference[case]
-    weights = {k[7:]: v.astype(np.float32) for k, v in ref.items() if k.startswith("weight.")}
-    q, k, v = (ref[f"input.{n}"].astype(np.float32) for n in ("queries", "keys", "values"))
-    call = {k[5:]: v for k, v in ref.items() if k.startswith("call.")}
-    causal = bool(call.pop("causal", False))
-    config: dict[str, Any] = {"num_hiddens": 12, "num_heads": 3, "bias": case.endswith("_bias")}
-
-    numpy_layer = numpy_layers.MultiHeadAttention(**config, seed=0)
-    numpy_layer.set_weights(weights)
-    numpy_out = numpy_layer(q, k, v, causal=causal, **call)
-
-    flax_layer = bj.MultiHeadAttention(**config)
-    variables = bj.init_from_weights(flax_layer, weights)
-    args = [jnp.asarray(x) for x in (q, k, v)]
-    kwargs: dict[str, Any] = {name: jnp.asarray(value) for name, value in call.items()}
-
-    def run(variables: Any, args: list[jax.Array], kwargs: dict[str, Any]) -> Any:
-        return flax_layer.apply(variables, *args, causal=causal, return_attention=True, **kwargs)
-
-    for out, attn in (run(variables, args, kwargs), jax.jit(run)(variables, args, kwargs)):
-        assert diff(out, numpy_out) <= TOL
-        assert diff(out, ref["output.out"]) <= TOL
-        assert diff(attn, ref["output.attention"]) <= TOL
 
 
 # -- functional weights -------------------------------------------------------------------------

@@ -10,18 +10,21 @@ from tests.harness import Harness, max_diff
 
 
 def test_seed_usage_multi_head(backend: str) -> None:
+    """As the seed uses it, in each way a layer can be set up (Gluon: hybridized too)."""
     h = Harness(backend)
-    attention = h.module.MultiHeadAttention(100, 5, 0.5)
-    X = h.array(np.ones((2, 4, 100), np.float32))
-    valid_lens = h.array(np.array([3, 2]))
-    out = h.call(attention, X, X, X, valid_lens)
-    assert tuple(h.ops.shape(out)) == (2, 4, 100)
-    w = h.numpy(h.attention_weights(attention))
-    assert w.shape == (2, 5, 4, 4)
-    np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
-    np.testing.assert_array_equal(w[0, :, :, 3], 0.0)
-    np.testing.assert_allclose(w[1, :, :, :2], 1 / 2, atol=1e-6)
-    np.testing.assert_array_equal(w[1, :, :, 2:], 0.0)
+    for setup in h.setups():
+        attention = h.module.MultiHeadAttention(100, 5, 0.5)
+        setup(attention)
+        X = h.array(np.ones((2, 4, 100), np.float32))
+        valid_lens = h.array(np.array([3, 2]))
+        out = h.call(attention, X, X, X, valid_lens)
+        assert tuple(h.ops.shape(out)) == (2, 4, 100)
+        w = h.numpy(h.attention_weights(attention))
+        assert w.shape == (2, 5, 4, 4)
+        np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
+        np.testing.assert_array_equal(w[0, :, :, 3], 0.0)
+        np.testing.assert_allclose(w[1, :, :, :2], 1 / 2, atol=1e-6)
+        np.testing.assert_array_equal(w[1, :, :, 2:], 0.0)
 
 
 def test_seed_usage_positional(backend: str) -> None:

@@ -1,7 +1,7 @@
 """Gluon habits of the MXNet backend: hybridize(), parameters files, autograd.record(), deferred init.
 
-The cross-backend files (test_reference_matrix, test_errors, test_weights, test_gradients, ...)
-already run on this backend imperatively; these tests cover what only Gluon has.
+The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
+already run on this backend, imperatively and hybridized; these tests cover what only Gluon has.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from mxnet import autograd
 
 import attention_core as ac
 import backends.mxnet as gluon_layers
-import backends.numpy as numpy_layers
-from attention_core import weights as W
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.hooks import mxnet_hooks
-from tests.reference.cases import CASES, MASK_KINDS, Case, mask_arguments
+from tests.reference.cases import CASES, Case
 from tests.reference.generate import RETURNS_ATTENTION, record
 from tests.reference.gradients import case_data, gradient_cases, key
 
@@ -119,49 +117,7 @@ def test_graph_is_rebuilt_for_new_shapes_and_options() -> None:
         assert max_diff(b, a) <= 1e-6, kwargs
 
 
-# -- the same canonical weights in NumPy and Gluon give the same outputs --------------------
-
-
-@pytest.mark.parametrize("kind", MASK_KINDS)
-@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
-def test_numpy_and_gluon_multi_head_agree(kind: str, hybridize: bool) -> None:
-    rng = np.random.default_rng(11)
-    config = {"num_hiddens": 12, "num_heads": 3, "bias": True}
-    queries, keys, values = draw((2, 4, 10), (2, 6, 7), (2, 6, 9), seed=5)
-    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in W.multi_head_spec(
-        12, 3, True, 10, 7, 9).items()}
-    kwargs = mask_arguments(kind, rng, heads=3)
-    reference_layer = numpy_layers.MultiHeadAttention(**config)
-    reference_layer.set_weights(weights)
-    expected = reference_layer(queries, keys, values, **kwargs)
-    layer = gluon_layers.MultiHeadAttention(**config)
-    layer.set_weights(weights)  # before initialize() and the first call: sizes from the kernels
-    if hybridize:
-        layer.hybridize()
-    kw = {k: (arr(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
-    for _ in range(2):
-        out = layer(arr(queries), arr(keys), arr(values), **kw)
-    assert max_diff(out.asnumpy(), expected) <= TOLERANCE["float32"]
-    assert max_diff(layer.attention_weights.asnumpy(),
-                    reference_layer.attention_weights) <= TOLERANCE["float32"]
-
-
 # -- the seeds' own usage ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
-def test_seed_multi_head_usage(hybridize: bool) -> None:
-    attention = gluon_layers.MultiHeadAttention(100, 5, 0.5)
-    attention.initialize()
-    if hybridize:
-        attention.hybridize()
-    X = mx.np.ones((2, 4, 100))
-    valid_lens = mx.np.array([3, 2], dtype="int32")
-    assert attention(X, X, X, valid_lens).shape == (2, 4, 100)
-    assert attention(X, X, X, [3, 2]).shape == (2, 4, 100)
-    w = attention.attention_weights.asnumpy()
-    np.testing.assert_allclose(w[0, :, :, :3], 1 / 3, atol=1e-6)
-    np.testing.assert_array_equal(w[1, :, :, 2:], 0.0)
 
 
 @pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])

@@ -1,7 +1,7 @@
 """Keras habits of the TensorFlow backend: tf.function and XLA, .keras files, configs, dropout.
 
-The cross-backend files (test_reference_matrix, test_errors, test_weights, ...) already run on
-this backend; these tests cover what only Keras has.
+The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
+already run on this backend; these tests cover what only Keras has.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""PyTorch-specific behaviour: the fused path, torch.compile, state_dict, dtypes, train/eval,
-relative positions and the encoder.
+"""PyTorch-specific behaviour: the fused path (SDPA), torch.compile and fullgraph, jit.trace,
+export, autocast, state_dict and buffers, dtypes and ``.to()``. What every framework does alike
+(dropout, kept weights, training steps, files, the blockwise path) is in tests/test_adapters.py.
 
 Expected values come from the float64 reference files, the NumPy backend, tests/naive.py or
 the reference gradients, never from the torch code under test.
@@ -24,12 +25,11 @@ import torch
 from torch.nn.parameter import UninitializedParameter
 
 import attention_core as ac
-import backends.numpy as numpy_layers
 import backends.torch as torch_layers
 from backends.torch import OPS, TorchOps
 from tests import naive
 from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, Harness, max_diff, tolerance
-from tests.reference.cases import CASES, INTEGER_INPUTS, MASK_KINDS, Case
+from tests.reference.cases import CASES, INTEGER_INPUTS, Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
 
@@ -166,23 +166,6 @@ def test_fused_path_gradients_match_reference(case: Case) -> None:
 
 def test_gradient_cases_include_fused_layers() -> None:
     assert {"MultiHeadAttention", "TransformerEncoderBlock"} <= {c.layer for c in gradient_cases()}
-
-
-# -- the same weights in NumPy and torch ----------------------------------------------------
-
-
-@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
-@pytest.mark.parametrize("kind", MASK_KINDS)
-def test_numpy_and_torch_multi_head_agree(kind: str, keep: bool) -> None:
-    case = next(c for c in CASES if c.layer == "MultiHeadAttention" and c.name == kind + "_bias")
-    _, _, call, ref = reference(case, "float32")
-    inputs = [ref[f"input.{name}"].astype(np.float32) for name in case.inputs]
-    np_layer = numpy_layers.MultiHeadAttention(**case.config, seed=1)
-    np_out = np_layer(*inputs, **{k: (v if k == "causal" else v.numpy()) for k, v in call.items()})
-    t_layer = torch_layers.MultiHeadAttention(**case.config, keep_attention_weights=keep)
-    t_layer.set_weights(np_layer.get_weights())
-    t_out = t_layer(*(torch.from_numpy(x) for x in inputs), **call)
-    assert max_diff(out_of(t_out), np_out) <= 1e-5
 
 
 # -- torch.compile --------------------------------------------------------------------------
