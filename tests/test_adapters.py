@@ -297,14 +297,15 @@ def test_encoder_token_ids_are_checked_on_every_call(backend: str) -> None:
         for _ in range(2):
             out = h.numpy(h.call(encoder, h.array(ids)))
         before = weights_of(encoder)
-        for bad, shown in ((9, "9"), (-1, "-1")):
-            tokens = ids.copy()
+        refusals = {9: (ValueError, "tokens must be in [0, vocab_size) = [0, 9), got 9"),
+                    -1: (ValueError, "tokens must be in [0, vocab_size) = [0, 9), got -1"),
+                    0.5: (TypeError, "tokens must be integer token ids, got dtype float32")}
+        for bad, (error, message) in refusals.items():
+            tokens = ids.astype(np.float32) if bad == 0.5 else ids.copy()
             tokens[1, 2] = bad
-            with pytest.raises(ValueError, match=r"^tokens must be in \[0, vocab_size\) = "
-                               rf"\[0, 9\), got {shown}$"):
+            with pytest.raises(error) as info:  # str(): Keras adds the arguments as a note
                 h.call(encoder, h.array(tokens))
-        with pytest.raises(TypeError, match=r"^tokens must be integer token ids, got dtype float32$"):
-            h.call(encoder, h.array(ids.astype(np.float32)))
+            assert str(info.value) == message
         np.testing.assert_array_equal(h.numpy(h.call(encoder, h.array(ids))), out)
         for weight, value in before.items():
             np.testing.assert_array_equal(weights_of(encoder)[weight], value)
