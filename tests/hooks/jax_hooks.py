@@ -197,7 +197,7 @@ def sgd_step(layer: FlaxLayer | Layer, args: Sequence[Any], kwargs: dict[str, An
     assert variables is not None
 
     def loss(params: Any) -> jax.Array:
-        out = wrapper.module.apply({**variables, "params": params}, *args, **kwargs)
+        out: jax.Array = wrapper.module.apply({**variables, "params": params}, *args, **kwargs)  # type: ignore[assignment]
         return jnp.mean((out - jnp.asarray(target, out.dtype)) ** 2)
 
     grads = jax.grad(loss)(variables["params"])
