@@ -14,6 +14,18 @@ Tolerances per dtype live here and nowhere else. Backend-specific test glue live
   ``forward(layer, *inputs)`` (a dict of arrays with an ``"out"`` entry) and differentiates
   ``sum(result["out"] * cotangent)`` as ``gradients`` does, returning the backend's arrays so
   that it also runs inside a compiled mode (every backend of :data:`AUTODIFF` must have it);
+* ``call_mode(layer, training, *args, **kwargs)``: call a layer in training mode (dropout on,
+  a fresh mask each call) or in inference mode, the framework's way (``training=``,
+  ``.train()``/``.eval()``, a ``'dropout'`` rng, ``autograd.record()``);
+* ``sgd_step(layer, args, kwargs, target, lr)``: one plain gradient-descent step, in inference
+  mode, on ``mean((layer(*args, **kwargs) - target) ** 2)``, by the framework's own optimiser
+  or autodiff (every backend of :data:`AUTODIFF` must have it);
+* ``save_load_native(layer, make_fresh, args, path) -> (layer, names)``: the layer written to a
+  file of the framework's own format (``state_dict``, a ``.keras`` model, Flax msgpack, Gluon
+  ``.params``) under ``path`` and read into ``make_fresh()``; returns the layer read and the
+  weight names the file holds (``args``: example inputs, for formats that need a call first);
+* ``SETUPS``: name -> ``setup(layer)``, the ways a layer can be set up before it is called
+  that stay on it (Gluon's ``hybridize()``); default: the layer as built;
 * ``MODES``: mode name -> ``mode(layer, fn, arrays)``, which returns ``fn(layer, *arrays)``
   run in that mode (``torch.compile``, ``tf.function(jit_compile=True)``, ``jax.jit``,
   ``hybridize()``); the names are those of :data:`MODES` below.
@@ -104,6 +116,16 @@ MODE_NAMES = {
     "hybridize": "hybridize()",
 }
 
+#: Compiled modes cheap enough for the shared behaviour tests (about a second per small layer).
+#: ``torch.compile`` costs seconds per graph under Inductor: it runs the matrix's compiled cells
+#: and the fullgraph tests of tests/test_torch.py, not these; likewise
+#: ``jax.jit`` is left to the matrix and tests/test_jax.py: each new trace compiles for seconds.
+QUICK_COMPILED_MODES = {"tensorflow": ("xla",), "mxnet": ("hybridize",)}
+
+#: The mode a backend differentiates a whole layer fastest in: JAX's eager mode compiles every
+#: primitive of the forward and backward pass on its own (loops included), ``jax.jit`` once.
+FASTEST_GRADIENT_MODE = {"jax": "jit"}
+
 #: Backends with automatic differentiation: their gradients are compared with the file too.
 AUTODIFF = ("torch", "tensorflow", "jax", "mxnet")
 
@@ -161,6 +183,34 @@ class Harness:
             raise AssertionError(f"backend {self.name!r} has autodiff but tests/hooks/"
                                  f"{self.name}_hooks.py has no forward_and_gradients")
         return hook(layer, forward, inputs, cotangent)
+
+    def call_mode(self, layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
+        """Calls the layer in training mode (dropout on) or inference mode (see the module
+        docstring)."""
+        return self._hook("call_mode")(layer, training, *args, **kwargs)
+
+    def sgd_step(self, layer: Any, args: list[Any], kwargs: dict[str, Any], target: np.ndarray,
+                 lr: float) -> None:
+        """One gradient-descent step on the mean squared error to ``target``."""
+        self._hook("sgd_step")(layer, args, kwargs, target, lr)
+
+    def save_load_native(self, layer: Any, make_fresh: Callable[[], Any], args: list[Any],
+                         path: Any) -> tuple[Any, list[str]]:
+        """The layer through a file of the framework's own format (see the module docstring)."""
+        result: tuple[Any, list[str]] = self._hook("save_load_native")(layer, make_fresh, args, path)
+        return result
+
+    def setups(self) -> list[Callable[[Any], None]]:
+        """The ways a layer can be set up before its calls (``SETUPS`` of the hooks)."""
+        setups: dict[str, Callable[[Any], None]] = getattr(self.hooks, "SETUPS", {})
+        return [lambda layer: None, *setups.values()]
+
+    def _hook(self, name: str) -> Callable[..., Any]:
+        hook = getattr(self.hooks, name, None)
+        if hook is None:
+            raise AssertionError(f"tests/hooks/{self.name}_hooks.py has no {name}")
+        result: Callable[..., Any] = hook
+        return result
 
     def attention_weights(self, layer: Any) -> Any:
         """The attention weights the layer's last call kept."""

@@ -1,7 +1,7 @@
 """Keras habits of the TensorFlow backend: tf.function and XLA, .keras files, configs, dropout.
 
-The cross-backend files (test_reference_matrix, test_errors, test_weights, ...) already run on
-this backend; these tests cover what only Keras has.
+The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
+already run on this backend; these tests cover what only Keras has.
 """
 
 from __future__ import annotations
@@ -151,27 +151,6 @@ def test_functional_api_under_xla() -> None:
     assert np.all(weights.numpy()[1, :, 0] == 0.0)  # valid length 0: the row is all zeros
 
 
-# -- the chapter's own usage, written the TensorFlow way ---------------------------------------
-
-
-def test_seed_usage_as_in_the_chapter() -> None:
-    attention = keras_layers.MultiHeadAttention(100, 5, 0.5)
-    X = tf.ones((2, 4, 100))
-    valid_lens = tf.constant([3, 2])
-    output = attention(X, X, X, valid_lens, training=False)
-    assert output.shape == (2, 4, 100)
-    weights = attention.attention_weights.numpy()
-    np.testing.assert_allclose(weights[0, :, :, :3], 1 / 3, atol=1e-6)
-    np.testing.assert_allclose(weights[1, :, :, :2], 1 / 2, atol=1e-6)
-    assert np.all(weights[0, :, :, 3:] == 0) and np.all(weights[1, :, :, 2:] == 0)
-
-    pos_encoding = keras_layers.PositionalEncoding(32, 0)
-    X = pos_encoding(tf.zeros((1, 60, 32)), training=False)
-    np.testing.assert_array_equal(X.numpy(), pos_encoding.P[:, : X.shape[1], :].numpy())
-    np.testing.assert_array_equal(pos_encoding.P.numpy()[0],
-                                  ac.sinusoidal_encoding(1000, 32, "float32"))
-
-
 # -- .keras files, configs, weights -------------------------------------------------------------
 
 
@@ -310,24 +289,6 @@ def test_keras_initial_weights_follow_set_random_seed() -> None:
 
 
 # -- training mode ------------------------------------------------------------------------------
-
-
-def test_training_argument_controls_dropout() -> None:
-    layer = keras_layers.DotProductAttention(dropout=0.5)
-    q, k = draw((B, Q, 3), (B, K, 3))
-    values = np.broadcast_to(np.eye(K, dtype=np.float32), (B, K, K))  # output = pooled weights
-    inference = layer(q, k, values).numpy()
-    weights = layer.attention_weights.numpy()[:, 0]
-    np.testing.assert_allclose(inference, weights, atol=1e-6)
-    np.testing.assert_array_equal(layer(q, k, values, training=False).numpy(), inference)
-    for fn in (layer, tf.function(layer, jit_compile=True)):
-        dropped, before = (t.numpy() for t in fn(q, k, values, training=True, return_attention=True))
-        np.testing.assert_allclose(before[:, 0], weights, atol=1e-6)  # taken before dropout
-        kept = dropped != 0
-        assert 0.2 < kept.mean() < 0.8
-        np.testing.assert_allclose(dropped[kept], 2 * weights[kept], rtol=1e-5)
-        again = fn(q, k, values, training=True).numpy()
-        assert not np.array_equal(dropped, again)  # a fresh mask each call
 
 
 def test_training_is_passed_down_by_a_model() -> None:
@@ -540,7 +501,6 @@ def test_unknown_input_width_cannot_build() -> None:
 
 #: Ragged blocks: 13 queries in blocks of 4 (3 full and 1), 19 keys in blocks of 5 (3 and 4).
 BQ, BH, BLQ, BLK, DEPTH = 2, 3, 13, 19, 8
-BLOCK_KINDS = (*MASK_KINDS, "combined")
 
 
 @pytest.fixture
@@ -567,33 +527,6 @@ def block_inputs(q: int = BLQ, k: int = BLK) -> list[tf.Tensor]:
 def pooled(implementation: str, q: Any, k: Any, v: Any, masks: dict[str, Any]) -> tf.Tensor:
     return attention.dot_product_attention(q, k, v, implementation=implementation, ops=OPS,
                                            **masks)
-
-
-@pytest.mark.parametrize("mode", ["eager", "function"])
-@pytest.mark.parametrize("kind", BLOCK_KINDS)
-def test_blockwise_equals_direct(small_blocks: None, kind: str, mode: str) -> None:
-    q, k, v = block_inputs()
-    masks = {name: tf.constant(x) if name != "causal" else x
-             for name, x in block_masks(kind).items()}
-    direct = pooled("direct", q, k, v, masks).numpy()
-    run = pooled if mode == "eager" else tf.function(pooled, autograph=False)
-    got = run("blockwise", q, k, v, masks).numpy()
-    assert np.isfinite(got).all()
-    assert max_diff(got, direct) <= TOLERANCE["float32"]
-    _, weights = attention.dot_product_attention(q, k, v, return_weights=True, ops=OPS, **masks)
-    empty = weights.numpy().sum(axis=-1) == 0  # (B, H, Q): rows with no visible key
-    assert empty.any() or kind != "fully_masked_row"
-    np.testing.assert_array_equal(got[empty], 0.0)
-
-
-@pytest.mark.parametrize("kind", ["valid_lens_2d", "mask_4d", "combined"])
-def test_blockwise_under_xla(small_blocks: None, kind: str) -> None:
-    q, k, v = block_inputs()
-    masks = {name: tf.constant(x) if name != "causal" else x
-             for name, x in block_masks(kind).items()}
-    direct = pooled("direct", q, k, v, masks).numpy()
-    compiled = tf.function(pooled, jit_compile=True, autograph=False)
-    assert max_diff(compiled("blockwise", q, k, v, masks).numpy(), direct) <= TOLERANCE["float32"]
 
 
 def graph_op_types(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, lens: tf.Tensor) -> list[str]:
@@ -623,8 +556,8 @@ def test_blockwise_with_an_unknown_batch(small_blocks: None) -> None:
     assert max_diff(traced(q, k, v, lens).numpy(), direct) <= TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
-def test_blockwise_gradients_equal_direct(small_blocks: None, mode: str) -> None:
+def test_blockwise_gradients_equal_direct_in_a_tf_function(small_blocks: None) -> None:
+    """The tf.while_loop gradients in graph mode (eager: tests/test_adapters.py)."""
     q, k, v = block_inputs()
     masks = {name: tf.constant(x) if name != "causal" else x
              for name, x in block_masks("combined").items()}
@@ -636,7 +569,7 @@ def test_blockwise_gradients_equal_direct(small_blocks: None, mode: str) -> None
             loss = tf.reduce_sum(pooled(implementation, q, k, v, masks) * ct)
         return list(tape.gradient(loss, [q, k, v]))
 
-    run = grads if mode == "eager" else tf.function(grads, autograph=False)
+    run = tf.function(grads, autograph=False)
     for got, want in zip(run("blockwise", q, k, v), grads("direct", q, k, v), strict=True):
         assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
 
@@ -676,64 +609,10 @@ def test_blockwise_dropout_in_a_layer_under_tf_function(small_blocks: None) -> N
     assert 0.5 < float(np.mean(outs[0])) < 1.5  # inverted dropout keeps the mean near 1
 
 
-# -- keep_attention_weights and implementation on the layers -----------------------------------
-
-
-@pytest.mark.parametrize("layer", ["DotProductAttention", "MultiHeadAttention",
-                                   "TransformerEncoderBlock"])
-def test_layers_not_keeping_weights(small_blocks: None, layer: str) -> None:
-    config = {"DotProductAttention": {}, "MultiHeadAttention": {"num_hiddens": 8, "num_heads": 2},
-              "TransformerEncoderBlock": {"num_hiddens": 8, "ffn_num_hiddens": 6,
-                                          "num_heads": 2}}[layer]
-    cls = getattr(keras_layers, layer)
-    kept = cls(**config)
-    light = cls(**config, keep_attention_weights=False, implementation="blockwise")
-    X = draw((BQ, BLK, 8))[0]
-    lens = np.array([5, BLK], np.int32)
-    want = kept(X, lens) if layer == "TransformerEncoderBlock" else kept(X, X, X, lens)
-    light.set_weights(kept.get_weights())
-    assert kept.attention_weights is not None
-    for run in (lambda f: f(), lambda f: tf.function(f)()):
-        if layer == "TransformerEncoderBlock":
-            got = run(lambda: light(X, lens))
-        else:
-            got = run(lambda: light(X, X, X, lens))
-        assert light.attention_weights is None
-        assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
-    if layer != "TransformerEncoderBlock":  # asked for, the weights come from the direct path
-        _, weights = light(X, X, X, lens, return_attention=True)
-        assert max_diff(weights.numpy(), kept.attention_weights.numpy()) == 0.0
-        assert light.attention_weights is weights
-
-
-@pytest.mark.parametrize("layer, args", [("DotProductAttention", ()),
-                                         ("MultiHeadAttention", (8, 2)),
-                                         ("TransformerEncoderBlock", (8, 6, 2))])
-def test_invalid_implementation_gives_the_core_message(layer: str, args: tuple[int, ...]) -> None:
-    message = "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"
-    with pytest.raises(ValueError) as err:
-        getattr(keras_layers, layer)(*args, implementation="flash")
-    assert str(err.value) == message
-
-
-def test_fused_is_refused_by_the_core_on_first_use() -> None:
-    layer = keras_layers.DotProductAttention(keep_attention_weights=False, implementation="fused")
-    X = draw((1, 2, 4))[0]
-    with pytest.raises(ValueError, match="the tensorflow backend has no fused attention kernel"):
-        layer(X, X, X)
-
-
 # -- relative positions and the Transformer encoder ---------------------------------------------
 
 #: A small encoder: 10 token ids, width 8, FFN 12, 2 heads, 2 blocks.
 ENC = {"vocab_size": 10, "num_hiddens": 8, "ffn_num_hiddens": 12, "num_heads": 2, "num_blks": 2}
-
-
-def encoder_tokens(batch: int = B, steps: int = 5, ids: tuple[int, ...] = (1, 3, 4, 7)) -> np.ndarray:
-    """Token ids drawn from ``ids`` only, each of them used at least once."""
-    tokens = np.random.default_rng(2).choice(ids, (batch, steps)).astype(np.int32)
-    tokens.flat[: len(ids)] = ids
-    return tokens
 
 
 def test_relative_attention_with_unknown_lengths_under_xla() -> None:
@@ -757,96 +636,6 @@ def test_relative_attention_with_unknown_lengths_under_xla() -> None:
     assert fn.experimental_get_tracing_count() == 1
 
 
-def test_relative_attention_dropout_only_in_training() -> None:
-    keras.utils.set_random_seed(0)
-    layer = keras_layers.RelativeMultiHeadAttention(8, 2, 2, dropout=0.5)
-    q, k = draw((B, Q, 8), (B, K, 8))
-    inference, weights = (t.numpy() for t in layer(q, k, k, return_attention=True))
-    np.testing.assert_array_equal(layer(q, k, k, training=False).numpy(), inference)
-    for fn in (layer, tf.function(layer, jit_compile=True)):
-        dropped, before = (t.numpy() for t in fn(q, k, k, training=True, return_attention=True))
-        assert max_diff(before, weights) <= TOLERANCE["float32"]  # taken before dropout
-        assert not np.allclose(dropped, inference)
-        assert not np.array_equal(dropped, fn(q, k, k, training=True).numpy())  # a fresh mask
-
-
-def test_encoder_dropout_only_in_training() -> None:
-    keras.utils.set_random_seed(0)
-    tokens_in = keras.Input((5,), dtype="int32")
-    model = keras.Model(tokens_in, keras_layers.TransformerEncoder(**ENC, dropout=0.5)(tokens_in))
-    tokens = encoder_tokens()
-    inference = model(tokens).numpy()
-    np.testing.assert_array_equal(model(tokens, training=False).numpy(), inference)
-    compiled = tf.function(lambda t: model(t, training=True), jit_compile=True)
-    for fn in (lambda t: model(t, training=True), compiled):
-        dropped = fn(tokens).numpy()
-        assert not np.allclose(dropped, inference)
-        assert not np.array_equal(dropped, fn(tokens).numpy())
-
-
-def test_encoder_keeps_each_blocks_attention_weights() -> None:
-    """Equal to the embedding, the table and the blocks computed one by one, from NumPy up."""
-    encoder = keras_layers.TransformerEncoder(**ENC)
-    tokens, lens = encoder_tokens(), np.array([5, 3], np.int32)
-    out = encoder(tokens, lens).numpy()
-    kept = encoder.attention_weights
-    assert isinstance(kept, list) and len(kept) == ENC["num_blks"]
-    weights = encoder.get_weights()
-    X = weights["token.embedding"][tokens] * np.sqrt(8) + ac.sinusoidal_encoding(5, 8, "float32")
-    for i, attn in enumerate(kept):
-        block = keras_layers.TransformerEncoderBlock(8, 12, 2)
-        prefix = f"blks.{i}."
-        block.set_weights({n[len(prefix):]: w for n, w in weights.items() if n.startswith(prefix)})
-        X = block(X, lens).numpy()
-        assert attn.shape == (B, 2, 5, 5)
-        assert max_diff(attn.numpy(), block.attention_weights.numpy()) <= TOLERANCE["float32"]
-        np.testing.assert_array_equal(attn.numpy()[1, :, :, 3:], 0.0)  # beyond the valid length
-    assert max_diff(out, X) <= TOLERANCE["float32"]
-
-    traced = tf.function(lambda t, n: (encoder(t, n), encoder.attention_weights), jit_compile=True)
-    _, from_xla = traced(tokens, lens)
-    for a, b in zip(from_xla, kept, strict=True):
-        assert max_diff(a.numpy(), b.numpy()) <= TOLERANCE["float32"]
-
-    light = keras_layers.TransformerEncoder(**ENC, keep_attention_weights=False,
-                                            implementation="blockwise")
-    light.set_weights(weights)
-    assert max_diff(light(tokens, lens).numpy(), out) <= TOLERANCE["float32"]
-    assert light.attention_weights == [None, None]
-
-
-def test_encoder_step_changes_only_the_used_embedding_rows() -> None:
-    keras.utils.set_random_seed(0)
-    tokens_in = keras.Input((5,), dtype="int32")
-    encoder = keras_layers.TransformerEncoder(**ENC)
-    model = keras.Model(tokens_in, encoder(tokens_in))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    used = (1, 3, 4, 7)
-    tokens = encoder_tokens(ids=used)
-    before = encoder.get_weights()
-    model.train_on_batch(tokens, draw((B, 5, 8), seed=3)[0])
-    after = encoder.get_weights()
-    changed = np.any(after["token.embedding"] != before["token.embedding"], axis=1)
-    assert sorted(np.flatnonzero(changed)) == list(used)
-    assert all(not np.array_equal(after[n], before[n]) for n in before if n != "token.embedding")
-
-
-def test_relative_step_changes_only_the_rows_of_offsets_seen() -> None:
-    """Three queries and three keys see offsets -2..2: rows 2..6 of the 2m + 1 = 9 (m = 4)."""
-    layer = keras_layers.RelativeMultiHeadAttention(8, 2, 4)
-    q, k, target = draw((B, 3, 8), (B, 3, 8), (B, 3, 8), seed=6)
-    layer(q, k, k)
-    before = layer.get_weights()
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((layer(q, k, k) - target) ** 2)
-    grads = tape.gradient(loss, layer.trainable_variables)
-    keras.optimizers.SGD(0.1).apply_gradients(zip(grads, layer.trainable_variables, strict=True))
-    after = layer.get_weights()
-    for name in ("rel_k.embedding", "rel_v.embedding"):
-        changed = np.any(after[name] != before[name], axis=1)
-        assert list(np.flatnonzero(changed)) == [2, 3, 4, 5, 6], name
-
-
 def test_additive_attention_with_one_query_and_a_large_batch() -> None:
     """A Bahdanau decoder step's shapes: queries (64, 1, h). TF 2.21's oneDNN batch matmul
     corrupted the heap on the (B, 1, K, h) @ (h, 1) score product (tensorflow#117700); the ops
@@ -864,7 +653,6 @@ def test_additive_attention_with_one_query_and_a_large_batch() -> None:
 
 
 # -- unknown sequence lengths (issue 14, item 16) -------------------------------------------------
-
 
 
 def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""PyTorch-specific behaviour: the fused path, torch.compile, state_dict, dtypes, train/eval,
-relative positions and the encoder.
+"""PyTorch-specific behaviour: the fused path (SDPA), torch.compile and fullgraph, jit.trace,
+export, autocast, state_dict and buffers, dtypes and ``.to()``. What every framework does alike
+(dropout, kept weights, training steps, files, the blockwise path) is in tests/test_adapters.py.
 
 Expected values come from the float64 reference files, the NumPy backend, tests/naive.py or
 the reference gradients, never from the torch code under test.
@@ -24,12 +25,11 @@ import torch
 from torch.nn.parameter import UninitializedParameter
 
 import attention_core as ac
-import backends.numpy as numpy_layers
 import backends.torch as torch_layers
 from backends.torch import OPS, TorchOps
 from tests import naive
 from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, Harness, max_diff, tolerance
-from tests.reference.cases import CASES, INTEGER_INPUTS, MASK_KINDS, Case
+from tests.reference.cases import CASES, INTEGER_INPUTS, Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
 
@@ -57,6 +57,13 @@ def build(case: Case, dtype: str, **kwargs: Any) -> Any:
     if weights:
         layer.set_weights(weights)
     return layer
+
+
+NEW_LAYERS = ("RelativeMultiHeadAttention", "TransformerEncoder")
+
+
+def base_case(layer_name: str, name: str) -> Case:
+    return next(c for c in CASES if c.layer == layer_name and c.name == name)
 
 
 def fusable_cases() -> list[Any]:
@@ -161,23 +168,6 @@ def test_gradient_cases_include_fused_layers() -> None:
     assert {"MultiHeadAttention", "TransformerEncoderBlock"} <= {c.layer for c in gradient_cases()}
 
 
-# -- the same weights in NumPy and torch ----------------------------------------------------
-
-
-@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
-@pytest.mark.parametrize("kind", MASK_KINDS)
-def test_numpy_and_torch_multi_head_agree(kind: str, keep: bool) -> None:
-    case = next(c for c in CASES if c.layer == "MultiHeadAttention" and c.name == kind + "_bias")
-    _, _, call, ref = reference(case, "float32")
-    inputs = [ref[f"input.{name}"].astype(np.float32) for name in case.inputs]
-    np_layer = numpy_layers.MultiHeadAttention(**case.config, seed=1)
-    np_out = np_layer(*inputs, **{k: (v if k == "causal" else v.numpy()) for k, v in call.items()})
-    t_layer = torch_layers.MultiHeadAttention(**case.config, keep_attention_weights=keep)
-    t_layer.set_weights(np_layer.get_weights())
-    t_out = t_layer(*(torch.from_numpy(x) for x in inputs), **call)
-    assert max_diff(out_of(t_out), np_out) <= 1e-5
-
-
 # -- torch.compile --------------------------------------------------------------------------
 
 
@@ -245,9 +235,14 @@ def test_state_dict_is_the_canonical_layout_and_round_trips() -> None:
     np.testing.assert_array_equal(out_of(dst(q, kv, kv, lens)), expected)
 
 
-def test_encoder_block_state_dict_keys_are_canonical() -> None:
-    block = torch_layers.TransformerEncoderBlock(8, 10, 2)
-    assert sorted(block.state_dict()) == sorted(block.get_weights()) == sorted(block.spec())
+@pytest.mark.parametrize("layer_name", ["TransformerEncoderBlock", *NEW_LAYERS])
+def test_state_dict_keys_are_the_canonical_names_in_order(layer_name: str) -> None:
+    """The order of the canonical names; round trips are in tests/test_adapters.py."""
+    layer = build(base_case(layer_name, "valid_lens_1d"), "float32")
+    state = layer.state_dict()
+    assert list(state) == list(layer.get_weights()) == list(layer.spec())
+    for name, value in state.items():
+        np.testing.assert_array_equal(value.numpy(), layer.get_weights()[name])
 
 
 def test_unbuilt_state_dict_holds_placeholders() -> None:
@@ -313,55 +308,6 @@ def test_failed_first_call_leaves_placeholders() -> None:
         layer.get_weights()
 
 
-# -- training mode --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
-def test_dropout_only_in_training_mode(keep: bool) -> None:
-    q, kv, lens = mha_inputs()
-    layer = torch_layers.MultiHeadAttention(16, 4, dropout=0.5, keep_attention_weights=keep)
-    plain = torch_layers.MultiHeadAttention(16, 4, dropout=0.0)
-    layer(q, kv, kv)
-    plain.set_weights(layer.get_weights())
-    expected = out_of(plain(q, kv, kv, lens))
-    assert layer.training
-    a, b = out_of(layer(q, kv, kv, lens)), out_of(layer(q, kv, kv, lens))
-    assert not np.allclose(a, b) and not np.allclose(a, expected)
-    layer.eval()
-    np.testing.assert_array_equal(out_of(layer(q, kv, kv, lens)), out_of(layer(q, kv, kv, lens)))
-    assert max_diff(out_of(layer(q, kv, kv, lens)), expected) <= 1e-6
-
-
-def test_attention_weights_are_taken_before_dropout() -> None:
-    q, kv, lens = mha_inputs()
-    layer = torch_layers.MultiHeadAttention(16, 4, dropout=0.5).train()
-    layer(q, kv, kv, lens)
-    first = out_of(layer.attention_weights)
-    layer(q, kv, kv, lens)
-    np.testing.assert_array_equal(out_of(layer.attention_weights), first)
-    np.testing.assert_allclose(first.sum(-1), 1.0, atol=1e-6)
-
-
-def test_positional_dropout_follows_mode() -> None:
-    layer = torch_layers.PositionalEncoding(8, dropout=0.5)
-    X = torch.zeros(1, 10, 8)
-    assert (layer(X) == 0).any()  # some entries of P dropped
-    layer.eval()
-    np.testing.assert_array_equal(layer(X).numpy(), layer.P[:, :10].numpy())
-
-
-# -- the seeds' usage, as written for torch ---------------------------------------------------
-
-
-def test_seed_usage() -> None:
-    attention = torch_layers.MultiHeadAttention(100, 5, 0.5)
-    X = torch.ones((2, 4, 100))
-    assert attention(X, X, X, torch.tensor([3, 2])).shape == (2, 4, 100)
-    encoding = torch_layers.PositionalEncoding(32, 0)
-    X = encoding(torch.zeros((1, 60, 32)))
-    np.testing.assert_array_equal(X.numpy(), encoding.P[:, :60].numpy())
-
-
 # -- the ops --------------------------------------------------------------------------------
 
 
@@ -383,7 +329,6 @@ def test_concrete_is_none_under_compile() -> None:
     x = torch.zeros(2)
     assert probe(x).tolist() == [0.0, 0.0]
     assert torch.compile(probe, fullgraph=True, backend="eager")(x).tolist() == [1.0, 1.0]
-
 
 
 def test_concrete_is_none_under_jit_trace() -> None:
@@ -414,7 +359,6 @@ def test_torch_func_grad_and_vmap(implementation: str) -> None:
         x, kk, vv, implementation=implementation))(q, k, v)
     want = ac.dot_product_attention(q, k, v, implementation=implementation)
     assert max_diff(one.numpy(), want.numpy()) <= 1e-12
-
 
 
 def _compiled_fused_equals_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -453,40 +397,7 @@ def test_compiled_fused_path_treats_inf_in_queries_and_keys_as_nan() -> None:
     _compiled_fused_equals_direct(q, k, v, lens, nan_rows=5)
 
 
-# -- the blockwise path ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("kind", ["valid_lens", "causal", "mask"])
-def test_blockwise_gradients_equal_direct(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from attention_core import blockwise
-
-    monkeypatch.setattr(blockwise, "KEY_BLOCK", 3)
-    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
-    monkeypatch.setattr(blockwise, "TILE_SCORES", 2 * 2 * 3 * 2)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, n, 4, generator=gen, dtype=torch.float64) for n in (5, 8, 8))
-    call: dict[str, Any] = {"valid_lens": {"valid_lens": torch.tensor([0, 6])},
-                            "causal": {"causal": True},
-                            "mask": {"mask": torch.rand(2, 1, 5, 8, generator=gen) < 0.5}}[kind]
-    grads = {}
-    for impl in ("direct", "blockwise", "fused"):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = ac.dot_product_attention(*leaves, implementation=impl, **call)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
-        grads[impl] = [t.grad for t in leaves]
-        assert all(g is not None and not torch.isnan(g).any() for g in grads[impl])
-    for impl in ("blockwise", "fused"):
-        for got, want in zip(grads[impl], grads["direct"], strict=True):
-            assert torch.allclose(got, want, atol=1e-10), impl
-
-
 # -- RelativeMultiHeadAttention and TransformerEncoder -----------------------------------------
-
-NEW_LAYERS = ("RelativeMultiHeadAttention", "TransformerEncoder")
-
-
-def base_case(layer_name: str, name: str) -> Case:
-    return next(c for c in CASES if c.layer == layer_name and c.name == name)
-
 
 def relative_inputs(q: int = 4, k: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
@@ -496,28 +407,6 @@ def relative_inputs(q: int = 4, k: int = 6) -> tuple[torch.Tensor, torch.Tensor,
 
 def tokens(*rows: list[int]) -> torch.Tensor:
     return torch.tensor(rows)
-
-
-@pytest.mark.parametrize("layer_name", NEW_LAYERS)
-def test_new_layers_state_dict_and_files_round_trip(layer_name: str, tmp_path: Any) -> None:
-    """state_dict keys are the canonical names in spec order; state_dict and weight files both
-    move the layer to a fresh one (the relative layer unbuilt: sizes from the state)."""
-    case = base_case(layer_name, "valid_lens_1d")
-    src = build(case, "float32").eval()
-    inputs, _, call, _ = reference(case, "float32")
-    expected = out_of(src(*inputs, **call))
-    state = src.state_dict()
-    assert list(state) == list(src.get_weights()) == list(src.spec())
-    for name, value in state.items():
-        np.testing.assert_array_equal(value.numpy(), src.get_weights()[name])
-    fresh = getattr(torch_layers, layer_name)
-    by_state = fresh(**case.config).eval()
-    by_state.load_state_dict(state)
-    np.testing.assert_array_equal(out_of(by_state(*inputs, **call)), expected)
-    ac.save_weights(tmp_path / "w.safetensors", src)
-    by_file = fresh(**case.config).eval()
-    ac.load_weights(tmp_path / "w.safetensors", by_file)
-    np.testing.assert_array_equal(out_of(by_file(*inputs, **call)), expected)
 
 
 def test_relative_state_dict_without_value_table() -> None:
@@ -540,65 +429,25 @@ def test_encoder_parameter_names_and_initial_tables() -> None:
     assert abs(table.std() - 0.25) < 0.03  # N(0, 1/sqrt(16)) rows, as DESIGN's init rule says
 
 
-def test_token_ids_of_every_integer_dtype() -> None:
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
-    ids = tokens([1, 2, 3, 10], [0, 0, 5, 9])
-    expected = out_of(encoder(ids))
-    for dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
-        np.testing.assert_array_equal(out_of(encoder(ids.to(dtype))), expected)
-    with pytest.raises(TypeError, match=r"^tokens must be integer token ids, got dtype float32$"):
-        encoder(ids.float())
-    with pytest.raises(ValueError, match=r"^tokens must be in \[0, vocab_size\) = \[0, 11\), got 11$"):
-        encoder(tokens([1, 11]))
-
-
-@pytest.mark.parametrize("layer_name", NEW_LAYERS)
-def test_new_layers_dropout_only_in_training(layer_name: str) -> None:
-    case = base_case(layer_name, "valid_lens_2d")
-    inputs, weights, call, _ = reference(case, "float32")
-    layer = getattr(torch_layers, layer_name)(**{**case.config, "dropout": 0.5})
-    layer.set_weights(weights)
-    plain = build(case, "float32").eval()  # dropout 0, the same weights
-    expected = out_of(plain(*inputs, **call))
-    assert layer.training
-    torch.manual_seed(0)
-    a, b = out_of(layer(*inputs, **call)), out_of(layer(*inputs, **call))
-    assert not np.allclose(a, b) and not np.allclose(a, expected)
-    layer.eval()
-    np.testing.assert_array_equal(out_of(layer(*inputs, **call)), out_of(layer(*inputs, **call)))
-    assert max_diff(out_of(layer(*inputs, **call)), expected) <= 1e-6
-
-
-def test_relative_weights_are_taken_before_dropout() -> None:
+def test_unkept_relative_weights_use_the_fused_path() -> None:
     case = base_case("RelativeMultiHeadAttention", "valid_lens_2d")
-    inputs, weights, call, ref = reference(case, "float32")
-    layer = torch_layers.RelativeMultiHeadAttention(**{**case.config, "dropout": 0.5}).train()
-    layer.set_weights(weights)
-    _, returned = layer(*inputs, **call, return_attention=True)
-    assert returned is layer.attention_weights
-    assert max_diff(out_of(returned), ref["output.attention"]) <= 1e-5
+    inputs, _, call, ref = reference(case, "float32")
     unkept = build(case, "float32", keep_attention_weights=False)
     out = unkept(*inputs, **call)
     assert unkept.attention_weights is None
     assert max_diff(out_of(out), ref["output.out"]) <= 1e-5
 
 
-def test_encoder_keeps_weights_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A list with one (B, H, T, T) tensor per block, also on each block; the file's values."""
+def test_encoder_keeps_weights_on_its_blocks_by_the_direct_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept maps (tests/test_adapters.py) are formed on the direct path, each block's own."""
     case = base_case("TransformerEncoder", "valid_lens_1d")
-    inputs, _, call, ref = reference(case, "float32")
+    inputs, _, call, _ = reference(case, "float32")
     sdpa = CountSDPA(monkeypatch)
     encoder = build(case, "float32")
-    out = encoder(*inputs, **call)
-    assert sdpa.calls == 0  # the kept weights are formed on the direct path
+    encoder(*inputs, **call)
+    assert sdpa.calls == 0
     kept = encoder.attention_weights
-    assert isinstance(kept, list) and len(kept) == case.config["num_blks"] == 2
-    assert all(tuple(w.shape) == (2, 3, 6, 6) for w in kept)
     assert all(block.attention_weights is w for block, w in zip(encoder.blks, kept, strict=True))
-    stacked = np.stack([out_of(w) for w in kept])
-    assert max_diff(stacked, ref["output.attention"]) <= 1e-5
-    assert max_diff(out_of(out), ref["output.out"]) <= 1e-5
-    assert not np.allclose(stacked[0], stacked[1])  # two blocks, two different maps
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -626,41 +475,6 @@ def test_encoder_fused_path_matches_reference(dtype: str, monkeypatch: pytest.Mo
                 assert max_diff(value, grads[name]) <= bound, (case.name, name)
 
 
-def test_encoder_one_step_changes_only_the_rows_of_used_tokens() -> None:
-    torch.manual_seed(0)
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2)
-    ids = tokens([1, 3, 3, 7], [4, 1, 7, 7])
-    target = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(1))
-    before = encoder.get_weights()
-    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.1)
-    ((encoder(ids) - target) ** 2).mean().backward()
-    optimizer.step()
-    after = encoder.get_weights()
-    moved = np.abs(after["token.embedding"] - before["token.embedding"]).max(axis=1)
-    used = {1, 3, 4, 7}
-    assert all(moved[i] > 0 for i in used)
-    assert all(moved[i] == 0 for i in range(11) if i not in used)
-    assert all(not np.array_equal(after[n], before[n]) for n in after if n.endswith("kernel"))
-
-
-def test_relative_one_step_changes_only_the_offsets_seen() -> None:
-    """2 queries at the end of 5 keys (positions 3, 4), m = 4: offsets j - i run from -4 to 1,
-    so rows 0..5 (offset + m) of both tables learn and rows 6..8 (offsets 2..4) do not."""
-    torch.manual_seed(0)
-    layer = torch_layers.RelativeMultiHeadAttention(12, 3, 4, bias=True)
-    q, k, v = relative_inputs(2, 5)
-    layer(q, k, v)  # infers the input sizes
-    before = layer.get_weights()
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    target = torch.randn(2, 2, 12, generator=torch.Generator().manual_seed(3))
-    ((layer(q, k, v) - target) ** 2).mean().backward()
-    optimizer.step()
-    after = layer.get_weights()
-    for table in ("rel_k.embedding", "rel_v.embedding"):
-        moved = np.abs(after[table] - before[table]).max(axis=1)
-        assert (moved[:6] > 0).all() and (moved[6:] == 0).all(), table
-
-
 def test_relative_lazy_sizes_and_bad_input() -> None:
     layer = torch_layers.RelativeMultiHeadAttention(12, 3, 2)
     assert not layer.built
@@ -686,7 +500,6 @@ def test_new_layers_trace_without_graph_breaks(keep: bool) -> None:
 
 
 # -- unknown sequence lengths: torch.export and ONNX (issue 14, item 16) --------------------------
-
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["weights", "fused"])

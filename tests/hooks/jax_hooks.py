@@ -9,15 +9,19 @@ a call succeeds.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import backends.jax as bj
-from backends.jax.layers import Layer, flatten
+from attention_core.weights import flatten_tree as flatten
+from backends.jax.layers import Layer
 from tests.hooks import eager
 
 RNGS = {"params": 0, "dropout": 1}
@@ -48,13 +52,14 @@ class FlaxLayer:
         self.variables: dict[str, Any] | None = None
         self.attention_weights: jax.Array | list[jax.Array] | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, rngs: dict[str, jax.Array] | None = None, **kwargs: Any) -> Any:
+        rngs = _rngs() if rngs is None else rngs
         if self.variables is None:
-            out, state = self.module.init_with_output(_rngs(), *args, mutable=True, **kwargs)
+            out, state = self.module.init_with_output(rngs, *args, mutable=True, **kwargs)
             variables = {"params": state.get("params", {})}
         else:
             variables = self.variables
-            out, state = self.module.apply(variables, *args, rngs=_rngs(),
+            out, state = self.module.apply(variables, *args, rngs=rngs,
                                            mutable=["intermediates"], **kwargs)
         self.variables = variables  # only reached when the call succeeded
         sown = state.get("intermediates", {}).get("attention_weights")
@@ -167,6 +172,49 @@ def jit(layer: FlaxLayer | Layer, fn: Callable[..., Any], arrays: Sequence[Any])
     finally:  # nothing traced may stay in the handle
         wrapper.variables = variables
         wrapper.attention_weights = None
+
+
+#: Keys of the ``'dropout'`` rng for training calls: a new one per call, as a training loop
+#: would split them.
+_DROPOUT_KEYS = itertools.count(100)
+
+
+def call_mode(layer: FlaxLayer | Layer, training: bool, *args: Any, **kwargs: Any) -> Any:
+    """Inference as ``call``; training with ``training=True`` and a fresh ``'dropout'`` key."""
+    if not training:
+        return handle(layer)(*args, **kwargs)
+    rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(next(_DROPOUT_KEYS))}
+    return handle(layer)(*args, training=True, rngs=rngs, **kwargs)
+
+
+def sgd_step(layer: FlaxLayer | Layer, args: Sequence[Any], kwargs: dict[str, Any],
+             target: np.ndarray, lr: float) -> None:
+    """``params - lr * jax.grad(loss)(params)`` over the params pytree (the gradient jitted)."""
+    wrapper = handle(layer)
+    if wrapper.variables is None:
+        wrapper(*args, **kwargs)
+    variables = wrapper.variables
+    assert variables is not None
+
+    def loss(params: Any) -> jax.Array:
+        out: jax.Array = wrapper.module.apply({**variables, "params": params}, *args, **kwargs)  # type: ignore[assignment]
+        return jnp.mean((out - jnp.asarray(target, out.dtype)) ** 2)
+
+    grads = jax.jit(jax.grad(loss))(variables["params"])  # one compilation, not one per primitive
+    params = jax.tree_util.tree_map(lambda p, g: p - lr * g, variables["params"], grads)
+    wrapper.variables = {**variables, "params": params}
+
+
+def save_load_native(layer: FlaxLayer | Layer, make_fresh: Callable[[], Any], args: Sequence[Any],
+                     path: Path) -> tuple[Any, list[str]]:
+    """Flax's msgpack serialization of the variables, read into a template of zeros."""
+    wrapper = handle(layer)
+    (path / "variables.msgpack").write_bytes(flax.serialization.to_bytes(wrapper.variables))
+    template = jax.tree_util.tree_map(jnp.zeros_like, wrapper.variables)
+    fresh = handle(make_fresh())
+    fresh.variables = flax.serialization.from_bytes(template,
+                                                    (path / "variables.msgpack").read_bytes())
+    return fresh, list(flatten(fresh.variables["params"]))
 
 
 MODES = {"eager": eager, "jit": jit}

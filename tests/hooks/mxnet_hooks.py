@@ -8,6 +8,7 @@ on their first call by :func:`backends.mxnet.call_layer`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mxnet as mx
@@ -71,3 +72,35 @@ def hybridized(layer: Any, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any
 
 
 MODES = {"eager": eager, "hybridize": hybridized}
+
+
+def call_mode(layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
+    """Gluon's training mode is ``autograd.record()``; inference here is recording with
+    ``train_mode=False`` (a plain call is inference too)."""
+    with autograd.record(train_mode=training):
+        return bm.call_layer(layer, *args, **kwargs)
+
+
+def sgd_step(layer: Any, args: Sequence[Any], kwargs: dict[str, Any], target: np.ndarray,
+             lr: float) -> None:
+    """A ``gluon.Trainer`` step (``sgd``, batch size 1) after ``backward()`` in inference mode."""
+    trainer = mx.gluon.Trainer(layer.collect_params(), "sgd", {"learning_rate": lr})
+    with autograd.record(train_mode=False):
+        out = bm.call_layer(layer, *args, **kwargs)
+        loss = ((out - mx.np.array(target, dtype=out.dtype)) ** 2).mean()
+    loss.backward()
+    trainer.step(1)
+
+
+def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[Any],
+                     path: Path) -> tuple[Any, list[str]]:
+    """``save_parameters``, then ``load_parameters`` into a fresh layer never initialised (the
+    file does it)."""
+    layer.save_parameters(str(path / "layer.params"))
+    fresh = make_fresh()
+    fresh.load_parameters(str(path / "layer.params"))
+    return fresh, list(mx.npx.load(str(path / "layer.params")))
+
+
+#: A Gluon layer runs imperatively as built, or hybridized (its graph built on the first call).
+SETUPS = {"hybridized": lambda layer: layer.hybridize()}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -51,3 +53,28 @@ def xla(layer: Any, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
 
 
 MODES = {"eager": eager, "xla": xla}
+
+
+def call_mode(layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
+    return layer(*args, training=training, **kwargs)
+
+
+def sgd_step(layer: Any, args: Sequence[Any], kwargs: dict[str, Any], target: np.ndarray,
+             lr: float) -> None:
+    with tf.GradientTape() as tape:
+        out = layer(*args, **kwargs)
+        loss = tf.reduce_mean((out - tf.cast(target, out.dtype)) ** 2)
+    grads = tape.gradient(loss, layer.trainable_variables)
+    keras.optimizers.SGD(lr).apply_gradients(zip(grads, layer.trainable_variables, strict=True))
+
+
+def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[Any],
+                     path: Path) -> tuple[Any, list[str]]:
+    """A functional model around the layer (one ``keras.Input`` per argument), written to a
+    ``.keras`` file and loaded with no ``custom_objects``; returns the loaded model's layer."""
+    inputs = [keras.Input(tuple(x.shape[1:]), dtype=x.dtype.name) for x in map(tf.convert_to_tensor, args)]
+    model = keras.Model(inputs, layer(*inputs))
+    model.save(path / "layer.keras")
+    loaded = keras.models.load_model(path / "layer.keras")
+    (fresh,) = (m for m in loaded.layers if type(m) is type(layer))
+    return fresh, list(fresh.get_weights())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,3 +67,29 @@ def compiled(layer: Any, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
 
 
 MODES = {"eager": eager, "compile": compiled}
+
+
+def call_mode(layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
+    """``layer.train(training)``, then the call: torch keeps the mode on the module."""
+    layer.train(training)
+    return layer(*args, **kwargs)
+
+
+def sgd_step(layer: Any, args: Sequence[Any], kwargs: dict[str, Any], target: np.ndarray,
+             lr: float) -> None:
+    layer.eval()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=lr)
+    optimizer.zero_grad()
+    out = layer(*args, **kwargs)
+    ((out - torch.as_tensor(target, dtype=out.dtype)) ** 2).mean().backward()
+    optimizer.step()
+
+
+def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[Any],
+                     path: Path) -> tuple[Any, list[str]]:
+    """``torch.save`` of the ``state_dict``, loaded into a fresh (unbuilt) layer."""
+    torch.save(layer.state_dict(), path / "state.pt")
+    state = torch.load(path / "state.pt", weights_only=True)
+    fresh = make_fresh()
+    fresh.load_state_dict(state)
+    return fresh, list(state)
