@@ -371,9 +371,6 @@ NOT_KEEPING = {"DotProductAttention": {}, "MultiHeadAttention": {"num_hiddens": 
 #: Backends whose blockwise layers, asked for the weights, compute them on the direct path; the
 #: others refuse with the core's message. (Found while merging the per-framework tests: the
 #: adapters differ here, and should agree.)
-BLOCKWISE_FALLS_BACK_WHEN_ASKED = ("tensorflow", "mxnet")
-
-
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of 4 queries and 5 keys, so the loops run several times with a ragged tail."""
@@ -407,12 +404,9 @@ def test_layers_not_keeping_weights(backend: str, name: str, small_blocks: None)
     plain = h.make(name, {**NOT_KEEPING[name], "keep_attention_weights": False})
     if weights_of(kept):
         plain.set_weights(weights_of(kept))
-    for layer in (plain, light):  # asked for, the weights come from the direct path
-        if layer is light and backend not in BLOCKWISE_FALLS_BACK_WHEN_ASKED:
-            with pytest.raises(ValueError, match=r"^implementation='blockwise' never forms the "
-                               r"attention weights: return_weights=True needs implementation"):
-                h.call(light, *args, lens, return_attention=True)
-            continue
+    # asked for, the weights come from the direct path on every backend: a layer's
+    # implementation is how calls that do not need the weights pool
+    for layer in (plain, light):
         _, weights = h.call(layer, *args, lens, return_attention=True)
         assert max_diff(h.numpy(weights), h.numpy(h.attention_weights(kept))) == 0.0
 
