@@ -439,10 +439,11 @@ def _may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> 
 
     A fused kernel adds the mask to the scores or fills them with a finite value of its own, so
     an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
-    weight or NaN on masked keys: it is skipped when this is True in an eager call (under
-    tracing it is used as is). The direct and blockwise paths mask the scores they form.
-    ``norms`` are the largest squared row norms of the queries and keys (``|q . k| <= |q| |k|``),
-    empty under tracing.
+    weight or NaN on masked keys: it is skipped when this is True in an eager call. Under
+    tracing it is used where the ops have no ``cond``; with one, the kernel runs only when
+    :func:`_scores_in_range` holds, checked in the graph. The direct and blockwise paths mask
+    the scores they form. ``norms`` are the largest squared row norms of the queries and keys
+    (``|q . k| <= |q| |k|``), empty under tracing.
     """
     if not norms or not isinstance(factor, float):  # not known now
         return True
@@ -521,25 +522,38 @@ def dot_product_attention(
     overflow = _may_overflow(ops, q, factor, norms)
     if path == "fused" and overflow and norms:  # known now to risk it: not the kernel
         path = _unfused_path(ops, shape)
+    mended = finite or path != "fused" or getattr(ops, "fused_propagates_nan", True)
     if not finite:
-        if path != "fused" or getattr(ops, "fused_propagates_nan", True):
+        if mended:
             q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
         k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
-    weights = None
-    if path == "fused":  # the backend's fused kernel: the weights are never formed
-        out = fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite)
-    elif path == "blockwise":
-        out = blockwise_attention(ops, q, k, v, visible, dropout, scale=factor)
-    else:
-        scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
+
+    def pool(path: str) -> tuple[Array, Array | None]:
+        """``(output, weights or None)`` pooled on ``path``."""
+        if path == "fused":  # the backend's fused kernel: the weights are never formed
+            return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
+        qm, km = (q, k) if mended else (non_finite_rows(ops, q), non_finite_rows(ops, k))
+        if path == "blockwise":
+            return blockwise_attention(ops, qm, km, v, visible, dropout, scale=factor), None
+        scores = ops.matmul(qm * factor, ops.transpose(km, (0, 1, 3, 2)))  # (B, H, Q, K)
         known = finite and not overflow
         # traced (nothing probed): a bound on the scores, checked in the graph, spares the
         # softmax kernel's row check its pass over the scores when they cannot overflow
-        in_range = (_scores_in_range(ops, q, k, factor)
+        in_range = (_scores_in_range(ops, qm, km, factor)
                     if not known and not norms and _has_cond_softmax(ops) else None)
-        out, weights = pool_visible(ops, scores, v, visible.full(), dropout, return_weights,
-                                    known, in_range)
+        return pool_visible(ops, scores, v, visible.full(), dropout, return_weights, known,
+                            in_range)
+
+    cond = getattr(ops, "cond", None)
+    if path == "fused" and not norms and cond is not None:
+        # traced: the kernel only when a bound checked in the graph keeps the scores in range
+        fallback = _unfused_path(ops, shape)
+        out = cond(_scores_in_range(ops, q, k, factor), lambda: pool("fused")[0],
+                   lambda: pool(fallback)[0])
+        weights = None
+    else:
+        out, weights = pool(path)
     out = out if rank == 4 else out[:, 0]
     return (out, weights) if return_weights else out
 

@@ -198,12 +198,14 @@ class FusedAttentionOps(Ops, Protocol):
     and define ``softmax(x)`` (over the last axis, ``scipy.special.softmax(x, -1)``), a
     one-kernel softmax the direct path then uses.
 
-    Ops with ``softmax`` may also define ``cond(pred, if_true, if_false)``: ``if_true()`` when
-    the one-element boolean array ``pred`` is True, else ``if_false()``, running only that
-    branch, in the graph under tracing (``tf.cond``); both branches return arrays of the same
-    shape and dtype. Traced direct calls then look for the rows the softmax kernel leaves
-    uniform (see :func:`attention_core.attention.pool_visible`) with a pass over the scores
-    only when a bound on the scores, checked in the graph, does not rule them out.
+    Any ops may also define ``cond(pred, if_true, if_false)``: ``if_true()`` when the
+    one-element boolean array ``pred`` is True, else ``if_false()``, running only that branch,
+    in the graph under tracing (``tf.cond``, ``jax.lax.cond``); both branches return arrays of
+    the same shape and dtype. Traced calls, which cannot be probed, then decide in the graph
+    from a bound on the scores (:func:`attention_core.attention.dot_product_attention`):
+    whether the fused kernel may run (else the unfused path does), and whether the direct
+    path's softmax kernel needs its pass over the scores to find the rows it leaves uniform
+    (see :func:`attention_core.attention.pool_visible`).
     """
 
     def fused_attention(
