@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,11 @@ def _filled_softmax(
     return softmax(filled), _seen_by_top(ops, filled, fill)
 
 
+def _filled(ops: Ops, scores: Array, visible: Array | None, fill: float) -> Array:
+    """The scores with the masked ones at the fill."""
+    return scores if visible is None else ops.where(visible, scores, fill)
+
+
 def _seen_by_top(ops: Ops, filled: Array, fill: float) -> Array:
     """Boolean ``(..., Q, 1)``: whether the row's largest score is above the fill.
 
@@ -94,15 +99,13 @@ def _seen_by_top(ops: Ops, filled: Array, fill: float) -> Array:
     return ops.where(top == top, top, math.inf) > fill
 
 
-def _seen_in_range(ops: Ops, scores: Array, visible: Array | None, fill: float) -> Array:
+def _seen_in_range(ops: Ops, rows: Array, visible: Array | None, fill: float) -> Array:
     """:func:`_seen_by_top` for scores known to lie above the fill, without a pass over them.
 
-    Whether the row has a visible key, shaped ``(B, H, Q, 1)`` like the other's result (the
-    scores' first column gives the shape).
+    Whether the row has a visible key, shaped like ``rows`` ``(B, H, Q, 1)``, zeros here.
     """
-    first = ops.slice(scores, 3, 0, 1)  # (B, H, Q, 1), above the fill
-    return first > fill if visible is None else ops.where(_any_visible(ops, visible), first,
-                                                           fill) > fill
+    return rows > fill if visible is None else ops.where(_any_visible(ops, visible), rows,
+                                                          fill) > fill
 
 
 def masked_softmax(
@@ -169,7 +172,7 @@ def pool_visible(
     dropout: float,
     want_weights: bool = True,
     finite: bool = False,
-    in_range: Array | None = None,
+    in_range: tuple[Array, Array, Callable[[], Array]] | None = None,
 ) -> tuple[Array, Array | None]:
     """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
 
@@ -188,10 +191,13 @@ def pool_visible(
         finite: The scores are known to be finite and above the fill (an eager call whose
             inputs were probed): the softmax kernel's rows then need zeroing only where no key
             is visible, which skips a pass over the scores.
-        in_range: Under tracing, where ``finite`` cannot be known: a one-element boolean array,
-            True when every score is known finite and above the fill at run time (see
-            :func:`_scores_in_range`). With ops that have ``cond``, the pass over the scores
-            that finds the rows to zero then runs only when it is False.
+        in_range: Under tracing, where ``finite`` cannot be known: ``(pred, rows, rescore)``,
+            ``pred`` a one-element boolean array, True when every score is finite and above
+            the fill at run time (see :func:`_scores_in_range`), ``rows`` ``(B, H, Q, 1)``,
+            zeros when ``pred`` holds, and ``rescore()`` forms the scores again. With ops that
+            have ``cond``, the pass over the scores that finds the rows to zero runs only when
+            ``pred`` is False, on scores formed again: no branch holds the scores, so the
+            softmax kernel may still write over its input.
     """
     softmax = getattr(ops, "softmax", None)
     if softmax is None:
@@ -207,8 +213,9 @@ def pool_visible(
         fill = FILL_VALUE[ops.dtype_name(scores)]
         filled = scores if visible is None else ops.where(visible, scores, fill)
         raw = softmax(filled)
-        seen = cond(in_range, lambda: _seen_in_range(ops, scores, visible, fill),
-                    lambda: _seen_by_top(ops, filled, fill))
+        pred, rows, rescore = in_range
+        seen = cond(pred, lambda: _seen_in_range(ops, rows, visible, fill),
+                    lambda: _seen_by_top(ops, _filled(ops, rescore(), visible, fill), fill))
     else:
         raw, seen = _filled_softmax(ops, softmax, scores, visible)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
@@ -540,8 +547,10 @@ def dot_product_attention(
         known = finite and not overflow
         # traced (nothing probed): a bound on the scores, checked in the graph, spares the
         # softmax kernel's row check its pass over the scores when they cannot overflow
-        in_range = (_scores_in_range(ops, qm, km, factor)
-                    if not known and not norms and _has_cond_softmax(ops) else None)
+        in_range = None
+        if not known and not norms and _has_cond_softmax(ops):
+            in_range = (_scores_in_range(ops, qm, km, factor), ops.sum(qm - qm, -1),
+                        lambda: ops.matmul(qm * factor, ops.transpose(km, (0, 1, 3, 2))))
         return pool_visible(ops, scores, v, visible.full(), dropout, return_weights, known,
                             in_range)
 
