@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -81,9 +81,31 @@ def _filled_softmax(
     """
     fill = FILL_VALUE[ops.dtype_name(scores)]
     filled = scores if visible is None else ops.where(visible, scores, fill)
+    return softmax(filled), _seen_by_top(ops, filled, fill)
+
+
+def _filled(ops: Ops, scores: Array, visible: Array | None, fill: float) -> Array:
+    """The scores with the masked ones at the fill."""
+    return scores if visible is None else ops.where(visible, scores, fill)
+
+
+def _seen_by_top(ops: Ops, filled: Array, fill: float) -> Array:
+    """Boolean ``(..., Q, 1)``: whether the row's largest score is above the fill.
+
+    Masked scores are at the fill already. A NaN largest score counts as above (its row stays
+    NaN). A pass over the scores.
+    """
     top = ops.max(filled, -1)  # (..., Q, 1)
-    seen = ops.where(top == top, top, math.inf) > fill  # NaN: kept (and NaN)
-    return softmax(filled), seen
+    return ops.where(top == top, top, math.inf) > fill
+
+
+def _seen_in_range(ops: Ops, rows: Array, visible: Array | None, fill: float) -> Array:
+    """:func:`_seen_by_top` for scores known to lie above the fill, without a pass over them.
+
+    Whether the row has a visible key, shaped like ``rows`` ``(B, H, Q, 1)``, zeros here.
+    """
+    return rows > fill if visible is None else ops.where(_any_visible(ops, visible), rows,
+                                                          fill) > fill
 
 
 def masked_softmax(
@@ -150,6 +172,7 @@ def pool_visible(
     dropout: float,
     want_weights: bool = True,
     finite: bool = False,
+    in_range: tuple[Array, Array, Callable[[], Array]] | None = None,
 ) -> tuple[Array, Array | None]:
     """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
 
@@ -168,16 +191,31 @@ def pool_visible(
         finite: The scores are known to be finite and above the fill (an eager call whose
             inputs were probed): the softmax kernel's rows then need zeroing only where no key
             is visible, which skips a pass over the scores.
+        in_range: Under tracing, where ``finite`` cannot be known: ``(pred, rows, rescore)``,
+            ``pred`` a one-element boolean array, True when every score is finite and above
+            the fill at run time (see :func:`_scores_in_range`), ``rows`` ``(B, H, Q, 1)``,
+            zeros when ``pred`` holds, and ``rescore()`` forms the scores again. With ops that
+            have ``cond``, the pass over the scores that finds the rows to zero runs only when
+            ``pred`` is False, on scores formed again: no branch holds the scores, so the
+            softmax kernel may still write over its input.
     """
     softmax = getattr(ops, "softmax", None)
     if softmax is None:
         weights = softmax_visible(ops, scores, visible)
         dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
         return ops.matmul(dropped, values), weights
+    cond = getattr(ops, "cond", None)
     if finite:
         fill = FILL_VALUE[ops.dtype_name(scores)]
         raw = softmax(scores if visible is None else ops.where(visible, scores, fill))
         seen = None if visible is None else _any_visible(ops, visible)
+    elif in_range is not None and cond is not None:  # the row check's pass only when needed
+        fill = FILL_VALUE[ops.dtype_name(scores)]
+        filled = scores if visible is None else ops.where(visible, scores, fill)
+        raw = softmax(filled)
+        pred, rows, rescore = in_range
+        seen = cond(pred, lambda: _seen_in_range(ops, rows, visible, fill),
+                    lambda: _seen_by_top(ops, _filled(ops, rescore(), visible, fill), fill))
     else:
         raw, seen = _filled_softmax(ops, softmax, scores, visible)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
@@ -207,17 +245,43 @@ def _probe(
     squares (which overflow, and so count as not finite, only where a score could). Float16 is
     taken in float32. One transfer of a few numbers to the host, whatever the number of arrays.
     """
-    wide = [ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x
-            for x in summed + bounded]
-    flat = [ops.reshape(x, (1, -1)) for x in wide[: len(summed)]]
+    flat = [ops.reshape(_widened(ops, x), (1, -1)) for x in summed]
     total = functools.reduce(operator.add, [ops.sum(x, -1) for x in flat])
-    squares = [ops.reshape(ops.sum(x * x, -1), (1, -1)) for x in wide[len(summed):]]
-    parts = [total] + [ops.max(x, -1) for x in squares]  # each (1, 1)
+    parts = [total] + [_largest_row_square(ops, x) for x in bounded]  # each (1, 1)
     value = ops.concrete(parts[0] if len(parts) == 1 else ops.concatenate(parts, -1))
     if value is None:  # under tracing
         return False, ()
     values = np.asarray(value, dtype=np.float64).reshape(-1)
     return bool(np.isfinite(values).all()), tuple(float(x) for x in values[1:])
+
+
+def _widened(ops: Ops, x: Array) -> Array:
+    """``x``, in float32 if it is float16 (whose sums of squares overflow early)."""
+    return ops.astype(x, "float32") if ops.dtype_name(x) == "float16" else x
+
+
+def _largest_row_square(ops: Ops, x: Array) -> Array:
+    """``(1, 1)``: the largest squared norm of a row (last axis) of ``x``.
+
+    Float16 is taken in float32. Inf or NaN when ``x`` holds either (or the squares overflow).
+    """
+    wide = _widened(ops, x)
+    return ops.max(ops.reshape(ops.sum(wide * wide, -1), (1, -1)), -1)
+
+
+def _scores_in_range(ops: Ops, q: Array, k: Array, factor: Any) -> Array:
+    """``(1, 1)`` boolean, in the graph: whether the scores are far inside the dtype's range.
+
+    True when ``|q| |k| factor``, which bounds every score ``q . k * factor`` and its partial
+    sums, is below half the dtype's largest value. Scores are then finite and far above the
+    fill (the dtype's lowest value), so a row needs zeroing only where no key is visible. False
+    for a NaN or inf in ``q`` or ``k``. Costs a pass over the queries and keys, O((Q + K) D),
+    nothing over the scores, and no host sync.
+    """
+    norms = ops.sqrt(_largest_row_square(ops, q)) * ops.sqrt(_largest_row_square(ops, k))
+    if not isinstance(factor, float):  # a run-time factor, in the inputs' dtype
+        factor = ops.astype(factor, ops.dtype_name(norms))
+    return norms * factor < 0.5 * _LARGEST[ops.dtype_name(q)]
 
 
 def non_finite_rows(ops: Ops, x: Array) -> Array:
@@ -248,6 +312,11 @@ def values_onto_keys(ops: Ops, keys: Array, values: Array) -> tuple[Array, Array
     """
     nan = ops.sum(values - values, -1)  # (..., K, 1): 0, or NaN where the row has a NaN or inf
     return keys + nan, ops.where(nan == 0, values, 0.0)
+
+
+def _has_cond_softmax(ops: Ops) -> bool:
+    """Whether the ops have both a softmax kernel and ``cond`` (see :func:`pool_visible`)."""
+    return getattr(ops, "softmax", None) is not None and getattr(ops, "cond", None) is not None
 
 
 def _any_visible(ops: Ops, visible: Array) -> Array:
@@ -377,10 +446,11 @@ def _may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> 
 
     A fused kernel adds the mask to the scores or fills them with a finite value of its own, so
     an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
-    weight or NaN on masked keys: it is skipped when this is True in an eager call (under
-    tracing it is used as is). The direct and blockwise paths mask the scores they form.
-    ``norms`` are the largest squared row norms of the queries and keys (``|q . k| <= |q| |k|``),
-    empty under tracing.
+    weight or NaN on masked keys: it is skipped when this is True in an eager call. Under
+    tracing it is used where the ops have no ``cond``; with one, the kernel runs only when
+    :func:`_scores_in_range` holds, checked in the graph. The direct and blockwise paths mask
+    the scores they form. ``norms`` are the largest squared row norms of the queries and keys
+    (``|q . k| <= |q| |k|``), empty under tracing.
     """
     if not norms or not isinstance(factor, float):  # not known now
         return True
@@ -459,20 +529,40 @@ def dot_product_attention(
     overflow = _may_overflow(ops, q, factor, norms)
     if path == "fused" and overflow and norms:  # known now to risk it: not the kernel
         path = _unfused_path(ops, shape)
+    mended = finite or path != "fused" or getattr(ops, "fused_propagates_nan", True)
     if not finite:
-        if path != "fused" or getattr(ops, "fused_propagates_nan", True):
+        if mended:
             q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
         k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
-    weights = None
-    if path == "fused":  # the backend's fused kernel: the weights are never formed
-        out = fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite)
-    elif path == "blockwise":
-        out = blockwise_attention(ops, q, k, v, visible, dropout, scale=factor)
+
+    def pool(path: str) -> tuple[Array, Array | None]:
+        """``(output, weights or None)`` pooled on ``path``."""
+        if path == "fused":  # the backend's fused kernel: the weights are never formed
+            return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
+        qm, km = (q, k) if mended else (non_finite_rows(ops, q), non_finite_rows(ops, k))
+        if path == "blockwise":
+            return blockwise_attention(ops, qm, km, v, visible, dropout, scale=factor), None
+        scores = ops.matmul(qm * factor, ops.transpose(km, (0, 1, 3, 2)))  # (B, H, Q, K)
+        known = finite and not overflow
+        # traced (nothing probed): a bound on the scores, checked in the graph, spares the
+        # softmax kernel's row check its pass over the scores when they cannot overflow
+        in_range = None
+        if not known and not norms and _has_cond_softmax(ops):
+            in_range = (_scores_in_range(ops, qm, km, factor), ops.sum(qm - qm, -1),
+                        lambda: ops.matmul(qm * factor, ops.transpose(km, (0, 1, 3, 2))))
+        return pool_visible(ops, scores, v, visible.full(), dropout, return_weights, known,
+                            in_range)
+
+    cond = getattr(ops, "cond", None)
+    if path == "fused" and not norms and cond is not None:
+        # traced: the kernel only when a bound checked in the graph keeps the scores in range
+        fallback = _unfused_path(ops, shape)
+        out = cond(_scores_in_range(ops, q, k, factor), lambda: pool("fused")[0],
+                   lambda: pool(fallback)[0])
+        weights = None
     else:
-        scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
-        out, weights = pool_visible(ops, scores, v, visible.full(), dropout, return_weights,
-                                    finite and not overflow)
+        out, weights = pool(path)
     out = out if rank == 4 else out[:, 0]
     return (out, weights) if return_weights else out
 

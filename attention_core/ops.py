@@ -197,6 +197,15 @@ class FusedAttentionOps(Ops, Protocol):
     automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`),
     and define ``softmax(x)`` (over the last axis, ``scipy.special.softmax(x, -1)``), a
     one-kernel softmax the direct path then uses.
+
+    Any ops may also define ``cond(pred, if_true, if_false)``: ``if_true()`` when the
+    one-element boolean array ``pred`` is True, else ``if_false()``, running only that branch,
+    in the graph under tracing (``tf.cond``, ``jax.lax.cond``); both branches return arrays of
+    the same shape and dtype. Traced calls, which cannot be probed, then decide in the graph
+    from a bound on the scores (:func:`attention_core.attention.dot_product_attention`):
+    whether the fused kernel may run (else the unfused path does), and whether the direct
+    path's softmax kernel needs its pass over the scores to find the rows it leaves uniform
+    (see :func:`attention_core.attention.pool_visible`).
     """
 
     def fused_attention(

@@ -17,6 +17,8 @@ to the tested dtype. On JAX every call runs under ``jax.jit`` (:func:`tests.stra
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,12 +48,14 @@ def _softmax(scores: Any, mask: Any) -> Any:
 
 
 def _call(h: Harness, path: str, q: Any, k: Any, v: Any, lens: Any = None, mask: Any = None,
-          causal: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """``(output, weights)`` as float64 NumPy; weights only on the direct path."""
+          causal: bool = False, runner: Callable[..., Any] = run,
+          ) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(output, weights)`` as float64 NumPy; weights only on the direct path. ``runner`` is
+    :func:`tests.strategies.run` or one of :data:`TRACED`."""
     if path == "direct":
-        out, w = run(h, _dpa, q, k, v, lens, mask, causal=causal, return_weights=True)
+        out, w = runner(h, _dpa, q, k, v, lens, mask, causal=causal, return_weights=True)
         return h.numpy(out), h.numpy(w)
-    return h.numpy(run(h, _dpa, q, k, v, lens, mask, causal=causal, implementation=path)), None
+    return h.numpy(runner(h, _dpa, q, k, v, lens, mask, causal=causal, implementation=path)), None
 
 
 def _check_masked_rows(label: str, out: np.ndarray, w: np.ndarray | None, vis: np.ndarray,
@@ -106,7 +110,13 @@ def _masks(rng: np.random.Generator) -> dict[str, dict[str, Any]]:
 def test_masked_and_fully_masked_rows_in_every_dtype(backend: str) -> None:
     """Scores of a few units (the reference comparison holds at 16 eps) and of a few hundred
     (masked scores beyond the visible ones: no NaN or inf, zeros exactly where masked)."""
-    h = Harness(backend)
+    problems = _masked_rows_problems(Harness(backend), run)
+    assert not problems, "\n".join(problems)
+
+
+def _masked_rows_problems(h: Harness, runner: Callable[..., Any]) -> list[str]:
+    """What :func:`test_masked_and_fully_masked_rows_in_every_dtype` finds wrong with the calls
+    that ``runner`` makes."""
     rng = np.random.default_rng(8)
     problems = []
     for name, spec in _masks(rng).items():
@@ -118,7 +128,7 @@ def test_masked_and_fully_masked_rows_in_every_dtype(backend: str) -> None:
         for loud in (1.0, 100.0):
             x = [rng.standard_normal((b, heads, n, d)) for n, d in ((nq, D), (nk, D), (nk, DV))]
             x[0] = x[0] * loud
-            for dtype in DTYPES[backend]:
+            for dtype in DTYPES[h.name]:
                 arrays = [h.array(a, dtype) for a in x]
                 expected, expected_w = attention(*(h.numpy(a) for a in arrays), vis)
                 lens = None if "valid_lens" not in spec else h.array(spec["valid_lens"])
@@ -127,11 +137,12 @@ def test_masked_and_fully_masked_rows_in_every_dtype(backend: str) -> None:
                 # than the tolerance (a relative error of eps on a score of 300 is 300 eps)
                 tol = TOLERANCE[dtype] if loud == 1.0 or dtype == "float64" else np.inf
                 for path in paths(h, dtype):
-                    out, w = _call(h, path, *arrays, lens, mask, spec.get("causal", False))
+                    out, w = _call(h, path, *arrays, lens, mask, spec.get("causal", False),
+                                   runner)
                     problems += _check_masked_rows(f"{name}, x{loud:g}, {dtype}, {path}", out, w,
                                                    vis, expected, expected_w, tol,
                                                    TOLERANCE[dtype])
-    assert not problems, "\n".join(problems)
+    return problems
 
 
 #: The largest finite value of each dtype.
@@ -662,9 +673,10 @@ def _overflowing(big: float) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
 #: Scores that overflow, per dtype: float16 at |q| = |k| = 100, the wider types at 1e19.
 OVERFLOW = {"float16": 100.0, "bfloat16": 1e19, "float32": 1e19, "float64": 1e154}
 
-#: Paths whose overflow is not guarded, with why: the fused kernels are skipped when a probe of
-#: the inputs finds scores that may overflow, and a traced call (jax.jit) cannot be probed.
-OVERFLOW_GAPS = {("jax", "fused"): "jax.jit: the probe cannot read the inputs"}
+#: Paths whose overflow is not guarded, with why (none now: the fused kernels are skipped when a
+#: probe of the inputs finds scores that may overflow, or under jax.jit, which cannot probe,
+#: when a bound on the scores checked in the program says so).
+OVERFLOW_GAPS: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -680,6 +692,65 @@ def test_overflowing_scores_in_a_padded_batch_never_leak(backend: str) -> None:
             if (backend, path) in OVERFLOW_GAPS and dtype != "float16":
                 continue  # JAX's fused kernel in float16 on CPU is the direct path
             out, w = _call(h, path, *arrays, h.array(lens))
+            if not np.array_equal(out, expected):
+                problems.append(f"{dtype}, {path}: output off by {max_diff(out, expected):.3g}")
+            one_hot = np.zeros((2, 3, 4))
+            one_hot[1, :, 1] = 1.0
+            if w is not None and not np.array_equal(w[:, 0], one_hot):
+                problems.append(f"{dtype}, {path}: weights are not one-hot on key 1 / zero")
+    assert not problems, "\n".join(problems)
+
+
+# -- traced calls: what the eager probe decides is decided in the graph -------------------------
+
+
+def _tf_function(jit_compile: bool) -> Callable[..., Any]:
+    """A runner (see :func:`_call`) that traces each call in a new ``tf.function``."""
+    def runner(h: Harness, fn: Callable[..., Any], *arrays: Any, **static: Any) -> Any:
+        import tensorflow as tf
+
+        traced = tf.function(functools.partial(fn, **static), jit_compile=jit_compile,
+                             autograph=False)
+        return traced(*arrays)
+
+    return runner
+
+
+#: Traced runners of the backends whose eager calls probe their inputs (JAX runs every call of
+#: these tests under ``jax.jit`` already): under tracing the probe cannot read the inputs.
+TRACED = {("tensorflow", "tf.function"): _tf_function(False),
+          ("tensorflow", "xla"): _tf_function(True)}
+
+
+def _traced(backend: str, mode: str) -> Callable[..., Any]:
+    if (backend, mode) not in TRACED:
+        pytest.skip(f"{backend} has no traced mode {mode!r} here")
+    return TRACED[backend, mode]
+
+
+@pytest.mark.parametrize("mode", sorted({mode for _, mode in TRACED}))
+def test_masked_and_fully_masked_rows_under_tracing(backend: str, mode: str) -> None:
+    """:func:`test_masked_and_fully_masked_rows_in_every_dtype` with every call traced: the
+    scores are bounded in the graph, and rows with no visible key are zeros without a pass
+    over the scores."""
+    problems = _masked_rows_problems(Harness(backend), _traced(backend, mode))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("mode", sorted({mode for _, mode in TRACED}))
+def test_overflowing_scores_under_tracing_never_leak(backend: str, mode: str) -> None:
+    """:func:`test_overflowing_scores_in_a_padded_batch_never_leak` with every call traced,
+    where the bound on the scores is checked in the graph, and with a NaN and an inf query
+    row (which the bound must not pass either)."""
+    runner = _traced(backend, mode)
+    h = Harness(backend)
+    problems = []
+    for dtype in DTYPES[backend]:
+        x, lens, expected = _overflowing(OVERFLOW[dtype])
+        arrays = [h.array(a, dtype) for a in x]
+        for path in paths(h, dtype):
+            out, w = _call(h, path, *arrays, h.array(lens), runner=runner)
             if not np.array_equal(out, expected):
                 problems.append(f"{dtype}, {path}: output off by {max_diff(out, expected):.3g}")
             one_hot = np.zeros((2, 3, 4))

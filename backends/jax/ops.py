@@ -121,6 +121,14 @@ class JaxOps:
     def take(self, table: jax.Array, indices: jax.Array) -> jax.Array:
         return jnp.take(table, indices, axis=0)
 
+    def cond(self, pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
+        """``jax.lax.cond`` on the one-element ``pred``.
+
+        Traced calls pick their path in the program: the fused kernel only for scores that
+        cannot overflow.
+        """
+        return jax.lax.cond(jnp.reshape(pred, ()), if_true, if_false)
+
     # -- the fused kernel (attention_core.ops.FusedAttentionOps) -----------------------------
 
     #: ``jax.nn.dot_product_attention`` gives a row with no visible key the mean of the values

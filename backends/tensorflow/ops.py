@@ -86,6 +86,9 @@ class TensorFlowOps:
     def softmax(self, x: Any) -> tf.Tensor:
         return tf.nn.softmax(x)  # optional hook: one kernel for the direct path's softmax
 
+    def cond(self, pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
+        return tf.cond(tf.reshape(pred, ()), if_true, if_false)  # optional hook: one branch runs
+
     def logical_and(self, a: Any, b: Any) -> tf.Tensor:
         return tf.logical_and(a, b)
 
