@@ -85,7 +85,7 @@ def traced_calls(ac: Any, n: int, inputs: dict[str, Any]) -> dict[str, Callable[
 
     graphs = {"mha": (tf.function(mha, autograph=False), (inputs["x"], inputs["lens"])),
               "dpa": (tf.function(dpa, autograph=False), (*inputs["qkv"], inputs["lens"]))}
-    calls = {}
+    calls: dict[str, Callable[[], Any]] = {}
     for name, (fn, args) in graphs.items():
         concrete = fn.get_concrete_function(*args)  # traced here, with this package
 
