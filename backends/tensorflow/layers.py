@@ -1,42 +1,27 @@
 """Keras 3 layers (TensorFlow backend): every declared layer as a ``keras.layers.Layer``.
 
-One generic base, :class:`Layer`, turns each declaration of :mod:`attention_core.declarations`
-into a Keras layer: its weights are Keras variables named by the canonical layout of DESIGN
-section 5 (``W_q.kernel``, ``attention.W_q.kernel``, ...), created by ``build()`` from the
-input sizes on the first call (or from the mapping given to ``set_weights``), or in
-``__init__`` when the arguments fix every size. ``get_config()`` is the declared arguments,
-and the classes are registered (package ``attention_core``), so ``.keras`` files load without
-``custom_objects``. A call that raises changes nothing: a first call that fails leaves the
-layer unbuilt.
-
-Weights, two forms: ``get_weights() -> dict[str, numpy.ndarray]`` and ``set_weights(mapping)``
-use the canonical layout of every backend; ``get_weight_list()`` and ``set_weight_list(list)``
-are Keras' list form (the values of ``layer.weights`` in order).
-
-Dropout is active only for ``training=True`` and draws from a ``keras.random.SeedGenerator``
-owned by the layer; the initial weights are drawn by Keras initializers. Both follow
-``keras.utils.set_random_seed``, eagerly and under ``tf.function``. The attention layers keep
-the last call's weights, before dropout, in ``attention_weights`` (the traced tensor under
-``tf.function``; return them with ``return_attention=True`` to get them out). Inputs whose
-second axis is a sequence take Keras padding masks (``_keras_mask``, e.g. from
-``Embedding(mask_zero=True)``) as ``<input>_mask`` call arguments, ANDed into the attention
-mask (:func:`attention_core.masks.with_padding`).
+One generic base, :class:`Layer`, holds any declaration of :mod:`attention_core.declarations`:
+weights are Keras variables named by the canonical layout (DESIGN section 5), made by
+``build()`` on the first call (or ``set_weights``), or in ``__init__`` when the arguments fix
+every size, by Keras initializers; dropout (``training=True`` only) draws from the layer's
+``keras.random.SeedGenerator``. ``get_config()`` is the declared arguments, and the classes are
+registered, so ``.keras`` files load without ``custom_objects``. A failed call changes nothing.
+Keras padding masks of the sequence inputs arrive as ``<input>_mask`` call arguments.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from attention_core import checks, masks
+from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.tensorflow.ops import OPS, TensorFlowOps
@@ -53,15 +38,7 @@ _INITIALIZERS = {
 
 @dataclass(eq=False, repr=False)
 class KerasArguments:
-    """``keras.layers.Layer``'s own constructor arguments, after the declared ones.
-
-    Args:
-        name: The layer's name.
-        dtype: Its dtype policy (``"float64"``, ``"mixed_float16"``, ...); None for the global one.
-        trainable: Whether its weights are trained.
-        autocast: Whether floating inputs are cast to the compute dtype.
-        activity_regularizer: A Keras regularizer of the output.
-    """
+    """``keras.layers.Layer``'s constructor arguments, after the declared ones."""
 
     _: KW_ONLY
     name: str | None = None
@@ -71,8 +48,20 @@ class KerasArguments:
     activity_regularizer: Any = None
 
 
+if TYPE_CHECKING:  # Keras has no types: a base of Any attributes, so mypy sees exact signatures
+
+    class _Keras:
+        call: Any
+        build: Any
+        def __getattr__(self, name: str) -> Any: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+else:
+    _Keras = keras.layers.Layer
+
+
 @D.dataclass_transform()
-class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
+class Layer(D.Declaration, _Keras, KerasArguments):
     """Holds a declared layer's weights as Keras variables and calls its forward.
 
     Attributes:
@@ -88,11 +77,7 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
             self._setup(args, kwargs)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Gives a declared layer its ``call`` and ``build`` signatures, and registers it.
-
-        Keras reads them: ``training`` and the ``<input>_mask`` arguments from ``call``,
-        and the build arguments ``<input>_shape`` from ``build``.
-        """
+        """Registers a declared layer; gives it the ``call`` and ``build`` signatures Keras reads."""
         super().__init_subclass__(**kwargs)
         if cls.declared_or_none() is None or "call" in vars(cls):
             return
@@ -109,17 +94,15 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
 
     def _setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         declared, extras = self.bind_arguments(args, kwargs, *self.extras)
-        vars(self).update(declared)
+        self.__dict__.update(declared)
         self.check()
         keras.layers.Layer.__init__(self, **extras)
-        dropout = getattr(self, "dropout", 0.0)
-        self.seed_generator = keras.random.SeedGenerator() if dropout > 0 else None
+        self.seed_generator = keras.random.SeedGenerator() if getattr(self, "dropout", 0) else None
         self._ops = TensorFlowOps(self.seed_generator)
         self._dims: dict[str, int] = {}
         self._params: dict[str, keras.Variable] = {}
         self._weightless = not self.weight_shapes()
-        tables = self.constants("float64")
-        self._constants = {name: tf.cast(t, self.compute_dtype) for name, t in tables.items()}
+        self._constants = {n: tf.cast(t, self.compute_dtype) for n, t in self.constants("float64").items()}
         self.attention_weights: Any = self.finish(None, False, False)[1]
         self._allow_non_tensor_positional_args = True  # valid_lens may be a Python list
         if None not in {d for shape in self.weight_shapes().values() for d in shape}:
@@ -140,13 +123,8 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
     __repr__ = keras.layers.Layer.__repr__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Calls the layer; a failed call changes nothing and raises what ``call()`` raised.
-
-        A first call that fails leaves the layer unbuilt. The error is the one ``call()``
-        raised, not Keras' rewrapped copy (see :func:`_unwrap_call_error`).
-        """
-        # the dtype rule: without weights, the inputs' dtype, unless a policy other than
-        # float32 was chosen for the layer (or globally), whose compute dtype then rules
+        """Calls the layer; a failed call changes nothing and raises what ``call()`` raised."""
+        # the dtype rule: without weights, the inputs' dtype, unless a policy not float32 rules
         if self.autocast and self.dtype_policy.name == "float32" and self._weightless:
             self.autocast = False
         fresh = not self.built
@@ -162,27 +140,18 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
         raise original  # outside the except block: the original's own context is kept
 
     def _with_padding_masks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Moves the inputs' Keras padding masks (``_keras_mask``) into ``<name>_mask`` arguments.
+        """Moves the inputs' padding masks (``_keras_mask``) into ``<name>_mask`` arguments.
 
-        Keras hands the padding mask of a layer's only tensor argument to the call argument
-        named ``mask``, which here is the attention mask (DESIGN section 4). Giving the padding
-        masks their own arguments first keeps them apart: Keras then fills nothing, and a
-        ``mask`` the caller gave stays the attention mask.
+        Keras would give a lone tensor argument's padding mask to ``mask``, the attention mask.
         """
-        if not self.sequences or all(
-            getattr(value, "_keras_mask", None) is None for value in (*args, *kwargs.values())
-        ):
+        if all(getattr(value, "_keras_mask", None) is None for value in (*args, *kwargs.values())):
             return kwargs  # the common case, decided without binding the arguments
         try:
             bound = self._call_signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
             return kwargs  # Keras raises its own error for a call that does not bind
-        found = {}
-        for name in self.sequences:
-            padding = getattr(bound.get(name), "_keras_mask", None)
-            if padding is not None and bound.get(f"{name}_mask") is None:
-                found[f"{name}_mask"] = padding
-        return {**kwargs, **found} if found else kwargs
+        found = {f"{name}_mask": getattr(bound.get(name), "_keras_mask", None) for name in self.sequences}
+        return {**kwargs, **{k: v for k, v in found.items() if v is not None and bound.get(k) is None}}
 
     def _forward(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
         """The generic ``call``: the declared call, ``training`` and the padding masks."""
@@ -192,10 +161,10 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
             checks.check_built_size(W.INPUT_ARGS[dim], size, self._dims.get(dim))
         arguments = prepared.arguments
         if any(pad is not None for pad in paddings.values()):
-            arguments["mask"] = self._padded(arguments, paddings)
+            arguments["mask"] = D.with_padding_masks(self, self._ops, arguments, paddings)
         need = self.needs_attention(prepared.return_attention)
-        rate = getattr(self, "dropout", 0.0) if training else 0.0
         tensors = {name: variable.value for name, variable in self._params.items()}
+        rate = getattr(self, "dropout", 0.0) if training else 0.0
         run = D.Run(self._ops, tensors, self._constants, rate, need)
         returned, kept = self.finish(self.compute(run, **arguments), need,
                                      prepared.return_attention)
@@ -203,40 +172,21 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
             self.attention_weights = kept
         return returned
 
-    def _padded(self, arguments: Mapping[str, Any], paddings: Mapping[str, Any]) -> Any:
-        """The attention mask ANDed with the padding masks of the sequence inputs.
-
-        The first sequence input gives the queries' padding; the others (or, alone, the
-        first itself) the keys', ANDed.
-        """
-        first, *rest = self.sequences
-        keys = rest or [first]
-        found = [paddings[name] for name in keys if paddings[name] is not None]
-        keys_mask = functools.reduce(self._ops.logical_and, found) if found else None
-        q_shape, k_shape = self._ops.shape(arguments[first]), self._ops.shape(arguments[keys[0]])
-        scores = (q_shape[0], None, q_shape[1], k_shape[1])  # (B, H, Q, K)
-        return masks.with_padding(
-            self._ops, arguments.get("mask"), scores, paddings[first], keys_mask
-        )
-
     def _build(self, *args: Any, **kwargs: Any) -> None:
         """The generic ``build(<input>_shape, ...)``: the weights for those input sizes."""
         shapes = inspect.signature(type(self).build).bind(self, *args, **kwargs).arguments
         dims = {dim: shapes[f"{arg}_shape"][-1] for dim, arg in self.sizes.items()}
-        unknown = list(dict.fromkeys(self.sizes[dim] for dim, size in dims.items() if size is None))
-        if unknown:
-            names = f"{', '.join(unknown[:-1])} and {unknown[-1]}" if len(unknown) > 1 else unknown[0]
-            raise ValueError(
-                f"{type(self).__name__}: the last dimension of {names} must be known to create "
-                "the weights, got None"
-            )
+        if unknown := list(dict.fromkeys(self.sizes[d] for d, size in dims.items() if size is None)):
+            names = " and ".join([", ".join(unknown[:-1]), unknown[-1]] if unknown[1:] else unknown)
+            raise ValueError(f"{type(self).__name__}: the last dimension of {names} must be known "
+                             "to create the weights, got None")
         self._create({dim: int(size) for dim, size in dims.items()})
 
     def _create(self, dims: dict[str, int]) -> None:
         """Creates every weight for these input sizes, by its rule's Keras initializer."""
         spec = self.weight_shapes(**dims)
         for name, shape in spec.items():
-            rule = W.init_rule(name, shape)
+            rule = W.init_rule(name, cast("tuple[int, ...]", shape))  # every size is known
             self._params[name] = self.add_weight(
                 shape=shape, initializer=_INITIALIZERS[rule.kind](rule),
                 dtype=self.variable_dtype, name=name,
@@ -262,30 +212,13 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
         return dict(self._params)
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Returns a copy of the weights in the canonical layout (DESIGN section 5).
-
-        Unlike ``keras.layers.Layer.get_weights``, this is a mapping by canonical name; the
-        Keras list is :meth:`get_weight_list`.
-
-        Raises:
-            ValueError: The input sizes are not known yet (call the layer or set_weights).
-        """
+        """A copy of the weights by canonical name (Keras' list: :meth:`get_weight_list`)."""
         if not self.built:
             raise checks.not_built(type(self).__name__)
         return {name: np.array(variable.numpy()) for name, variable in self._params.items()}
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
-        """Sets every weight from a canonical mapping; checks all names and shapes first.
-
-        Before the first call, the input sizes are read off the mapping and the layer is
-        built. A list (Keras' form) is refused: use :meth:`set_weight_list`. Values of any
-        real float dtype are cast to the variable dtype; every value is checked and converted
-        before the layer changes (a layer built here is unbuilt again if assigning fails).
-
-        Raises:
-            TypeError: ``weights`` is not a mapping, or an entry is not floating point.
-            ValueError: Missing or unexpected names, or a wrong shape.
-        """
+        """Sets every weight from a canonical mapping (not Keras' list), all checked first."""
         dtype = keras.backend.standardize_dtype(self.variable_dtype)
         checked = W.check_weights(self.spec(), weights, dtype=dtype)
         staged = {name: tf.cast(OPS.from_numpy(value), dtype) for name, value in checked.items()}
@@ -310,28 +243,21 @@ class Layer(D.Declaration, keras.layers.Layer, KerasArguments):
         keras.layers.Layer.set_weights(self, weights)
 
     def compute_mask(self, inputs: Any, previous_mask: Any = None) -> Any:
-        """The output's Keras padding mask: the first input's (``(B, T)``), as Keras' MHA does.
-
-        ``previous_mask`` is ignored: Keras sets it to the ``mask`` call argument when one is
-        given, which here is an attention mask (DESIGN section 4), not a padding mask.
-        """
+        """The first input's padding mask (``previous_mask`` may be the attention mask)."""
         return getattr(inputs, "_keras_mask", None)
 
 
 class _Signed:
-    """A generic method that shows Keras (``inspect.signature``) a layer class's own parameters.
+    """A generic method showing Keras (``inspect.signature``) a layer class's own parameters.
 
-    A callable descriptor rather than a function with ``__signature__``: Keras wraps ``build``
-    with ``functools.wraps``, which would copy that attribute onto the bound wrapper.
+    Not a function with ``__signature__``: Keras' ``functools.wraps`` of ``build`` would copy it.
     """
 
     def __init__(self, method: Any, parameters: list[inspect.Parameter]) -> None:
         self.method, self.__name__, self.__doc__ = method, method.__name__, method.__doc__
         self.parameters = [_P("self", _P.POSITIONAL_OR_KEYWORD), *parameters]
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.Signature(self.parameters)
+    __signature__ = property(lambda self: inspect.Signature(self.parameters))
 
     def __get__(self, layer: Any, owner: Any = None) -> Any:
         return self if layer is None else types.MethodType(self, layer)
@@ -341,16 +267,9 @@ class _Signed:
 
 
 def _unwrap_call_error(err: BaseException) -> BaseException:
-    """The exception ``call()`` raised, from the copy Keras raised in its place.
+    """The exception ``call()`` raised, not Keras' copy with the call's arguments around it.
 
-    With traceback filtering on (Keras' default), an exception raised inside ``call()`` is
-    replaced by a new one of the same class whose message is the original's framed by
-    "Exception encountered when calling X.call()" and a list of the call's arguments; Keras
-    marks it with ``_keras_call_info_injected`` and raises it ``from None``, so the original is
-    its ``__context__``. That message would differ from every other backend's. Here the
-    original is found again: the marked exception's ``__cause__`` or ``__context__``, of the
-    same class (or of any class when Keras fell back to a RuntimeError). The argument list
-    Keras wrote is added to it as a note. Anything else is returned as it is.
+    Keras marks its copy ``_keras_call_info_injected``; the arguments become a note.
     """
     if not getattr(err, "_keras_call_info_injected", False):
         return err
