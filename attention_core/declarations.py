@@ -351,7 +351,7 @@ class DotProductAttention(_Attention):
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         return attention.dot_product_attention(
-            *args, implementation=self.implementation, **options
+            *args, implementation=None if run.need else self.implementation, **options
         )
 
 
@@ -415,7 +415,7 @@ class MultiHeadAttention(_Attention):
         q, k, v, valid_lens = args
         return multihead.multi_head_attention(
             q, k, v, run.weights, self.num_heads, valid_lens,
-            implementation=self.implementation, **options,
+            implementation=None if run.need else self.implementation, **options,
         )
 
 
@@ -634,7 +634,7 @@ class TransformerEncoderBlock(Declaration):
         """One post-norm block over ``X (B, T, h)``."""
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.implementation, ops=run.ops,
+            return_weights=run.need, implementation=None if run.need else self.implementation, ops=run.ops,
         )
 
 
@@ -700,7 +700,7 @@ class TransformerEncoder(Declaration):
         """Embeds ``tokens (B, T)``, adds positions and runs the blocks: ``(B, T, h)``."""
         return transformer.transformer_encoder(
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.implementation,
+            return_weights=run.need, implementation=None if run.need else self.implementation,
             positions=run.constants["P"], ops=run.ops,
         )
 
