@@ -92,7 +92,7 @@ class Prepared:
         arguments: The call's arguments by name (array inputs cast to the compute dtype),
             without ``return_attention``.
         return_attention: Whether the caller asked for ``(output, attention_weights)``.
-        dims: The input sizes read off the inputs (``q_in`` ...).
+        dims: The input sizes read off the inputs (``q_in`` ...), those known before run time.
     """
 
     arguments: dict[str, Any]
@@ -260,7 +260,8 @@ class Declaration:
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
         self.check_inputs(ops, **arguments)
-        dims = {dim: int(ops.shape(arguments[arg])[-1]) for dim, arg in self.sizes.items()}
+        sizes = {dim: ops.shape(arguments[arg])[-1] for dim, arg in self.sizes.items()}
+        dims = {dim: int(size) for dim, size in sizes.items() if isinstance(size, (int, np.integer))}
         return Prepared(arguments, return_attention, dims)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
