@@ -105,7 +105,7 @@ class Declaration:
     """Base of the layer declarations (see the module's docstring).
 
     Attributes:
-        cast: The array inputs that follow the dtype rule of
+        cast_inputs: The array inputs that follow the dtype rule of
             :func:`attention_core.checks.compute_inputs` (token ids do not).
         sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
@@ -116,7 +116,7 @@ class Declaration:
             ``keep_attention_weights`` says (layers without that argument).
     """
 
-    cast: ClassVar[tuple[str, ...]] = ()
+    cast_inputs: ClassVar[tuple[str, ...]] = ()
     sizes: ClassVar[Mapping[str, str]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
     attention: ClassVar[str | None] = None
@@ -255,7 +255,7 @@ class Declaration:
         """
         arguments = dict(arguments)
         return_attention = bool(arguments.pop("return_attention", False))
-        names = [n for n in self.cast if n in arguments]
+        names = [n for n in self.cast_inputs if n in arguments]
         weighted = dtype if self.weight_shapes() else None
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
@@ -305,7 +305,7 @@ class Declaration:
 class _Attention(Declaration):
     """Shared by the attention layers: their inputs, checks and call."""
 
-    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention: ClassVar[str | None] = "single"
     returns_attention: ClassVar[bool] = True
@@ -466,7 +466,7 @@ class NadarayaWatson(Declaration):
     """
 
     parametric: bool = False
-    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention: ClassVar[str | None] = "single"
     always_keeps: ClassVar[bool] = True
 
@@ -498,7 +498,7 @@ class PositionalEncoding(Declaration):
     num_hiddens: int
     dropout: float = 0.0
     max_len: int = positional.DEFAULT_MAX_LEN
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def check(self) -> None:
         for name in ("num_hiddens", "max_len"):
@@ -526,7 +526,7 @@ class LearnedPositionalEncoding(Declaration):
     num_hiddens: int
     dropout: float = 0.0
     max_len: int = positional.DEFAULT_MAX_LEN
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.learned_positional_spec(self.num_hiddens, self.max_len)
@@ -550,7 +550,7 @@ class PositionWiseFFN(Declaration):
 
     ffn_num_hiddens: int
     ffn_num_outputs: int
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sizes: ClassVar[Mapping[str, str]] = {"d_in": "X"}
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -575,7 +575,7 @@ class AddNorm(Declaration):
 
     num_hiddens: int
     dropout: float = 0.0
-    cast: ClassVar[tuple[str, ...]] = ("X", "Y")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X", "Y")
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.add_norm_spec(self.num_hiddens)
@@ -611,7 +611,7 @@ class TransformerEncoderBlock(Declaration):
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
     attention: ClassVar[str | None] = "single"
 
@@ -635,7 +635,8 @@ class TransformerEncoderBlock(Declaration):
         """One post-norm block over ``X (B, T, h)``."""
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=None if run.need else self.implementation, ops=run.ops,
+            return_weights=run.need, implementation=None if run.need else self.implementation,
+            ops=run.ops,
         )
 
 
@@ -677,6 +678,9 @@ class TransformerEncoder(Declaration):
             self.normalise(name, functools.partial(checks.check_positive_int, name))
         super().check()
 
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
+
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         num_hiddens = checks.check_positive_int("num_hiddens", self.num_hiddens)
         return {"token.embedding": (self.vocab_size, num_hiddens)}
@@ -688,9 +692,6 @@ class TransformerEncoder(Declaration):
             implementation=self.implementation,
         )
         return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
-
-    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
-        checks.check_rank(ops, "tokens", arguments["tokens"], (2,), "(B, T) token ids")
 
     def constants(self, dtype: str) -> dict[str, np.ndarray]:
         return {"P": positional.sinusoidal_encoding(self.max_len, self.num_hiddens, dtype)[None]}
