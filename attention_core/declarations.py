@@ -34,7 +34,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 
-from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import attention, checks, masks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import plain
 from attention_core.ops import Array, Ops
@@ -92,7 +92,7 @@ class Prepared:
         arguments: The call's arguments by name (array inputs cast to the compute dtype),
             without ``return_attention``.
         return_attention: Whether the caller asked for ``(output, attention_weights)``.
-        dims: The input sizes read off the inputs (``q_in`` ...).
+        dims: The input sizes read off the inputs (``q_in`` ...), those known before run time.
     """
 
     arguments: dict[str, Any]
@@ -130,7 +130,7 @@ class Declaration:
         """Gives a backend's layer class its constructor's signature, for ``help`` and IDEs."""
         super().__init_subclass__(**kwargs)
         if "LAYERS" in globals() and cls not in LAYERS.values() and cls.declared_or_none():
-            cls.__signature__ = cls.signature(*cls.extras)  # type: ignore[attr-defined]
+            cls.__signature__ = ClassSignature(cls.signature(*cls.extras))  # type: ignore[attr-defined]
             if "__doc__" not in cls.__dict__ or cls.__doc__ is None:
                 cls.__doc__ = cls.declared().__doc__
 
@@ -260,7 +260,8 @@ class Declaration:
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
         self.check_inputs(ops, **arguments)
-        dims = {dim: int(ops.shape(arguments[arg])[-1]) for dim, arg in self.sizes.items()}
+        sizes = {dim: ops.shape(arguments[arg])[-1] for dim, arg in self.sizes.items()}
+        dims = {dim: int(size) for dim, size in sizes.items() if isinstance(size, (int, np.integer))}
         return Prepared(arguments, return_attention, dims)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
@@ -717,3 +718,41 @@ LAYERS: dict[str, type[Declaration]] = {
 }
 
 
+
+
+# -- shared by adapters (tensorflow) -----------------------------------------------------------
+
+
+class ClassSignature:
+    """A layer class's ``__signature__``: its constructor's, for the class only.
+
+    ``inspect.signature(layer)`` of an instance then reads its ``__call__`` (as
+    ``tf.function(layer)`` does), not the constructor's signature.
+    """
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature:
+        if instance is not None:
+            raise AttributeError("__signature__")
+        return self.signature
+
+
+def with_padding_masks(
+    layer: Declaration, ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any]
+) -> Any:
+    """A call's attention mask ANDed with padding masks of its :attr:`Declaration.sequences`.
+
+    Padding masks (Keras' ``_keras_mask``: ``(B, T)``, True = a real position) are given by
+    input name. The first sequence input is the queries: its padding hides rows; the others'
+    (or, alone, the first's) are ANDed into the keys' padding, which hides keys
+    (:func:`attention_core.masks.with_padding`).
+    """
+    first, *rest = layer.sequences
+    keys = rest or [first]
+    found = [paddings[name] for name in keys if paddings.get(name) is not None]
+    keys_mask = functools.reduce(ops.logical_and, found) if found else None
+    q_shape, k_shape = ops.shape(arguments[first]), ops.shape(arguments[keys[0]])
+    scores = (q_shape[0], None, q_shape[1], k_shape[1])  # (B, H, Q, K)
+    return masks.with_padding(ops, arguments.get("mask"), scores, paddings.get(first), keys_mask)

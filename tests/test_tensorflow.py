@@ -495,6 +495,8 @@ def test_unknown_input_width_cannot_build() -> None:
         fn(np.ones((1, 2, 4), np.float32))
     assert not layer.built and not layer.weights
     assert layer(*[np.ones((1, 2, 3), np.float32)] * 3).shape == (1, 2, 8)
+    built = tf.function(lambda x: layer(x, x, x), input_signature=[tf.TensorSpec((None, None, None))])
+    assert built(np.ones((1, 2, 3), np.float32)).shape == (1, 2, 8)  # built: width unknown when traced
 
 
 # -- the blockwise path: tf.while_loop under tf.function and XLA, equal to the direct path ----

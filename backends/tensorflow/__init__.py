@@ -1,9 +1,4 @@
-"""The TensorFlow backend: Keras 3 layers on the TensorFlow backend of Keras.
-
-``from backends.tensorflow import MultiHeadAttention`` gives a ``keras.layers.Layer``. Keras
-must be set to its TensorFlow backend (the default; ``KERAS_BACKEND=tensorflow``): importing
-this package with another Keras backend raises ImportError.
-"""
+"""The TensorFlow backend: Keras 3 layers; Keras must run on TensorFlow (else ImportError)."""
 
 from backends.tensorflow.layers import (
     AdditiveAttention,
