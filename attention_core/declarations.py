@@ -37,7 +37,7 @@ import numpy as np
 from attention_core import attention, checks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import plain
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, fixed_shape
 
 _T = TypeVar("_T")
 
@@ -109,8 +109,9 @@ class Declaration:
             :func:`attention_core.checks.compute_inputs` (token ids do not).
         sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
-        attention: The attention weights a call forms: None, ``"single"`` (one array
+        attention_kind: The attention weights a call forms: None, ``"single"`` (one array
             ``(B, H, Q, K)``, kept in ``attention_weights``), or ``"blocks"`` (one per block).
+            Not named ``attention``: that is the encoder block's sublayer.
         returns_attention: Whether the call takes ``return_attention``.
         always_keeps: Whether the attention weights are kept whatever
             ``keep_attention_weights`` says (layers without that argument).
@@ -119,7 +120,7 @@ class Declaration:
     cast: ClassVar[tuple[str, ...]] = ()
     sizes: ClassVar[Mapping[str, str]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
-    attention: ClassVar[str | None] = None
+    attention_kind: ClassVar[str | None] = None
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
 
@@ -260,7 +261,8 @@ class Declaration:
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
         self.check_inputs(ops, **arguments)
-        dims = {dim: int(ops.shape(arguments[arg])[-1]) for dim, arg in self.sizes.items()}
+        # an input's width is fixed by the weights, also under tracing (ops.fixed_shape)
+        dims = {dim: int(fixed_shape(ops, arguments[arg])[-1]) for dim, arg in self.sizes.items()}
         return Prepared(arguments, return_attention, dims)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
@@ -274,7 +276,7 @@ class Declaration:
             keeping: The framework can keep them now (False e.g. for Flax without a mutable
                 ``'intermediates'``).
         """
-        if self.attention is None:
+        if self.attention_kind is None:
             return False
         keep = self.always_keeps or bool(getattr(self, "keep_attention_weights", True))
         return return_attention or (keep and keeping)
@@ -285,10 +287,10 @@ class Declaration:
         The weights to keep are None when not formed (a list of None for ``"blocks"``).
         """
         if not need:
-            kept: Any = [None] * len(self.sublayers()) if self.attention == "blocks" else None
+            kept: Any = [None] * len(self.sublayers()) if self.attention_kind == "blocks" else None
             return result, kept
         out, kept = result
-        if self.attention == "blocks":
+        if self.attention_kind == "blocks":
             kept = list(kept)
         return (result if return_attention else out), kept
 
@@ -306,7 +308,7 @@ class _Attention(Declaration):
 
     cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
-    attention: ClassVar[str | None] = "single"
+    attention_kind: ClassVar[str | None] = "single"
     returns_attention: ClassVar[bool] = True
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
@@ -466,7 +468,7 @@ class NadarayaWatson(Declaration):
 
     parametric: bool = False
     cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
-    attention: ClassVar[str | None] = "single"
+    attention_kind: ClassVar[str | None] = "single"
     always_keeps: ClassVar[bool] = True
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -612,7 +614,7 @@ class TransformerEncoderBlock(Declaration):
     implementation: str | None = None
     cast: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
-    attention: ClassVar[str | None] = "single"
+    attention_kind: ClassVar[str | None] = "single"
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -669,7 +671,7 @@ class TransformerEncoder(Declaration):
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
     sequences: ClassVar[tuple[str, ...]] = ("tokens",)
-    attention: ClassVar[str | None] = "blocks"
+    attention_kind: ClassVar[str | None] = "blocks"
 
     def check(self) -> None:
         for name in ("vocab_size", "num_blks", "max_len"):
