@@ -715,3 +715,27 @@ LAYERS: dict[str, type[Declaration]] = {
 }
 
 
+
+
+# -- shared by adapters (torch) ---------------------------------------------------------------
+
+
+def with_call_signature(
+    cls: type[Declaration], method: Callable[..., Any], name: str
+) -> Callable[..., Any]:
+    """A method calling ``method(self, *args, **kwargs)`` that shows ``cls``'s call signature.
+
+    For frameworks that read the names of a layer's call arguments (``torch.export``'s
+    ``dynamic_shapes``, Keras' ``call``): the generic ``method`` takes ``*args, **kwargs``.
+    """
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [this, *cls.call_signature().parameters.values()]
+    call.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    call.__name__, call.__qualname__ = name, f"{cls.__qualname__}.{name}"
+    call.__module__ = cls.__module__
+    call.__doc__ = cls.compute.__doc__
+    return call

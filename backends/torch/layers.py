@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -96,6 +96,8 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         super().__init_subclass__(**kwargs)
         if cls.declared_or_none():
             CLASSES.setdefault(cls.declared(), cls)
+            forward = D.with_call_signature(cls, Layer.forward, "forward")
+            cls.forward = forward  # type: ignore[method-assign]
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 
@@ -108,33 +110,37 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         vars(self).update(declared)
         self.check()
         factory = {"device": extras.pop("device"), "dtype": extras.pop("dtype")}
-        for name, shape in self.own_weight_shapes(**extras).items():
-            known = None not in shape
-            param = Parameter(torch.empty(shape, **factory)) if known else UninitializedParameter(
-                **factory)
-            path, _, leaf = name.rpartition(".")
-            if path and path not in self._modules:
-                self.add_module(path, Holder())
-            (self.get_submodule(path) if path else self).register_parameter(leaf, param)
+        spec = self.own_weight_shapes(**extras)
+        for name, shape in spec.items():
+            dims = [d for d in shape if d is not None]
+            self._attach(name, Parameter(torch.empty(dims, **factory)) if len(dims) == len(shape)
+                         else cast(Parameter, UninitializedParameter(**factory)))
         for name, sub in self.sublayers().items():
-            child = CLASSES[type(sub.layer)](**sub.layer.arguments(), **sub.dims, **factory)
-            path, _, leaf = name.rpartition(".")
-            if path and path not in self._modules:
-                self.add_module(path, nn.ModuleList() if leaf.isdigit() else nn.Module())
-            (self.get_submodule(path) if path else self).add_module(leaf, child)
-        dtype = factory["dtype"] or torch.get_default_dtype()
+            arguments: dict[str, Any] = {**sub.layer.arguments(), **sub.dims, **factory}
+            self._attach(name, CLASSES[type(sub.layer)](**arguments))
         tables = self.constants("float64")
         for name, table in tables.items():
+            dtype = factory["dtype"] or torch.get_default_dtype()
             self.register_buffer(name, torch.from_numpy(table).to(factory["device"], dtype),
                                  persistent=False)
         self._tables, self._parts = tuple(tables), tuple(self.sublayers())
         self.attention_weights: Any = self.finish(None, False, False)[1]
-        self._init([n for n, p in self._own() if not is_lazy(p)])
+        self._init([name for name, shape in spec.items() if None not in shape])
 
-    def _own(self) -> list[tuple[str, Tensor]]:
-        """The layer's own parameters (not its children's), by canonical name."""
-        children = tuple(f"{name}." for name in self._parts)
-        return [(n, p) for n, p in self.named_parameters() if not n.startswith(children)]
+    def _attach(self, name: str, value: nn.Module | Parameter) -> None:
+        """Adds a parameter or a child layer under its canonical name.
+
+        The module that holds it (``W_q`` for ``W_q.kernel``, ``blks`` for ``blks.0``) is made
+        if needed.
+        """
+        path, _, leaf = name.rpartition(".")
+        if path and path not in self._modules:
+            self.add_module(path, nn.ModuleList() if leaf.isdigit() else Holder())
+        owner = self.get_submodule(path) if path else self
+        if isinstance(value, nn.Module):
+            owner.add_module(leaf, value)
+        else:
+            owner.register_parameter(leaf, value)
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
@@ -179,7 +185,7 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         """
         known = self._dims()
         for dim, size in dims.items():
-            checks.check_built_size(W.INPUT_ARGS[dim], size, known.get(dim))
+            checks.check_built_size(self.sizes[dim], size, known.get(dim))
         fresh = {dim: size for dim, size in dims.items() if dim not in known}
         if not fresh:
             return []
@@ -196,7 +202,9 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         spec, params = self.weight_shapes(**dims), dict(self.named_parameters())
         names = [W.INPUT_KERNELS[dim] for dim in dims]
         for name in names:
-            params[name].materialize(spec[name])
+            kernel = params[name]
+            assert isinstance(kernel, UninitializedParameter)
+            kernel.materialize(tuple(d for d in spec[name] if d is not None))  # all known
         self._init(names)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -228,8 +236,11 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         return returned
 
     def _compute_dtype(self) -> str | None:
-        """The parameters' dtype (the dtype rule); None under ``torch.autocast``, whose dtype
-        then governs the computation (the inputs are checked but not cast)."""
+        """The parameters' dtype (the dtype rule), or None.
+
+        None under ``torch.autocast``, whose dtype then governs the computation: the inputs
+        are checked but not cast.
+        """
         param = next(self.parameters(), None)
         if param is None or torch.is_autocast_enabled(param.device.type):
             return None
@@ -255,13 +266,16 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         staged = {name: OPS.from_numpy(value, like=params[name]) for name, value in checked.items()}
         with torch.no_grad():
             for name, value in staged.items():
-                if isinstance(params[name], UninitializedParameter):
-                    params[name].materialize(value.shape)
-                params[name].copy_(value)
+                param = params[name]
+                if isinstance(param, UninitializedParameter):
+                    param.materialize(value.shape)
+                param.copy_(value)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Layer:
-        """Moves or casts like any module; a fixed table cast to another floating dtype is
-        recomputed from float64 (a cast from float32 would keep float32 digits)."""
+        """Moves or casts like any module, then recomputes fixed tables from float64.
+
+        A table cast from float32 to float64 would keep float32 digits.
+        """
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for name, table in (self.constants("float64") if self._tables else {}).items():
             old = self.get_buffer(name)
