@@ -4,21 +4,17 @@ Parameters are kept in the canonical layout of DESIGN section 5, kernels ``(in, 
 submodules named like the canonical names (``W_q`` holds ``kernel`` and ``bias``); a composite
 is made of child layers named like its sublayers (``attention``, ``blks.0``). So
 ``state_dict()`` has exactly the keys and shapes of ``get_weights()``. Fixed tables (the
-sinusoidal ``P``) are non-persistent buffers: they follow ``.to()`` and stay out of
-``state_dict``; changing their dtype recomputes them from float64, so ``.double()`` is exact.
+sinusoidal ``P``) are non-persistent buffers; ``.double()`` recomputes them exactly.
 
 Input sizes are inferred on the first call, like ``torch.nn.LazyLinear``: a kernel whose input
-size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in place (so a
-parameter captured before the first call stays the one trained). They may also be given
-(``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict`` before the first call.
-A call that raises changes nothing: kernels it materialised are turned back into placeholders.
+size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in place. They may
+also be given (``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict``. A call
+that raises changes nothing: kernels it materialised are turned back into placeholders.
 
-Dropout follows ``module.train()`` / ``module.eval()``. The attention layers keep the last
-call's weights, before dropout, in ``attention_weights`` ``(B, H, Q, K)``; ``TransformerEncoder``
-keeps a list of them, one per block, also kept by each block. With
-``keep_attention_weights=False`` (constructor argument or attribute), calls that do not ask for
-the weights may go through ``torch.nn.functional.scaled_dot_product_attention`` (the core
-chooses), and ``attention_weights`` is then None (the encoder's: a list of None).
+Dropout follows ``module.train()`` / ``module.eval()``. ``attention_weights`` keeps the last
+call's attention weights, before dropout (the encoder's: a list, one per block, also kept by
+each block); with ``keep_attention_weights=False`` calls that do not ask for them may go
+through ``torch.nn.functional.scaled_dot_product_attention``, and they are then None.
 """
 
 from __future__ import annotations
