@@ -105,7 +105,7 @@ class Declaration:
     """Base of the layer declarations (see the module's docstring).
 
     Attributes:
-        cast: The array inputs that follow the dtype rule of
+        cast_inputs: The array inputs that follow the dtype rule of
             :func:`attention_core.checks.compute_inputs` (token ids do not).
         sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
@@ -117,7 +117,7 @@ class Declaration:
             ``keep_attention_weights`` says (layers without that argument).
     """
 
-    cast: ClassVar[tuple[str, ...]] = ()
+    cast_inputs: ClassVar[tuple[str, ...]] = ()
     sizes: ClassVar[Mapping[str, str]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
     attention_kind: ClassVar[str | None] = None
@@ -256,7 +256,7 @@ class Declaration:
         """
         arguments = dict(arguments)
         return_attention = bool(arguments.pop("return_attention", False))
-        names = [n for n in self.cast if n in arguments]
+        names = [n for n in self.cast_inputs if n in arguments]
         weighted = dtype if self.weight_shapes() else None
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
@@ -306,7 +306,7 @@ class Declaration:
 class _Attention(Declaration):
     """Shared by the attention layers: their inputs, checks and call."""
 
-    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention_kind: ClassVar[str | None] = "single"
     returns_attention: ClassVar[bool] = True
@@ -353,7 +353,7 @@ class DotProductAttention(_Attention):
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         return attention.dot_product_attention(
-            *args, implementation=self.implementation, **options
+            *args, implementation=None if run.need else self.implementation, **options
         )
 
 
@@ -417,7 +417,7 @@ class MultiHeadAttention(_Attention):
         q, k, v, valid_lens = args
         return multihead.multi_head_attention(
             q, k, v, run.weights, self.num_heads, valid_lens,
-            implementation=self.implementation, **options,
+            implementation=None if run.need else self.implementation, **options,
         )
 
 
@@ -467,7 +467,7 @@ class NadarayaWatson(Declaration):
     """
 
     parametric: bool = False
-    cast: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention_kind: ClassVar[str | None] = "single"
     always_keeps: ClassVar[bool] = True
 
@@ -499,7 +499,7 @@ class PositionalEncoding(Declaration):
     num_hiddens: int
     dropout: float = 0.0
     max_len: int = positional.DEFAULT_MAX_LEN
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def check(self) -> None:
         for name in ("num_hiddens", "max_len"):
@@ -527,7 +527,7 @@ class LearnedPositionalEncoding(Declaration):
     num_hiddens: int
     dropout: float = 0.0
     max_len: int = positional.DEFAULT_MAX_LEN
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.learned_positional_spec(self.num_hiddens, self.max_len)
@@ -551,7 +551,7 @@ class PositionWiseFFN(Declaration):
 
     ffn_num_hiddens: int
     ffn_num_outputs: int
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sizes: ClassVar[Mapping[str, str]] = {"d_in": "X"}
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -576,7 +576,7 @@ class AddNorm(Declaration):
 
     num_hiddens: int
     dropout: float = 0.0
-    cast: ClassVar[tuple[str, ...]] = ("X", "Y")
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X", "Y")
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.add_norm_spec(self.num_hiddens)
@@ -612,7 +612,7 @@ class TransformerEncoderBlock(Declaration):
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
-    cast: ClassVar[tuple[str, ...]] = ("X",)
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
     attention_kind: ClassVar[str | None] = "single"
 
@@ -636,7 +636,8 @@ class TransformerEncoderBlock(Declaration):
         """One post-norm block over ``X (B, T, h)``."""
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.implementation, ops=run.ops,
+            return_weights=run.need, implementation=None if run.need else self.implementation,
+            ops=run.ops,
         )
 
 
@@ -678,6 +679,9 @@ class TransformerEncoder(Declaration):
             self.normalise(name, functools.partial(checks.check_positive_int, name))
         super().check()
 
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
+
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         num_hiddens = checks.check_positive_int("num_hiddens", self.num_hiddens)
         return {"token.embedding": (self.vocab_size, num_hiddens)}
@@ -699,7 +703,7 @@ class TransformerEncoder(Declaration):
         """Embeds ``tokens (B, T)``, adds positions and runs the blocks: ``(B, T, h)``."""
         return transformer.transformer_encoder(
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.implementation,
+            return_weights=run.need, implementation=None if run.need else self.implementation,
             positions=run.constants["P"], ops=run.ops,
         )
 

@@ -139,6 +139,23 @@ def transformer_encoder_block(
     return (out, attn) if return_weights else out
 
 
+def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops) -> str:
+    """Checks token ids ``(B, T)``: integers, each in ``[0, vocab_size)`` when the values are known.
+
+    Returns:
+        The ids' dtype name.
+    """
+    checks.check_rank(ops, "tokens", tokens, (2,), "(B, T) token ids")
+    dtype = ops.dtype_name(tokens)
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"tokens must be integer token ids, got dtype {dtype}")
+    values = ops.concrete(tokens)
+    if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
+        bad = int(values.min()) if values.min() < 0 else int(values.max())
+        raise ValueError(f"tokens must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+    return dtype
+
+
 def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     """Looks up token ids in an embedding table, checking them first.
 
@@ -153,15 +170,7 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     Ids of any integer dtype are taken (int8 to uint64); those other than int32 and int64 are
     cast to int32 for the lookup, after the range check.
     """
-    checks.check_rank(ops, "tokens", tokens, (2,), "(B, T) token ids")
-    dtype = ops.dtype_name(tokens)
-    if not dtype.startswith(("int", "uint")):
-        raise TypeError(f"tokens must be integer token ids, got dtype {dtype}")
-    vocab_size = fixed_shape(ops, table)[0]
-    values = ops.concrete(tokens)
-    if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
-        bad = int(values.min()) if values.min() < 0 else int(values.max())
-        raise ValueError(f"tokens must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+    dtype = check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops)
     if dtype not in ("int32", "int64"):  # every framework's lookup takes these two
         tokens = ops.astype(tokens, "int32")  # ids < vocab_size, which int32 holds
     return ops.take(table, tokens)

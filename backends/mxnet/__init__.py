@@ -1,12 +1,9 @@
 """The MXNet/Gluon backend: ``HybridBlock`` layers over MXNet's NumPy interface.
 
-Importing this package switches MXNet to its NumPy interface for the whole process
-(``mxnet.npx.set_np()``, as the MXNet chapters of d2l do): arrays are ``mxnet.numpy.ndarray``
-with NumPy shape semantics and a real ``bool`` dtype, which the masks need. Code in the same
-process that relies on the legacy ``mxnet.nd`` semantics would have to switch it back, which
-these layers refuse (they raise a ``RuntimeError`` asking for ``npx.set_np()``).
-
-MXNet 1.9.1, the last release, needs ``numpy<1.24``.
+Importing it switches MXNet to its NumPy interface for the whole process (``mxnet.npx.set_np()``,
+as d2l's MXNet chapters do): ``mxnet.numpy.ndarray`` arrays, with NumPy shape semantics and the
+``bool`` dtype the masks need. The layers refuse to run (a ``RuntimeError`` asking for
+``npx.set_np()``) if code switches it back. MXNet 1.9.1, the last release, needs ``numpy<1.24``.
 """
 
 from typing import Any
@@ -32,11 +29,7 @@ from backends.mxnet.ops import OPS, MXNetOps  # noqa: E402
 
 
 def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
-    """Calls a layer, first initialising the parameters that never were (used by the CLI demo).
-
-    Gluon blocks are initialised explicitly; this helper lets generic code (``python -m
-    attention_core demo``) call a freshly built layer the way it calls one of any backend.
-    """
+    """Calls a layer, first initialising its never-initialised parameters (the CLI demo's way)."""
     for param in layer.collect_params().values():
         if param._data is None and not param._deferred_init:  # never initialised
             param.initialize()
@@ -44,18 +37,7 @@ def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 __all__ = [
-    "OPS",
-    "AddNorm",
-    "AdditiveAttention",
-    "DotProductAttention",
-    "LearnedPositionalEncoding",
-    "MXNetOps",
-    "MultiHeadAttention",
-    "NadarayaWatson",
-    "PositionWiseFFN",
-    "PositionalEncoding",
-    "RelativeMultiHeadAttention",
-    "TransformerEncoder",
-    "TransformerEncoderBlock",
-    "call_layer",
+    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
+    "MXNetOps", "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
+    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock", "call_layer",
 ]
