@@ -37,7 +37,7 @@ import numpy as np
 from attention_core import attention, checks, masks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import plain
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, fixed_shape
 
 _T = TypeVar("_T")
 
@@ -109,8 +109,9 @@ class Declaration:
             :func:`attention_core.checks.compute_inputs` (token ids do not).
         sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
-        attention: The attention weights a call forms: None, ``"single"`` (one array
+        attention_kind: The attention weights a call forms: None, ``"single"`` (one array
             ``(B, H, Q, K)``, kept in ``attention_weights``), or ``"blocks"`` (one per block).
+            Not named ``attention``: that is the encoder block's sublayer.
         returns_attention: Whether the call takes ``return_attention``.
         always_keeps: Whether the attention weights are kept whatever
             ``keep_attention_weights`` says (layers without that argument).
@@ -119,7 +120,7 @@ class Declaration:
     cast_inputs: ClassVar[tuple[str, ...]] = ()
     sizes: ClassVar[Mapping[str, str]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
-    attention: ClassVar[str | None] = None
+    attention_kind: ClassVar[str | None] = None
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
 
@@ -230,8 +231,12 @@ class Declaration:
     # -- calls -------------------------------------------------------------------------------
 
     @classmethod
+    @functools.cache
     def call_signature(cls) -> inspect.Signature:
-        """The call's signature: :meth:`compute`'s after ``run``, plus ``return_attention``."""
+        """The call's signature: :meth:`compute`'s after ``run``, plus ``return_attention``.
+
+        Made once per class (every call binds its arguments to it).
+        """
         params = list(inspect.signature(cls.compute).parameters.values())[2:]
         if cls.returns_attention:
             params.append(inspect.Parameter(
@@ -260,7 +265,9 @@ class Declaration:
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
         self.check_inputs(ops, **arguments)
-        sizes = {dim: ops.shape(arguments[arg])[-1] for dim, arg in self.sizes.items()}
+        # an input's width is fixed by the weights, also under tracing (ops.fixed_shape); a
+        # width unknown until run time (a traced Keras layer) is left to the built weights
+        sizes = {dim: fixed_shape(ops, arguments[arg])[-1] for dim, arg in self.sizes.items()}
         dims = {dim: int(size) for dim, size in sizes.items() if isinstance(size, (int, np.integer))}
         return Prepared(arguments, return_attention, dims)
 
@@ -275,7 +282,7 @@ class Declaration:
             keeping: The framework can keep them now (False e.g. for Flax without a mutable
                 ``'intermediates'``).
         """
-        if self.attention is None:
+        if self.attention_kind is None:
             return False
         keep = self.always_keeps or bool(getattr(self, "keep_attention_weights", True))
         return return_attention or (keep and keeping)
@@ -286,10 +293,10 @@ class Declaration:
         The weights to keep are None when not formed (a list of None for ``"blocks"``).
         """
         if not need:
-            kept: Any = [None] * len(self.sublayers()) if self.attention == "blocks" else None
+            kept: Any = [None] * len(self.sublayers()) if self.attention_kind == "blocks" else None
             return result, kept
         out, kept = result
-        if self.attention == "blocks":
+        if self.attention_kind == "blocks":
             kept = list(kept)
         return (result if return_attention else out), kept
 
@@ -307,7 +314,7 @@ class _Attention(Declaration):
 
     cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
-    attention: ClassVar[str | None] = "single"
+    attention_kind: ClassVar[str | None] = "single"
     returns_attention: ClassVar[bool] = True
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
@@ -467,7 +474,7 @@ class NadarayaWatson(Declaration):
 
     parametric: bool = False
     cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
-    attention: ClassVar[str | None] = "single"
+    attention_kind: ClassVar[str | None] = "single"
     always_keeps: ClassVar[bool] = True
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -613,7 +620,7 @@ class TransformerEncoderBlock(Declaration):
     implementation: str | None = None
     cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
-    attention: ClassVar[str | None] = "single"
+    attention_kind: ClassVar[str | None] = "single"
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -671,7 +678,7 @@ class TransformerEncoder(Declaration):
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
     sequences: ClassVar[tuple[str, ...]] = ("tokens",)
-    attention: ClassVar[str | None] = "blocks"
+    attention_kind: ClassVar[str | None] = "blocks"
 
     def check(self) -> None:
         for name in ("vocab_size", "num_blks", "max_len"):
@@ -756,3 +763,27 @@ def with_padding_masks(
     q_shape, k_shape = ops.shape(arguments[first]), ops.shape(arguments[keys[0]])
     scores = (q_shape[0], None, q_shape[1], k_shape[1])  # (B, H, Q, K)
     return masks.with_padding(ops, arguments.get("mask"), scores, paddings.get(first), keys_mask)
+
+
+# -- shared by adapters (torch) ---------------------------------------------------------------
+
+
+def with_call_signature(
+    cls: type[Declaration], method: Callable[..., Any], name: str
+) -> Callable[..., Any]:
+    """A method calling ``method(self, *args, **kwargs)`` that shows ``cls``'s call signature.
+
+    For frameworks that read the names of a layer's call arguments (``torch.export``'s
+    ``dynamic_shapes``, Keras' ``call``): the generic ``method`` takes ``*args, **kwargs``.
+    """
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [this, *cls.call_signature().parameters.values()]
+    call.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    call.__name__, call.__qualname__ = name, f"{cls.__qualname__}.{name}"
+    call.__module__ = cls.__module__
+    call.__doc__ = cls.compute.__doc__
+    return call

@@ -240,7 +240,7 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
             self._call = ({}, False, [])
         out = tuple(out) if isinstance(out, (list, tuple)) else out
         returned, kept = self.finish(out, need, prepared.return_attention)
-        if self.attention:
+        if self.attention_kind:
             self.attention_weights = kept
         return returned
 

@@ -105,7 +105,7 @@ class Layer(NumpyArguments, D.Declaration):
         if self._weights is None:
             self._dims.update(prepared.dims)
             self._weights = weights
-        if self.attention:
+        if self.attention_kind:
             self.attention_weights = kept
         return returned
 

@@ -168,7 +168,7 @@ class Layer(D.Declaration, _Keras, KerasArguments):
         run = D.Run(self._ops, tensors, self._constants, rate, need)
         returned, kept = self.finish(self.compute(run, **arguments), need,
                                      prepared.return_attention)
-        if self.attention:
+        if self.attention_kind:
             self.attention_weights = kept
         return returned
 

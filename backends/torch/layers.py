@@ -1,31 +1,27 @@
-"""PyTorch layers: ``torch.nn.Module``s that hold parameters and call the core.
+"""PyTorch layers: every declared layer (:mod:`attention_core.declarations`) as a ``nn.Module``.
 
 Parameters are kept in the canonical layout of DESIGN section 5, kernels ``(in, out)``, in
-submodules named like the canonical names (``W_q`` holds ``kernel`` and ``bias``). So
-``state_dict()`` has exactly the keys and shapes of ``get_weights()``, weights move between
-frameworks without a transpose, and the core's ``dense`` applies them as they are.
+submodules named like the canonical names (``W_q`` holds ``kernel`` and ``bias``); a composite
+is made of child layers named like its sublayers (``attention``, ``blks.0``). So
+``state_dict()`` has exactly the keys and shapes of ``get_weights()``. Fixed tables (the
+sinusoidal ``P``) are non-persistent buffers; ``.double()`` recomputes them exactly.
 
 Input sizes are inferred on the first call, like ``torch.nn.LazyLinear``: a kernel whose input
-size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in place (so a
-parameter captured before the first call stays the one trained). They may also be given
-(``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict`` before the first call.
-A call that raises changes nothing: kernels it materialised are turned back into placeholders.
+size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in place. They may
+also be given (``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict``. A call
+that raises changes nothing: kernels it materialised are turned back into placeholders.
 
-Dropout follows ``module.train()`` / ``module.eval()``. The attention layers keep the last
-call's weights, before dropout, in ``attention_weights`` ``(B, H, Q, K)``; ``TransformerEncoder``
-keeps a list of them, one ``(B, H, T, T)`` tensor per block. With
-``keep_attention_weights=False`` (constructor argument or attribute), ``DotProductAttention``,
-``MultiHeadAttention``, ``TransformerEncoderBlock`` and ``TransformerEncoder`` calls that do not
-ask for the weights (``return_attention=False``) go through
-``torch.nn.functional.scaled_dot_product_attention`` instead, never forming the ``(B, H, Q, K)``
-weights, and ``attention_weights`` is then None (the encoder's: a list of None).
-``RelativeMultiHeadAttention`` always forms them (its offsets' terms need them).
+Dropout follows ``module.train()`` / ``module.eval()``. ``attention_weights`` keeps the last
+call's attention weights, before dropout (the encoder's: a list, one per block, also kept by
+each block); with ``keep_attention_weights=False`` calls that do not ask for them may go
+through ``torch.nn.functional.scaled_dot_product_attention``, and they are then None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -33,152 +29,218 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import Parameter, UninitializedParameter, is_lazy
 
-from attention_core import attention, checks, multihead, positional, transformer
+from attention_core import checks
+from attention_core import declarations as D
 from attention_core import weights as W
-from attention_core.host import PlainArguments
 from backends.torch.ops import OPS, TorchOps
 
 Tensor = torch.Tensor
-T = TypeVar("T")
 
 
-def _ops(x: Tensor) -> TorchOps:
-    """Ops that create new arrays (``arange``, lengths given as lists) on ``x``'s device."""
-    return TorchOps(x.device)
-
-
-class Dense(LazyModuleMixin, nn.Module):
-    """Holds a dense layer's ``kernel`` ``(in, out)`` and optional ``bias`` ``(out,)``.
-
-    It is never called: the owning layer passes the parameters to the core, which applies
-    them. An unknown input size makes ``kernel`` a :class:`~torch.nn.UninitializedParameter`
-    that the owner materialises; :class:`~torch.nn.modules.lazy.LazyModuleMixin` lets
-    ``state_dict`` / ``load_state_dict`` handle it meanwhile.
+@dataclass(eq=False)
+class TorchArguments:
+    """The torch layers' own constructor arguments, after the declared ones.
 
     Args:
-        d_in: Input size, or None to learn it on the first call.
-        d_out: Output size.
-        bias: Whether there is a bias.
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
+        q_in: Queries' size, or None to learn it on the first call (layers that learn it).
+        k_in: Keys' size, likewise.
+        v_in: Values' size, likewise.
+        d_in: The input's size, likewise.
+        device: Device of the parameters and buffers.
+        dtype: Dtype of the parameters and buffers; torch's default dtype when None.
     """
 
-    def __init__(
-        self,
-        d_in: int | None,
-        d_out: int,
-        bias: bool = False,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.d_out = d_out
-        self.kernel = (
-            UninitializedParameter(**factory)
-            if d_in is None
-            else Parameter(torch.empty(d_in, d_out, **factory))
-        )
-        self.bias = Parameter(torch.empty(d_out, **factory)) if bias else None
-
-    @property
-    def d_in(self) -> int | None:
-        """The input size, None until known."""
-        unknown = isinstance(self.kernel, UninitializedParameter)  # (not is_lazy: dynamo)
-        return None if unknown else OPS.fixed_shape(self.kernel)[0]
-
-    def materialize(self, d_in: int) -> None:
-        """Gives the kernel its shape ``(d_in, d_out)``, in place (values uninitialised)."""
-        assert isinstance(self.kernel, UninitializedParameter)
-        self.kernel.materialize((d_in, self.d_out))
-
-    def unmaterialize(self) -> None:
-        """Turns the kernel back into a placeholder, in place: undoes :meth:`materialize`."""
-        kernel = self.kernel
-        kernel.grad = None
-        kernel.data = torch.empty(0, device=kernel.device, dtype=kernel.dtype)
-        kernel.__class__ = UninitializedParameter
-
-    def extra_repr(self) -> str:
-        return f"d_in={self.d_in}, d_out={self.d_out}, bias={self.bias is not None}"
+    _: KW_ONLY
+    q_in: int | None = None
+    k_in: int | None = None
+    v_in: int | None = None
+    d_in: int | None = None
+    device: torch.device | str | None = None
+    dtype: torch.dtype | None = None
 
 
-class Norm(nn.Module):
-    """Holds layer normalisation's ``gamma`` and ``beta``, both ``(num_hiddens,)``."""
+class Holder(LazyModuleMixin, nn.Module):
+    """Holds parameters under canonical names (``W_q`` holds ``kernel``); never called.
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.gamma = Parameter(torch.empty(num_hiddens, device=device, dtype=dtype))
-        self.beta = Parameter(torch.empty(num_hiddens, device=device, dtype=dtype))
-
-
-class Embedding(nn.Module):
-    """Holds a table of learned vectors, ``embedding`` ``(num_embeddings, embedding_dim)``.
-
-    Like :class:`Dense` it is never called: the owner passes the table to the core, which
-    looks rows up in it (token ids) or combines them (relative offsets).
+    :class:`~torch.nn.modules.lazy.LazyModuleMixin` lets ``state_dict`` and
+    ``load_state_dict`` handle a kernel whose input size is not known yet.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.embedding = Parameter(torch.empty(num_embeddings, embedding_dim, device=device,
-                                               dtype=dtype))
-
     def extra_repr(self) -> str:
-        return f"{self.embedding.shape[0]}, {self.embedding.shape[1]}"
+        return ", ".join(f"{name}: {checks.fmt_shape(p.shape)}" if not is_lazy(p) else f"{name}: ?"
+                         for name, p in self._parameters.items() if p is not None)
 
 
-class Layer(PlainArguments, nn.Module):
-    """Base of the torch layers: canonical weights, lazy input sizes, dropout by mode.
+#: The torch class of each declaration (to make a composite's children).
+CLASSES: dict[type[D.Declaration], type[Layer]] = {}
 
-    Args:
-        dropout: Dropout rate, applied in training mode only.
-        device: Device of the parameters (and buffers).
-        dtype: Dtype of the parameters (and buffers); torch's default dtype when None.
+
+@D.dataclass_transform()
+class Layer(TorchArguments, D.Declaration, nn.Module):
+    """Holds a declared layer's weights as ``Parameter``s and calls its forward.
 
     Attributes:
         attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
-            (attention layers only); None before the first call and after a fused call.
+            (a list, one per block, for the encoder); None when not formed.
     """
 
-    def __init__(
-        self,
-        dropout: float = 0.0,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.dropout = checks.check_dropout(dropout)
-        self._factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.attention_weights: Tensor | None = None
+    __repr__ = nn.Module.__repr__
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        own = {p.name: p for p in D.keyword_parameters(TorchArguments)}
+        cls.extras = tuple(own[name] for name in (*cls.sizes, "device", "dtype"))
+        super().__init_subclass__(**kwargs)
+        if cls.declared_or_none():
+            CLASSES.setdefault(cls.declared(), cls)
+            forward = D.with_call_signature(cls, Layer.forward, "forward")
+            cls.forward = forward  # type: ignore[method-assign]
+
+    if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            nn.Module.__init__(self)
+            self._setup(args, kwargs)
+
+    def _setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        declared, extras = self.bind_arguments(args, kwargs, *self.extras)
+        vars(self).update(declared)
+        self.check()
+        factory = {"device": extras.pop("device"), "dtype": extras.pop("dtype")}
+        spec = self.own_weight_shapes(**extras)
+        for name, shape in spec.items():
+            dims = [d for d in shape if d is not None]
+            self._attach(name, Parameter(torch.empty(dims, **factory)) if len(dims) == len(shape)
+                         else cast(Parameter, UninitializedParameter(**factory)))
+        for name, sub in self.sublayers().items():
+            arguments: dict[str, Any] = {**sub.layer.arguments(), **sub.dims, **factory}
+            self._attach(name, CLASSES[type(sub.layer)](**arguments))
+        tables = self.constants("float64")
+        for name, table in tables.items():
+            dtype = factory["dtype"] or torch.get_default_dtype()
+            self.register_buffer(name, torch.from_numpy(table).to(factory["device"], dtype),
+                                 persistent=False)
+        self._tables, self._parts = tuple(tables), tuple(self.sublayers())
+        self.attention_weights: Any = self.finish(None, False, False)[1]
+        self._init([name for name, shape in spec.items() if None not in shape])
+
+    def _attach(self, name: str, value: nn.Module | Parameter) -> None:
+        """Adds a parameter or a child layer under its canonical name.
+
+        The module that holds it (``W_q`` for ``W_q.kernel``, ``blks`` for ``blks.0``) is made
+        if needed.
+        """
+        path, _, leaf = name.rpartition(".")
+        if path and path not in self._modules:
+            self.add_module(path, nn.ModuleList() if leaf.isdigit() else Holder())
+        owner = self.get_submodule(path) if path else self
+        if isinstance(value, nn.Module):
+            owner.add_module(leaf, value)
+        else:
+            owner.register_parameter(leaf, value)
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
-        return {}
+        return self.weight_shapes(**self._dims())
+
+    def _dims(self) -> dict[str, int]:
+        """The input sizes known from the kernels (``q_in`` ...)."""
+        params = dict(self.named_parameters())
+        return {dim: OPS.fixed_shape(params[W.INPUT_KERNELS[dim]])[0] for dim in self.sizes
+                if not isinstance(params[W.INPUT_KERNELS[dim]], UninitializedParameter)}
 
     @property
     def built(self) -> bool:
         """Whether every weight's shape is known."""
         return not any(is_lazy(p) for p in self.parameters())
 
-    def _weights(self) -> dict[str, Tensor]:
-        """The parameters by canonical name (the ``state_dict`` keys)."""
-        return dict(self.named_parameters())
+    def reset_parameters(self) -> None:
+        """Draws initial values for every weight whose shape is known.
+
+        By each weight's rule (:func:`attention_core.weights.init_rule`), from torch's
+        generator, so ``torch.manual_seed`` fixes them.
+        """
+        self._init([name for name, p in self.named_parameters() if not is_lazy(p)])
+
+    def _init(self, names: list[str]) -> None:
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name in names:
+                rule = W.init_rule(name, tuple(params[name].shape))
+                if rule.kind == "uniform":
+                    params[name].uniform_(rule.a, rule.b)
+                elif rule.kind == "normal":
+                    params[name].normal_(rule.a, rule.b)
+                else:
+                    params[name].fill_(rule.a)
+
+    def _build(self, dims: Mapping[str, int]) -> list[Tensor]:
+        """Checks input sizes against the known ones; materialises the kernels of unknown ones.
+
+        Returns:
+            The kernels materialised now, to turn back into placeholders if the call fails.
+        """
+        known = self._dims()
+        for dim, size in dims.items():
+            checks.check_built_size(self.sizes[dim], size, known.get(dim))
+        fresh = {dim: size for dim, size in dims.items() if dim not in known}
+        if not fresh:
+            return []
+        self._materialize(fresh)
+        params = dict(self.named_parameters())
+        return [params[W.INPUT_KERNELS[dim]] for dim in fresh]
+
+    @torch.compiler.disable(  # type: ignore[untyped-decorator, no-untyped-call]
+        reason="input sizes are inferred eagerly: call the layer once, or set_weights, "
+        "before compiling with fullgraph=True"
+    )
+    def _materialize(self, dims: dict[str, int]) -> None:
+        """Gives the kernels of the unknown input sizes their shapes and initial values."""
+        spec, params = self.weight_shapes(**dims), dict(self.named_parameters())
+        names = [W.INPUT_KERNELS[dim] for dim in dims]
+        for name in names:
+            kernel = params[name]
+            assert isinstance(kernel, UninitializedParameter)
+            kernel.materialize(tuple(d for d in spec[name] if d is not None))  # all known
+        self._init(names)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the declared forward (see the class's call signature)."""
+        bound = self.bind_call(args, kwargs)
+        first = next((a for a in bound.values() if isinstance(a, Tensor)), None)
+        ops = TorchOps(None if first is None else first.device)
+        prepared = self.prepare(ops, self._compute_dtype(), bound)
+        fresh = self._build(prepared.dims)
+        try:
+            need = self.needs_attention(prepared.return_attention)
+            rate = getattr(self, "dropout", 0.0) if self.training else 0.0
+            constants = {name: self.get_buffer(name) for name in self._tables}
+            run = D.Run(ops, dict(self.named_parameters()), constants, rate, need)
+            returned, kept = self.finish(
+                self.compute(run, **prepared.arguments), need, prepared.return_attention
+            )
+        except BaseException:
+            for kernel in fresh:  # undoes _materialize, in place
+                kernel.grad = None
+                kernel.data = torch.empty(0, device=kernel.device, dtype=kernel.dtype)
+                kernel.__class__ = UninitializedParameter
+            raise
+        if self.attention_kind == "blocks":
+            for name, weights in zip(self._parts, kept, strict=True):
+                self.get_submodule(name).attention_weights = weights
+        if self.attention_kind:
+            self.attention_weights = kept
+        return returned
+
+    def _compute_dtype(self) -> str | None:
+        """The parameters' dtype (the dtype rule), or None.
+
+        None under ``torch.autocast``, whose dtype then governs the computation: the inputs
+        are checked but not cast.
+        """
+        param = next(self.parameters(), None)
+        if param is None or torch.is_autocast_enabled(param.device.type):
+            return None
+        return OPS.dtype_name(param)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
@@ -194,7 +256,7 @@ class Layer(PlainArguments, nn.Module):
         Every value is checked and converted before the first parameter changes. Setting the
         weights of a layer not called yet fixes its input sizes.
         """
-        params = self._weights()
+        params = dict(self.named_parameters())
         dtypes = {name: OPS.dtype_name(p) for name, p in params.items()}
         checked = W.check_weights(self.spec(), weights, dtype=dtypes)
         staged = {name: OPS.from_numpy(value, like=params[name]) for name, value in checked.items()}
@@ -205,754 +267,30 @@ class Layer(PlainArguments, nn.Module):
                     param.materialize(value.shape)
                 param.copy_(value)
 
-    def reset_parameters(self) -> None:
-        """Draws initial values for every weight whose shape is known.
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Layer:
+        """Moves or casts like any module, then recomputes fixed tables from float64.
 
-        The rules of ``attention_core.weights.init_weights`` (Glorot-uniform kernels, zero
-        biases, ...), drawn from a generator seeded by torch's, so ``torch.manual_seed``
-        fixes them.
+        A table cast from float32 to float64 would keep float32 digits.
         """
-        self._init([name for name, p in self.named_parameters() if not is_lazy(p)])
-
-    def _init(self, names: list[str]) -> None:
-        if not names:
-            return
-        spec = self.spec()
-        seed = int(torch.randint(0, 2**62, ()).item())
-        values = W.init_weights({n: spec[n] for n in names}, np.random.default_rng(seed), "float64")
-        params = self._weights()
-        with torch.no_grad():
-            for name in names:
-                params[name].copy_(torch.from_numpy(values[name]))
-
-    def _dense_for(self, dim: str) -> Dense:
-        module = self.get_submodule(W.INPUT_KERNELS[dim].rpartition(".")[0])
-        assert isinstance(module, Dense)
-        return module
-
-    def _build(self, **dims: Any) -> list[Dense]:
-        """Checks input sizes against the known ones; materialises the kernels of unknown ones.
-
-        Returns:
-            The kernels materialised now, to undo with :meth:`_run` if the call fails.
-        """
-        fresh: dict[str, Dense] = {}
-        for dim, size in dims.items():
-            dense = self._dense_for(dim)
-            known = dense.d_in
-            if known is None:
-                fresh[dim] = dense
-            else:
-                checks.check_built_size(W.INPUT_ARGS[dim], size, known)
-        if fresh:
-            self._materialize({dim: int(dims[dim]) for dim in fresh})
-        return list(fresh.values())
-
-    @torch.compiler.disable(  # type: ignore[untyped-decorator, no-untyped-call]
-        reason="input sizes are inferred eagerly: call the layer once, or set_weights, "
-        "before compiling with fullgraph=True"
-    )
-    def _materialize(self, dims: dict[str, int]) -> None:
-        """Gives the kernels of the unknown input sizes their shapes and initial values."""
-        for dim, size in dims.items():
-            self._dense_for(dim).materialize(size)
-        self._init([W.INPUT_KERNELS[dim] for dim in dims])
-
-    def _run(self, fresh: list[Dense], call: Callable[[], T]) -> T:
-        """Runs ``call``; if it raises, first undoes the kernels materialised for it."""
-        if not fresh:
-            return call()
-        try:
-            return call()
-        except BaseException:
-            for dense in fresh:
-                dense.unmaterialize()
-            raise
-
-    def _inputs(self, **inputs: Any) -> list[Any]:
-        """The inputs in the layer's compute dtype, that of its parameters.
-
-        The dtype rule of :func:`attention_core.checks.compute_inputs`. Under
-        ``torch.autocast`` the autocast dtype governs the computation: the inputs are then
-        checked but not cast.
-        """
-        param = next(self.parameters(), None)
-        autocast = param is not None and torch.is_autocast_enabled(param.device.type)
-        dtype = None if param is None or autocast else OPS.dtype_name(param)
-        return checks.compute_inputs(OPS, dtype, **inputs)
-
-    def _rate(self) -> float:
-        return self.dropout if self.training else 0.0
-
-
-class DotProductAttention(Layer):
-    """Scaled dot-product attention (no weights).
-
-    Args:
-        dropout: Dropout rate on the attention weights in training mode.
-        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
-            False, calls without ``return_attention`` take the fused path.
-        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
-            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
-            core choose (fused on torch).
-        device: Unused (no parameters); accepted like every torch layer.
-        dtype: Unused (no parameters); accepted like every torch layer.
-    """
-
-    def __init__(
-        self,
-        dropout: float = 0.0,
-        *,
-        keep_attention_weights: bool = True,
-        implementation: str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.keep_attention_weights = bool(keep_attention_weights)
-        self.implementation = checks.check_implementation(implementation)
-
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        valid_lens: Any = None,
-        *,
-        mask: Any = None,
-        causal: bool = False,
-        return_attention: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attends ``queries (B, Q, D)`` to ``keys (B, K, D)``; returns ``(B, Q, Dv)``."""
-        ops = _ops(queries)
-        checks.check_rank(ops, "queries", queries, (3,), "(B, Q, D)")
-        need = return_attention or self.keep_attention_weights
-        result: Any = attention.dot_product_attention(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
-            dropout=self._rate(), return_weights=need, implementation=self.implementation,
-            ops=ops,
-        )
-        out, self.attention_weights = result if need else (result, None)
-        return result if return_attention else out
-
-    def extra_repr(self) -> str:
-        return f"dropout={self.dropout}"
-
-
-class AdditiveAttention(Layer):
-    """Additive (Bahdanau) attention with hidden size ``num_hiddens``.
-
-    Args:
-        num_hiddens: Size of the hidden features ``tanh(W_q q + W_k k)``.
-        dropout: Dropout rate on the attention weights in training mode.
-        q_in: Queries' size, or None to learn it on the first call.
-        k_in: Keys' size, or None to learn it on the first call.
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        q_in: int | None = None,
-        k_in: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        W.additive_spec(num_hiddens, q_in, k_in)  # checks the sizes
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.num_hiddens = num_hiddens
-        self.W_q = Dense(q_in, num_hiddens, **self._factory)
-        self.W_k = Dense(k_in, num_hiddens, **self._factory)
-        self.w_v = Dense(num_hiddens, 1, **self._factory)
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.additive_spec(self.num_hiddens, self.W_q.d_in, self.W_k.d_in)
-
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        valid_lens: Any = None,
-        *,
-        mask: Any = None,
-        causal: bool = False,
-        return_attention: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, Dv)``."""
-        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
-        ops = _ops(queries)
-        attention.check_projected_inputs(ops, queries, keys, values)
-        fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1])
-        out, attn = self._run(fresh, lambda: attention.additive_attention(
-            queries, keys, values, self._weights(), valid_lens, mask=mask, causal=causal,
-            dropout=self._rate(), return_weights=True, ops=ops,
-        ))
-        self.attention_weights = attn
-        return (out, attn) if return_attention else out
-
-    def extra_repr(self) -> str:
-        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}"
-
-
-class MultiHeadAttention(Layer):
-    """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features.
-
-    Args:
-        num_hiddens: Width h of the projections and of the output; divisible by num_heads.
-        num_heads: Number of heads H.
-        dropout: Dropout rate on the attention weights in training mode.
-        bias: Whether the four projections have biases.
-        q_in: Queries' size, or None to learn it on the first call.
-        k_in: Keys' size, or None to learn it on the first call.
-        v_in: Values' size, or None to learn it on the first call.
-        keep_attention_weights: Keep each call's weights in ``attention_weights``; when
-            False, calls without ``return_attention`` take the fused path.
-        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
-            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
-            core choose (fused on torch).
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        q_in: int | None = None,
-        k_in: int | None = None,
-        v_in: int | None = None,
-        keep_attention_weights: bool = True,
-        implementation: str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        checks.check_heads(num_hiddens, num_heads)
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
-        self.keep_attention_weights = bool(keep_attention_weights)
-        self.implementation = checks.check_implementation(implementation)
-        self.W_q = Dense(q_in, num_hiddens, self.bias, **self._factory)
-        self.W_k = Dense(k_in, num_hiddens, self.bias, **self._factory)
-        self.W_v = Dense(v_in, num_hiddens, self.bias, **self._factory)
-        self.W_o = Dense(num_hiddens, num_hiddens, self.bias, **self._factory)
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.multi_head_spec(self.num_hiddens, self.num_heads, self.bias,
-                                 self.W_q.d_in, self.W_k.d_in, self.W_v.d_in)
-
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        valid_lens: Any = None,
-        *,
-        mask: Any = None,
-        causal: bool = False,
-        return_attention: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, h)``."""
-        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
-        ops = _ops(queries)
-        attention.check_projected_inputs(ops, queries, keys, values)
-        fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
-        rate = self._rate()
-        need = return_attention or self.keep_attention_weights
-        result: Any = self._run(fresh, lambda: multihead.multi_head_attention(
-            queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
-            causal=causal, dropout=rate, return_weights=need, implementation=self.implementation,
-            ops=ops,
-        ))
-        out, self.attention_weights = result if need else (result, None)
-        return result if return_attention else out
-
-    def extra_repr(self) -> str:
-        return (f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
-                f"dropout={self.dropout}, bias={self.bias}")
-
-
-class RelativeMultiHeadAttention(Layer):
-    """Multi-head attention with relative position representations (Shaw et al., 2018).
-
-    The offset ``j - i`` between key ``j`` and query ``i``, clipped to ``[-m, m]``, picks a
-    learned vector added to the key (``rel_k.embedding``) and, with ``relative_values``, to the
-    value (``rel_v.embedding``); both tables are ``(2m + 1, h/H)``, shared by the heads. The
-    core forms the attention weights on every call (there is no fused path), so
-    ``keep_attention_weights`` only decides whether they are kept.
-
-    Args:
-        num_hiddens: Width h of the projections and of the output; divisible by num_heads.
-        num_heads: Number of heads H.
-        max_relative_position: m: offsets beyond ``[-m, m]`` share the edge vectors.
-        dropout: Dropout rate on the attention weights in training mode.
-        bias: Whether the four projections have biases.
-        relative_values: Also add the offsets' vectors to the values.
-        keep_attention_weights: Keep each call's weights in ``attention_weights``.
-        q_in: Queries' size, or None to learn it on the first call.
-        k_in: Keys' size, or None to learn it on the first call.
-        v_in: Values' size, or None to learn it on the first call.
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        max_relative_position: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        relative_values: bool = True,
-        keep_attention_weights: bool = True,
-        q_in: int | None = None,
-        k_in: int | None = None,
-        v_in: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        checks.check_heads(num_hiddens, num_heads)
-        W.relative_multi_head_spec(num_hiddens, num_heads, max_relative_position)  # checks m
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bool(bias)
-        self.max_relative_position = max_relative_position
-        self.relative_values = bool(relative_values)
-        self.keep_attention_weights = bool(keep_attention_weights)
-        self.W_q = Dense(q_in, num_hiddens, self.bias, **self._factory)
-        self.W_k = Dense(k_in, num_hiddens, self.bias, **self._factory)
-        self.W_v = Dense(v_in, num_hiddens, self.bias, **self._factory)
-        self.W_o = Dense(num_hiddens, num_hiddens, self.bias, **self._factory)
-        offsets, depth = 2 * max_relative_position + 1, num_hiddens // num_heads
-        self.rel_k = Embedding(offsets, depth, **self._factory)
-        self.rel_v = Embedding(offsets, depth, **self._factory) if self.relative_values else None
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.relative_multi_head_spec(
-            self.num_hiddens, self.num_heads, self.max_relative_position, self.bias,
-            self.relative_values, self.W_q.d_in, self.W_k.d_in, self.W_v.d_in,
-        )
-
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        valid_lens: Any = None,
-        *,
-        mask: Any = None,
-        causal: bool = False,
-        return_attention: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)``; returns ``(B, Q, h)``."""
-        queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
-        ops = _ops(queries)
-        attention.check_projected_inputs(ops, queries, keys, values)
-        fresh = self._build(q_in=queries.shape[-1], k_in=keys.shape[-1], v_in=values.shape[-1])
-        out, attn = self._run(fresh, lambda: multihead.relative_multi_head_attention(
-            queries, keys, values, self._weights(), self.num_heads, valid_lens, mask=mask,
-            causal=causal, dropout=self._rate(), return_weights=True, ops=ops,
-        ))
-        self.attention_weights = attn if return_attention or self.keep_attention_weights else None
-        return (out, attn) if return_attention else out
-
-    def extra_repr(self) -> str:
-        return (f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
-                f"max_relative_position={self.max_relative_position}, dropout={self.dropout}, "
-                f"bias={self.bias}, relative_values={self.relative_values}")
-
-
-class _SinusoidalTable(Layer):
-    """A layer holding the sinusoidal table ``P`` as a non-persistent buffer.
-
-    ``P`` ``(1, max_len, num_hiddens)`` follows ``.to()`` like any buffer and stays out of
-    ``state_dict``. Changing its dtype recomputes it from the float64 table, so ``.double()``
-    gives the exact table.
-    """
-
-    P: Tensor
-    max_len: int
-    num_hiddens: int
-
-    def _register_table(
-        self, table: np.ndarray, device: torch.device | str | None, dtype: torch.dtype | None
-    ) -> None:
-        """Holds the float64 ``table`` ``(max_len, num_hiddens)`` as ``P``, in ``dtype``."""
-        dtype = dtype or torch.get_default_dtype()
-        self.register_buffer(
-            "P", torch.from_numpy(table[None]).to(device=device, dtype=dtype), persistent=False
-        )
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _SinusoidalTable:
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.P.is_floating_point():  # a cast from float32 to float64 would keep float32 digits
-            table = positional.sinusoidal_encoding(self.max_len, self.num_hiddens, "float64")
-            self.P = torch.from_numpy(table[None]).to(device=self.P.device, dtype=self.P.dtype)
+        for name, table in (self.constants("float64") if self._tables else {}).items():
+            old = self.get_buffer(name)
+            if old.is_floating_point():
+                setattr(self, name, torch.from_numpy(table).to(old.device, old.dtype))
         return self
 
-
-class PositionalEncoding(_SinusoidalTable):
-    """Adds the sinusoidal table ``P`` (a non-persistent buffer ``(1, max_len, num_hiddens)``).
-
-    ``P`` follows ``.to()`` like any buffer and stays out of ``state_dict``. Changing its
-    dtype recomputes it from the float64 table, so ``.double()`` gives the exact table.
-
-    Args:
-        num_hiddens: Width d of the encoding.
-        dropout: Dropout rate on the sum, in training mode.
-        max_len: Number of positions in the table.
-        device: Device of ``P``.
-        dtype: Dtype of ``P``.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        max_len: int = positional.DEFAULT_MAX_LEN,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        table = positional.sinusoidal_encoding(max_len, num_hiddens, "float64")
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.num_hiddens, self.max_len = num_hiddens, max_len
-        self._register_table(table, device, dtype)
-
-    def forward(self, X: Tensor) -> Tensor:
-        """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
-        (X,) = self._inputs(X=X)
-        return positional.add_positions(X, self.P, self._rate(), ops=_ops(X))
-
     def extra_repr(self) -> str:
-        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}, max_len={self.max_len}"
+        return self.describe()
 
 
-class LearnedPositionalEncoding(Layer):
-    """Adds a learned table ``P`` (a parameter ``(1, max_len, num_hiddens)``) to the input.
-
-    Args:
-        num_hiddens: Width d of the encoding.
-        dropout: Dropout rate on the sum, in training mode.
-        max_len: Number of positions in the table.
-        device: Device of ``P``.
-        dtype: Dtype of ``P``.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        max_len: int = 1000,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        W.learned_positional_spec(num_hiddens, max_len)  # checks the sizes
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.num_hiddens, self.max_len = num_hiddens, max_len
-        self.P = Parameter(torch.empty(1, max_len, num_hiddens, **self._factory))
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.learned_positional_spec(self.num_hiddens, self.max_len)
-
-    def forward(self, X: Tensor) -> Tensor:
-        """Returns ``dropout(X + P[:, :T])`` for ``X (B, T, num_hiddens)``."""
-        (X,) = self._inputs(X=X)
-        return positional.add_positions(X, self.P, self._rate(), ops=_ops(X))
-
-    def extra_repr(self) -> str:
-        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}, max_len={self.max_len}"
-
-
-class PositionWiseFFN(Layer):
-    """Two dense layers with a ReLU between, applied at every position.
-
-    Args:
-        ffn_num_hiddens: Width of the hidden layer.
-        ffn_num_outputs: Width of the output.
-        d_in: Input width, or None to learn it on the first call.
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        ffn_num_hiddens: int,
-        ffn_num_outputs: int,
-        *,
-        d_in: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        W.ffn_spec(ffn_num_hiddens, ffn_num_outputs, d_in)  # checks the sizes
-        super().__init__(0.0, device=device, dtype=dtype)
-        self.ffn_num_hiddens, self.ffn_num_outputs = ffn_num_hiddens, ffn_num_outputs
-        self.dense1 = Dense(d_in, ffn_num_hiddens, True, **self._factory)
-        self.dense2 = Dense(ffn_num_hiddens, ffn_num_outputs, True, **self._factory)
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, self.dense1.d_in)
-
-    def forward(self, X: Tensor) -> Tensor:
-        """Returns ``dense2(relu(dense1(X)))`` for ``X (B, T, d)``."""
-        (X,) = self._inputs(X=X)
-        ops = _ops(X)
-        checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
-        fresh = self._build(d_in=X.shape[-1])
-        return self._run(fresh, lambda: transformer.position_wise_ffn(X, self._weights(), ops=ops))
-
-    def extra_repr(self) -> str:
-        return f"ffn_num_hiddens={self.ffn_num_hiddens}, ffn_num_outputs={self.ffn_num_outputs}"
-
-
-class AddNorm(Layer):
-    """Residual connection then layer normalisation over the last axis (eps 1e-5).
-
-    Args:
-        num_hiddens: Width h of the inputs.
-        dropout: Dropout rate on ``Y``, in training mode.
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        W.add_norm_spec(num_hiddens)  # checks the size
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.num_hiddens = num_hiddens
-        self.ln = Norm(num_hiddens, **self._factory)
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.add_norm_spec(self.num_hiddens)
-
-    def forward(self, X: Tensor, Y: Tensor) -> Tensor:
-        """Returns ``LayerNorm(dropout(Y) + X)`` for ``X``, ``Y`` of shape ``(B, T, h)``."""
-        X, Y = self._inputs(X=X, Y=Y)
-        ops = _ops(X)
-        checks.check_last_dim(ops, "X", X, self.num_hiddens)
-        return transformer.add_norm(X, Y, self._weights(), self._rate(), ops=ops)
-
-    def extra_repr(self) -> str:
-        return f"num_hiddens={self.num_hiddens}, dropout={self.dropout}"
-
-
-class TransformerEncoderBlock(Layer):
-    """Self-attention and a position-wise FFN, each wrapped in add & norm (post-norm).
-
-    Its parts are the layers ``attention``, ``addnorm1``, ``ffn`` and ``addnorm2``, which is
-    where the canonical names ``attention.W_q.kernel`` etc. come from; the block calls the
-    core's ``transformer_encoder_block`` with their parameters.
-
-    Args:
-        num_hiddens: Width h of the block's input and output.
-        ffn_num_hiddens: Hidden width of the FFN.
-        num_heads: Heads of the self-attention.
-        dropout: Dropout rate of the attention weights and both residual branches.
-        bias: Whether the attention projections have biases.
-        keep_attention_weights: Keep each call's self-attention weights in
-            ``attention_weights``; when False, calls take the fused path.
-        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
-            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
-            core choose (fused on torch).
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        num_hiddens: int,
-        ffn_num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        keep_attention_weights: bool = True,
-        implementation: str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        W.encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias)  # checks the sizes
-        super().__init__(dropout, device=device, dtype=dtype)
-        h = num_hiddens
-        self.num_hiddens, self.ffn_num_hiddens = num_hiddens, ffn_num_hiddens
-        self.num_heads, self.bias = num_heads, bool(bias)
-        self.keep_attention_weights = bool(keep_attention_weights)
-        self.implementation = checks.check_implementation(implementation)
-        self.attention = MultiHeadAttention(h, num_heads, dropout, bias, q_in=h, k_in=h, v_in=h,
-                                            **self._factory)
-        self.addnorm1 = AddNorm(h, dropout, **self._factory)
-        self.ffn = PositionWiseFFN(ffn_num_hiddens, h, d_in=h, **self._factory)
-        self.addnorm2 = AddNorm(h, dropout, **self._factory)
-
-    def spec(self) -> W.Spec:
-        return W.encoder_block_spec(self.num_hiddens, self.ffn_num_hiddens, self.num_heads,
-                                    self.bias)
-
-    def forward(self, X: Tensor, valid_lens: Any = None, *, mask: Any = None) -> Tensor:
-        """Encodes ``X (B, T, h)``; returns ``(B, T, h)``."""
-        (X,) = self._inputs(X=X)
-        ops = _ops(X)
-        checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
-        checks.check_last_dim(ops, "X", X, self.num_hiddens)
-        need = self.keep_attention_weights
-        result: Any = transformer.transformer_encoder_block(
-            X, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
-            return_weights=need, implementation=self.implementation, ops=ops,
-        )
-        out, self.attention_weights = result if need else (result, None)
-        return out
-
-    def extra_repr(self) -> str:
-        return (f"num_hiddens={self.num_hiddens}, ffn_num_hiddens={self.ffn_num_hiddens}, "
-                f"num_heads={self.num_heads}, dropout={self.dropout}, bias={self.bias}")
-
-
-class TransformerEncoder(_SinusoidalTable):
-    """The Transformer encoder: token embedding scaled by sqrt(h), sinusoidal positions, blocks.
-
-    Its parts are ``token`` (holding ``embedding (vocab_size, h)``) and ``blks``, a
-    :class:`torch.nn.ModuleList` of :class:`TransformerEncoderBlock`, so the parameter names
-    are the canonical ``token.embedding``, ``blks.0.attention.W_q.kernel`` etc. The encoder
-    calls the core's ``transformer_encoder`` with all of them.
-
-    Args:
-        vocab_size: Number of token ids V.
-        num_hiddens: Model width h.
-        ffn_num_hiddens: Hidden width of the blocks' FFNs.
-        num_heads: Heads of every block's self-attention.
-        num_blks: Number of blocks.
-        dropout: Dropout rate of the positional encoding's sum and inside every block.
-        bias: Whether the attention projections have biases.
-        keep_attention_weights: Keep each block's self-attention weights: ``attention_weights``
-            is then a list with one ``(B, H, T, T)`` tensor per block, also kept by the block
-            itself (``blks[i].attention_weights``). When False, the blocks take the fused path
-            and the list holds None.
-        implementation: How calls that do not need the weights pool: ``"fused"`` (torch's
-            ``scaled_dot_product_attention``), ``"blockwise"`` or ``"direct"``; None lets the
-            core choose (fused on torch).
-        max_len: Rows of the sinusoidal table ``P`` (a non-persistent buffer, as in
-            :class:`PositionalEncoding`): the longest sequence the encoder takes. Calls slice
-            it to their length, which may be symbolic (``torch.export`` with a ``Dim``,
-            ``torch.onnx.export`` with a dynamic axis).
-        device: Device of the parameters.
-        dtype: Dtype of the parameters.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        num_hiddens: int,
-        ffn_num_hiddens: int,
-        num_heads: int,
-        num_blks: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        keep_attention_weights: bool = True,
-        implementation: str | None = None,
-        max_len: int = positional.DEFAULT_MAX_LEN,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        W.transformer_encoder_spec(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks,
-                                   bias)  # checks the sizes
-        super().__init__(dropout, device=device, dtype=dtype)
-        self.vocab_size, self.num_hiddens, self.ffn_num_hiddens = (vocab_size, num_hiddens,
-                                                                   ffn_num_hiddens)
-        self.num_heads, self.num_blks, self.bias = num_heads, num_blks, bool(bias)
-        self.keep_attention_weights = bool(keep_attention_weights)
-        self.implementation = checks.check_implementation(implementation)
-        self.token = Embedding(vocab_size, num_hiddens, **self._factory)
-        self.blks = nn.ModuleList(
-            TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, bias,
-                                    keep_attention_weights=keep_attention_weights,
-                                    implementation=implementation, **self._factory)
-            for _ in range(num_blks)
-        )
-        self.attention_weights: list[Tensor | None] = [None] * num_blks  # type: ignore[assignment]
-        self.reset_parameters()
-        self.max_len = max_len
-        self._register_table(
-            positional.sinusoidal_encoding(max_len, num_hiddens, "float64"), device, dtype
-        )
-
-    def spec(self) -> W.Spec:
-        return W.transformer_encoder_spec(self.vocab_size, self.num_hiddens, self.ffn_num_hiddens,
-                                          self.num_heads, self.num_blks, self.bias)
-
-    def forward(self, tokens: Tensor, valid_lens: Any = None, *, mask: Any = None) -> Tensor:
-        """Encodes integer ``tokens (B, T)``; returns ``(B, T, h)``."""
-        ops = _ops(tokens)
-        need = self.keep_attention_weights
-        result: Any = transformer.transformer_encoder(
-            tokens, self._weights(), self.num_heads, valid_lens, mask=mask, dropout=self._rate(),
-            return_weights=need, implementation=self.implementation, positions=self.P, ops=ops,
-        )
-        out, weights = result if need else (result, [None] * self.num_blks)
-        for block, attn in zip(self.blks, weights, strict=True):
-            block.attention_weights = attn
-        self.attention_weights = list(weights)
-        return out
-
-    def extra_repr(self) -> str:
-        return (f"vocab_size={self.vocab_size}, num_hiddens={self.num_hiddens}, "
-                f"ffn_num_hiddens={self.ffn_num_hiddens}, num_heads={self.num_heads}, "
-                f"num_blks={self.num_blks}, dropout={self.dropout}, bias={self.bias}, "
-                f"max_len={self.max_len}")
-
-
-class NadarayaWatson(Layer):
-    """Nadaraya-Watson attention pooling with a Gaussian kernel.
-
-    Args:
-        parametric: Learn the kernel's inverse width ``w`` (a parameter of shape ``(1,)``).
-        device: Device of ``w``.
-        dtype: Dtype of ``w``.
-    """
-
-    def __init__(
-        self,
-        parametric: bool = False,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(0.0, device=device, dtype=dtype)
-        self.parametric = bool(parametric)
-        self.w = Parameter(torch.empty(1, **self._factory)) if self.parametric else None
-        self.reset_parameters()
-
-    def spec(self) -> W.Spec:
-        return W.nadaraya_watson_spec(self.parametric)
-
-    def forward(self, queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        """Predicts at ``queries (B, Q)`` or ``(Q,)`` from pairs ``keys``, ``values``."""
-        if self.w is not None:
-            queries, keys, values = self._inputs(queries=queries, keys=keys, values=values)
-        out, attn = attention.nadaraya_watson(
-            queries, keys, values, self.w, return_weights=True, ops=_ops(queries)
-        )
-        self.attention_weights = attn
-        return out
-
-    def extra_repr(self) -> str:
-        return f"parametric={self.parametric}"
+class DotProductAttention(Layer, D.DotProductAttention): ...
+class AdditiveAttention(Layer, D.AdditiveAttention): ...
+class MultiHeadAttention(Layer, D.MultiHeadAttention): ...
+class RelativeMultiHeadAttention(Layer, D.RelativeMultiHeadAttention): ...
+class PositionalEncoding(Layer, D.PositionalEncoding): ...
+class LearnedPositionalEncoding(Layer, D.LearnedPositionalEncoding): ...
+class PositionWiseFFN(Layer, D.PositionWiseFFN): ...
+class AddNorm(Layer, D.AddNorm): ...
+class TransformerEncoderBlock(Layer, D.TransformerEncoderBlock): ...
+class TransformerEncoder(Layer, D.TransformerEncoder): ...
+class NadarayaWatson(Layer, D.NadarayaWatson): ...
