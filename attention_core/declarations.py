@@ -132,6 +132,7 @@ class Declaration:
         super().__init_subclass__(**kwargs)
         if "LAYERS" in globals() and cls not in LAYERS.values() and cls.declared_or_none():
             cls.__signature__ = ClassSignature(cls.signature(*cls.extras))  # type: ignore[attr-defined]
+            setattr(cls, "_declared_call", cls.call_signature())  # noqa: B010
             if "__doc__" not in cls.__dict__ or cls.__doc__ is None:
                 cls.__doc__ = cls.declared().__doc__
 
@@ -231,12 +232,15 @@ class Declaration:
     # -- calls -------------------------------------------------------------------------------
 
     @classmethod
-    @functools.cache
     def call_signature(cls) -> inspect.Signature:
         """The call's signature: :meth:`compute`'s after ``run``, plus ``return_attention``.
 
-        Made once per class (every call binds its arguments to it).
+        A backend's layer class holds it, made once when the class is made (every call binds
+        its arguments to it).
         """
+        made: inspect.Signature | None = cls.__dict__.get("_declared_call")
+        if made is not None:
+            return made
         params = list(inspect.signature(cls.compute).parameters.values())[2:]
         if cls.returns_attention:
             params.append(inspect.Parameter(
