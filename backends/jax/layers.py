@@ -1,26 +1,17 @@
 """Flax (``flax.linen``) layers: every declared layer (:mod:`attention_core.declarations`).
 
-Each layer is a ``flax.linen.Module`` whose dataclass fields are the declared constructor
-arguments, in order, then the keyword ``param_dtype``. Params are made on ``init`` from the
-input shapes, one entry per first part of the canonical names, nested by the rest::
+Each layer is a ``flax.linen.Module`` whose fields are the declared constructor arguments, in
+order, then the keyword ``param_dtype``. Params are made on ``init`` from the input shapes, one
+entry per first part of the canonical names, nested by the rest (``{"W_q": {"kernel": ...}}``,
+``{"blks": {"0": {"attention": ...}}}``), so a canonical name is a params path joined with dots
+and :func:`get_weights` and :func:`set_weights` only flatten and nest. Initial values follow
+:func:`attention_core.weights.init_rule`, drawn with ``jax.random``.
 
-    MultiHeadAttention            {"W_q": {"kernel": (q_in, h)}, "W_k": ..., "W_v": ..., "W_o": ...}
-    TransformerEncoderBlock       {"attention": {"W_q": {"kernel": ...}, ...}, "addnorm1": {"ln":
-                                   {"gamma": ..., "beta": ...}}, "ffn": {"dense1": ...}, ...}
-    LearnedPositionalEncoding     {"P": (1, max_len, h)}
-    TransformerEncoder            {"token": {"embedding": (V, h)}, "blks": {"0": {<block's
-                                   params>}, "1": ...}}
-
-so a canonical name is a params path joined with dots (``attention.W_q.kernel``), kernels
-``(in, out)``: :func:`get_weights` and :func:`set_weights` only flatten and nest. Initial
-values follow :func:`attention_core.weights.init_rule`, drawn with ``jax.random``.
-
-Calls take ``training: bool = False`` (static under ``jax.jit``); dropout then draws from the
+Calls take ``training: bool = False`` (static under ``jax.jit``); dropout draws from the
 ``'dropout'`` rng. Attention weights, before dropout, are ``sow``n into ``'intermediates'`` as
-``attention_weights`` (once per block for :class:`TransformerEncoder`), and formed only when
-returned (``return_attention=True``) or kept: ``keep_attention_weights`` and a mutable
-``'intermediates'`` (``apply(..., mutable=["intermediates"])``). Fixed tables (the sinusoidal
-``P``) are constants in ``param_dtype``, read as attributes without ``init``.
+``attention_weights`` (once per block for :class:`TransformerEncoder`); they are formed only
+when returned or kept (``keep_attention_weights`` and ``mutable=["intermediates"]``). Fixed
+tables (the sinusoidal ``P``) are constants in ``param_dtype``, attributes without ``init``.
 """
 
 from __future__ import annotations
@@ -63,10 +54,8 @@ flatten = W.flatten_tree
 
 #: The kinds of :class:`attention_core.weights.InitRule`, drawn with ``jax.random``.
 _SAMPLERS: dict[str, Callable[[Array, W.InitRule, tuple[int, ...], DTypeLike], Array]] = {
-    "uniform": lambda key, rule, shape, dtype: jax.random.uniform(
-        key, shape, dtype, rule.a, rule.b),
-    "normal": lambda key, rule, shape, dtype: rule.a + rule.b * jax.random.normal(
-        key, shape, dtype),
+    "uniform": lambda key, rule, shape, dtype: jax.random.uniform(key, shape, dtype, rule.a, rule.b),
+    "normal": lambda key, rule, shape, dtype: rule.a + rule.b * jax.random.normal(key, shape, dtype),
     "constant": lambda key, rule, shape, dtype: jnp.full(shape, rule.a, dtype),
 }
 
@@ -162,8 +151,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         dtype = np.dtype(self.param_dtype).name
         prepared = self.prepare(OPS, dtype, self.bind_call(args, kwargs))
         weights = self._params(**prepared.dims)
-        keeping = self.is_mutable_collection("intermediates")
-        need = self.needs_attention(prepared.return_attention, keeping=keeping)
+        need = self.needs_attention(prepared.return_attention, self.is_mutable_collection("intermediates"))
         rate = float(getattr(self, "dropout", 0.0)) if training else 0.0
         ops = JaxOps(rng=self.make_rng("dropout")) if rate > 0 else OPS
         run = D.Run(ops, weights, self._tables(), rate, need)
@@ -190,20 +178,11 @@ def _params_of(variables: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] |
 def get_weights(
     variables: Mapping[str, Any] | None, *, layer: Layer | None = None
 ) -> dict[str, np.ndarray]:
-    """Returns the canonical weights (DESIGN section 5) of a Flax params pytree.
-
-    Not for use inside ``jax.jit``: it copies the values to NumPy.
+    """The canonical weights (a NumPy copy) of ``{"params": ...}`` or a params tree; not jittable.
 
     Args:
-        variables: What ``layer.init`` returns (``{"params": ...}``) or the params tree itself.
-            None when the layer has not been initialised yet.
-        layer: The module the variables belong to; names the layer in the error below.
-
-    Returns:
-        A new dict of canonical name -> NumPy array (a copy).
-
-    Raises:
-        ValueError: There are no params yet but the layer has weights.
+        variables: What ``layer.init`` returns, or its params; None before ``init``.
+        layer: The module they belong to (names it when it has weights but no params yet).
     """
     params, _ = _params_of(variables)
     if not params:
@@ -218,31 +197,15 @@ def get_weights(
 
 
 def set_weights(
-    variables: Mapping[str, Any] | None,
-    weights: Mapping[str, Any],
-    *,
-    layer: Layer | None = None,
+    variables: Mapping[str, Any] | None, weights: Mapping[str, Any], *, layer: Layer | None = None
 ) -> dict[str, Any]:
-    """Returns new variables holding the canonical ``weights``; ``variables`` is not changed.
-
-    Every name and shape is checked first (against the params already there), with the same
-    messages as every other backend's ``set_weights``. Values take the dtype of the params they
-    replace.
+    """New variables, in the form given, holding the canonical ``weights`` (names, shapes checked).
 
     Args:
-        variables: ``{"params": ...}`` or the params tree itself; None (or empty) when nothing
-            has been created yet, in which case ``layer`` is required and the params are built
-            from ``weights`` as :func:`init_from_weights` does.
+        variables: ``{"params": ...}`` or the params (kept as they are: values take their
+            dtypes); None or empty to build them from ``weights`` (:func:`init_from_weights`).
         weights: Canonical name -> array (any framework's, or NumPy).
-        layer: The module the variables belong to.
-
-    Returns:
-        New variables, in the form given (``{"params": ...}`` or bare params; other collections
-        are kept).
-
-    Raises:
-        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
-        ValueError: Missing or unexpected names, or a wrong shape.
+        layer: The module they belong to; needed when there are no params yet.
     """
     params, wrapped = _params_of(variables)
     if not params:
@@ -260,20 +223,12 @@ def set_weights(
 
 
 def init_weights(layer: Layer, seed: int = 0, **dims: int) -> dict[str, Any]:
-    """Draws ``{"params": ...}`` on the host, as the NumPy layers do, without example inputs.
-
-    The values are :func:`attention_core.weights.init_weights` with
-    ``numpy.random.default_rng(seed)``: the NumPy layer built with the same ``seed`` starts
-    from the same weights. Not traceable; use ``layer.init`` under ``jax.jit``.
+    """``{"params": ...}`` drawn on the host as the NumPy layer with this ``seed`` draws them.
 
     Args:
         layer: The (unbound) module.
-        seed: Seed of the NumPy generator.
-        **dims: Input sizes the layer would infer on its first call (``q_in``, ``k_in``,
-            ``v_in`` for attention, ``d_in`` for :class:`PositionWiseFFN`).
-
-    Raises:
-        ValueError: An input size needed by the weights was not given.
+        seed: Seed of ``numpy.random.default_rng``.
+        **dims: The input sizes its weights need (``q_in``, ``k_in``, ``v_in``, ``d_in``).
     """
     spec = layer.spec(**dims)
     drawn = W.init_weights(spec, np.random.default_rng(seed), "float64")
@@ -282,17 +237,9 @@ def init_weights(layer: Layer, seed: int = 0, **dims: int) -> dict[str, Any]:
 
 
 def init_from_weights(layer: Layer, weights: Mapping[str, Any]) -> dict[str, Any]:
-    """Builds ``{"params": ...}`` for ``layer`` from canonical weights, without ``init``.
+    """``{"params": ...}`` in ``param_dtype`` from canonical weights (checked), without ``init``.
 
-    Input sizes are read from the kernels (like a first call would infer them); every name and
-    shape is checked first.
-
-    Args:
-        layer: The (unbound) module.
-        weights: Canonical name -> array.
-
-    Returns:
-        Variables ready for ``layer.apply``, in ``layer.param_dtype``.
+    The input sizes are read off the kernels, as a first call would infer them.
     """
     dtype = np.dtype(layer.param_dtype).name
     checked = W.check_weights(layer.spec(), weights, dtype=dtype)
