@@ -8,7 +8,7 @@ JAX or MXNet; they are copied to NumPy first):
 * :func:`show_heatmaps`: a grid of attention-weight matrices ``(rows, cols, Q, K)``, for
   example the weights of a multi-head layer as (batch rows, head columns);
 * :func:`plot_kernel_regression`: noisy samples, the true function and fitted predictions, as in
-  the Nadaraya-Watson example (:mod:`attention_core.examples` has its data and width fit).
+  the Nadaraya-Watson example (:mod:`attention_core.demo` has its data and width fit).
 
 :func:`binary_table` is the notes' table of ``0 .. n-1`` in binary; it needs no matplotlib.
 

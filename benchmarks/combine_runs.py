@@ -1,4 +1,4 @@
-"""Joins two passes of ``python -m attention_core bench`` into one file per backend.
+"""Joins two passes of ``python -m benchmarks`` into one file per backend.
 
 The speed and flops suites want a quiet machine and the memory suite a long time, so they may
 run in separate passes (``--suite speed,flops --out A`` and ``--suite memory --out B``). This

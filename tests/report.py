@@ -4,7 +4,7 @@ Every cell of ``tests/test_reference_matrix.py`` calls :func:`record` with the m
 measured for each quantity (before it asserts, so a failing cell is reported with its real
 numbers). At the end of the session, each backend that ran cells gets
 ``<dir>/<backend>.json``, ``<dir>`` being ``$ATTENTION_CORE_REPORT_DIR`` or ``reports/`` in the
-repository (git-ignored). ``python -m attention_core matrix`` (and ``tox -e report``) turn the
+repository (git-ignored). ``python -m tools.matrix`` (and ``tox -e report``) turn the
 files into the Markdown table in README.md.
 
 File layout (``schema`` 1)::

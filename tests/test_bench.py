@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m attention_core bench``: tiny sizes, checks the machinery, not speed.
+"""Smoke test of ``python -m benchmarks``: tiny sizes, checks the machinery, not speed.
 
 Runs the CLI with ``--quick`` (n = 16 and 32, seven rounds, one memory path) for the backend(s)
 of this env, in a child process per backend as the CLI always does, and checks the JSON
@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from attention_core import __main__ as cli
-from attention_core.bench import report, timing
-from attention_core.bench.memory import slope
+from benchmarks import cli, report, timing
+from benchmarks.memory import slope
 
 #: backend -> (results directory, screen output) of its quick run, shared by the tests.
 _RUNS: dict[str, tuple[Path, str]] = {}
@@ -26,7 +25,7 @@ def quick_run(backend: str, factory: pytest.TempPathFactory,
               capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:
     if backend not in _RUNS:
         out = factory.mktemp(f"bench-{backend}")
-        status = cli.main(["bench", "--backend", backend, "--quick", "--rounds", "7", "--min-time", "0.02",
+        status = cli.main(["--backend", backend, "--quick", "--rounds", "7", "--min-time", "0.02",
                            "--memory-sizes", "64,128", "--out", str(out), "--no-progress"])
         captured = capsys.readouterr().out
         assert status == 0, captured
@@ -69,17 +68,17 @@ def test_merge_writes_between_markers(backend: str, tmp_path: Path, tmp_path_fac
     out, _ = quick_run(backend, tmp_path_factory, capsys)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{report.BENCH_START}\nold\n{report.BENCH_END}\nafter\n")
-    assert cli.main(["bench", "--merge", str(out), "--readme", str(readme)]) == 0
+    assert cli.main(["--merge", str(out), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert "old" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     body = text.split(report.BENCH_START)[1].split(report.BENCH_END)[0]
     assert "ours ÷ native" in body and f"`{backend}`" in body and "--quick" in body
-    assert cli.main(["bench", "--merge", str(out), "--stdout"]) == 0
+    assert cli.main(["--merge", str(out), "--stdout"]) == 0
     assert "ours ÷ native" in capsys.readouterr().out
 
 
 def test_merge_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "--merge", str(tmp_path)]) == 2
+    assert cli.main(["--merge", str(tmp_path)]) == 2
     assert "no benchmark results" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no <!-- bench:start -->"):
         (tmp_path / "R.md").write_text("no markers\n")

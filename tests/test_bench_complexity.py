@@ -1,4 +1,4 @@
-"""``python -m attention_core bench complexity``: the machinery, never the speed.
+"""``python -m benchmarks complexity``: the machinery, never the speed.
 
 A ``--quick`` run (n = 8 and 16, two rounds) on the backend under test, in the child process
 the command always starts, must write a JSON file with every contender at every size and (where
@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attention_core import __main__ as cli
 from attention_core import registry
-from attention_core.bench import complexity
-from attention_core.bench.complexity_natives import builder, layer_weights
+from benchmarks import cli, complexity
+from benchmarks.complexity_natives import builder, layer_weights
 
 #: backend -> (results directory, screen output) of its quick run, shared by the tests.
 _RUNS: dict[str, tuple[Path, str]] = {}
@@ -32,7 +31,7 @@ def quick_run(backend: str, factory: pytest.TempPathFactory,
               capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:
     if backend not in _RUNS:
         out = factory.mktemp(f"complexity-{backend}")
-        status = cli.main(["bench", "complexity", "--backend", backend, "--quick", "--out", str(out),
+        status = cli.main(["complexity", "--backend", backend, "--quick", "--out", str(out),
                            "--no-progress"])
         screen = capsys.readouterr().out
         assert status == 0, screen
@@ -91,13 +90,13 @@ def test_replot(backend: str, tmp_path_factory: pytest.TempPathFactory,
     out, _ = quick_run(backend, tmp_path_factory, capsys)
     png = out / f"complexity-{backend}.png"
     png.unlink()
-    assert cli.main(["bench", "complexity", "--replot", str(out / f"complexity-{backend}.json")]) == 0
+    assert cli.main(["complexity", "--replot", str(out / f"complexity-{backend}.json")]) == 0
     assert "attn/rnn" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_replot_without_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "complexity", "--replot", str(tmp_path)]) == 2
+    assert cli.main(["complexity", "--replot", str(tmp_path)]) == 2
     assert "no complexity results" in capsys.readouterr().err
 
 
@@ -206,7 +205,7 @@ def test_crossovers() -> None:
 ])
 def test_argument_errors(args: list[str], message: str, tmp_path: Path,
                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "complexity", *args, "--quick", "--out", str(tmp_path)]) == 2
+    assert cli.main(["complexity", *args, "--quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
     assert not list(tmp_path.iterdir())
@@ -215,7 +214,7 @@ def test_argument_errors(args: list[str], message: str, tmp_path: Path,
 @pytest.mark.parametrize("sizes", ["abc", "0,8", ""])
 def test_bad_sizes(sizes: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "complexity", "--sizes", sizes])
+        cli.main(["complexity", "--sizes", sizes])
     assert exit_info.value.code == 2
     assert "--sizes" in capsys.readouterr().err
 
@@ -224,6 +223,6 @@ def test_backend_not_installed(tmp_path: Path, capsys: pytest.CaptureFixture[str
     missing = [name for name in registry.BACKENDS if not registry.is_installed(name)]
     if not missing:
         pytest.skip("every backend is installed here")
-    assert cli.main(["bench", "complexity", "--backend", missing[0], "--out", str(tmp_path)]) == 2
+    assert cli.main(["complexity", "--backend", missing[0], "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"backend {missing[0]!r} is not installed here: {registry.PIP[missing[0]]}" in err

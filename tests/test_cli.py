@@ -1,7 +1,12 @@
-"""``python -m attention_core``: demo (and its pictures), info, and one-line errors."""
+"""``python -m attention_core``: demo (and its pictures), info, and one-line errors; nothing else.
+
+The benchmarks, the matrix table and the worked examples are run from the repository
+(``benchmarks/``, ``tools/``, ``examples/``), and no module of the package imports a framework.
+"""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -91,3 +96,41 @@ def test_errors_are_one_line(args: tuple[str, ...], env: dict[str, str], message
     assert out.returncode == 2
     assert out.stderr.startswith(message)
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["bench", "matrix"])
+def test_only_demo_and_info_are_commands(command: str) -> None:
+    out = cli(command)
+    assert out.returncode == 2
+    assert f"invalid choice: '{command}' (choose from 'demo', 'info')" in out.stderr
+
+
+FRAMEWORKS = {"torch", "tensorflow", "jax", "jaxlib", "flax", "mxnet", "keras", "optax"}
+
+
+def framework_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import of a framework in a module's source, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in FRAMEWORKS]
+    return found
+
+
+def test_the_scan_finds_lazy_imports() -> None:
+    source = "import numpy\n\ndef f():\n    import torch.nn as nn\n    from jax import numpy\n"
+    assert framework_imports(source) == [(4, "torch.nn"), (5, "jax")]
+
+
+def test_no_module_of_the_package_imports_a_framework() -> None:
+    """Not at import time, and not inside a function either: only ``backends/<name>/`` may."""
+    modules = sorted((Path(REPO) / "attention_core").rglob("*.py"))
+    assert len(modules) > 10  # the scan saw the package
+    found = [f"{path.relative_to(REPO)}:{line} imports {name}" for path in modules
+             for line, name in framework_imports(path.read_text())]
+    assert found == []

@@ -1,7 +1,8 @@
 """The worked examples of issue 7: the Nadaraya-Watson fit and the Bahdanau seq2seq.
 
-The framework-free helpers (``attention_core.seq2seq``, ``examples.training_arrays``) are tested
-in every env. On the backend under test, ``backends/<name>/examples.py`` is trained for real:
+The examples live in the repository's ``examples/`` (run from its root, not installed). The
+framework-free helpers (``examples.seq2seq``, ``examples.nadaraya_watson``) are tested in every
+env. On the backend under test, ``examples/<example>_<backend>.py`` is trained for real:
 
 * Nadaraya-Watson (torch, tensorflow, jax, mxnet): the loss falls, the first loss is the
   leave-one-out loss at ``w = 1`` computed here by a plain loop, the learned ``w`` lowers the
@@ -23,17 +24,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_core import examples, seq2seq
+from attention_core.demo import leave_one_out_loss
+from examples import nadaraya_watson as nw
+from examples import seq2seq
 
 #: Backends with a trainable Nadaraya-Watson example, and those with the seq2seq example.
 NW_BACKENDS = ("torch", "tensorflow", "jax", "mxnet")
 SEQ2SEQ_BACKENDS = ("torch", "tensorflow", "jax")
 
 
-def example_module(backend: str, which: tuple[str, ...]) -> Any:
+def example_module(backend: str, which: tuple[str, ...], example: str) -> Any:
     if backend not in which:
         pytest.skip(f"no such example on {backend}")
-    return importlib.import_module(f"backends.{backend}.examples")
+    return importlib.import_module(f"examples.{example}_{backend}")
 
 
 # -- framework-free helpers -----------------------------------------------------------------------
@@ -121,8 +124,8 @@ def test_token_accuracy() -> None:
 
 
 def test_training_arrays_leave_each_point_out() -> None:
-    data = examples.nadaraya_watson_data(n_train=6, seed=2)
-    queries, keys, values, targets = examples.training_arrays(data)
+    data = nw.nadaraya_watson_data(n_train=6, seed=2)
+    queries, keys, values, targets = nw.training_arrays(data)
     assert queries.shape == (6, 1) and keys.shape == values.shape == (6, 5)
     for i in range(6):
         assert queries[i, 0] == data.x_train[i] and targets[i] == data.y_train[i]
@@ -142,7 +145,7 @@ def kernel_predict(w: float, x: np.ndarray, x_keys: np.ndarray, y_keys: np.ndarr
     return np.array(out)
 
 
-def loo_loss(w: float, data: examples.RegressionData) -> float:
+def loo_loss(w: float, data: nw.RegressionData) -> float:
     """Mean of (f(x_i) - y_i)^2 / 2, each point predicted from the others (a plain loop)."""
     n = len(data.x_train)
     errors = [
@@ -155,15 +158,15 @@ def loo_loss(w: float, data: examples.RegressionData) -> float:
 
 def learned_w(backend: str, fitted: Any) -> float:
     if backend == "jax":
-        from backends.jax.layers import get_weights
+        from backends.jax import get_weights
 
         return float(get_weights(fitted)["w"][0])
     return float(fitted.get_weights()["w"][0])
 
 
 def test_nadaraya_watson_fit(backend: str) -> None:
-    module = example_module(backend, NW_BACKENDS)
-    data = examples.nadaraya_watson_data()
+    module = example_module(backend, NW_BACKENDS, "nadaraya_watson")
+    data = nw.nadaraya_watson_data()
     fitted, losses = module.fit_nadaraya_watson(data)
     assert len(losses) == 10
     # the first loss is that of the starting w = 1, computed independently
@@ -171,7 +174,7 @@ def test_nadaraya_watson_fit(backend: str) -> None:
     assert losses[-1] < 0.75 * losses[0], losses
     w = learned_w(backend, fitted)
     assert w > 1.0
-    assert examples.leave_one_out_loss(w, data) < 0.75 * examples.leave_one_out_loss(1.0, data)
+    assert leave_one_out_loss(w, data) < 0.75 * leave_one_out_loss(1.0, data)
     assert loo_loss(w, data) < 0.75 * loo_loss(1.0, data)
     # predictions at x_test use every training point as keys and values
     predicted = module.predict_nadaraya_watson(fitted, data)
@@ -182,6 +185,19 @@ def test_nadaraya_watson_fit(backend: str) -> None:
     assert fit_error < 0.5 * mean_error, (fit_error, mean_error)
 
 
+def test_nadaraya_watson_script(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m examples.nadaraya_watson_<backend>`` fits and says what it learned."""
+    module = example_module(backend, NW_BACKENDS, "nadaraya_watson")
+    assert module.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Nadaraya-Watson pooling, w fitted with ") and "(10 SGD steps)" in lines[0]
+    assert len(lines[1].split(":")[1].split()) == 10
+    data = nw.nadaraya_watson_data()
+    w = learned_w(backend, module.fit_nadaraya_watson(data)[0])
+    assert f"learned w = {w:.4f}" in lines[2]
+    assert f"(at w = 1: {loo_loss(1.0, data):.4f})" in lines[2]
+
+
 # -- Bahdanau seq2seq, trained on the backend -----------------------------------------------------
 
 STEPS = 200
@@ -190,7 +206,7 @@ STEPS = 200
 @functools.cache
 def trained(backend: str) -> tuple[list[float], np.ndarray, np.ndarray, seq2seq.Seq2SeqData]:
     """Trains the backend's seq2seq once; returns the losses and the greedy decoding of held-out data."""
-    module = example_module(backend, SEQ2SEQ_BACKENDS)
+    module = example_module(backend, SEQ2SEQ_BACKENDS, "seq2seq")
     test = seq2seq.toy_task(200, seed=1000)
     num_steps = test.targets.shape[1]
     if backend == "torch":
@@ -235,3 +251,25 @@ def test_seq2seq_attention_skips_padding(backend: str) -> None:
     assert (attention[padded] == 0).all()
     assert (attention[~padded] > 0).all()
     np.testing.assert_allclose(attention.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_seq2seq_script(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m examples.seq2seq_<backend> --steps 3`` trains, decodes and reports."""
+    module = example_module(backend, SEQ2SEQ_BACKENDS, "seq2seq")
+    assert module.main(["--steps", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Seq2seq with Bahdanau attention in ") and "3 training steps" in lines[0]
+    assert "held-out token accuracy" in lines[2] and "(200 sequences)" in lines[2]
+    accuracy = float(lines[2].split("accuracy ")[1].split()[0])
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_seq2seq_report_counts_what_it_says() -> None:
+    data = seq2seq.toy_task(4, seed=5)
+    predicted = data.targets.copy()
+    predicted[:, 0] = seq2seq.PAD  # the first position wrong in every row
+    text = seq2seq.report("X", [4.0] * 10 + [1.0] * 10, predicted, data)
+    scored = int(data.target_lens.sum())
+    assert f"held-out token accuracy {(scored - 4) / scored:.3f} (4 sequences)" in text
+    assert "first 10 steps 4.0000, of the last 10 1.0000" in text
+    assert "in X, 20 training steps" in text

@@ -1,5 +1,5 @@
-"""The matrix report: the plugin writes what the cells measured; ``python -m attention_core
-matrix`` turns it into the README table."""
+"""The matrix report: the plugin writes what the cells measured; ``python -m tools.matrix`` turns
+it into the README table."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_core.__main__ import MATRIX_END, MATRIX_START, matrix_table, write_between_markers
 from conftest import test_backends
 from tests.harness import Harness, tolerance
 from tests.matrix import differences, measure
 from tests.reference.cases import CASES
+from tools.matrix import MATRIX_END, MATRIX_START, matrix_table, write_between_markers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_table_goes_between_the_markers_and_nowhere_else(tmp_path: Path) -> None
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "attention_core", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tools.matrix", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
 
 
@@ -95,20 +95,20 @@ def test_cli_writes_the_readme_and_imports_no_framework(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text('{"not": "a report"}')
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{MATRIX_START}\n{MATRIX_END}\n")
-    out = cli("matrix", str(tmp_path), "--readme", str(readme))
+    out = cli(str(tmp_path), "--readme", str(readme))
     assert out.returncode == 0, out.stderr
     text = readme.read_text()
     assert text.startswith(f"intro\n{MATRIX_START}\nGenerated ") and text.endswith(f"{MATRIX_END}\n")
     assert text.index("| `numpy`") < text.index("| `torch`")  # the registry's order
-    code = ("import sys; from attention_core.__main__ import main; "
-            f"main(['matrix', {str(tmp_path)!r}, '--stdout']); "
+    code = ("import sys; from tools.matrix import main; "
+            f"main([{str(tmp_path)!r}, '--stdout']); "
             "print(sorted(m for m in ('torch', 'tensorflow', 'jax', 'mxnet') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.stdout.strip().endswith("[]"), out.stdout + out.stderr
 
 
 def test_cli_without_reports_says_what_to_run(tmp_path: Path) -> None:
-    out = cli("matrix", str(tmp_path), "--stdout")
+    out = cli(str(tmp_path), "--stdout")
     assert out.returncode == 2
     assert "no test matrix reports" in out.stderr and "run tox" in out.stderr
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from attention_core import __main__ as cli
-from attention_core import examples, plot
+from attention_core import demo, plot
 from tests.harness import Harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,7 +315,7 @@ def test_drawing_into_given_axes_returns_their_figure() -> None:
 
 @needs_matplotlib
 def test_kernel_regression_plot() -> None:
-    data = examples.nadaraya_watson_data(seed=3)
+    data = demo.nadaraya_watson_data(seed=3)
     mean = np.full_like(data.x_test, data.y_train.mean())
     fig = plot.plot_kernel_regression(data.x_train, data.y_train, data.x_test, data.y_truth,
                                       {"Mean": mean, "Truth + 1": data.y_truth + 1})
@@ -392,7 +392,7 @@ def test_demo_width_minimises_the_leave_one_out_loss(demo_run: tuple[str, Path])
     match = re.search(r"Nadaraya-Watson: w = ([0-9.]+) minimises the leave-one-out loss", text)
     assert match, text
     w = float(match.group(1))
-    data = examples.nadaraya_watson_data(seed=0)
+    data = demo.nadaraya_watson_data(seed=0)
     x, y = data.x_train.astype(np.float64), data.y_train.astype(np.float64)
     grid = [leave_one_out_loss(float(v), x, y) for v in np.geomspace(0.1, 100, 300)]
     best = leave_one_out_loss(w, x, y)

@@ -359,7 +359,7 @@ def test_atomic_write_gives_the_usual_permissions(tmp_path: Path) -> None:
 
 def test_other_writers_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """README sections (markdown.write_between_markers) and figures go through the atomic writer."""
-    from attention_core import markdown
+    from tools import markdown
 
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- s -->\nold\n<!-- e -->\nb\n")

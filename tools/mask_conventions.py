@@ -61,7 +61,7 @@ def flax_lines() -> list[str]:
     params = module.init(jax.random.PRNGKey(1), x, mask=mask)
     w = nn.dot_product_attention_weights(x[:, :, None], x[:, :, None], mask=mask)
     return [f"flax {flax.__version__}: MultiHeadDotProductAttention output "
-            f"{row(module.apply(params, x, mask=mask)[0, 1])}, weights {row(w[0, 0, 1])}"]
+            f"{row(np.asarray(module.apply(params, x, mask=mask))[0, 1])}, weights {row(w[0, 0, 1])}"]
 
 
 def main() -> None:

@@ -1,0 +1,357 @@
+"""Tables (screen and Markdown), the target check, the plot, and merging several runs.
+
+Every function here reads the JSON documents of :func:`benchmarks.run.run_backend`;
+none imports a framework. The plot needs matplotlib (``pip install "attention-core[plot]"``);
+without it :func:`plot` says so and returns None.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from attention_core import files
+from benchmarks import MEMORY_QUADRATIC_MAX
+from benchmarks.run import SCHEMA
+from tools import markdown
+
+#: The markers in README.md between which ``python -m benchmarks --merge`` writes its section.
+BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+#: The issue's targets: speed ratio bounds (n >= 1024 and n = 128) on these backends ...
+SPEED_TARGET_BACKENDS = ("torch", "tensorflow", "jax")
+SPEED_TARGET_LARGE, SPEED_TARGET_SMALL = 1.00, 1.10
+#: ... the fraction of the GEMM rate at n = 4096 (JAX: at least jax.nn's own rate) ...
+FLOPS_TARGETS = {"torch": 0.70, "numpy": 0.30}
+FLOPS_TARGET_N = 4096
+#: ... and peak extra memory at n = 16384, 4 heads, on the default path.
+MEMORY_TARGET_MIB, MEMORY_TARGET_N = 64.0, 16384
+
+Table = tuple[list[str], list[list[str]]]
+
+
+def load(directory: str | Path) -> list[dict[str, Any]]:
+    """The ``bench-<backend>.json`` documents of a directory, in the registry's backend order.
+
+    Raises:
+        ValueError: None found.
+    """
+    return markdown.load_backend_documents(
+        directory, "bench-*.json", lambda doc: isinstance(doc, dict) and doc.get("schema") == SCHEMA,
+        f"no benchmark results (bench-<backend>.json) in {Path(directory)}: run "
+        "python -m benchmarks --out DIR first",
+    )
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def _ratio(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "n/a"
+    return f"{r['median']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+
+
+def _num(x: float | None, fmt: str = ".3g") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def render(table: Table, markdown: bool) -> str:
+    """A table as Markdown, or as aligned plain text for the screen."""
+    headers, rows = table
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    return "\n".join(lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+                              for r in rows])
+
+
+# -- one backend ------------------------------------------------------------------------------
+
+
+def speed_table(doc: dict[str, Any]) -> Table:
+    """N | ours ms | native ms | ratio [CI] | A/A [CI] | max |diff|."""
+    speed = doc["speed"]
+    rows = [[str(p["n"]), f"{p['ours_ms']:.3f}", f"{p['native_ms']:.3f}", _ratio(p["ratio"]),
+             _ratio(p["aa"]), f"{p['max_abs_diff']:.1e}"] for p in speed["points"]]
+    conf = speed["points"][0]["ratio"]["confidence"] if speed["points"] else 0.95
+    return (["n", "ours ms", "native ms", f"ours/native [{conf:.0%} CI]", "A/A control",
+             "max |diff|"], rows)
+
+
+def flops_table(doc: dict[str, Any]) -> Table:
+    """N | per path: GFLOP/s (fraction of GEMM)."""
+    fl = doc["flops"]
+    paths = list(fl["points"][0]["paths"]) if fl["points"] else []
+    rows = []
+    for p in fl["points"]:
+        rows.append([str(p["n"])] + [
+            f"{p['paths'][k]['gflops']:.1f} ({p['paths'][k]['fraction_of_gemm']:.2f})"
+            for k in paths])
+    headers = ["n"] + [f"{k} ({p})" if k == "default" else k for k, p in zip(
+        paths, [fl["points"][-1]["paths"][k]["implementation"] for k in paths], strict=True)]
+    return headers, rows
+
+
+def memory_table(doc: dict[str, Any]) -> Table:
+    """Path (heads) | extra MiB per n | log-log slope."""
+    mem = doc["memory"]
+    sizes = sorted({p["n"] for p in mem["points"]})
+    keys = list(dict.fromkeys((p["path"], p["heads"]) for p in mem["points"]))
+    rows = []
+    for path, heads in keys:
+        cells = {p["n"]: (f"{p['extra_mib']:.1f}" if p["ok"] else "failed")
+                 for p in mem["points"] if p["path"] == path and p["heads"] == heads}
+        slope = mem["slopes"].get(path) if heads == mem["heads"] else None
+        rows.append([f"{path} (H={heads})", *(cells.get(n, "") for n in sizes), _num(slope, ".2f")])
+    return ["path", *(f"n={n}" for n in sizes), "slope"], rows
+
+
+def machine_line(doc: dict[str, Any]) -> str:
+    """One line: CPU, cores, RAM, Python, versions, threads, commit, date."""
+    m = doc["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
+    return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['system']}; "
+            f"Python {m['python']}, {versions}; {doc['threads']['count']} threads; "
+            f"commit {m['git_commit']}; {m['date']}" + _memory_run(doc))
+
+
+def _memory_run(doc: dict[str, Any]) -> str:
+    """Where the memory suite ran in a pass of its own (``memory.run``), its commit and date."""
+    run = doc.get("memory", {}).get("run")
+    if not run:
+        return ""
+    return f"; memory suite: commit {run['machine']['git_commit']}, {run['machine']['date']}"
+
+
+def backend_report(doc: dict[str, Any]) -> str:
+    """The screen report of one backend's run."""
+    parts = [f"== {doc['backend']}: {machine_line(doc)}"]
+    if doc["config"].get("quick"):
+        parts.append("(--quick: tiny sizes and few rounds; the numbers mean nothing)")
+    if "speed" in doc:
+        s = doc["speed"]
+        parts += ["", f"speed: MultiHeadAttention({s['num_hiddens']}, {s['heads']}) forward, "
+                  f"ours / {s['native']}", render(speed_table(doc), False)]
+    if "flops" in doc:
+        g = doc["flops"]["gemm"]
+        parts += ["", f"flops: attention core (1, {doc['flops']['heads']}, n, 64), GFLOP/s "
+                  f"(fraction of the {int(g['size'])}x{int(g['size'])} GEMM rate, "
+                  f"{g['gflops']:.1f} GFLOP/s); native = {doc['flops']['native']}",
+                  render(flops_table(doc), False)]
+    if "memory" in doc:
+        parts += ["", f"memory: peak extra MiB of one call on (1, H, n, 64); native = "
+                  f"{doc['memory']['native']}", render(memory_table(doc), False)]
+    checks = target_rows([doc])
+    if checks:
+        parts += ["", "targets:", render((TARGET_HEADERS, checks), False)]
+    return "\n".join(parts)
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+TARGET_HEADERS = ["target", "backend", "measured", "met"]
+
+
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "**no**")
+
+
+def target_rows(docs: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per target of the issue that these runs measured."""
+    rows: list[list[str]] = []
+    for doc in docs:
+        b = doc["backend"]
+        if "speed" in doc and b in SPEED_TARGET_BACKENDS:
+            for p in doc["speed"]["points"]:
+                bound = SPEED_TARGET_LARGE if p["n"] >= 1024 else (
+                    SPEED_TARGET_SMALL if p["n"] == 128 else None)
+                if bound is not None:
+                    r = p["ratio"]["median"]
+                    rows.append([f"MHA ours/native <= {bound:.2f} at n={p['n']}", b, f"{r:.2f}",
+                                 _met(r <= bound)])
+        flops = {p["n"]: p["paths"] for p in doc.get("flops", {}).get("points", [])}
+        if FLOPS_TARGET_N in flops:
+            paths = flops[FLOPS_TARGET_N]
+            frac = paths["default"]["fraction_of_gemm"]
+            if b in FLOPS_TARGETS:
+                rows.append([f"core at n={FLOPS_TARGET_N} >= {FLOPS_TARGETS[b]:.2f} of GEMM", b,
+                             f"{frac:.2f}", _met(frac >= FLOPS_TARGETS[b])])
+            if b == "jax":
+                ours, native = paths["default"]["gflops"], paths["native"]["gflops"]
+                rows.append([f"core at n={FLOPS_TARGET_N} >= jax.nn.dot_product_attention", b,
+                             f"{ours:.1f} vs {native:.1f} GFLOP/s", _met(ours >= native)])
+        for p in doc.get("memory", {}).get("points", []):
+            if p["path"] == "default" and p["n"] == MEMORY_TARGET_N and p["heads"] == 4:
+                ok = p["ok"] and p["extra_mib"] <= MEMORY_TARGET_MIB
+                rows.append([f"extra memory at n={MEMORY_TARGET_N}, H=4 <= {MEMORY_TARGET_MIB:.0f} MiB",
+                             b, f"{p['extra_mib']:.1f} MiB" if p["ok"] else p["error"], _met(ok)])
+            elif p["path"] == "default" and p["n"] >= 65536 and p["heads"] == 8:
+                took = f"{p['extra_mib']:.1f} MiB, {p['seconds']:.0f} s" if p["ok"] else p["error"]
+                rows.append([f"n={p['n']}, H=8 completes", b, took, _met(p["ok"])])
+    return rows
+
+
+# -- several backends: README section ---------------------------------------------------------
+
+
+def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None,
+                    now: datetime.datetime | None = None) -> str:
+    """The README section for runs of several backends (without the markers)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    names = [d["backend"] for d in docs]
+    lines = [f"Generated {now:%Y-%m-%d %H:%M} UTC by `python -m benchmarks --merge` "
+             "from the runs below (one environment and process per backend); never typed by hand.",
+             "", "| backend | machine and versions |", "|---|---|"]
+    lines += [f"| `{d['backend']}` | {machine_line(d)} |" for d in docs]
+    if any(d["config"].get("quick") for d in docs):
+        lines += ["", "**These are `--quick` runs: tiny sizes, the numbers mean nothing.**"]
+    speed = [d for d in docs if "speed" in d]
+    if speed:
+        sizes = sorted({p["n"] for d in speed for p in d["speed"]["points"]})
+        by = {d["backend"]: {p["n"]: p for p in d["speed"]["points"]} for d in speed}
+        lines += ["", "**(a) MultiHeadAttention(512, 8) forward time, ours ÷ native** (median of "
+                  "interleaved rounds [confidence interval]; A/A = native ÷ itself, the noise "
+                  "control). Native: " + "; ".join(f"`{d['backend']}` {d['speed']['native']}"
+                                                   for d in speed) + ".", ""]
+        table = (["n", *(f"`{d['backend']}`" for d in speed), "A/A (widest)"],
+                 [[str(n), *(_ratio(by[d["backend"]].get(n, {}).get("ratio")) for d in speed),
+                   _widest([by[d["backend"]][n]["aa"] for d in speed if n in by[d["backend"]]])]
+                  for n in sizes])
+        lines.append(render(table, True))
+    flops = [d for d in docs if "flops" in d and d["flops"]["points"]]
+    if flops:
+        paths = ["default", "direct", "blockwise", "fused", "native"]
+        rows = []
+        for d in flops:
+            last = d["flops"]["points"][-1]
+            rows.append([f"`{d['backend']}`", str(last["n"]), f"{d['flops']['gemm']['gflops']:.1f}",
+                         *(f"{last['paths'][k]['gflops']:.1f} ({last['paths'][k]['fraction_of_gemm']:.2f})"
+                           if k in last["paths"] else "-" for k in paths)])
+        lines += ["", "**(c) Attention core GFLOP/s (fraction of the same process's GEMM rate)**, "
+                  "(1, 8, n, 64) fp32, `4·B·H·n²·D / time`, at the largest n; `default` is the "
+                  "automatic choice, `native` the framework's own attention function.", "",
+                  render((["backend", "n", "GEMM GFLOP/s", *paths], rows), True)]
+    memory = [d for d in docs if "memory" in d]
+    if memory:
+        rows = []
+        for d in memory:
+            mem = d["memory"]
+            for path, slope in mem["slopes"].items():
+                pts = {p["n"]: p for p in mem["points"] if p["path"] == path and p["heads"] == mem["heads"]}
+                if not pts:
+                    continue
+                big = max(pts)
+                at = pts[max((n for n in pts if n <= MEMORY_QUADRATIC_MAX), default=big)]
+                rows.append([f"`{d['backend']}`", path, str(at["n"]), _mib(at), str(big), _mib(pts[big]),
+                             _num(slope, ".2f")])
+        lines += ["", "**(b) Peak extra memory of one attention call**, (1, 4, n, 64) fp32, one "
+                  "subprocess per point (VmHWM - VmRSS before the call; the output counts), and "
+                  "the fitted log-log slope (2: forms the n x n scores; ≤ 1: does not).", "",
+                  render((["backend", "path", "n", "MiB", "largest n", "MiB", "slope"], rows), True)]
+    checks = target_rows(docs)
+    if checks:
+        lines += ["", "**Targets of issue 6**", "", render((TARGET_HEADERS, checks), True)]
+    if plot_name:
+        lines += ["", f"![benchmarks]({plot_name})"]
+    del names
+    return "\n".join(lines)
+
+
+def _mib(p: dict[str, Any]) -> str:
+    return f"{p['extra_mib']:.1f}" if p["ok"] else "failed"
+
+
+def _widest(ratios: Sequence[dict[str, Any]]) -> str:
+    if not ratios:
+        return "n/a"
+    return _ratio(max(ratios, key=lambda r: r["high"] - r["low"]))
+
+
+def write_between_markers(path: str | Path, body: str, start: str = BENCH_START,
+                          end: str = BENCH_END) -> None:
+    """Replaces what lies between the bench markers in a file (see :mod:`tools.markdown`)."""
+    markdown.write_between_markers(path, body, start, end)
+
+
+# -- plot -------------------------------------------------------------------------------------
+
+
+def pyplot() -> Any | None:
+    """The ``pyplot`` module on matplotlib's file-only Agg backend; None without matplotlib."""
+    try:
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
+    """Draws speed ratio, memory and GEMM fraction against n into a PNG file.
+
+    Returns:
+        The path written, or None when matplotlib is not installed.
+    """
+    plt = pyplot()
+    if plt is None:
+        return None
+    from matplotlib.ticker import ScalarFormatter  # type: ignore[import-not-found, unused-ignore]
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    color = {d["backend"]: f"C{i}" for i, d in enumerate(docs)}
+    ax = axes[0]
+    for d in docs:
+        pts = d.get("speed", {}).get("points", [])
+        if pts:
+            n = [p["n"] for p in pts]
+            med = [p["ratio"]["median"] for p in pts]
+            err = [[p["ratio"]["median"] - p["ratio"]["low"] for p in pts],
+                   [p["ratio"]["high"] - p["ratio"]["median"] for p in pts]]
+            ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=d["backend"],
+                        color=color[d["backend"]])
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(xlabel="n (batch 1, 8 heads, depth 64)", ylabel="time ours / native",
+           title="(a) MultiHeadAttention forward, ours ÷ native")
+    ax = axes[1]
+    for d in docs:
+        mem = d.get("memory")
+        if not mem:
+            continue
+        for path_name, style in (("default", "-"), ("native", ":"), ("direct", "--")):
+            pts = sorted((p["n"], p["extra_mib"]) for p in mem["points"]
+                         if p["path"] == path_name and p["heads"] == mem["heads"] and p["ok"]
+                         and p["extra_mib"] > 0)
+            if pts:
+                line = ax.plot(*zip(*pts, strict=True), style, marker=".", color=color[d["backend"]],
+                               label=f"{d['backend']} {path_name}")
+                if path_name != "default":
+                    line[0].set_alpha(0.6)
+    ax.axhline(MEMORY_TARGET_MIB, color="gray", lw=0.8, ls="--")
+    ax.set(yscale="log", xlabel="n (batch 1, 4 heads, depth 64)",
+           ylabel="peak extra MiB", title="(b) attention memory (- default, : native, -- direct)")
+    ax = axes[2]
+    for d in docs:
+        pts = d.get("flops", {}).get("points", [])
+        if pts:
+            ax.plot([p["n"] for p in pts], [p["paths"]["default"]["fraction_of_gemm"] for p in pts],
+                    marker="o", label=d["backend"], color=color[d["backend"]])
+    ax.set(xlabel="n (batch 1, 8 heads, depth 64)", ylabel="GFLOP/s ÷ GEMM GFLOP/s",
+           title="(c) attention core, fraction of the GEMM rate")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    files.save_figure(fig, path, dpi=110)
+    plt.close(fig)
+    return str(path)
