@@ -7,6 +7,7 @@ already run on this backend through tests/hooks/jax_hooks.py; these tests use th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -87,7 +88,7 @@ def test_params_are_the_canonical_names_nested(mha: Any, block: Any) -> None:
 
 
 def test_dataclass_fields_follow_the_design_order() -> None:
-    fields = [f for f in bj.MultiHeadAttention.__dataclass_fields__ if f not in ("parent", "name")]
+    fields = [f.name for f in dataclasses.fields(bj.MultiHeadAttention) if f.name not in ("parent", "name")]
     assert fields[:4] == ["num_hiddens", "num_heads", "dropout", "bias"]
     layer = bj.TransformerEncoderBlock(8, 16, 2, 0.1, True)
     assert (layer.num_hiddens, layer.ffn_num_hiddens, layer.num_heads, layer.dropout, layer.bias) == (
@@ -637,7 +638,7 @@ def test_new_layers_params_are_the_canonical_names_nested(relative: Any, encoder
     keys_only = bj.RelativeMultiHeadAttention(8, 2, 3, relative_values=False)
     q, kv = relative[2]
     assert sorted(keys_only.init(KEY, q, kv, kv)["params"]) == ["W_k", "W_o", "W_q", "W_v", "rel_k"]
-    fields = [f for f in bj.TransformerEncoder.__dataclass_fields__ if f not in ("parent", "name")]
+    fields = [f.name for f in dataclasses.fields(bj.TransformerEncoder) if f.name not in ("parent", "name")]
     assert fields[:7] == ["vocab_size", "num_hiddens", "ffn_num_hiddens", "num_heads", "num_blks",
                           "dropout", "bias"]
 

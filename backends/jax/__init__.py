@@ -13,8 +13,8 @@ functions rather than layer methods::
     weights = get_weights(variables)                                   # {'W_q.kernel': ...}
     variables = set_weights(variables, weights)                        # a new pytree
 
-:func:`init_from_weights` builds the variables from a canonical mapping without ``init``;
-:func:`call_layer` inits and applies once (the CLI demo uses it).
+:func:`init_from_weights` makes variables from canonical weights; :func:`call_layer` inits and
+applies once (the CLI demo uses it).
 """
 
 from backends.jax.layers import (
