@@ -563,7 +563,7 @@ def test_dropout_inside_the_loops_draws_a_new_mask_per_block(
 @pytest.mark.parametrize("name", ["DotProductAttention", "MultiHeadAttention"])
 def test_layers_form_the_weights_only_where_they_are_kept(name: str) -> None:
     """A blockwise layer runs wherever the weights are not needed; where they are (returned,
-    or kept in a mutable 'intermediates'), the core refuses the blockwise path."""
+    or kept in a mutable 'intermediates'), it takes the direct path and gives its weights."""
     q, kv = draw((2, 4, 8), (2, 5, 8), seed=12)
     lens = jnp.array([2, 5])
 
@@ -577,10 +577,12 @@ def test_layers_form_the_weights_only_where_they_are_kept(name: str) -> None:
     assert kept["intermediates"]["attention_weights"][0].shape == (2, 2 if len(variables) else 1, 4, 5)
     fast = make(implementation="blockwise")
     assert diff(jax.jit(lambda v: fast.apply(v, q, kv, kv, lens))(variables), reference) <= TOL
-    with pytest.raises(ValueError, match="never forms the attention weights"):
-        fast.apply(variables, q, kv, kv, lens, mutable=["intermediates"])
-    with pytest.raises(ValueError, match="never forms the attention weights"):
-        fast.apply(variables, q, kv, kv, lens, return_attention=True)
+    out, state = fast.apply(variables, q, kv, kv, lens, mutable=["intermediates"])
+    sown = state["intermediates"]["attention_weights"][0]
+    assert diff(out, reference) <= TOL
+    assert diff(sown, kept["intermediates"]["attention_weights"][0]) == 0.0
+    out, w = fast.apply(variables, q, kv, kv, lens, return_attention=True)
+    assert diff(out, reference) <= TOL and diff(w, sown) == 0.0
     unkept = make(implementation="blockwise", keep_attention_weights=False)
     out, state = unkept.apply(variables, q, kv, kv, lens, mutable=["intermediates"])
     assert diff(out, reference) <= TOL and "intermediates" not in state

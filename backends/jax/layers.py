@@ -157,7 +157,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         run = D.Run(ops, weights, self._tables(), rate, need)
         result = self.compute(run, **prepared.arguments)
         returned, kept = self.finish(result, need, prepared.return_attention)
-        for attn in (kept if self.attention == "blocks" else [kept]) if need else []:
+        for attn in (kept if self.attention_kind == "blocks" else [kept]) if need else []:
             self.sow("intermediates", "attention_weights", attn)
         return returned
 
