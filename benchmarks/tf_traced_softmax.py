@@ -4,7 +4,7 @@ Issue 14's target: no fix may cost more than 3% at n >= 512. Its fix for masks t
 whose visible scores are all ``-inf`` or the dtype's lowest value) made TensorFlow's kernel
 softmax path read the scores once more under tracing. This script times the traced calls of
 this checkout (``new``) against those of another commit (``old``, by default ``20d67e8``, the
-last commit before issue 14) in interleaved rounds (:mod:`attention_core.bench.timing`), in one
+last commit before issue 14) in interleaved rounds (:mod:`benchmarks.timing`), in one
 process, with the same inputs:
 
 * ``mha``: ``multi_head_attention`` with the weights of ``MultiHeadAttention(512, 8,
@@ -125,7 +125,7 @@ def main() -> None:
         old = {n: traced_calls(load(extract(args.old, Path(tmp))), n, inputs[n]) for n in sizes}
     ac = load(ROOT)
     new = {n: traced_calls(ac, n, inputs[n]) for n in sizes}
-    timing = importlib.import_module("attention_core.bench.timing")
+    timing = importlib.import_module("benchmarks.timing")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *PACKAGES],
