@@ -17,43 +17,11 @@ functions rather than layer methods::
 applies once (the CLI demo uses it).
 """
 
-from backends.jax.layers import (
-    AdditiveAttention,
-    AddNorm,
-    DotProductAttention,
-    LearnedPositionalEncoding,
-    MultiHeadAttention,
-    NadarayaWatson,
-    PositionalEncoding,
-    PositionWiseFFN,
-    RelativeMultiHeadAttention,
-    TransformerEncoder,
-    TransformerEncoderBlock,
-    call_layer,
-    get_weights,
-    init_from_weights,
-    init_weights,
-    set_weights,
-)
-from backends.jax.ops import OPS, JaxOps
-
-__all__ = [
-    "OPS",
-    "AddNorm",
-    "AdditiveAttention",
-    "DotProductAttention",
-    "JaxOps",
-    "LearnedPositionalEncoding",
-    "MultiHeadAttention",
-    "NadarayaWatson",
-    "PositionWiseFFN",
-    "PositionalEncoding",
-    "RelativeMultiHeadAttention",
-    "TransformerEncoder",
-    "TransformerEncoderBlock",
-    "call_layer",
-    "get_weights",
-    "init_from_weights",
-    "init_weights",
-    "set_weights",
-]
+from backends.jax.layers import *  # noqa: F403 - the declared layers (its __all__)
+from backends.jax.layers import call_layer as call_layer
+from backends.jax.layers import get_weights as get_weights
+from backends.jax.layers import init_from_weights as init_from_weights
+from backends.jax.layers import init_weights as init_weights
+from backends.jax.layers import set_weights as set_weights
+from backends.jax.ops import OPS as OPS
+from backends.jax.ops import JaxOps as JaxOps

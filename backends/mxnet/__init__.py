@@ -12,20 +12,9 @@ from mxnet import npx
 
 npx.set_np()
 
-from backends.mxnet.layers import (  # noqa: E402 - after set_np(), which the layers need
-    AdditiveAttention,
-    AddNorm,
-    DotProductAttention,
-    LearnedPositionalEncoding,
-    MultiHeadAttention,
-    NadarayaWatson,
-    PositionalEncoding,
-    PositionWiseFFN,
-    RelativeMultiHeadAttention,
-    TransformerEncoder,
-    TransformerEncoderBlock,
-)
-from backends.mxnet.ops import OPS, MXNetOps  # noqa: E402
+from backends.mxnet.layers import *  # noqa: E402, F403 - after set_np(); its __all__
+from backends.mxnet.ops import OPS as OPS  # noqa: E402
+from backends.mxnet.ops import MXNetOps as MXNetOps  # noqa: E402
 
 
 def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -34,10 +23,3 @@ def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
         if param._data is None and not param._deferred_init:  # never initialised
             param.initialize()
     return layer(*args, **kwargs)
-
-
-__all__ = [
-    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
-    "MXNetOps", "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock", "call_layer",
-]
