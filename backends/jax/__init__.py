@@ -25,3 +25,10 @@ from backends.jax.layers import init_weights as init_weights
 from backends.jax.layers import set_weights as set_weights
 from backends.jax.ops import OPS as OPS
 from backends.jax.ops import JaxOps as JaxOps
+
+__all__ = [  # the declared layers, one class each, and the backend's own names
+    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "JaxOps", "LearnedPositionalEncoding",
+    "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
+    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock", "call_layer",
+    "get_weights", "init_from_weights", "init_weights", "set_weights"
+]

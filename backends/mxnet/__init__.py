@@ -23,3 +23,9 @@ def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
         if param._data is None and not param._deferred_init:  # never initialised
             param.initialize()
     return layer(*args, **kwargs)
+
+__all__ = [  # the declared layers, one class each, and the backend's own names
+    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
+    "MXNetOps", "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
+    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock", "call_layer"
+]

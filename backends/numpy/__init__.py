@@ -3,3 +3,9 @@
 from backends.numpy.layers import *  # noqa: F403 - the declared layers (its __all__)
 from backends.numpy.ops import OPS as OPS
 from backends.numpy.ops import NumpyOps as NumpyOps
+
+__all__ = [  # the declared layers, one class each, and the backend's own names
+    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
+    "MultiHeadAttention", "NadarayaWatson", "NumpyOps", "PositionWiseFFN", "PositionalEncoding",
+    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock"
+]

@@ -3,3 +3,9 @@
 from backends.torch.layers import *  # noqa: F403 - the declared layers (its __all__)
 from backends.torch.ops import OPS as OPS
 from backends.torch.ops import TorchOps as TorchOps
+
+__all__ = [  # the declared layers, one class each, and the backend's own names
+    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
+    "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
+    "RelativeMultiHeadAttention", "TorchOps", "TransformerEncoder", "TransformerEncoderBlock"
+]
