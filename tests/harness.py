@@ -187,17 +187,17 @@ class Harness:
     def call_mode(self, layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
         """Calls the layer in training mode (dropout on) or inference mode (see the module
         docstring)."""
-        return self._hook("call_mode")(layer, training, *args, **kwargs)
+        return self.hook("call_mode")(layer, training, *args, **kwargs)
 
     def sgd_step(self, layer: Any, args: list[Any], kwargs: dict[str, Any], target: np.ndarray,
                  lr: float) -> None:
         """One gradient-descent step on the mean squared error to ``target``."""
-        self._hook("sgd_step")(layer, args, kwargs, target, lr)
+        self.hook("sgd_step")(layer, args, kwargs, target, lr)
 
     def save_load_native(self, layer: Any, make_fresh: Callable[[], Any], args: list[Any],
                          path: Any) -> tuple[Any, list[str]]:
         """The layer through a file of the framework's own format (see the module docstring)."""
-        result: tuple[Any, list[str]] = self._hook("save_load_native")(layer, make_fresh, args, path)
+        result: tuple[Any, list[str]] = self.hook("save_load_native")(layer, make_fresh, args, path)
         return result
 
     def setups(self) -> list[Callable[[Any], None]]:
@@ -205,7 +205,11 @@ class Harness:
         setups: dict[str, Callable[[Any], None]] = getattr(self.hooks, "SETUPS", {})
         return [lambda layer: None, *setups.values()]
 
-    def _hook(self, name: str) -> Callable[..., Any]:
+    def hook(self, name: str) -> Callable[..., Any]:
+        """The hook ``name`` of this backend's tests/hooks module; fails the test if missing.
+
+        Shared tests call hooks that have no method here through this (``harness.hook("x")``).
+        """
         hook = getattr(self.hooks, name, None)
         if hook is None:
             raise AssertionError(f"tests/hooks/{self.name}_hooks.py has no {name}")
