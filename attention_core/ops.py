@@ -22,6 +22,60 @@ Array = Any
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+
+class NamespaceOps:
+    """The primitives that a NumPy-like array namespace ``xp`` spells as NumPy does.
+
+    A backend whose framework has such a namespace (``numpy``, ``jax.numpy``, ``torch``) sets
+    ``xp`` and inherits these, defining the rest of :class:`Ops` itself (and overriding any
+    primitive its namespace spells differently).
+    """
+
+    #: The array namespace: a module with NumPy's names and semantics for these primitives.
+    xp: Any
+
+    def exp(self, x: Array) -> Array:
+        return self.xp.exp(x)
+
+    def tanh(self, x: Array) -> Array:
+        return self.xp.tanh(x)
+
+    def sqrt(self, x: Array) -> Array:
+        return self.xp.sqrt(x)
+
+    def logical_and(self, a: Array, b: Array) -> Array:
+        return self.xp.logical_and(a, b)
+
+    def maximum(self, a: Array, b: Array) -> Array:
+        return self.xp.maximum(a, b)
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        return self.xp.matmul(a, b)
+
+    def reshape(self, x: Array, shape: tuple[Any, ...]) -> Array:
+        return self.xp.reshape(x, shape)
+
+    def max(self, x: Array, axis: int) -> Array:
+        return self.xp.max(x, axis=axis, keepdims=True)
+
+    def sum(self, x: Array, axis: int) -> Array:
+        return self.xp.sum(x, axis=axis, keepdims=True)
+
+    def mean(self, x: Array, axis: int) -> Array:
+        return self.xp.mean(x, axis=axis, keepdims=True)
+
+    def transpose(self, x: Array, axes: tuple[int, ...]) -> Array:
+        return self.xp.transpose(x, axes)
+
+    def expand_dims(self, x: Array, axis: int) -> Array:
+        return self.xp.expand_dims(x, axis)
+
+    def concatenate(self, xs: list[Array], axis: int) -> Array:
+        return self.xp.concatenate(xs, axis)
+
+    def take(self, table: Array, indices: Array) -> Array:
+        return self.xp.take(table, indices, axis=0)
+
 @runtime_checkable
 class Ops(Protocol):
     """Array primitives used by the core, one method per primitive.

@@ -16,13 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_core.attention import dot_product_attention
+from attention_core.ops import NamespaceOps
 
 #: Largest ``B * H * Q * K`` for which the automatic choice takes the fused kernel off CPU
 #: (16 MiB of float32 logits); see :meth:`JaxOps.prefers_fused`.
 FUSED_MAX_SCORES = 2**22
 
 
-class JaxOps:
+class JaxOps(NamespaceOps):
     """``jax.Array`` primitives; dropout draws from the PRNG key the instance is bound to.
 
     Args:
@@ -43,6 +44,7 @@ class JaxOps:
     """
 
     name = "jax"
+    xp = jnp
 
     def __init__(self, rng: jax.Array | None = None) -> None:
         self.rng = rng
@@ -67,59 +69,17 @@ class JaxOps:
     def astype(self, x: Any, dtype: str) -> jax.Array:
         return jnp.asarray(x).astype(dtype)
 
-    def exp(self, x: jax.Array) -> jax.Array:
-        return jnp.exp(x)
-
-    def tanh(self, x: jax.Array) -> jax.Array:
-        return jnp.tanh(x)
-
-    def sqrt(self, x: jax.Array) -> jax.Array:
-        return jnp.sqrt(x)
-
     def relu(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
 
     def where(self, cond: Any, x: jax.Array, y: Any) -> jax.Array:
         return jnp.where(cond, x, jnp.asarray(y, dtype=x.dtype))
 
-    def logical_and(self, a: Any, b: Any) -> jax.Array:
-        return jnp.logical_and(a, b)
-
-    def maximum(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.maximum(a, b)
-
-    def max(self, x: jax.Array, axis: int) -> jax.Array:
-        return jnp.max(x, axis=axis, keepdims=True)
-
-    def sum(self, x: jax.Array, axis: int) -> jax.Array:
-        return jnp.sum(x, axis=axis, keepdims=True)
-
-    def mean(self, x: jax.Array, axis: int) -> jax.Array:
-        return jnp.mean(x, axis=axis, keepdims=True)
-
-    def matmul(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.matmul(a, b)
-
-    def reshape(self, x: jax.Array, shape: tuple[Any, ...]) -> jax.Array:
-        return jnp.reshape(x, shape)
-
-    def transpose(self, x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-        return jnp.transpose(x, axes)
-
-    def expand_dims(self, x: Any, axis: int) -> jax.Array:
-        return jnp.expand_dims(x, axis)
-
     def slice(self, x: jax.Array, axis: int, start: Any, size: int) -> jax.Array:
         return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
-    def concatenate(self, xs: list[jax.Array], axis: int) -> jax.Array:
-        return jnp.concatenate(xs, axis)
-
     def arange(self, n: Any) -> jax.Array:
         return jnp.arange(n, dtype=jnp.int32)
-
-    def take(self, table: jax.Array, indices: jax.Array) -> jax.Array:
-        return jnp.take(table, indices, axis=0)
 
     def cond(self, pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
         """``jax.lax.cond`` on the one-element ``pred``.

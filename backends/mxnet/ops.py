@@ -18,6 +18,8 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from attention_core.ops import NamespaceOps
+
 Symbol = mx.sym.Symbol
 
 
@@ -25,7 +27,7 @@ Symbol = mx.sym.Symbol
 _INTEGERS = ("int8", "uint8", "int32", "int64")
 
 
-class MXNetOps:
+class MXNetOps(NamespaceOps):
     """``mxnet.numpy`` arrays, or Symbols when ``symbols`` is given.
 
     Args:
@@ -42,7 +44,7 @@ class MXNetOps:
     def __init__(self, symbols: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
         self.symbolic = symbols is not None
         self._known = dict(symbols or {})
-        self.np: Any = mx.sym.np if self.symbolic else mx.np
+        self.xp: Any = mx.sym.np if self.symbolic else mx.np
         self.npx: Any = mx.sym.npx if self.symbolic else mx.npx
 
     def from_numpy(self, x: np.ndarray, like: Any = None) -> Any:
@@ -90,61 +92,28 @@ class MXNetOps:
     def astype(self, x: Any, dtype: str) -> Any:
         return x.astype(dtype) if isinstance(x, Symbol) else x.astype(dtype, copy=False)
 
-    def exp(self, x: Any) -> Any:
-        return self.np.exp(x)
-
-    def tanh(self, x: Any) -> Any:
-        return self.np.tanh(x)
-
-    def sqrt(self, x: Any) -> Any:
-        return self.np.sqrt(x)
-
     def relu(self, x: Any) -> Any:
         return self.npx.relu(x)
 
     def where(self, cond: Any, x: Any, y: Any) -> Any:
         if isinstance(y, (int, float)):  # MXNet 1.9's where(cond, x, scalar) has a wrong gradient
-            y = self.np.full_like(x, y)
-        return self.np.where(cond, x, y)
+            y = self.xp.full_like(x, y)
+        return self.xp.where(cond, x, y)
 
     def logical_and(self, a: Any, b: Any) -> Any:
         return a * b  # boolean product; MXNet 1.9 has no logical_and and no boolean bitwise_and
 
-    def maximum(self, a: Any, b: Any) -> Any:
-        return self.np.maximum(a, b)
-
-    def max(self, x: Any, axis: int) -> Any:
-        return self.np.max(x, axis=axis, keepdims=True)
-
-    def sum(self, x: Any, axis: int) -> Any:
-        return self.np.sum(x, axis=axis, keepdims=True)
-
-    def mean(self, x: Any, axis: int) -> Any:
-        return self.np.mean(x, axis=axis, keepdims=True)
-
-    def matmul(self, a: Any, b: Any) -> Any:
-        return self.np.matmul(a, b)
-
     def reshape(self, x: Any, shape: tuple[Any, ...]) -> Any:
-        return self.np.reshape(x, tuple(int(d) for d in shape))
-
-    def transpose(self, x: Any, axes: tuple[int, ...]) -> Any:
-        return self.np.transpose(x, axes)
-
-    def expand_dims(self, x: Any, axis: int) -> Any:
-        return self.np.expand_dims(x, axis)
+        return self.xp.reshape(x, tuple(int(d) for d in shape))
 
     def slice(self, x: Any, axis: int, start: Any, size: int) -> Any:
         return x[(slice(None),) * axis + (slice(int(start), int(start) + size),)]
 
     def concatenate(self, xs: list[Any], axis: int) -> Any:
-        return self.np.concatenate(xs, axis=axis)
+        return self.xp.concatenate(xs, axis=axis)
 
     def arange(self, n: Any) -> Any:
-        return self.np.arange(int(n), dtype="int32")
-
-    def take(self, table: Any, indices: Any) -> Any:
-        return self.np.take(table, indices, axis=0)
+        return self.xp.arange(int(n), dtype="int32")
 
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.

@@ -9,8 +9,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attention_core.ops import NamespaceOps
 
-class TorchOps:
+
+class TorchOps(NamespaceOps):
     """``torch.Tensor`` arrays; dropout draws from torch's global generator.
 
     Args:
@@ -19,6 +21,7 @@ class TorchOps:
     """
 
     name = "torch"
+    xp = torch
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = None if device is None else torch.device(device)
@@ -84,26 +87,11 @@ class TorchOps:
     def astype(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
         return x.to(getattr(torch, dtype))
 
-    def exp(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.exp(x)
-
-    def tanh(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x)
-
-    def sqrt(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt(x)
-
     def relu(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
 
     def where(self, cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
         return torch.where(cond, x, y)
-
-    def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.logical_and(a, b)
-
-    def maximum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(a, b)
 
     def max(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return torch.amax(x, dim=axis, keepdim=True)
@@ -113,12 +101,6 @@ class TorchOps:
 
     def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return torch.mean(x, dim=axis, keepdim=True)
-
-    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(a, b)
-
-    def reshape(self, x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
-        return torch.reshape(x, shape)
 
     def transpose(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         return torch.permute(x, axes)
