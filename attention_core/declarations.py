@@ -11,7 +11,8 @@ the rest, over :class:`~attention_core.ops.Ops` only:
 - :meth:`Declaration.sublayers` names the declared layers a composite is made of (their weights
   are its weights, under the sublayer's name);
 - :meth:`Declaration.constants` gives fixed tables (the sinusoidal ``P``), held but not trained;
-- :attr:`Declaration.sizes` maps each input size to the call argument whose last axis gives it;
+- :attr:`Declaration.sizes` maps each input size to the call argument whose last axis gives it
+  and the weight whose first axis holds it;
 - :meth:`Declaration.compute` is the forward: its signature after ``run`` is the layer's call
   signature, and it returns the output, with the attention weights when ``run.need`` is True.
 
@@ -40,6 +41,7 @@ from attention_core.host import plain
 from attention_core.ops import Array, Ops, fixed_shape
 
 _T = TypeVar("_T")
+_D = TypeVar("_D", bound="Declaration")
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform as dataclass_transform
@@ -56,6 +58,11 @@ def keyword_parameters(arguments: type) -> tuple[inspect.Parameter, ...]:
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
         for f in dataclasses.fields(arguments)
     )
+
+
+#: The declared layers, by their public name, in the order declared: every public declaration
+#: of this module (see :meth:`Declaration.__init_subclass__`) and those given to :func:`register`.
+LAYERS: dict[str, type[Declaration]] = {}
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,18 @@ class Run:
     constants: Mapping[str, Array]
     dropout: float
     need: bool
+
+
+class Size(NamedTuple):
+    """An input size a layer learns on its first call (``q_in`` ...).
+
+    Attributes:
+        argument: The call argument whose last axis gives it.
+        weight: The weight whose first axis holds it (it is read back off that weight).
+    """
+
+    argument: str
+    weight: str
 
 
 class Sublayer(NamedTuple):
@@ -107,7 +126,8 @@ class Declaration:
     Attributes:
         cast_inputs: The array inputs that follow the dtype rule of
             :func:`attention_core.checks.compute_inputs` (token ids do not).
-        sizes: Input sizes learnt on the first call, and the argument whose last axis gives each.
+        sizes: Input sizes learnt on the first call (``q_in`` ...), each with the call argument
+            and the weight that hold it (:class:`Size`).
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
         attention_kind: The attention weights a call forms: None, ``"single"`` (one array
             ``(B, H, Q, K)``, kept in ``attention_weights``), or ``"blocks"`` (one per block).
@@ -118,7 +138,7 @@ class Declaration:
     """
 
     cast_inputs: ClassVar[tuple[str, ...]] = ()
-    sizes: ClassVar[Mapping[str, str]] = {}
+    sizes: ClassVar[Mapping[str, Size]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
     attention_kind: ClassVar[str | None] = None
     returns_attention: ClassVar[bool] = False
@@ -128,9 +148,15 @@ class Declaration:
     extras: ClassVar[tuple[inspect.Parameter, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Gives a backend's layer class its constructor's signature, for ``help`` and IDEs."""
+        """Registers a declaration; gives a backend's layer class its constructor's signature.
+
+        The public declarations of this module go into :data:`LAYERS` when made (others by
+        :func:`register`); a backend's class gets ``__signature__``, for ``help`` and IDEs.
+        """
         super().__init_subclass__(**kwargs)
-        if "LAYERS" in globals() and cls not in LAYERS.values() and cls.declared_or_none():
+        if cls.__module__ == __name__ and not cls.__name__.startswith("_"):
+            LAYERS[cls.__name__] = cls
+        elif cls.declared_or_none():
             cls.__signature__ = ClassSignature(cls.signature(*cls.extras))  # type: ignore[attr-defined]
             setattr(cls, "_declared_call", cls.call_signature())  # noqa: B010
             if "__doc__" not in cls.__dict__ or cls.__doc__ is None:
@@ -271,12 +297,18 @@ class Declaration:
         self.check_inputs(ops, **arguments)
         # an input's width is fixed by the weights, also under tracing (ops.fixed_shape); a
         # width unknown until run time (a traced Keras layer) is left to the built weights
-        sizes = {dim: fixed_shape(ops, arguments[arg])[-1] for dim, arg in self.sizes.items()}
+        sizes = {dim: fixed_shape(ops, arguments[size.argument])[-1]
+                 for dim, size in self.sizes.items()}
         dims = {dim: int(size) for dim, size in sizes.items() if isinstance(size, (int, np.integer))}
         return Prepared(arguments, return_attention, dims)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         """Checks the inputs before any weight is made for them (ranks, widths)."""
+
+    def dims_from_weights(self, weights: Mapping[str, Any]) -> dict[str, int]:
+        """The input sizes read off the weights that hold them (those present in ``weights``)."""
+        return {dim: int(np.shape(weights[size.weight])[0])
+                for dim, size in self.sizes.items() if size.weight in weights}
 
     def needs_attention(self, return_attention: bool, keeping: bool = True) -> bool:
         """Whether a call forms the attention weights.
@@ -307,6 +339,11 @@ class Declaration:
     def compute(self, run: Run, *args: Any, **kwargs: Any) -> Any:
         """The forward (see the module's docstring)."""
         raise NotImplementedError
+
+
+#: The input sizes of the layers with query, key and value projections.
+QKV_SIZES = {"q_in": Size("queries", "W_q.kernel"), "k_in": Size("keys", "W_k.kernel"),
+             "v_in": Size("values", "W_v.kernel")}
 
 
 # -- attention -------------------------------------------------------------------------------
@@ -378,7 +415,9 @@ class AdditiveAttention(_Attention):
 
     num_hiddens: int
     dropout: float = 0.0
-    sizes: ClassVar[Mapping[str, str]] = {"q_in": "queries", "k_in": "keys"}
+    sizes: ClassVar[Mapping[str, Size]] = {
+        "q_in": Size("queries", "W_q.kernel"), "k_in": Size("keys", "W_k.kernel"),
+    }
     always_keeps: ClassVar[bool] = True
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -409,7 +448,7 @@ class MultiHeadAttention(_Attention):
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
-    sizes: ClassVar[Mapping[str, str]] = {"q_in": "queries", "k_in": "keys", "v_in": "values"}
+    sizes: ClassVar[Mapping[str, Size]] = QKV_SIZES
 
     def check(self) -> None:
         heads = checks.check_heads(self.num_hiddens, self.num_heads)
@@ -453,7 +492,7 @@ class RelativeMultiHeadAttention(_Attention):
     _: KW_ONLY
     relative_values: bool = True
     keep_attention_weights: bool = True
-    sizes: ClassVar[Mapping[str, str]] = {"q_in": "queries", "k_in": "keys", "v_in": "values"}
+    sizes: ClassVar[Mapping[str, Size]] = QKV_SIZES
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.relative_multi_head_spec(
@@ -466,31 +505,6 @@ class RelativeMultiHeadAttention(_Attention):
         return multihead.relative_multi_head_attention(
             q, k, v, run.weights, self.num_heads, valid_lens, **options
         )
-
-
-@dataclass(eq=False)
-class NadarayaWatson(Declaration):
-    """Nadaraya-Watson attention pooling with a Gaussian kernel.
-
-    Args:
-        parametric: Learn the kernel's inverse width ``w`` (weight ``w`` of shape ``(1,)``).
-    """
-
-    parametric: bool = False
-    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
-    attention_kind: ClassVar[str | None] = "single"
-    always_keeps: ClassVar[bool] = True
-
-    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
-        return W.nadaraya_watson_spec(self.parametric)
-
-    def compute(self, run: Run, queries: Array, keys: Array, values: Array) -> Any:
-        """Pools ``values`` by a Gaussian kernel of the ``queries``' distance to the ``keys``."""
-        w = run.weights.get("w")
-        result = attention.nadaraya_watson(
-            queries, keys, values, w, return_weights=run.need, ops=run.ops
-        )
-        return result
 
 
 # -- positions -------------------------------------------------------------------------------
@@ -562,7 +576,7 @@ class PositionWiseFFN(Declaration):
     ffn_num_hiddens: int
     ffn_num_outputs: int
     cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
-    sizes: ClassVar[Mapping[str, str]] = {"d_in": "X"}
+    sizes: ClassVar[Mapping[str, Size]] = {"d_in": Size("X", "dense1.kernel")}
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, dims.get("d_in"))
@@ -718,17 +732,53 @@ class TransformerEncoder(Declaration):
         )
 
 
-#: The declared layers, by their public name.
-LAYERS: dict[str, type[Declaration]] = {
-    cls.__name__: cls
-    for cls in (
-        DotProductAttention, AdditiveAttention, MultiHeadAttention, RelativeMultiHeadAttention,
-        PositionalEncoding, LearnedPositionalEncoding, PositionWiseFFN, AddNorm,
-        TransformerEncoderBlock, TransformerEncoder, NadarayaWatson,
-    )
-}
+# -- attention pooling with a kernel (Nadaraya-Watson) ---------------------------------------
 
 
+@dataclass(eq=False)
+class NadarayaWatson(Declaration):
+    """Nadaraya-Watson attention pooling with a Gaussian kernel.
+
+    Args:
+        parametric: Learn the kernel's inverse width ``w`` (weight ``w`` of shape ``(1,)``).
+    """
+
+    parametric: bool = False
+    cast_inputs: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
+    attention_kind: ClassVar[str | None] = "single"
+    always_keeps: ClassVar[bool] = True
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        return W.nadaraya_watson_spec(self.parametric)
+
+    def compute(self, run: Run, queries: Array, keys: Array, values: Array) -> Any:
+        """Pools ``values`` by a Gaussian kernel of the ``queries``' distance to the ``keys``."""
+        w = run.weights.get("w")
+        result = attention.nadaraya_watson(
+            queries, keys, values, w, return_weights=run.need, ops=run.ops
+        )
+        return result
+
+
+# -- declarations made elsewhere -------------------------------------------------------------
+
+
+def register(declaration: type[_D]) -> type[_D]:
+    """Declares a layer made outside this module, so that adapters can hold it natively.
+
+    A backend's native class for it is then ``class Name(Layer, declaration): ...`` with that
+    backend's ``Layer`` (see ``tests/test_declaring.py``). Returns the declaration, so this can
+    decorate it (under ``@dataclass(eq=False)``).
+
+    Raises:
+        ValueError: If another declaration has the name already.
+    """
+    known = LAYERS.get(declaration.__name__)
+    if known is not None and known is not declaration:
+        raise ValueError(f"declaration must have a new name, got {declaration.__name__!r}, "
+                         f"which {known.__module__}.{known.__qualname__} has")
+    LAYERS[declaration.__name__] = declaration
+    return declaration
 
 
 # -- shared by adapters (tensorflow) -----------------------------------------------------------

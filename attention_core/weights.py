@@ -162,23 +162,6 @@ def nadaraya_watson_spec(parametric: bool) -> Spec:
     return {"w": (1,)} if parametric else {}
 
 
-#: Input sizes a layer learns on its first call, and the kernel whose first axis holds each.
-INPUT_KERNELS = {"q_in": "W_q.kernel", "k_in": "W_k.kernel", "v_in": "W_v.kernel",
-                 "d_in": "dense1.kernel"}
-
-#: The call argument each input size is read from.
-INPUT_ARGS = {"q_in": "queries", "k_in": "keys", "v_in": "values", "d_in": "X"}
-
-
-def dims_from_weights(weights: Mapping[str, Any]) -> dict[str, int]:
-    """Reads the input sizes (``q_in``, ...) off a canonical mapping's kernels."""
-    return {
-        dim: int(np.shape(weights[name])[0])
-        for dim, name in INPUT_KERNELS.items()
-        if name in weights
-    }
-
-
 def prefixed(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """Puts ``prefix.`` before every name."""
     return {f"{prefix}.{name}": value for name, value in mapping.items()}

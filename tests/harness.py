@@ -157,8 +157,9 @@ class Harness:
     def numpy(self, x: Any) -> np.ndarray:
         return np.asarray(self.ops.to_numpy(x), dtype=np.float64)
 
-    def make(self, layer: str, config: dict[str, Any], dtype: str = "float32") -> Any:
-        cls = getattr(self.module, layer)
+    def make(self, layer: str | type, config: dict[str, Any], dtype: str = "float32") -> Any:
+        """A layer of this backend, by name or class, computing in ``dtype``."""
+        cls = layer if isinstance(layer, type) else getattr(self.module, layer)
         if self.hooks is not None and hasattr(self.hooks, "make"):
             return self.hooks.make(cls, config, dtype)
         return cls(**config)

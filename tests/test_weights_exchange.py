@@ -314,7 +314,8 @@ class JaxDriver(Driver):
     def call(self, layer: Any, case: Case, xs: dict[str, np.ndarray], call: str) -> np.ndarray:
         args, kwargs = self.args(case, xs, call)
         if layer.variables is None:  # drawn on the host, seeded (eager init compiles op by op)
-            dims = {dim: xs[arg].shape[-1] for dim, arg in W.INPUT_ARGS.items() if arg in xs}
+            sizes = layer.module.sizes.items()
+            dims = {dim: xs[s.argument].shape[-1] for dim, s in sizes if s.argument in xs}
             layer.variables = self.module.init_weights(layer.module, case.seed, **dims)
         return np.asarray(layer.module.apply(layer.variables, *args, **kwargs))
 

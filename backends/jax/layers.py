@@ -130,10 +130,10 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
     def _params(self, **dims: int) -> dict[str, Array]:
         """The weights for inputs of these sizes: made on init, read (and checked) on apply."""
         for dim, size in dims.items():  # built for other sizes: the message of every backend
-            group, _, rest = W.INPUT_KERNELS[dim].partition(".")
+            group, _, rest = self.sizes[dim].weight.partition(".")
             if self.has_variable("params", group):
                 built = np.shape(flatten(self.get_variable("params", group))[rest])[0]
-                checks.check_built_size(W.INPUT_ARGS[dim], size, built)
+                checks.check_built_size(self.sizes[dim].argument, size, built)
         groups: dict[str, dict[str, tuple[int, ...]]] = {}
         for name, shape in self.weight_shapes(**dims).items():
             group, _, rest = name.partition(".")

@@ -135,7 +135,7 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
 
     def _dims(self) -> dict[str, int]:
         """The input sizes fixed by the parameters that have values (``np.shape`` reads theirs)."""
-        return W.dims_from_weights({n: p for n, p in self._weights.items() if _has_data(p)})
+        return self.dims_from_weights({n: p for n, p in self._weights.items() if _has_data(p)})
 
     def canonical_params(self) -> dict[str, Parameter]:
         """The Gluon parameters by canonical name (``W_q.kernel``, ...), e.g. to read gradients."""
@@ -187,7 +187,7 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         if self.built:
             known = self._dims()
             for name, size in dims.items():
-                checks.check_built_size(self.sizes[name], size, known[name])
+                checks.check_built_size(self.sizes[name].argument, size, known[name])
             return {}
         spec, new = self.weight_shapes(**{**self._dims(), **dims}), {}
         for name, param in ((n, p) for n, p in self._weights.items() if not _has_data(p)):

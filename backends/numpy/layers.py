@@ -90,7 +90,7 @@ class Layer(NumpyArguments, D.Declaration):
         """
         if self._weights is not None:
             for name, size in dims.items():
-                checks.check_built_size(W.INPUT_ARGS[name], size, self._dims.get(name))
+                checks.check_built_size(self.sizes[name].argument, size, self._dims.get(name))
             return self._weights
         return W.init_weights(self.weight_shapes(**dims), self._ops.rng, self.dtype)
 
@@ -123,7 +123,7 @@ class Layer(NumpyArguments, D.Declaration):
         """
         checked = W.check_weights(self.spec(), weights, dtype=np.dtype(self.dtype).name)
         staged = {name: OPS.from_numpy(value).copy() for name, value in checked.items()}
-        self._dims.update(W.dims_from_weights(staged))
+        self._dims.update(self.dims_from_weights(staged))
         self._weights = staged
 
     def __repr__(self) -> str:

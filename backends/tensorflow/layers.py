@@ -87,7 +87,7 @@ class Layer(D.Declaration, _Keras, KerasArguments):
         cls.call = _Signed(Layer._forward, [*declared, *own])
         if cls.sizes:
             shapes = [_P(f"{arg}_shape", _P.POSITIONAL_OR_KEYWORD)
-                      for arg in dict.fromkeys(cls.sizes.values())]
+                      for arg in dict.fromkeys(s.argument for s in cls.sizes.values())]
             cls.build = _Signed(Layer._build, shapes)
         if any(base in D.LAYERS.values() for base in cls.__bases__):
             keras.saving.register_keras_serializable(package="attention_core")(cls)
@@ -158,7 +158,7 @@ class Layer(D.Declaration, _Keras, KerasArguments):
         paddings = {name: kwargs.pop(f"{name}_mask", None) for name in self.sequences}
         prepared = self.prepare(self._ops, self.compute_dtype, self.bind_call(args, kwargs))
         for dim, size in prepared.dims.items():
-            checks.check_built_size(W.INPUT_ARGS[dim], size, self._dims.get(dim))
+            checks.check_built_size(self.sizes[dim].argument, size, self._dims.get(dim))
         arguments = prepared.arguments
         if any(pad is not None for pad in paddings.values()):
             arguments["mask"] = D.with_padding_masks(self, self._ops, arguments, paddings)
@@ -175,8 +175,8 @@ class Layer(D.Declaration, _Keras, KerasArguments):
     def _build(self, *args: Any, **kwargs: Any) -> None:
         """The generic ``build(<input>_shape, ...)``: the weights for those input sizes."""
         shapes = inspect.signature(type(self).build).bind(self, *args, **kwargs).arguments
-        dims = {dim: shapes[f"{arg}_shape"][-1] for dim, arg in self.sizes.items()}
-        if unknown := list(dict.fromkeys(self.sizes[d] for d, size in dims.items() if size is None)):
+        dims = {dim: shapes[f"{s.argument}_shape"][-1] for dim, s in self.sizes.items()}
+        if unknown := list(dict.fromkeys(self.sizes[d].argument for d, size in dims.items() if size is None)):
             names = " and ".join([", ".join(unknown[:-1]), unknown[-1]] if unknown[1:] else unknown)
             raise ValueError(f"{type(self).__name__}: the last dimension of {names} must be known "
                              "to create the weights, got None")
@@ -224,8 +224,8 @@ class Layer(D.Declaration, _Keras, KerasArguments):
         staged = {name: tf.cast(OPS.from_numpy(value), dtype) for name, value in checked.items()}
         fresh = not self.built
         if fresh:
-            dims = W.dims_from_weights(checked)
-            self.build(**{f"{self.sizes[d]}_shape": (None, None, dims[d]) for d in self.sizes})
+            dims = self.dims_from_weights(checked)
+            self.build(**{f"{s.argument}_shape": (None, None, dims[d]) for d, s in self.sizes.items()})
         try:
             for name, value in staged.items():
                 self._params[name].assign(value)

@@ -145,8 +145,8 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
     def _dims(self) -> dict[str, int]:
         """The input sizes known from the kernels (``q_in`` ...)."""
         params = dict(self.named_parameters())
-        return {dim: OPS.fixed_shape(params[W.INPUT_KERNELS[dim]])[0] for dim in self.sizes
-                if not isinstance(params[W.INPUT_KERNELS[dim]], UninitializedParameter)}
+        return {dim: OPS.fixed_shape(params[s.weight])[0] for dim, s in self.sizes.items()
+                if not isinstance(params[s.weight], UninitializedParameter)}
 
     @property
     def built(self) -> bool:
@@ -181,13 +181,13 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
         """
         known = self._dims()
         for dim, size in dims.items():
-            checks.check_built_size(self.sizes[dim], size, known.get(dim))
+            checks.check_built_size(self.sizes[dim].argument, size, known.get(dim))
         fresh = {dim: size for dim, size in dims.items() if dim not in known}
         if not fresh:
             return []
         self._materialize(fresh)
         params = dict(self.named_parameters())
-        return [params[W.INPUT_KERNELS[dim]] for dim in fresh]
+        return [params[self.sizes[dim].weight] for dim in fresh]
 
     @torch.compiler.disable(  # type: ignore[untyped-decorator, no-untyped-call]
         reason="input sizes are inferred eagerly: call the layer once, or set_weights, "
@@ -196,7 +196,7 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
     def _materialize(self, dims: dict[str, int]) -> None:
         """Gives the kernels of the unknown input sizes their shapes and initial values."""
         spec, params = self.weight_shapes(**dims), dict(self.named_parameters())
-        names = [W.INPUT_KERNELS[dim] for dim in dims]
+        names = [self.sizes[dim].weight for dim in dims]
         for name in names:
             kernel = params[name]
             assert isinstance(kernel, UninitializedParameter)
