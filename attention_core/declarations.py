@@ -340,6 +340,14 @@ class Declaration:
         """The forward (see the module's docstring)."""
         raise NotImplementedError
 
+    def pooling(self, run: Run) -> str | None:
+        """The ``implementation`` a call pools by.
+
+        The layer's own, or None (the core's rule, which takes the direct path) when the call
+        forms the attention weights: only the direct path gives them.
+        """
+        return None if run.need else getattr(self, "implementation", None)
+
 
 #: The input sizes of the layers with query, key and value projections.
 QKV_SIZES = {"q_in": Size("queries", "W_q.kernel"), "k_in": Size("keys", "W_k.kernel"),
@@ -400,7 +408,7 @@ class DotProductAttention(_Attention):
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         return attention.dot_product_attention(
-            *args, implementation=None if run.need else self.implementation, **options
+            *args, implementation=self.pooling(run), **options
         )
 
 
@@ -466,7 +474,7 @@ class MultiHeadAttention(_Attention):
         q, k, v, valid_lens = args
         return multihead.multi_head_attention(
             q, k, v, run.weights, self.num_heads, valid_lens,
-            implementation=None if run.need else self.implementation, **options,
+            implementation=self.pooling(run), **options,
         )
 
 
@@ -660,7 +668,7 @@ class TransformerEncoderBlock(Declaration):
         """One post-norm block over ``X (B, T, h)``."""
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=None if run.need else self.implementation,
+            return_weights=run.need, implementation=self.pooling(run),
             ops=run.ops,
         )
 
@@ -719,7 +727,7 @@ class TransformerEncoder(Declaration):
         return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
 
     def constants(self, dtype: str) -> dict[str, np.ndarray]:
-        return {"P": positional.sinusoidal_encoding(self.max_len, self.num_hiddens, dtype)[None]}
+        return PositionalEncoding(self.num_hiddens, max_len=self.max_len).constants(dtype)
 
     def compute(
         self, run: Run, tokens: Array, valid_lens: Any = None, *, mask: Any = None,
@@ -727,7 +735,7 @@ class TransformerEncoder(Declaration):
         """Embeds ``tokens (B, T)``, adds positions and runs the blocks: ``(B, T, h)``."""
         return transformer.transformer_encoder(
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
-            return_weights=run.need, implementation=None if run.need else self.implementation,
+            return_weights=run.need, implementation=self.pooling(run),
             positions=run.constants["P"], ops=run.ops,
         )
 
