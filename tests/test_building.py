@@ -1,0 +1,215 @@
+"""Building a layer, alike on every framework: input sizes come from the first call.
+
+A layer made without its input sizes has no weights until its first call, eager or inside the
+framework's compiled mode; the framework's own store holds placeholders of the declared shapes
+meanwhile (torch, Gluon) or nothing (Keras, Flax, NumPy). A first call that fails builds
+nothing. A built layer refuses other widths with the core's message in every mode, and
+compiled modes check shapes, not values. Seeded initial weights are reproducible.
+
+The bad-input catalogue (tests/test_errors.py) already checks, eagerly on every backend, the
+messages of ``get_weights`` before the first call and of a built layer given another width;
+tests/test_errors.py::test_failed_first_call_leaves_input_sizes_open the eager failed first call
+of multi-head attention. The hooks used here (``first_call_compiled``, ``native_shapes``,
+``seeded_weights``, ``call_with_unknown_widths``) are described in tests/hooks/*_hooks.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from attention_core import weights as W
+from tests import naive
+from tests.harness import MODES, TOLERANCE, Harness, max_diff
+
+NOT_BUILT = "weights are created on the first call; call the layer or set_weights first"
+#: Backends whose compiled mode cannot make a layer's first call, and why.
+NO_COMPILED_FIRST_CALL = {
+    "numpy": "NumPy has no compiled mode",
+    "torch": "torch.compile refuses an unbuilt layer with advice (tests/test_torch.py)",
+}
+#: Compiled modes whose first call sees the values of the arrays (Gluon's deferred
+#: initialisation runs the first hybridized call imperatively); in the others, and in later
+#: compiled calls, a value check such as ``valid_lens <= K`` cannot run.
+SEES_VALUES = {("mxnet", "hybridize")}
+
+
+def draw(*shapes: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def make(h: Harness, layer: str) -> Any:
+    config: dict[str, Any] = {"num_hiddens": 8, "num_heads": 2}
+    if layer == "RelativeMultiHeadAttention":
+        config["max_relative_position"] = 2
+    return h.make(layer, config)
+
+
+def declared(layer: str) -> dict[str, tuple[int | None, ...]]:
+    """The declared weight shapes of :func:`make`'s layer, input sizes unknown (None)."""
+    if layer == "RelativeMultiHeadAttention":
+        return dict(W.relative_multi_head_spec(8, 2, 2, False, True))
+    return dict(W.multi_head_spec(8, 2, False))
+
+
+def assert_unbuilt(h: Harness, layer: Any, name: str) -> None:
+    """No weights yet; the native store holds at most placeholders of the declared shapes."""
+    with pytest.raises(ValueError) as err:
+        layer.get_weights()
+    assert str(err.value) == f"{name}: {NOT_BUILT}"
+    native = getattr(h.hooks, "native_shapes", lambda layer: {})(layer)
+    if native:  # torch and Gluon: every weight, the shapes not yet known left open
+        spec = declared(name)
+        assert list(native) == list(spec)
+        for key, shape in native.items():
+            assert shape in ((None, spec[key]) if None in spec[key] else (spec[key],)), key
+    else:
+        assert h.name not in ("torch", "mxnet"), "torch and Gluon hold placeholders"
+
+
+def first_call(h: Harness, compiled: bool) -> Any:
+    if not compiled:
+        return h.call
+    reason = NO_COMPILED_FIRST_CALL.get(h.name)
+    if reason is not None:
+        pytest.skip(reason)
+    return h.hook("first_call_compiled")
+
+
+#: (mode of the first call, layer): multi-head attention eagerly and compiled, relative eagerly.
+FIRST_CALLS = [(False, "MultiHeadAttention"), (True, "MultiHeadAttention"),
+               (False, "RelativeMultiHeadAttention")]
+
+
+@contextlib.contextmanager
+def raises_core_message(message: str, compiled: bool) -> Iterator[None]:
+    """A ValueError saying the core's message: exactly when eager, inside the framework's report
+    of the failed trace when compiled."""
+    with pytest.raises(ValueError) as err:
+        yield
+    assert (message in str(err.value)) if compiled else (str(err.value) == message), str(err.value)
+
+
+@pytest.mark.parametrize("compiled, name", FIRST_CALLS,
+                         ids=[f"{'compiled' if c else 'eager'}-{n}" for c, n in FIRST_CALLS])
+def test_input_sizes_are_inferred_on_the_first_call(backend: str, compiled: bool, name: str) -> None:
+    """First calls that fail build nothing (shape errors in every mode, value errors where the
+    values are seen: eagerly and Gluon's hybridized call); the next one builds from its inputs."""
+    h = Harness(backend)
+    run = first_call(h, compiled)
+    layer = make(h, name)
+    assert_unbuilt(h, layer, name)
+    # three widths: each kernel's input size is told apart
+    q, k, v = (h.array(x) for x in draw((2, 4, 5), (2, 6, 3), (2, 6, 7)))
+    short = h.array(draw((2, 5, 7))[0])
+    bad = {"keys and values must have the same length, got 6 keys and 5 values": [q, k, short]}
+    mode = MODES[backend][1] if compiled else "eager"
+    if mode == "eager" or (backend, mode) in SEES_VALUES:
+        bad["valid_lens must be <= the number of keys (6), got 9"] = [q, k, v, h.array(np.array([9, 9]))]
+    for message, args in bad.items():
+        with raises_core_message(message, compiled):
+            run(layer, *args)
+        assert_unbuilt(h, layer, name)
+    lens = np.array([3, 6])
+    out, attention = run(layer, q, k, v, h.array(lens), return_attention=True)
+    weights = {key: np.asarray(w, np.float64) for key, w in layer.get_weights().items()}
+    shapes = {key: w.shape for key, w in weights.items()}
+    assert shapes == {**declared(name), "W_q.kernel": (5, 8), "W_k.kernel": (3, 8),
+                      "W_v.kernel": (7, 8), "W_o.kernel": (8, 8)}
+    reference = naive.multi_head if name == "MultiHeadAttention" else naive.relative_multi_head
+    want, want_attention = reference(*(h.numpy(x) for x in (q, k, v)), weights, 2,
+                                     naive.visible(2, 2, 4, 6, lens))
+    assert max_diff(h.numpy(out), want) <= TOLERANCE["float32"]
+    assert max_diff(h.numpy(attention), want_attention) <= TOLERANCE["float32"]
+    native = getattr(h.hooks, "native_shapes", None)
+    if native is not None:  # the framework's own store holds the weights just made
+        assert native(layer) == shapes
+
+
+def test_the_first_call_under_autodiff_trains_the_weights_it_creates(backend: str) -> None:
+    """Gradients reach every weight the first call creates (Gluon: imperative and hybridized)."""
+    h = Harness(backend)
+    if backend in ("numpy", "jax"):
+        pytest.skip("NumPy has no autodiff" if backend == "numpy" else
+                    "Flax creates the params in init(), outside jax.grad, which takes them as given")
+    for setup in h.setups():
+        layer = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2, "bias": True})
+        setup(layer)
+        q, k, ct = draw((2, 3, 5), (2, 4, 6), (2, 3, 8))
+        grads = h.hook("gradients")(layer, [h.array(q), h.array(k), h.array(k)],
+                                    {"valid_lens": h.array(np.array([2, 4]))}, ct)
+        names = list(layer.get_weights())
+        assert {f"weight.{n}" for n in names} <= set(grads) and len(names) == 8
+        for name in names:
+            assert np.abs(np.asarray(grads[f"weight.{name}"])).sum() > 0, name
+
+
+def test_a_built_layer_checks_shapes_in_its_compiled_mode(backend: str) -> None:
+    """Another width is refused with the core's message (eagerly: the catalogue's
+    ``layer_other_width`` row), and so are lengths of a wrong shape; the lengths' values are
+    not checked, the trace cannot see them."""
+    h = Harness(backend)
+    if len(MODES[backend]) == 1:
+        pytest.skip(f"{backend} has no compiled mode")
+    if backend == "torch":
+        pytest.skip("torch.compile costs seconds per graph: tests/test_torch.py and the matrix")
+    mode = MODES[backend][1]
+    layer = make(h, "MultiHeadAttention")
+    q, k, wide = (h.array(x) for x in draw((2, 4, 6), (2, 5, 7), (2, 4, 9)))
+    h.call(layer, q, k, k)
+    call = lambda m, *a: h.call(m, *a)  # noqa: E731
+    wrong = {"queries last dimension (9) must be 6, the size this layer was built for": [wide, k, k],
+             "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got (3,)":
+                 [q, k, k, h.array(np.array([1, 2, 3]))]}
+    for message, arrays in wrong.items():
+        with raises_core_message(message, compiled=True):
+            h.run(mode, layer, call, arrays)
+    # the values are not known while tracing: lengths out of range pass unseen
+    too_long = [q, k, k, h.array(np.array([9, 9]))]
+    assert tuple(h.ops.shape(h.run(mode, layer, call, too_long))) == (2, 4, 8)
+
+
+def test_a_width_unknown_at_build_time_is_refused_with_a_reason(backend: str) -> None:
+    h = Harness(backend)
+    unknown = getattr(h.hooks, "call_with_unknown_widths", None)
+    if unknown is None:
+        pytest.skip(f"{backend} knows every input width on a first call (only Keras traces with "
+                    "unknown widths)")
+    layer = make(h, "MultiHeadAttention")
+    x = h.array(np.ones((1, 2, 4), np.float32))
+    with pytest.raises(ValueError) as err:
+        unknown(layer, x, x, x)
+    assert ("MultiHeadAttention: the last dimension of queries, keys and values must be known to "
+            "create the weights") in str(err.value)
+    assert_unbuilt(h, layer, "MultiHeadAttention")
+    narrow = h.array(np.ones((1, 2, 3), np.float32))
+    assert tuple(h.ops.shape(h.call(layer, narrow, narrow, narrow))) == (1, 2, 8)
+    # built: the width may now be unknown when traced
+    assert tuple(h.ops.shape(unknown(layer, narrow, narrow, narrow))) == (1, 2, 8)
+
+
+def test_seeded_initial_weights_are_reproducible(backend: str) -> None:
+    """The framework's own seeding (NumPy ``seed=``, ``torch.manual_seed``,
+    ``keras.utils.set_random_seed``, the Flax params rng, ``mx.random.seed``) fixes them."""
+    h = Harness(backend)
+    seeded = h.hook("seeded_weights")
+    args = [h.array(x) for x in draw((1, 2, 4), (1, 3, 5), (1, 3, 3))]
+    cls = getattr(h.module, "MultiHeadAttention")  # noqa: B009
+    weights = seeded(cls, {"num_hiddens": 6, "num_heads": 2}, [3, 3, 4], args)
+    assert sorted(weights[0]) == ["W_k.kernel", "W_o.kernel", "W_q.kernel", "W_v.kernel"]
+    for name, value in weights[0].items():
+        np.testing.assert_array_equal(np.asarray(weights[1][name]), np.asarray(value), err_msg=name)
+        assert not np.array_equal(np.asarray(weights[2][name]), np.asarray(value)), name
+
+
+def test_valid_lens_may_be_a_list(backend: str) -> None:
+    h = Harness(backend)
+    layer = make(h, "MultiHeadAttention")
+    X = h.array(draw((2, 4, 8))[0])
+    np.testing.assert_array_equal(h.numpy(h.call(layer, X, X, X, [3, 2])),
+                                  h.numpy(h.call(layer, X, X, X, h.array(np.array([3, 2])))))
