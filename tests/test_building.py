@@ -65,7 +65,7 @@ def assert_unbuilt(h: Harness, layer: Any, name: str) -> None:
     native = getattr(h.hooks, "native_shapes", lambda layer: {})(layer)
     if native:  # torch and Gluon: every weight, the shapes not yet known left open
         spec = declared(name)
-        assert list(native) == list(spec)
+        assert sorted(native) == sorted(spec)  # their order: tests/test_native_weights.py
         for key, shape in native.items():
             assert shape in ((None, spec[key]) if None in spec[key] else (spec[key],)), key
     else:
@@ -205,6 +205,52 @@ def test_seeded_initial_weights_are_reproducible(backend: str) -> None:
     for name, value in weights[0].items():
         np.testing.assert_array_equal(np.asarray(weights[1][name]), np.asarray(value), err_msg=name)
         assert not np.array_equal(np.asarray(weights[2][name]), np.asarray(value)), name
+
+
+#: What ``weights_from_sizes`` says without the sizes: torch's layer stays lazy, Flax's
+#: ``init_weights`` names the first weight it cannot shape.
+WITHOUT_SIZES = {"torch": f"MultiHeadAttention: {NOT_BUILT}",
+                 "jax": "W_q.kernel has unknown dimensions (?, 8)"}
+
+
+def test_weights_before_the_first_call(backend: str) -> None:
+    """Layers without input sizes to learn have their (no) weights at once; torch (``q_in=``
+    ...) and Flax (``init_weights``) make the others from given sizes, Flax by the core's rule
+    from NumPy's generator: the NumPy layer's weights for the same seed."""
+    h = Harness(backend)
+    for name, config in (("DotProductAttention", {}), ("PositionalEncoding", {"num_hiddens": 4})):
+        assert h.make(name, config).get_weights() == {}
+    from_sizes = getattr(h.hooks, "weights_from_sizes", None)
+    if from_sizes is None:
+        pytest.skip(f"{backend} learns input sizes from a call or set_weights only")
+    cls, config = getattr(h.module, "MultiHeadAttention"), {"num_hiddens": 8, "num_heads": 2}  # noqa: B009
+    with pytest.raises(ValueError) as err:
+        from_sizes(cls, config, 3, {})
+    assert str(err.value) == WITHOUT_SIZES[backend]
+    weights = from_sizes(cls, config, 3, {"q_in": 5, "k_in": 6, "v_in": 7})
+    assert {n: np.shape(w) for n, w in weights.items()} == {
+        "W_q.kernel": (5, 8), "W_k.kernel": (6, 8), "W_v.kernel": (7, 8), "W_o.kernel": (8, 8)}
+    if backend == "jax":
+        numpy_layer = Harness("numpy").module.MultiHeadAttention(8, 2, seed=3)
+        numpy_layer(*(np.zeros((1, 2, d), np.float32) for d in (5, 6, 7)))
+        for name, value in numpy_layer.get_weights().items():
+            np.testing.assert_array_equal(weights[name], value, err_msg=name)
+
+
+def test_a_positional_encoding_holds_no_weights(backend: str) -> None:
+    """Its table is a constant: no weight before or after calls, none to train, and ``P`` added
+    in every quick mode (the table's values: tests/test_layers.py)."""
+    h = Harness(backend)
+    layer = h.make("PositionalEncoding", {"num_hiddens": 32, "dropout": 0})
+    X = h.array(np.zeros((1, 60, 32), np.float32))
+    for mode in MODES[backend] if backend != "torch" else ("eager",):  # compile: Inductor, slow
+        out = h.run(mode, layer, lambda m, x: h.call(m, x), [X])
+        np.testing.assert_array_equal(h.numpy(out), h.numpy(layer.P)[:, :60])
+    assert layer.get_weights() == {}
+    assert getattr(h.hooks, "native_shapes", lambda layer: {})(layer) == {}
+    if backend != "numpy":
+        grads = h.hook("gradients")(layer, [X], {}, np.ones((1, 60, 32)))
+        assert set(grads) == {"input.0"}
 
 
 def test_valid_lens_may_be_a_list(backend: str) -> None:

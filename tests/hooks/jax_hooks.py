@@ -246,3 +246,9 @@ def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
     module = cls(**config)
     init = jax.jit(module.init)
     return [bj.get_weights(init(jax.random.PRNGKey(seed), *args), layer=module) for seed in seeds]
+
+
+def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
+                       sizes: dict[str, int]) -> dict[str, Any]:
+    """The weights ``bj.init_weights`` makes from the input sizes, before any call."""
+    return bj.get_weights(bj.init_weights(cls(**config), seed=seed, **sizes))

@@ -116,9 +116,11 @@ def first_call_compiled(layer: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
-    """The Gluon parameters by canonical name and shape, a deferred dimension (-1) as None."""
-    return {name: tuple(None if d == -1 else d for d in p.shape)
-            for name, p in layer.canonical_params().items()}
+    """The Gluon parameters that train (``grad_req`` not ``"null"``: not a constant table), by
+    canonical name (else Gluon's) and shape, a deferred dimension (-1) as None."""
+    canonical = {id(p): name for name, p in layer.canonical_params().items()}
+    return {canonical.get(id(p), key): tuple(None if d == -1 else d for d in p.shape)
+            for key, p in layer.collect_params().items() if p.grad_req != "null"}
 
 
 def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],

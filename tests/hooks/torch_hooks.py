@@ -116,3 +116,10 @@ def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
         layer(*args)
         weights.append(layer.get_weights())
     return weights
+
+
+def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
+                       sizes: dict[str, int]) -> dict[str, Any]:
+    """The weights of a layer given its input sizes (``q_in=`` ...), before any call."""
+    torch.manual_seed(seed)
+    return dict(cls(**config, **sizes).get_weights())
