@@ -210,7 +210,7 @@ def test_seeded_initial_weights_are_reproducible(backend: str) -> None:
 #: What ``weights_from_sizes`` says without the sizes: torch's layer stays lazy, Flax's
 #: ``init_weights`` names the first weight it cannot shape.
 WITHOUT_SIZES = {"torch": f"MultiHeadAttention: {NOT_BUILT}",
-                 "jax": "W_q.kernel has unknown dimensions (?, 8)"}
+                 "jax": "W_q.kernel has unknown dimensions (?, 8): call the layer first"}
 
 
 def test_weights_before_the_first_call(backend: str) -> None:
