@@ -43,18 +43,26 @@ def draw(*shapes: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
 
+#: Per layer: its config, its declared weight shapes (input sizes unknown), and the shapes of
+#: queries, keys and values (three widths, so each kernel's input size is told apart) and the
+#: valid lengths of a first call. Those of tests/test_errors.py and tests/test_adapters.py: on
+#: JAX, whose eager mode compiles each primitive for each shape, they are compiled already.
+LAYERS: dict[str, tuple[dict[str, Any], W.Spec, list[tuple[int, ...]], np.ndarray]] = {
+    "MultiHeadAttention": ({"num_hiddens": 8, "num_heads": 2}, W.multi_head_spec(8, 2, False),
+                           [(2, 4, 3), (2, 6, 8), (2, 6, 5)], np.array([3, 6])),
+    "RelativeMultiHeadAttention": (
+        {"num_hiddens": 12, "num_heads": 3, "max_relative_position": 2, "bias": True},
+        W.relative_multi_head_spec(12, 3, 2, True, True), [(2, 4, 10), (2, 6, 7), (2, 6, 9)],
+        np.array([[1, 2, 3, 4], [6, 6, 5, 2]])),
+}
+
+
 def make(h: Harness, layer: str) -> Any:
-    config: dict[str, Any] = {"num_hiddens": 8, "num_heads": 2}
-    if layer == "RelativeMultiHeadAttention":
-        config["max_relative_position"] = 2
-    return h.make(layer, config)
+    return h.make(layer, LAYERS[layer][0])
 
 
 def declared(layer: str) -> dict[str, tuple[int | None, ...]]:
-    """The declared weight shapes of :func:`make`'s layer, input sizes unknown (None)."""
-    if layer == "RelativeMultiHeadAttention":
-        return dict(W.relative_multi_head_spec(8, 2, 2, False, True))
-    return dict(W.multi_head_spec(8, 2, False))
+    return dict(LAYERS[layer][1])
 
 
 def assert_unbuilt(h: Harness, layer: Any, name: str) -> None:
@@ -104,9 +112,9 @@ def test_input_sizes_are_inferred_on_the_first_call(backend: str, compiled: bool
     run = first_call(h, compiled)
     layer = make(h, name)
     assert_unbuilt(h, layer, name)
-    # three widths: each kernel's input size is told apart
-    q, k, v = (h.array(x) for x in draw((2, 4, 5), (2, 6, 3), (2, 6, 7)))
-    short = h.array(draw((2, 5, 7))[0])
+    _, _, shapes, lens = LAYERS[name]
+    q, k, v = (h.array(x) for x in draw(*shapes))
+    short = h.array(draw((2, 5, shapes[2][2]))[0])
     bad = {"keys and values must have the same length, got 6 keys and 5 values": [q, k, short]}
     mode = MODES[backend][1] if compiled else "eager"
     if mode == "eager" or (backend, mode) in SEES_VALUES:
@@ -115,20 +123,20 @@ def test_input_sizes_are_inferred_on_the_first_call(backend: str, compiled: bool
         with raises_core_message(message, compiled):
             run(layer, *args)
         assert_unbuilt(h, layer, name)
-    lens = np.array([3, 6])
     out, attention = run(layer, q, k, v, h.array(lens), return_attention=True)
     weights = {key: np.asarray(w, np.float64) for key, w in layer.get_weights().items()}
-    shapes = {key: w.shape for key, w in weights.items()}
-    assert shapes == {**declared(name), "W_q.kernel": (5, 8), "W_k.kernel": (3, 8),
-                      "W_v.kernel": (7, 8), "W_o.kernel": (8, 8)}
+    hidden = LAYERS[name][0]["num_hiddens"]
+    kernels = {f"W_{x}.kernel": (shape[2], hidden) for x, shape in zip("qkv", shapes, strict=True)}
+    assert {key: w.shape for key, w in weights.items()} == {**declared(name), **kernels}
     reference = naive.multi_head if name == "MultiHeadAttention" else naive.relative_multi_head
-    want, want_attention = reference(*(h.numpy(x) for x in (q, k, v)), weights, 2,
-                                     naive.visible(2, 2, 4, 6, lens))
+    heads = LAYERS[name][0]["num_heads"]
+    want, want_attention = reference(*(h.numpy(x) for x in (q, k, v)), weights, heads,
+                                     naive.visible(2, heads, 4, 6, lens))
     assert max_diff(h.numpy(out), want) <= TOLERANCE["float32"]
     assert max_diff(h.numpy(attention), want_attention) <= TOLERANCE["float32"]
     native = getattr(h.hooks, "native_shapes", None)
     if native is not None:  # the framework's own store holds the weights just made
-        assert native(layer) == shapes
+        assert native(layer) == {key: w.shape for key, w in weights.items()}
 
 
 def test_the_first_call_under_autodiff_trains_the_weights_it_creates(backend: str) -> None:
@@ -160,17 +168,17 @@ def test_a_built_layer_checks_shapes_in_its_compiled_mode(backend: str) -> None:
         pytest.skip("torch.compile costs seconds per graph: tests/test_torch.py and the matrix")
     mode = MODES[backend][1]
     layer = make(h, "MultiHeadAttention")
-    q, k, wide = (h.array(x) for x in draw((2, 4, 6), (2, 5, 7), (2, 4, 9)))
-    h.call(layer, q, k, k)
+    q, k, v, wide = (h.array(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5), (2, 4, 5)))
+    h.call(layer, q, k, v)
     call = lambda m, *a: h.call(m, *a)  # noqa: E731
-    wrong = {"queries last dimension (9) must be 6, the size this layer was built for": [wide, k, k],
+    wrong = {"queries last dimension (5) must be 8, the size this layer was built for": [wide, k, v],
              "valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 4), got (3,)":
-                 [q, k, k, h.array(np.array([1, 2, 3]))]}
+                 [q, k, v, h.array(np.array([1, 2, 3]))]}
     for message, arrays in wrong.items():
         with raises_core_message(message, compiled=True):
             h.run(mode, layer, call, arrays)
     # the values are not known while tracing: lengths out of range pass unseen
-    too_long = [q, k, k, h.array(np.array([9, 9]))]
+    too_long = [q, k, v, h.array(np.array([9, 9]))]
     assert tuple(h.ops.shape(h.run(mode, layer, call, too_long))) == (2, 4, 8)
 
 
@@ -198,9 +206,9 @@ def test_seeded_initial_weights_are_reproducible(backend: str) -> None:
     ``keras.utils.set_random_seed``, the Flax params rng, ``mx.random.seed``) fixes them."""
     h = Harness(backend)
     seeded = h.hook("seeded_weights")
-    args = [h.array(x) for x in draw((1, 2, 4), (1, 3, 5), (1, 3, 3))]
+    args = [h.array(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5))]
     cls = getattr(h.module, "MultiHeadAttention")  # noqa: B009
-    weights = seeded(cls, {"num_hiddens": 6, "num_heads": 2}, [3, 3, 4], args)
+    weights = seeded(cls, {"num_hiddens": 8, "num_heads": 2}, [3, 3, 4], args)
     assert sorted(weights[0]) == ["W_k.kernel", "W_o.kernel", "W_q.kernel", "W_v.kernel"]
     for name, value in weights[0].items():
         np.testing.assert_array_equal(np.asarray(weights[1][name]), np.asarray(value), err_msg=name)

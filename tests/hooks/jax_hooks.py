@@ -241,11 +241,10 @@ def native_shapes(layer: FlaxLayer | Layer) -> dict[str, tuple[int | None, ...] 
 
 def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
                    args: Sequence[Any]) -> list[dict[str, Any]]:
-    """The initial weights ``init`` draws from the params rng ``PRNGKey(seed)``, per seed
-    (``init`` jitted once: eagerly each primitive would compile on its own)."""
+    """The initial weights ``init`` draws from the params rng ``PRNGKey(seed)``, per seed."""
     module = cls(**config)
-    init = jax.jit(module.init)
-    return [bj.get_weights(init(jax.random.PRNGKey(seed), *args), layer=module) for seed in seeds]
+    return [bj.get_weights(module.init(jax.random.PRNGKey(seed), *args), layer=module)
+            for seed in seeds]
 
 
 def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
