@@ -4,13 +4,15 @@ A layer made without its input sizes has no weights until its first call, eager 
 framework's compiled mode; the framework's own store holds placeholders of the declared shapes
 meanwhile (torch, Gluon) or nothing (Keras, Flax, NumPy). A first call that fails builds
 nothing. A built layer refuses other widths with the core's message in every mode, and
-compiled modes check shapes, not values. Seeded initial weights are reproducible.
+compiled modes check shapes, not values. Seeded initial weights are reproducible; torch and
+Flax make weights from given input sizes before any call; a constant table is no weight.
 
 The bad-input catalogue (tests/test_errors.py) already checks, eagerly on every backend, the
 messages of ``get_weights`` before the first call and of a built layer given another width;
 tests/test_errors.py::test_failed_first_call_leaves_input_sizes_open the eager failed first call
 of multi-head attention. The hooks used here (``first_call_compiled``, ``native_shapes``,
-``seeded_weights``, ``call_with_unknown_widths``) are described in tests/hooks/*_hooks.py.
+``seeded_weights``, ``weights_from_sizes``, ``call_with_unknown_widths``) are described in
+tests/hooks/*_hooks.py; a backend without one skips the test, saying why.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def assert_unbuilt(h: Harness, layer: Any, name: str) -> None:
     with pytest.raises(ValueError) as err:
         layer.get_weights()
     assert str(err.value) == f"{name}: {NOT_BUILT}"
-    native = getattr(h.hooks, "native_shapes", lambda layer: {})(layer)
+    native: dict[str, Any] = getattr(h.hooks, "native_shapes", lambda layer: {})(layer)
     if native:  # torch and Gluon: every weight, the shapes not yet known left open
         spec = declared(name)
         assert sorted(native) == sorted(spec)  # their order: tests/test_native_weights.py
@@ -128,9 +130,9 @@ def test_input_sizes_are_inferred_on_the_first_call(backend: str, compiled: bool
     hidden = LAYERS[name][0]["num_hiddens"]
     kernels = {f"W_{x}.kernel": (shape[2], hidden) for x, shape in zip("qkv", shapes, strict=True)}
     assert {key: w.shape for key, w in weights.items()} == {**declared(name), **kernels}
-    reference = naive.multi_head if name == "MultiHeadAttention" else naive.relative_multi_head
+    reference: Any = naive.multi_head if name == "MultiHeadAttention" else naive.relative_multi_head
     heads = LAYERS[name][0]["num_heads"]
-    want, want_attention = reference(*(h.numpy(x) for x in (q, k, v)), weights, heads,
+    want, want_attention = reference(h.numpy(q), h.numpy(k), h.numpy(v), weights, heads,
                                      naive.visible(2, heads, 4, 6, lens))
     assert max_diff(h.numpy(out), want) <= TOLERANCE["float32"]
     assert max_diff(h.numpy(attention), want_attention) <= TOLERANCE["float32"]
