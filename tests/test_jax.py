@@ -295,18 +295,6 @@ def test_attention_weights_are_sown_into_intermediates(mha: Any, block: Any) -> 
     assert bstate["intermediates"]["attention_weights"][0].shape == (2, 2, 5, 5)
 
 
-def test_seed_usage_positional_encoding() -> None:
-    encoding = bj.PositionalEncoding(32, 0)
-    P = np.asarray(encoding.P)  # a constant: no init needed
-    assert P.shape == (1, 1000, 32)
-    assert diff(P[0], naive.pe_table(1000, 32)) <= TOL
-    X = jnp.zeros((1, 60, 32))
-    variables = encoding.init(KEY, X)
-    assert jax.tree_util.tree_leaves(variables) == []  # no params
-    np.testing.assert_array_equal(np.asarray(encoding.apply(variables, X)), P[:, :60])
-    np.testing.assert_array_equal(np.asarray(jax.jit(encoding.apply)(variables, X)), P[:, :60])
-
-
 # -- functional weights -------------------------------------------------------------------------
 
 
@@ -351,53 +339,6 @@ def test_set_weights_errors_are_the_numpy_backends(mha: Any, change: Any) -> Non
         fresh.set_weights(change(weights))
     with pytest.raises(fresh_error.type, match="^" + re.escape(str(fresh_error.value)) + "$"):
         bj.init_from_weights(layer, change(weights))
-
-
-def test_weights_before_init() -> None:
-    layer = bj.MultiHeadAttention(8, 2)
-    with pytest.raises(ValueError, match=re.escape(
-            "MultiHeadAttention: weights are created on the first call; call the layer or "
-            "set_weights first")):
-        bj.get_weights(None, layer=layer)
-    assert bj.get_weights({}, layer=bj.DotProductAttention()) == {}
-    with pytest.raises(ValueError, match=re.escape("W_q.kernel has unknown dimensions (?, 8)")):
-        bj.init_weights(layer)
-    variables = bj.init_weights(layer, seed=3, q_in=5, k_in=6, v_in=7)
-    numpy_layer = numpy_layers.MultiHeadAttention(8, 2, seed=3)
-    numpy_layer(*(np.zeros((1, 2, d), np.float32) for d in (5, 6, 7)))
-    for name, value in numpy_layer.get_weights().items():  # the same seed, the same weights
-        np.testing.assert_array_equal(bj.get_weights(variables)[name], value)
-
-
-def test_built_layer_refuses_other_widths_before_flax_does(mha: Any) -> None:
-    layer, variables, (_, kv) = mha
-    wide = jnp.zeros((2, 4, 9))
-    message = "queries last dimension (9) must be 6, the size this layer was built for"
-    # str(error) is exactly the message; JAX and Flax add a note on traceback filtering
-    with pytest.raises(ValueError, match="^" + re.escape(message)) as error:
-        layer.apply(variables, wide, kv, kv)
-    assert str(error.value) == message
-    with pytest.raises(ValueError, match="^" + re.escape(message)):
-        jax.jit(lambda x: layer.apply(variables, x, kv, kv))(wide)
-
-
-def test_shape_checks_run_under_jit_value_checks_are_skipped(mha: Any) -> None:
-    layer, variables, (q, kv) = mha
-    run = jax.jit(lambda lens: layer.apply(variables, q, kv, kv, lens))
-    assert run(jnp.array([9, 9])).shape == (2, 4, 8)  # a value: not known while tracing
-    with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
-        layer.apply(variables, q, kv, kv, jnp.array([9, 9]))  # eager: checked
-    with pytest.raises(ValueError, match=re.escape("valid_lens must have shape (B,) or (B, Q)")):
-        run(jnp.array([1, 2, 3]))
-    seen = []
-
-    def spy(x: jax.Array) -> jax.Array:
-        seen.append(bj.OPS.concrete(x))
-        return x
-
-    jax.jit(spy)(jnp.ones(2))
-    assert seen == [None]
-    np.testing.assert_array_equal(bj.OPS.concrete(jnp.arange(3)), [0, 1, 2])
 
 
 def test_bfloat16_fully_masked_row_is_zero_under_jit() -> None:

@@ -132,61 +132,7 @@ def test_float_valid_lens_are_refused(hybridize: bool) -> None:
         attention(X, X, X, mx.np.array([3.0, 2.0]))
 
 
-def test_seed_positional_usage() -> None:
-    encoding = gluon_layers.PositionalEncoding(32, 0)
-    encoding.initialize()
-    X = encoding(mx.np.zeros((1, 60, 32)))
-    P = encoding.P
-    assert isinstance(P, mx.np.ndarray) and P.shape == (1, 1000, 32)
-    np.testing.assert_array_equal(X.asnumpy(), P.asnumpy()[:, :60])
-    np.testing.assert_allclose(P.asnumpy()[0, 2, :2], [np.sin(2.0), np.cos(2.0)], atol=1e-6)
-    # a constant: no gradient, not trained, not a canonical weight
-    (table,) = encoding.collect_params().values()
-    assert table.grad_req == "null"
-    assert encoding.get_weights() == {}
-
-
 # -- deferred initialisation -------------------------------------------------------------------
-
-
-def test_input_sizes_are_deferred_to_the_first_call() -> None:
-    layer = gluon_layers.AdditiveAttention(7)
-    layer.initialize()
-    params = layer.canonical_params()
-    assert params["W_q.kernel"].shape == (-1, 7) and params["w_v.kernel"].shape == (7, 1)
-    assert not layer.built
-    q, k, v = draw((2, 3, 5), (2, 4, 6), (2, 4, 2))
-    layer(arr(q), arr(k), arr(v))
-    assert params["W_q.kernel"].shape == (5, 7) and params["W_k.kernel"].shape == (6, 7)
-    assert {n: w.shape for n, w in layer.get_weights().items()} == {
-        "W_q.kernel": (5, 7), "W_k.kernel": (6, 7), "w_v.kernel": (7, 1)}
-
-
-@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
-def test_first_call_under_record_trains_the_weights_it_creates(hybridize: bool) -> None:
-    layer = gluon_layers.MultiHeadAttention(8, 2, bias=True)
-    layer.initialize()
-    if hybridize:
-        layer.hybridize()
-    q, k = (arr(x) for x in draw((2, 3, 5), (2, 4, 6)))
-    with autograd.record():
-        out = layer(q, k, k, [2, 4])
-    out.backward()
-    for name, param in layer.canonical_params().items():
-        assert np.abs(param.grad().asnumpy()).sum() > 0, name
-
-
-def test_failed_first_hybridized_call_builds_nothing() -> None:
-    layer = gluon_layers.MultiHeadAttention(8, 2)
-    layer.initialize()
-    layer.hybridize()
-    q, k, v = draw((2, 4, 8), (2, 6, 8), (2, 6, 5))
-    with pytest.raises(ValueError, match=r"valid_lens must be <= the number of keys \(6\), got 9"):
-        layer(arr(q), arr(k), arr(v), [9, 9])
-    assert not layer.built
-    q3 = draw((2, 4, 3))[0]
-    assert layer(arr(q3), arr(k), arr(v)).shape == (2, 4, 8)
-    assert layer.get_weights()["W_q.kernel"].shape == (3, 8)
 
 
 def test_uninitialized_layer_raises_gluons_error() -> None:

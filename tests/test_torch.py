@@ -245,14 +245,6 @@ def test_state_dict_keys_are_the_canonical_names_in_order(layer_name: str) -> No
         np.testing.assert_array_equal(value.numpy(), layer.get_weights()[name])
 
 
-def test_unbuilt_state_dict_holds_placeholders() -> None:
-    layer = torch_layers.AdditiveAttention(6)
-    state = layer.state_dict()
-    assert isinstance(state["W_q.kernel"], UninitializedParameter)
-    assert tuple(state["w_v.kernel"].shape) == (6, 1)
-    torch_layers.AdditiveAttention(6).load_state_dict(state)  # unbuilt into unbuilt
-
-
 def test_positional_table_is_a_non_persistent_buffer() -> None:
     layer = torch_layers.PositionalEncoding(16, max_len=50)
     assert "P" in dict(layer.named_buffers())
@@ -282,10 +274,13 @@ def test_dtype_factory_argument() -> None:
 # -- lazy input sizes ---------------------------------------------------------------------
 
 
-def test_first_call_materialises_in_place() -> None:
-    """A parameter captured before the first call is the one that is trained."""
+def test_lazy_parameters_are_materialised_in_place() -> None:
+    """Placeholders (``UninitializedParameter``) until the first call fills them in place, so an
+    optimizer made before it trains them; an unbuilt ``state_dict`` loads into an unbuilt layer.
+    Input sizes and failed first calls, on every backend: tests/test_building.py."""
     torch.manual_seed(0)  # fixed initial weights: with unlucky ones every ReLU could be off
     layer = torch_layers.PositionWiseFFN(6, 4)
+    torch_layers.PositionWiseFFN(6, 4).load_state_dict(layer.state_dict())  # unbuilt into unbuilt
     before = list(layer.parameters())
     optimizer = torch.optim.SGD(before, lr=0.1)
     assert isinstance(layer.dense1.kernel, UninitializedParameter) and not layer.built
@@ -296,16 +291,6 @@ def test_first_call_materialises_in_place() -> None:
     optimizer.step()
     assert before[0].grad is not None and before[0].grad.shape == (5, 6)
     assert not np.allclose(layer.get_weights()["dense1.kernel"], initial)
-
-
-def test_failed_first_call_leaves_placeholders() -> None:
-    layer = torch_layers.MultiHeadAttention(8, 2)
-    x = torch.ones(2, 4, 6)
-    with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
-        layer(x, x, x, torch.tensor([9, 9]))
-    assert isinstance(layer.W_q.kernel, UninitializedParameter) and not layer.built
-    with pytest.raises(ValueError, match="weights are created on the first call"):
-        layer.get_weights()
 
 
 # -- the ops --------------------------------------------------------------------------------
@@ -473,18 +458,6 @@ def test_encoder_fused_path_matches_reference(dtype: str, monkeypatch: pytest.Mo
             for name, value in got.items():
                 bound = TOLERANCE[dtype] * max(1.0, float(np.abs(grads[name]).max()))
                 assert max_diff(value, grads[name]) <= bound, (case.name, name)
-
-
-def test_relative_lazy_sizes_and_bad_input() -> None:
-    layer = torch_layers.RelativeMultiHeadAttention(12, 3, 2)
-    assert not layer.built
-    with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
-        layer(*relative_inputs(), torch.tensor([9, 9]))
-    assert isinstance(layer.W_q.kernel, UninitializedParameter) and not layer.built
-    layer(*relative_inputs())
-    assert layer.get_weights()["W_v.kernel"].shape == (9, 12)
-    with pytest.raises(ValueError, match=r"^max_relative_position must be a positive int, got 0$"):
-        torch_layers.RelativeMultiHeadAttention(12, 3, 0)
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])

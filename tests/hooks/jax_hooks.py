@@ -218,3 +218,36 @@ def save_load_native(layer: FlaxLayer | Layer, make_fresh: Callable[[], Any], ar
 
 
 MODES = {"eager": eager, "jit": jit}
+
+
+# --- building (lazy sizes) ---
+
+
+def first_call_compiled(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> Any:
+    """The layer's first call under ``jax.jit``: ``init_with_output`` traced and compiled."""
+    wrapper = handle(layer)
+    out, state = jax.jit(lambda *a: wrapper.module.init_with_output(_rngs(), *a, mutable=True,
+                                                                    **kwargs))(*args)
+    wrapper.variables = {"params": state.get("params", {})}
+    return out
+
+
+def native_shapes(layer: FlaxLayer | Layer) -> dict[str, tuple[int | None, ...] | None]:
+    """The params tree by canonical name and shape: none before the first call."""
+    variables = handle(layer).variables
+    return {} if variables is None else {name: tuple(np.shape(p))
+                                         for name, p in flatten(variables["params"]).items()}
+
+
+def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
+                   args: Sequence[Any]) -> list[dict[str, Any]]:
+    """The initial weights ``init`` draws from the params rng ``PRNGKey(seed)``, per seed."""
+    module = cls(**config)
+    return [bj.get_weights(module.init(jax.random.PRNGKey(seed), *args), layer=module)
+            for seed in seeds]
+
+
+def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
+                       sizes: dict[str, int]) -> dict[str, Any]:
+    """The weights ``bj.init_weights`` makes from the input sizes, before any call."""
+    return bj.get_weights(bj.init_weights(cls(**config), seed=seed, **sizes))

@@ -104,3 +104,33 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
 
 #: A Gluon layer runs imperatively as built, or hybridized (its graph built on the first call).
 SETUPS = {"hybridized": lambda layer: layer.hybridize()}
+
+
+# --- building (lazy sizes) ---
+
+
+def first_call_compiled(layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """The layer's first call after ``hybridize()``: the call that builds the graph."""
+    layer.hybridize()
+    return bm.call_layer(layer, *args, **kwargs)
+
+
+def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
+    """The Gluon parameters that train (``grad_req`` not ``"null"``: not a constant table), by
+    canonical name (else Gluon's) and shape, a deferred dimension (-1) as None."""
+    canonical = {id(p): name for name, p in layer.canonical_params().items()}
+    return {canonical.get(id(p), key): tuple(None if d == -1 else d for d in p.shape)
+            for key, p in layer.collect_params().items() if p.grad_req != "null"}
+
+
+def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
+                   args: Sequence[Any]) -> list[dict[str, Any]]:
+    """The initial weights after ``mx.random.seed(seed)`` and a first call, per seed."""
+    weights = []
+    for seed in seeds:
+        mx.random.seed(seed)
+        layer = cls(**config)
+        layer.initialize()
+        layer(*args)
+        weights.append(layer.get_weights())
+    return weights

@@ -78,3 +78,37 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
     loaded = keras.models.load_model(path / "layer.keras")
     (fresh,) = (m for m in loaded.layers if type(m) is type(layer))
     return fresh, list(fresh.get_weights())
+
+
+# --- building (lazy sizes) ---
+
+
+def first_call_compiled(layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """The layer's first call inside ``tf.function``, the batch size unknown when traced."""
+    tensors = [tf.convert_to_tensor(x) for x in args]
+    signature = [tf.TensorSpec([None, *x.shape[1:]], x.dtype) for x in tensors]
+    return tf.function(lambda *a: layer(*a, **kwargs), input_signature=signature)(*tensors)
+
+
+def call_with_unknown_widths(layer: Any, *args: Any) -> Any:
+    """The layer called inside ``tf.function`` with every dimension unknown, widths included."""
+    tensors = [tf.convert_to_tensor(x) for x in args]
+    signature = [tf.TensorSpec([None] * len(x.shape), x.dtype) for x in tensors]
+    return tf.function(lambda *a: layer(*a), input_signature=signature)(*tensors)
+
+
+def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
+    """The Keras variables by name and shape: none before the layer is built."""
+    return {w.name: tuple(w.shape) for w in layer.weights}
+
+
+def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
+                   args: Sequence[Any]) -> list[dict[str, Any]]:
+    """The initial weights after ``keras.utils.set_random_seed(seed)`` and a first call, per seed."""
+    weights = []
+    for seed in seeds:
+        keras.utils.set_random_seed(seed)
+        layer = cls(**config)
+        layer(*args)
+        weights.append(layer.get_weights())
+    return weights

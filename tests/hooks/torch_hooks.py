@@ -93,3 +93,33 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
     fresh = make_fresh()
     fresh.load_state_dict(state)
     return fresh, list(state)
+
+
+# --- building (lazy sizes) ---
+
+
+def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
+    """The ``state_dict`` by key and shape; a placeholder (``UninitializedParameter``) is None."""
+    from torch.nn.parameter import UninitializedParameter
+
+    return {name: None if isinstance(p, UninitializedParameter) else tuple(p.shape)
+            for name, p in layer.state_dict().items()}
+
+
+def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
+                   args: Sequence[Any]) -> list[dict[str, Any]]:
+    """The initial weights after ``torch.manual_seed(seed)`` and a first call, per seed."""
+    weights = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        layer = cls(**config)
+        layer(*args)
+        weights.append(layer.get_weights())
+    return weights
+
+
+def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
+                       sizes: dict[str, int]) -> dict[str, Any]:
+    """The weights of a layer given its input sizes (``q_in=`` ...), before any call."""
+    torch.manual_seed(seed)
+    return dict(cls(**config, **sizes).get_weights())
