@@ -187,9 +187,46 @@ def write(directory: Path) -> list[Path]:
     return paths
 
 
+#: What a pytest-xdist worker sends its controller (``workeroutput``) under this key.
+WORKER_KEY = "attention_core_report"
+
+
+def _state() -> str:
+    """Everything recorded in this process, as JSON (for the controller of xdist workers)."""
+    counts = {k: {b: [n, r] for b, (n, r) in by.items()} for k, by in _COUNTS.items()}
+    return json.dumps({"cells": _CELLS, "counts": counts, "properties": _PROPERTIES,
+                       "sections": _SECTIONS})
+
+
+def _merge(state: str) -> None:
+    """Adds a worker's records (:func:`_state`) to this process's."""
+    loaded = json.loads(state)
+    for backend, cells in loaded["cells"].items():
+        _CELLS.setdefault(backend, []).extend(cells)
+    for key, by_backend in loaded["counts"].items():
+        for backend, (cases, results) in by_backend.items():
+            _COUNTS.setdefault(key, {}).setdefault(backend, (cases, {}))[1].update(results)
+    for backend, ran in loaded["properties"].items():
+        _PROPERTIES.setdefault(backend, {}).update(ran)
+    for backend, sections in loaded["sections"].items():
+        _SECTIONS.setdefault(backend, {}).update(sections)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _CELLS:
+    """Writes the files; a pytest-xdist worker hands its records to the controller instead."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[WORKER_KEY] = _state()
+    elif _CELLS:
         write(report_dir())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist: a worker finished; keep what it recorded."""
+    state = getattr(node, "workeroutput", {}).get(WORKER_KEY)
+    if state is not None:
+        _merge(state)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
