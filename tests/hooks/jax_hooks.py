@@ -9,6 +9,7 @@ a call succeeds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -218,3 +219,54 @@ def save_load_native(layer: FlaxLayer | Layer, make_fresh: Callable[[], Any], ar
 
 
 MODES = {"eager": eager, "jit": jit}
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: FlaxLayer | Layer) -> dict[tuple[str, ...], np.ndarray]:
+    """The ``'params'`` pytree, each leaf by its path of nested dicts, in the tree's order."""
+    variables = handle(layer).variables
+    assert variables is not None, "call the layer once (or set its weights) first"
+    nested: dict[tuple[str, ...], np.ndarray] = {}
+
+    def walk(tree: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
+        for key, value in tree.items():  # insertion order: the order Flax created them in
+            if isinstance(value, Mapping):
+                walk(value, (*prefix, key))
+            else:
+                nested[(*prefix, key)] = np.asarray(value)
+
+    walk(variables["params"], ())
+    return nested
+
+
+def set_native_weights(layer: FlaxLayer | Layer, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    """New params, a nested dict built from the paths."""
+    wrapper = handle(layer)
+    assert wrapper.variables is not None
+    tree: dict[str, Any] = {}
+    for path, value in values.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jnp.asarray(value)
+    wrapper.variables = {**wrapper.variables, "params": tree}
+
+
+def config(layer: FlaxLayer | Layer) -> dict[str, Any]:
+    """The module's dataclass fields (Flax's own ``parent`` and ``name`` left out), in order."""
+    module = handle(layer).module
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.name not in ("parent", "name")}
+
+
+def rebuild(layer: FlaxLayer | Layer) -> FlaxLayer:
+    return FlaxLayer(type(handle(layer).module)(**config(layer)))
+
+
+def build(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> None:
+    """What a first call creates, by ``init`` under ``jax.jit`` (one compilation instead of
+    one per primitive of an eager first call): the variables of ``call(layer, *args)``."""
+    wrapper = handle(layer)
+    wrapper.variables = {"params": jax.jit(wrapper.module.init)(_rngs(), *args, **kwargs)["params"]}

@@ -78,3 +78,34 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
     loaded = keras.models.load_model(path / "layer.keras")
     (fresh,) = (m for m in loaded.layers if type(m) is type(layer))
     return fresh, list(fresh.get_weights())
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """Keras' own list (``keras.layers.Layer.get_weights``) by each variable's path below the
+    layer (``<layer name>/<variable name>``)."""
+    paths = [tuple(variable.path.split("/")) for variable in layer.weights]
+    assert all(path[0] == layer.name for path in paths), paths
+    values = keras.layers.Layer.get_weights(layer)
+    return {path[1:]: value for path, value in zip(paths, values, strict=True)}
+
+
+def set_native_weights(layer: Any, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    """Keras' list form, in the order of ``layer.weights``."""
+    assert [tuple(v.path.split("/")[1:]) for v in layer.weights] == list(values)
+    layer.set_weight_list(list(values.values()))
+
+
+def config(layer: Any) -> dict[str, Any]:
+    config: dict[str, Any] = layer.get_config()
+    return config
+
+
+def rebuild(layer: Any) -> Any:
+    """Keras' serialization by registered name (``attention_core>Name``), as ``.keras`` files
+    use it: ``from_config`` of the layer's config."""
+    serialized = keras.saving.serialize_keras_object(layer)
+    assert serialized["registered_name"] == f"attention_core>{type(layer).__name__}"
+    return keras.saving.deserialize_keras_object(serialized)
