@@ -104,7 +104,7 @@ def in_order(backend: str, names: Any) -> list[str]:
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_native_store_holds_the_canonical_names_in_order(backend: str, case: str) -> None:
     """The framework's store is the canonical mapping: the same names in the same order, the
-    same values, in the layer's dtype; writing it natively is writing the canonical weights."""
+    same values, in the layer's dtype; writing either one writes the other."""
     h = Harness(backend)
     name, config, shapes, expected = LAYOUTS[case]
     layer = built(h, name, config, shapes, wide(backend))
@@ -120,6 +120,11 @@ def test_native_store_holds_the_canonical_names_in_order(backend: str, case: str
     h.hook("set_native_weights")(layer, {path: value * 2 for path, value in native.items()})
     for weight, value in layer.get_weights().items():
         np.testing.assert_array_equal(value, canonical[weight] * 2)
+    layer.set_weights(canonical)  # and the other way: the native store holds them again
+    again = h.hook("native_weights")(layer)
+    assert list(again) == list(native)
+    for path, value in native.items():
+        np.testing.assert_array_equal(again[path], value)
 
 
 #: Layers whose framework file is read back here (more in

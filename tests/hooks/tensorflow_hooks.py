@@ -84,11 +84,13 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
 
 
 def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
-    """Keras' own list (``keras.layers.Layer.get_weights``) by each variable's path below the
-    layer (``<layer name>/<variable name>``)."""
+    """Keras' own list (``keras.layers.Layer.get_weights``, also ``get_weight_list``) by each
+    variable's path below the layer (``<layer name>/<variable name>``)."""
     paths = [tuple(variable.path.split("/")) for variable in layer.weights]
     assert all(path[0] == layer.name for path in paths), paths
     values = keras.layers.Layer.get_weights(layer)
+    for ours, theirs in zip(layer.get_weight_list(), values, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
     return {path[1:]: value for path, value in zip(paths, values, strict=True)}
 
 
