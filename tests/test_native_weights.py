@@ -25,9 +25,9 @@ from tests.harness import DTYPES, FASTEST_GRADIENT_MODE, Harness
 #: Backends whose layers nest their sublayers' weights (torch submodules, Flax dicts); Keras
 #: variables, Gluon parameters and NumPy hold flat dotted names.
 NESTING = ("torch", "jax")
-#: Backends whose stores have no order of their own: JAX sorts a dict's keys whenever it
-#: flattens it (``jax.jit``, msgpack files), so a Flax params tree (and ``get_weights``, read
-#: off it) holds the names sorted.
+#: Backends whose stores have no order of their own: JAX orders a dict's keys by sorting them
+#: whenever it flattens one (``jax.jit``, msgpack files), so a Flax params tree (and
+#: ``get_weights``, read off it) holds the names in the order it was last made in.
 UNORDERED = ("jax",)
 
 #: layer, config, input shapes (``"tokens"`` and a shape: token ids), expected names and shapes.
@@ -75,11 +75,12 @@ def inputs(h: Harness, shapes: list[Any], dtype: str, high: int = 50) -> list[An
 
 
 def built(h: Harness, name: str, config: dict[str, Any], shapes: list[Any], dtype: str,
-          high: int = 50) -> Any:
-    """The layer after its first call (which builds what the input sizes fix); a backend's
-    ``build`` hook does what that call does, faster."""
+          high: int = 50, hook: str = "build") -> Any:
+    """The layer after its first call (which creates the weights the input sizes fix); a
+    backend's ``build`` hook creates them faster (values drawn another way), its
+    ``initialise`` hook faster and as the call draws them."""
     layer = h.make(name, config, dtype)
-    getattr(h.hooks, "build", h.call)(layer, *inputs(h, shapes, dtype, high))
+    getattr(h.hooks, hook, h.call)(layer, *inputs(h, shapes, dtype, high))
     return layer
 
 
@@ -90,15 +91,14 @@ def output(h: Harness, layer: Any, args: list[Any]) -> np.ndarray:
 
 
 def paths(backend: str, names: Any) -> list[tuple[str, ...]]:
-    """The native paths of canonical names, in the backend's order: nested at each dot, or the
-    dotted name itself."""
-    found = [tuple(n.split(".")) if backend in NESTING else (n,) for n in names]
-    return sorted(found) if backend in UNORDERED else found
+    """The native paths of canonical names: nested at each dot, or the dotted name itself."""
+    return [tuple(n.split(".")) if backend in NESTING else (n,) for n in names]
 
 
-def in_order(backend: str, names: Any) -> list[str]:
-    """Canonical names in the order the backend keeps them (see :data:`UNORDERED`)."""
-    return sorted(names) if backend in UNORDERED else list(names)
+def assert_in_order(backend: str, got: Any, expected: Any) -> None:
+    """``got`` lists ``expected``, in order unless the backend keeps none (:data:`UNORDERED`)."""
+    got, expected = list(got), list(expected)
+    assert got == expected if backend not in UNORDERED else sorted(got) == sorted(expected)
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
@@ -109,9 +109,9 @@ def test_native_store_holds_the_canonical_names_in_order(backend: str, case: str
     name, config, shapes, expected = LAYOUTS[case]
     layer = built(h, name, config, shapes, wide(backend))
     native = h.hook("native_weights")(layer)
-    assert list(native) == paths(backend, expected)
+    assert_in_order(backend, native, paths(backend, expected))
     canonical = layer.get_weights()
-    assert list(canonical) == in_order(backend, expected)
+    assert_in_order(backend, canonical, expected)
     for weight, shape in expected.items():
         (path,) = paths(backend, [weight])
         value = native[path]
@@ -143,7 +143,7 @@ def test_native_file_holds_the_names_in_order(backend: str, case: str, tmp_path:
     out = output(h, src, args)
     fresh, names = h.save_load_native(src, lambda: getattr(h.module, name)(**config), args,
                                       tmp_path)
-    assert names == in_order(backend, expected)
+    assert_in_order(backend, names, expected)
     np.testing.assert_array_equal(output(h, fresh, args), out)
 
 
@@ -195,7 +195,7 @@ def test_initial_weights_follow_the_declared_rule(backend: str, name: str,
         request.applymarker(pytest.mark.xfail(strict=True, reason=INIT_BUGS[backend, name]))
     h = Harness(backend)
     config, shapes = INITIALISED[name]
-    layer = built(h, name, config, shapes, "float32", high=500)
+    layer = built(h, name, config, shapes, "float32", high=500, hook="initialise")
     for weight, value in layer.get_weights().items():
         kind, a, b = rule(weight, value.shape)
         assert W.init_rule(weight, value.shape) == (kind, a, b), weight  # what the core declares
@@ -306,6 +306,6 @@ def test_relative_attention_without_value_table_holds_none(backend: str) -> None
     names = ["W_q.kernel", "W_q.bias", "W_k.kernel", "W_k.bias", "W_v.kernel", "W_v.bias",
              "W_o.kernel", "W_o.bias", "rel_k.embedding"]
     native = h.hook("native_weights")(layer)
-    assert list(native) == paths(backend, names)
+    assert_in_order(backend, native, paths(backend, names))
     assert native[paths(backend, ["rel_k.embedding"])[0]].shape == (5, 4)  # 2m + 1 offsets, h/H
-    assert list(layer.get_weights()) == in_order(backend, names)
+    assert_in_order(backend, layer.get_weights(), names)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import backends.jax as bj
+from attention_core import weights as W
 from attention_core.weights import flatten_tree as flatten
 from backends.jax.layers import Layer
 from tests.hooks import eager
@@ -266,7 +267,21 @@ def rebuild(layer: FlaxLayer | Layer) -> FlaxLayer:
 
 
 def build(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> None:
-    """What a first call creates, by ``init`` under ``jax.jit`` (one compilation instead of
-    one per primitive of an eager first call): the variables of ``call(layer, *args)``."""
+    """The params a first call ``call(layer, *args)`` creates, quickly: their tree (names,
+    nesting, shapes, dtypes) is Flax's own, from ``init`` traced by ``jax.eval_shape`` (nothing
+    compiled); their values are drawn on the host as :func:`backends.jax.init_weights` draws
+    them (:func:`initialise` draws them as ``init`` does)."""
+    wrapper = handle(layer)
+    shapes = jax.eval_shape(wrapper.module.init, _rngs(), *args, **kwargs)["params"]
+    dims = W.dims_from_weights(flatten(shapes))
+    variables = bj.init_weights(wrapper.module, seed=0, **dims)
+    structure = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), variables["params"])
+    assert structure == jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), shapes)
+    wrapper.variables = variables
+
+
+def initialise(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> None:
+    """The params a first call ``call(layer, *args)`` creates, drawn by ``init`` under
+    ``jax.jit`` (one compilation instead of one per primitive of an eager first call)."""
     wrapper = handle(layer)
     wrapper.variables = {"params": jax.jit(wrapper.module.init)(_rngs(), *args, **kwargs)["params"]}
