@@ -225,19 +225,6 @@ def test_hybridized_children_of_an_imperative_parent() -> None:
 # -- parameters files and export -------------------------------------------------------------
 
 
-def test_load_parameters_into_a_deferred_layer_fixes_input_sizes(tmp_path: Path) -> None:
-    src = gluon_layers.MultiHeadAttention(6, 3)
-    src.initialize()
-    q, k, v = draw((1, 2, 4), (1, 3, 5), (1, 3, 2))
-    out = src(arr(q), arr(k), arr(v)).asnumpy()
-    src.save_parameters(str(tmp_path / "mha.params"))
-    dst = gluon_layers.MultiHeadAttention(6, 3)
-    dst.initialize()
-    dst.load_parameters(str(tmp_path / "mha.params"))
-    assert dst.built and dst.spec()["W_k.kernel"] == (5, 6)
-    np.testing.assert_array_equal(dst(arr(q), arr(k), arr(v)).asnumpy(), out)
-
-
 #: Layers to export and the inputs a caller gives them (the names SymbolBlock.imports takes).
 EXPORTS = {
     "mha": (lambda: gluon_layers.MultiHeadAttention(8, 2, bias=True),

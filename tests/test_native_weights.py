@@ -127,23 +127,26 @@ def test_native_store_holds_the_canonical_names_in_order(backend: str, case: str
         np.testing.assert_array_equal(again[path], value)
 
 
-#: Layers whose framework file is read back here (more in
+#: Layers whose framework file is read back here (more, into layers only constructed, in
 #: tests/test_adapters.py::test_native_file_round_trip).
 ROUND_TRIP = ("MultiHeadAttention-bias",)
 
 
 @pytest.mark.parametrize("case", ROUND_TRIP)
 def test_native_file_holds_the_names_in_order(backend: str, case: str, tmp_path: Path) -> None:
-    """The framework's own file, read into a layer never called: the canonical names in order,
-    the input sizes from the file, the same outputs."""
+    """The framework's own file, read into a layer set up as usual but never called (Gluon:
+    ``initialize()``d, its input sizes deferred): the canonical names in order, the weights
+    and input sizes from the file before any call, the same outputs."""
     h = Harness(backend)
     name, config, shapes, expected = LAYOUTS[case]
     args = inputs(h, shapes, "float32")
     src = built(h, name, config, shapes, "float32")
     out = output(h, src, args)
-    fresh, names = h.save_load_native(src, lambda: getattr(h.module, name)(**config), args,
-                                      tmp_path)
+    fresh, names = h.save_load_native(src, lambda: h.make(name, config), args, tmp_path)
     assert_in_order(backend, names, expected)
+    loaded = fresh.get_weights()
+    for weight, value in src.get_weights().items():
+        np.testing.assert_array_equal(loaded[weight], value)
     np.testing.assert_array_equal(output(h, fresh, args), out)
 
 
