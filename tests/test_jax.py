@@ -7,7 +7,6 @@ already run on this backend through tests/hooks/jax_hooks.py; these tests use th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -31,7 +30,6 @@ import attention_core as ac
 import backends.jax as bj
 import backends.numpy as numpy_layers
 from attention_core import blockwise
-from attention_core import weights as W
 from attention_core.attention import choose_implementation
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
@@ -69,30 +67,6 @@ def block() -> tuple[bj.TransformerEncoderBlock, dict[str, Any], jax.Array]:
     layer = bj.TransformerEncoderBlock(8, 16, 2, dropout=0.3, bias=True)
     (X,) = draw((2, 5, 8), seed=1)
     return layer, jax.jit(layer.init)(KEY, X), X
-
-
-# -- the params pytree ------------------------------------------------------------------------
-
-
-def test_params_are_the_canonical_names_nested(mha: Any, block: Any) -> None:
-    variables = mha[1]
-    shapes = jax.tree_util.tree_map(jnp.shape, variables)
-    assert shapes == {"params": {
-        "W_q": {"kernel": (6, 8), "bias": (8,)}, "W_k": {"kernel": (7, 8), "bias": (8,)},
-        "W_v": {"kernel": (7, 8), "bias": (8,)}, "W_o": {"kernel": (8, 8), "bias": (8,)}}}
-    names = bj.get_weights(block[1])
-    assert names["attention.W_q.kernel"].shape == (8, 8)
-    assert names["ffn.dense1.kernel"].shape == (8, 16) and names["addnorm2.ln.gamma"].shape == (8,)
-    np.testing.assert_array_equal(names["ffn.dense2.bias"],
-                                  block[1]["params"]["ffn"]["dense2"]["bias"])
-
-
-def test_dataclass_fields_follow_the_design_order() -> None:
-    fields = [f.name for f in dataclasses.fields(bj.MultiHeadAttention) if f.name not in ("parent", "name")]
-    assert fields[:4] == ["num_hiddens", "num_heads", "dropout", "bias"]
-    layer = bj.TransformerEncoderBlock(8, 16, 2, 0.1, True)
-    assert (layer.num_hiddens, layer.ffn_num_hiddens, layer.num_heads, layer.dropout, layer.bias) == (
-        8, 16, 2, 0.1, True)
 
 
 # -- jit, grad, vmap ----------------------------------------------------------------------------
@@ -564,34 +538,6 @@ def encoder() -> tuple[bj.TransformerEncoder, dict[str, Any]]:
     """Two blocks of width 8 over a vocabulary of 9, dropout 0.3, built on :data:`TOKENS`."""
     layer = bj.TransformerEncoder(9, 8, 16, 2, 2, dropout=0.3, bias=True)
     return layer, jax.jit(layer.init)(KEY, TOKENS)
-
-
-def test_new_layers_params_are_the_canonical_names_nested(relative: Any, encoder: Any) -> None:
-    shapes = jax.tree_util.tree_map(jnp.shape, relative[1])["params"]
-    assert shapes["rel_k"] == {"embedding": (7, 4)} and shapes["rel_v"] == {"embedding": (7, 4)}
-    assert shapes["W_k"] == {"kernel": (7, 8), "bias": (8,)}
-    params = encoder[1]["params"]
-    assert sorted(params) == ["blks", "token"] and sorted(params["blks"]) == ["0", "1"]
-    assert params["token"]["embedding"].shape == (9, 8)
-    assert params["blks"]["1"]["attention"]["W_q"]["kernel"].shape == (8, 8)
-    names = bj.get_weights(encoder[1])
-    assert {n: v.shape for n, v in names.items()} == W.transformer_encoder_spec(9, 8, 16, 2, 2, True)
-    again = bj.set_weights(encoder[1], names)
-    assert tree_diff(again, encoder[1]) == 0.0
-    keys_only = bj.RelativeMultiHeadAttention(8, 2, 3, relative_values=False)
-    q, kv = relative[2]
-    assert sorted(keys_only.init(KEY, q, kv, kv)["params"]) == ["W_k", "W_o", "W_q", "W_v", "rel_k"]
-    fields = [f.name for f in dataclasses.fields(bj.TransformerEncoder) if f.name not in ("parent", "name")]
-    assert fields[:7] == ["vocab_size", "num_hiddens", "ffn_num_hiddens", "num_heads", "num_blks",
-                          "dropout", "bias"]
-
-
-def test_embedding_tables_start_normal_with_std_one_over_sqrt_depth() -> None:
-    layer = bj.RelativeMultiHeadAttention(64, 1, 300, relative_values=False)
-    x = jnp.zeros((1, 2, 3))
-    table = np.asarray(layer.init(KEY, x, x, x)["params"]["rel_k"]["embedding"], np.float64)
-    assert table.shape == (601, 64)  # 38464 draws: the std is within 2% of 1/8 with certainty
-    assert abs(table.std() - 1 / 8) < 0.02 / 8 and abs(table.mean()) < 0.01
 
 
 def test_relative_matches_the_naive_loops_eagerly_and_under_jit(relative: Any) -> None:

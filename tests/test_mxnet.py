@@ -22,7 +22,7 @@ from mxnet import autograd
 
 import attention_core as ac
 import backends.mxnet as gluon_layers
-from tests.harness import TOLERANCE, Harness, max_diff
+from tests.harness import TOLERANCE, max_diff
 from tests.hooks import mxnet_hooks
 from tests.reference.cases import CASES, Case
 from tests.reference.generate import RETURNS_ATTENTION, record
@@ -171,19 +171,6 @@ def test_hybridized_children_of_an_imperative_parent() -> None:
 # -- parameters files and export -------------------------------------------------------------
 
 
-def test_load_parameters_into_a_deferred_layer_fixes_input_sizes(tmp_path: Path) -> None:
-    src = gluon_layers.MultiHeadAttention(6, 3)
-    src.initialize()
-    q, k, v = draw((1, 2, 4), (1, 3, 5), (1, 3, 2))
-    out = src(arr(q), arr(k), arr(v)).asnumpy()
-    src.save_parameters(str(tmp_path / "mha.params"))
-    dst = gluon_layers.MultiHeadAttention(6, 3)
-    dst.initialize()
-    dst.load_parameters(str(tmp_path / "mha.params"))
-    assert dst.built and dst.spec()["W_k.kernel"] == (5, 6)
-    np.testing.assert_array_equal(dst(arr(q), arr(k), arr(v)).asnumpy(), out)
-
-
 #: Layers to export and the inputs a caller gives them (the names SymbolBlock.imports takes).
 EXPORTS = {
     "mha": (lambda: gluon_layers.MultiHeadAttention(8, 2, bias=True),
@@ -232,21 +219,6 @@ def test_export_takes_only_the_callers_inputs_and_returns_the_output(
     np.testing.assert_array_equal(got.asnumpy(), out)
 
 
-def test_encoder_files_hold_the_weights_only(tmp_path: Path) -> None:
-    """The table is a constant of the graph, not a weight: files and get_weights are unchanged."""
-    src = gluon_layers.TransformerEncoder(10, 8, 12, 2, 2)
-    src.initialize()
-    tokens = mx.np.array([[1, 2, 3], [4, 5, 0]], dtype="int32")
-    out = src(tokens).asnumpy()
-    path = str(tmp_path / "encoder.params")
-    src.save_parameters(path)
-    assert sorted(mx.npx.load(path)) == sorted(src.spec()) == sorted(src.get_weights())
-    dst = gluon_layers.TransformerEncoder(10, 8, 12, 2, 2)  # not initialized: the file does it
-    dst.load_parameters(path)
-    dst.hybridize()
-    np.testing.assert_array_equal(dst(tokens).asnumpy(), out)
-
-
 # -- gradients: hybridized graphs and a fully masked row ------------------------------------
 
 
@@ -280,14 +252,6 @@ def test_masked_scores_get_no_gradient() -> None:
     grad = keys.grad.asnumpy()
     np.testing.assert_array_equal(grad[0, 2:], 0.0)
     assert np.all(np.abs(grad[0, :2]) > 0)
-
-
-def test_harness_layers_are_initialised_gluon_blocks() -> None:
-    h = Harness("mxnet")
-    layer = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2}, "float64")
-    assert isinstance(layer, mx.gluon.HybridBlock)
-    assert {p.dtype for p in layer.collect_params().values()} == {"float64"}
-    assert repr(layer) == "MultiHeadAttention(num_hiddens=8, num_heads=2, dropout=0.0, bias=False)"
 
 
 # -- RelativeMultiHeadAttention and TransformerEncoder: the Gluon habits ----------------------
@@ -324,24 +288,6 @@ def test_hybridized_encoder_rebuilds_its_graph_and_table() -> None:
     got = hybrid(ids3)
     assert got.dtype == np.float64
     assert max_diff(got.asnumpy(), want.asnumpy()) <= 1e-12
-
-
-def test_new_layers_repr_and_initial_tables() -> None:
-    layer = gluon_layers.RelativeMultiHeadAttention(8, 2, 3, relative_values=False)
-    assert repr(layer) == ("RelativeMultiHeadAttention(num_hiddens=8, num_heads=2, "
-                           "max_relative_position=3, dropout=0.0, bias=False, relative_values=False)")
-    assert sorted(layer.spec()) == ["W_k.kernel", "W_o.kernel", "W_q.kernel", "W_v.kernel",
-                                    "rel_k.embedding"]
-    encoder = gluon_layers.TransformerEncoder(500, 64, 8, 4, 1)
-    encoder.initialize()
-    table = encoder.canonical_params()["token.embedding"].data().asnumpy()
-    assert table.shape == (500, 64)
-    assert abs(table.std() - 1 / 8) < 0.01  # N(0, 1/sqrt(D)): rows of unit norm on average
-    light = gluon_layers.MultiHeadAttention(8, 2, keep_attention_weights=False,
-                                            implementation="blockwise")
-    assert "keep_attention_weights=False, implementation='blockwise'" in repr(light)
-    assert "keep_attention_weights=False" in repr(
-        gluon_layers.TransformerEncoder(9, 8, 10, 2, 2, keep_attention_weights=False))
 
 
 # -- issue 14: what MXNet cannot compute is refused up front -------------------------------------

@@ -183,69 +183,6 @@ def test_keras_file_round_trip(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(theirs[name], value)
 
 
-CONFIGS = [
-    ("DotProductAttention", {"dropout": 0.2}),
-    ("AdditiveAttention", {"num_hiddens": 7, "dropout": 0.1}),
-    ("MultiHeadAttention", {"num_hiddens": 12, "num_heads": 3, "dropout": 0.1, "bias": True}),
-    ("PositionalEncoding", {"num_hiddens": 6, "dropout": 0.3, "max_len": 50}),
-    ("LearnedPositionalEncoding", {"num_hiddens": 6, "dropout": 0.0, "max_len": 50}),
-    ("PositionWiseFFN", {"ffn_num_hiddens": 9, "ffn_num_outputs": 4}),
-    ("AddNorm", {"num_hiddens": 6, "dropout": 0.2}),
-    ("TransformerEncoderBlock", {"num_hiddens": 6, "ffn_num_hiddens": 10, "num_heads": 2,
-                                 "dropout": 0.1, "bias": False}),
-    ("NadarayaWatson", {"parametric": True}),
-    ("DotProductAttention", {"dropout": 0.0, "keep_attention_weights": False,
-                             "implementation": "blockwise"}),
-    ("MultiHeadAttention", {"num_hiddens": 12, "num_heads": 3, "dropout": 0.0, "bias": False,
-                            "keep_attention_weights": False, "implementation": "direct"}),
-    ("TransformerEncoderBlock", {"num_hiddens": 6, "ffn_num_hiddens": 10, "num_heads": 2,
-                                 "dropout": 0.0, "bias": False, "keep_attention_weights": False,
-                                 "implementation": "blockwise"}),
-    ("RelativeMultiHeadAttention", {"num_hiddens": 12, "num_heads": 3, "max_relative_position": 4,
-                                    "dropout": 0.1, "bias": True}),
-    ("RelativeMultiHeadAttention", {"num_hiddens": 6, "num_heads": 2, "max_relative_position": 1,
-                                    "dropout": 0.0, "bias": False, "relative_values": False,
-                                    "keep_attention_weights": False}),
-    ("TransformerEncoder", {"vocab_size": 20, "num_hiddens": 6, "ffn_num_hiddens": 10,
-                            "num_heads": 2, "num_blks": 3, "dropout": 0.1, "bias": True}),
-    ("TransformerEncoder", {"vocab_size": 20, "num_hiddens": 6, "ffn_num_hiddens": 10,
-                            "num_heads": 2, "num_blks": 1, "dropout": 0.0, "bias": False,
-                            "keep_attention_weights": False, "implementation": "blockwise"}),
-]
-
-
-@pytest.mark.parametrize("layer, config", CONFIGS,
-                         ids=[f"{c[0]}-{len(c[1])}" for c in CONFIGS])
-def test_config_round_trip(layer: str, config: dict[str, Any]) -> None:
-    cls = getattr(keras_layers, layer)
-    original = cls(**config, name="original", dtype="float64")
-    saved = original.get_config()
-    assert {k: saved[k] for k in config} == config
-    assert saved["name"] == "original"
-    copy = cls.from_config(saved)
-    assert copy.get_config() == saved and copy.compute_dtype == "float64"
-    registered = keras.saving.serialize_keras_object(original)
-    assert registered["registered_name"] == f"attention_core>{layer}"
-    assert type(keras.saving.deserialize_keras_object(registered)) is cls
-
-
-def test_two_weight_forms() -> None:
-    layer = keras_layers.MultiHeadAttention(6, 2, dropout=0.5, bias=True)
-    q, k, v = draw((1, 2, 4), (1, 3, 5), (1, 3, 3))
-    layer(q, k, v)
-    canonical = layer.get_weights()
-    assert [w.name for w in layer.weights] == list(canonical)  # the variables carry the names
-    as_list = layer.get_weight_list()
-    assert len(as_list) == 8 == len(keras.layers.Layer.get_weights(layer))
-    for value, (name, expected) in zip(as_list, canonical.items(), strict=True):
-        np.testing.assert_array_equal(value, expected, err_msg=name)
-    layer.set_weight_list([w * 2 for w in as_list])
-    for name, value in layer.get_weights().items():
-        np.testing.assert_array_equal(value, canonical[name] * 2)
-    with pytest.raises(TypeError, match="weights must be a mapping"):
-        layer.set_weights(as_list)
-
-
 # -- low precision ------------------------------------------------------------------------------
 
 

@@ -59,9 +59,6 @@ def build(case: Case, dtype: str, **kwargs: Any) -> Any:
     return layer
 
 
-NEW_LAYERS = ("RelativeMultiHeadAttention", "TransformerEncoder")
-
-
 def base_case(layer_name: str, name: str) -> Case:
     return next(c for c in CASES if c.layer == layer_name and c.name == name)
 
@@ -221,30 +218,6 @@ def test_unbuilt_layer_under_fullgraph_says_what_to_do() -> None:
 # -- state_dict, buffers, dtype and device moves ------------------------------------------------
 
 
-def test_state_dict_is_the_canonical_layout_and_round_trips() -> None:
-    q, kv, lens = mha_inputs()
-    src = torch_layers.MultiHeadAttention(16, 4, bias=True)
-    expected = out_of(src(q, kv, kv, lens))
-    state = src.state_dict()
-    canonical = src.get_weights()
-    assert list(state) == list(canonical)
-    for name, value in state.items():
-        np.testing.assert_array_equal(value.numpy(), canonical[name])
-    dst = torch_layers.MultiHeadAttention(16, 4, bias=True)  # not built: sizes from the state
-    dst.load_state_dict(state)
-    np.testing.assert_array_equal(out_of(dst(q, kv, kv, lens)), expected)
-
-
-@pytest.mark.parametrize("layer_name", ["TransformerEncoderBlock", *NEW_LAYERS])
-def test_state_dict_keys_are_the_canonical_names_in_order(layer_name: str) -> None:
-    """The order of the canonical names; round trips are in tests/test_adapters.py."""
-    layer = build(base_case(layer_name, "valid_lens_1d"), "float32")
-    state = layer.state_dict()
-    assert list(state) == list(layer.get_weights()) == list(layer.spec())
-    for name, value in state.items():
-        np.testing.assert_array_equal(value.numpy(), layer.get_weights()[name])
-
-
 def test_positional_table_is_a_non_persistent_buffer() -> None:
     layer = torch_layers.PositionalEncoding(16, max_len=50)
     assert "P" in dict(layer.named_buffers())
@@ -392,26 +365,6 @@ def relative_inputs(q: int = 4, k: int = 6) -> tuple[torch.Tensor, torch.Tensor,
 
 def tokens(*rows: list[int]) -> torch.Tensor:
     return torch.tensor(rows)
-
-
-def test_relative_state_dict_without_value_table() -> None:
-    layer = torch_layers.RelativeMultiHeadAttention(12, 3, 2, bias=True, relative_values=False,
-                                                    q_in=10, k_in=7, v_in=9)
-    assert list(layer.state_dict()) == list(ac.weights.relative_multi_head_spec(
-        12, 3, 2, True, False, 10, 7, 9))
-    assert "rel_v.embedding" not in layer.state_dict()
-    assert tuple(layer.rel_k.embedding.shape) == (5, 4)
-
-
-def test_encoder_parameter_names_and_initial_tables() -> None:
-    torch.manual_seed(0)
-    encoder = torch_layers.TransformerEncoder(50, 16, 20, 4, 3, bias=True)
-    names = list(dict(encoder.named_parameters()))
-    assert names == list(ac.weights.transformer_encoder_spec(50, 16, 20, 4, 3, True))
-    assert names[:2] == ["token.embedding", "blks.0.attention.W_q.kernel"]
-    table = encoder.token.embedding.detach().numpy()
-    assert table.shape == (50, 16)
-    assert abs(table.std() - 0.25) < 0.03  # N(0, 1/sqrt(16)) rows, as DESIGN's init rule says
 
 
 def test_unkept_relative_weights_use_the_fused_path() -> None:

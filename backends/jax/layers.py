@@ -60,11 +60,15 @@ _SAMPLERS: dict[str, Callable[[Array, W.InitRule, tuple[int, ...], DTypeLike], A
 }
 
 
-def _draw(key: Array, spec: tuple[tuple[str, tuple[int, ...]], ...], dtype: DTypeLike) -> Any:
-    """Draws one params entry (the init function of ``self.param``): an array or nested dicts."""
+def _draw(key: Array, group: str, spec: tuple[tuple[str, tuple[int, ...]], ...],
+          dtype: DTypeLike) -> Any:
+    """Draws the params entry ``group`` (the init function of ``self.param``).
+
+    An array, or nested dicts; each weight by the rule of its canonical name.
+    """
     leaves = {}
     for i, (name, shape) in enumerate(spec):
-        rule = W.init_rule(name, shape)
+        rule = W.init_rule(f"{group}.{name}" if name else group, shape)
         leaves[name] = _SAMPLERS[rule.kind](jax.random.fold_in(key, i), rule, shape, dtype)
     return leaves[""] if "" in leaves else nest(leaves)
 
@@ -140,7 +144,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
             groups.setdefault(group, {})[rest] = tuple(int(d) for d in shape if d is not None)
         weights: dict[str, Array] = {}
         for group, spec in groups.items():
-            init = functools.partial(_draw, spec=tuple(spec.items()), dtype=self.param_dtype)
+            init = functools.partial(_draw, group=group, spec=tuple(spec.items()), dtype=self.param_dtype)
             value = self.param(group, init)
             weights.update({group: value} if "" in spec else W.prefixed(flatten(value), group))
         return weights

@@ -9,6 +9,7 @@ a call succeeds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -251,3 +252,68 @@ def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
                        sizes: dict[str, int]) -> dict[str, Any]:
     """The weights ``bj.init_weights`` makes from the input sizes, before any call."""
     return bj.get_weights(bj.init_weights(cls(**config), seed=seed, **sizes))
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: FlaxLayer | Layer) -> dict[tuple[str, ...], np.ndarray]:
+    """The ``'params'`` pytree, each leaf by its path of nested dicts, in the tree's order."""
+    variables = handle(layer).variables
+    assert variables is not None, "call the layer once (or set its weights) first"
+    nested: dict[tuple[str, ...], np.ndarray] = {}
+
+    def walk(tree: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
+        for key, value in tree.items():  # insertion order: the order Flax created them in
+            if isinstance(value, Mapping):
+                walk(value, (*prefix, key))
+            else:
+                nested[(*prefix, key)] = np.asarray(value)
+
+    walk(variables["params"], ())
+    return nested
+
+
+def set_native_weights(layer: FlaxLayer | Layer, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    """New params, a nested dict built from the paths."""
+    wrapper = handle(layer)
+    assert wrapper.variables is not None
+    tree: dict[str, Any] = {}
+    for path, value in values.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jnp.asarray(value)
+    wrapper.variables = {**wrapper.variables, "params": tree}
+
+
+def config(layer: FlaxLayer | Layer) -> dict[str, Any]:
+    """The module's dataclass fields (Flax's own ``parent`` and ``name`` left out), in order."""
+    module = handle(layer).module
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.name not in ("parent", "name")}
+
+
+def rebuild(layer: FlaxLayer | Layer) -> FlaxLayer:
+    return FlaxLayer(type(handle(layer).module)(**config(layer)))
+
+
+def build(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> None:
+    """The params a first call ``call(layer, *args)`` creates, quickly: their tree (names,
+    nesting, shapes, dtypes) is Flax's own, from ``init`` traced by ``jax.eval_shape`` (nothing
+    compiled); their values are drawn on the host as :func:`backends.jax.init_weights` draws
+    them (:func:`initialise` draws them as ``init`` does)."""
+    wrapper = handle(layer)
+    shapes = jax.eval_shape(wrapper.module.init, _rngs(), *args, **kwargs)["params"]
+    dims = wrapper.module.dims_from_weights(flatten(shapes))
+    variables = bj.init_weights(wrapper.module, seed=0, **dims)
+    structure = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), variables["params"])
+    assert structure == jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), shapes)
+    wrapper.variables = variables
+
+
+def initialise(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> None:
+    """The params a first call ``call(layer, *args)`` creates, drawn by ``init`` under
+    ``jax.jit`` (one compilation instead of one per primitive of an eager first call)."""
+    wrapper = handle(layer)
+    wrapper.variables = {"params": jax.jit(wrapper.module.init)(_rngs(), *args, **kwargs)["params"]}

@@ -16,7 +16,7 @@ import numpy as np
 from mxnet import autograd
 
 import backends.mxnet as bm
-from tests.hooks import eager
+from tests.hooks import eager, repr_arguments
 
 
 def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
@@ -134,3 +134,30 @@ def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
         layer(*args)
         weights.append(layer.get_weights())
     return weights
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """``collect_params()`` without its ``Constant`` s (fixed tables, not trained), each by its
+    name after the block's prefix: Gluon registers the dotted names on the block itself."""
+    params = [p for p in layer.collect_params().values()
+              if not isinstance(p, mx.gluon.Constant)]
+    assert all(p.name.startswith(layer.prefix) for p in params)
+    return {(p.name[len(layer.prefix):],): p.data().asnumpy() for p in params}
+
+
+def set_native_weights(layer: Any, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    params = {(p.name[len(layer.prefix):],): p for p in layer.collect_params().values()}
+    for path, value in values.items():
+        params[path].set_data(mx.np.array(value, dtype=params[path].dtype))
+
+
+def config(layer: Any) -> dict[str, Any]:
+    """The arguments the repr shows, ``Name(a=1, ...)``, in order."""
+    return repr_arguments(repr(layer), type(layer).__name__)
+
+
+def rebuild(layer: Any) -> Any:
+    return type(layer)(**config(layer))

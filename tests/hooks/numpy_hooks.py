@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.hooks import eager
+from tests.hooks import eager, repr_arguments
 
 
 def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
@@ -46,3 +46,24 @@ def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
         layer(*args)
         weights.append(layer.get_weights())
     return weights
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """NumPy holds the canonical mapping itself: its weights by name, none nested."""
+    return {(name,): value for name, value in layer.get_weights().items()}
+
+
+def set_native_weights(layer: Any, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    layer.set_weights({".".join(path): value for path, value in values.items()})
+
+
+def config(layer: Any) -> dict[str, Any]:
+    """The arguments the repr shows, ``Name(a=1, ...)``, in order."""
+    return repr_arguments(repr(layer), type(layer).__name__)
+
+
+def rebuild(layer: Any) -> Any:
+    return type(layer)(**config(layer))

@@ -112,3 +112,36 @@ def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
         layer(*args)
         weights.append(layer.get_weights())
     return weights
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """Keras' own list (``keras.layers.Layer.get_weights``, also ``get_weight_list``) by each
+    variable's path below the layer (``<layer name>/<variable name>``)."""
+    paths = [tuple(variable.path.split("/")) for variable in layer.weights]
+    assert all(path[0] == layer.name for path in paths), paths
+    values = keras.layers.Layer.get_weights(layer)
+    for ours, theirs in zip(layer.get_weight_list(), values, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    return {path[1:]: value for path, value in zip(paths, values, strict=True)}
+
+
+def set_native_weights(layer: Any, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    """Keras' list form, in the order of ``layer.weights``."""
+    assert [tuple(v.path.split("/")[1:]) for v in layer.weights] == list(values)
+    layer.set_weight_list(list(values.values()))
+
+
+def config(layer: Any) -> dict[str, Any]:
+    config: dict[str, Any] = layer.get_config()
+    return config
+
+
+def rebuild(layer: Any) -> Any:
+    """Keras' serialization by registered name (``attention_core>Name``), as ``.keras`` files
+    use it: ``from_config`` of the layer's config."""
+    serialized = keras.saving.serialize_keras_object(layer)
+    assert serialized["registered_name"] == f"attention_core>{type(layer).__name__}"
+    return keras.saving.deserialize_keras_object(serialized)

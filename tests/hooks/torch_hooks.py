@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from tests.hooks import eager
+from tests.hooks import eager, repr_arguments
 
 
 def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
@@ -123,3 +123,28 @@ def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
     """The weights of a layer given its input sizes (``q_in=`` ...), before any call."""
     torch.manual_seed(seed)
     return dict(cls(**config, **sizes).get_weights())
+
+
+# --- native weights, names, config ---
+
+
+def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """The ``state_dict``, each key split into its path of submodules; ``named_parameters``
+    must list the same names in the same order (the buffers it leaves out are not persistent)."""
+    state = layer.state_dict()
+    assert [name for name, _ in layer.named_parameters()] == list(state)
+    return {tuple(name.split(".")): value.detach().cpu().numpy() for name, value in state.items()}
+
+
+def set_native_weights(layer: Any, values: dict[tuple[str, ...], np.ndarray]) -> None:
+    layer.load_state_dict({".".join(path): torch.from_numpy(v) for path, v in values.items()})
+
+
+def config(layer: Any) -> dict[str, Any]:
+    """The arguments ``extra_repr`` shows, in order."""
+    name = type(layer).__name__
+    return repr_arguments(f"{name}({layer.extra_repr()})", name)
+
+
+def rebuild(layer: Any) -> Any:
+    return type(layer)(**config(layer))
