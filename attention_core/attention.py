@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -99,15 +99,6 @@ def _seen_by_top(ops: Ops, filled: Array, fill: float) -> Array:
     return ops.where(top == top, top, math.inf) > fill
 
 
-def _seen_in_range(ops: Ops, rows: Array, visible: Array | None, fill: float) -> Array:
-    """:func:`_seen_by_top` for scores known to lie above the fill, without a pass over them.
-
-    Whether the row has a visible key, shaped like ``rows`` ``(B, H, Q, 1)``, zeros here.
-    """
-    return rows > fill if visible is None else ops.where(_any_visible(ops, visible), rows,
-                                                          fill) > fill
-
-
 def masked_softmax(
     scores: Array,
     valid_lens: Any = None,
@@ -172,7 +163,6 @@ def pool_visible(
     dropout: float,
     want_weights: bool = True,
     finite: bool = False,
-    in_range: tuple[Array, Array, Callable[[], Array]] | None = None,
 ) -> tuple[Array, Array | None]:
     """``(dropout(w) @ values, w)`` with ``w = softmax_visible(scores, visible)``.
 
@@ -189,33 +179,19 @@ def pool_visible(
         want_weights: Whether the weights are returned; None is returned in their place
             otherwise (when that saves work).
         finite: The scores are known to be finite and above the fill (an eager call whose
-            inputs were probed): the softmax kernel's rows then need zeroing only where no key
-            is visible, which skips a pass over the scores.
-        in_range: Under tracing, where ``finite`` cannot be known: ``(pred, rows, rescore)``,
-            ``pred`` a one-element boolean array, True when every score is finite and above
-            the fill at run time (see :func:`_scores_in_range`), ``rows`` ``(B, H, Q, 1)``,
-            zeros when ``pred`` holds, and ``rescore()`` forms the scores again. With ops that
-            have ``cond``, the pass over the scores that finds the rows to zero runs only when
-            ``pred`` is False, on scores formed again: no branch holds the scores, so the
-            softmax kernel may still write over its input.
+            inputs were probed, or the branch of a traced call whose bound holds, see
+            :func:`_inputs_in_range`): the softmax kernel's rows then need zeroing only where
+            no key is visible, which skips a pass over the scores.
     """
     softmax = getattr(ops, "softmax", None)
     if softmax is None:
         weights = softmax_visible(ops, scores, visible)
         dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
         return ops.matmul(dropped, values), weights
-    cond = getattr(ops, "cond", None)
     if finite:
         fill = FILL_VALUE[ops.dtype_name(scores)]
         raw = softmax(scores if visible is None else ops.where(visible, scores, fill))
         seen = None if visible is None else _any_visible(ops, visible)
-    elif in_range is not None and cond is not None:  # the row check's pass only when needed
-        fill = FILL_VALUE[ops.dtype_name(scores)]
-        filled = scores if visible is None else ops.where(visible, scores, fill)
-        raw = softmax(filled)
-        pred, rows, rescore = in_range
-        seen = cond(pred, lambda: _seen_in_range(ops, rows, visible, fill),
-                    lambda: _seen_by_top(ops, _filled(ops, rescore(), visible, fill), fill))
     else:
         raw, seen = _filled_softmax(ops, softmax, scores, visible)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
@@ -284,6 +260,19 @@ def _scores_in_range(ops: Ops, q: Array, k: Array, factor: Any) -> Array:
     return norms * factor < 0.5 * _LARGEST[ops.dtype_name(q)]
 
 
+def _inputs_in_range(ops: Ops, q: Array, k: Array, v: Array, factor: Any) -> Array:
+    """``(1, 1)`` boolean, in the graph: no input needs mending and no score can overflow.
+
+    :func:`_scores_in_range` for the queries and keys (False when either holds a NaN or an
+    inf), and the values finite, told by their sum (NaN or inf when any value is, or when the
+    sum overflows; float16 summed in float32). When it holds, :func:`non_finite_rows` and
+    :func:`values_onto_keys` change nothing, and every score is finite and far above the fill.
+    A pass over each of the queries, keys and values, and no host sync.
+    """
+    total = ops.sum(ops.reshape(_widened(ops, v), (1, -1)), -1)  # (1, 1)
+    return ops.logical_and(_scores_in_range(ops, q, k, factor), total - total == 0)
+
+
 def non_finite_rows(ops: Ops, x: Array) -> Array:
     """Makes every row (last axis) of ``x`` that holds a NaN or an inf all NaN.
 
@@ -312,11 +301,6 @@ def values_onto_keys(ops: Ops, keys: Array, values: Array) -> tuple[Array, Array
     """
     nan = ops.sum(values - values, -1)  # (..., K, 1): 0, or NaN where the row has a NaN or inf
     return keys + nan, ops.where(nan == 0, values, 0.0)
-
-
-def _has_cond_softmax(ops: Ops) -> bool:
-    """Whether the ops have both a softmax kernel and ``cond`` (see :func:`pool_visible`)."""
-    return getattr(ops, "softmax", None) is not None and getattr(ops, "cond", None) is not None
 
 
 def _any_visible(ops: Ops, visible: Array) -> Array:
@@ -448,7 +432,7 @@ def _may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> 
     an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
     weight or NaN on masked keys: it is skipped when this is True in an eager call. Under
     tracing it is used where the ops have no ``cond``; with one, the kernel runs only when
-    :func:`_scores_in_range` holds, checked in the graph. The direct and blockwise paths mask
+    :func:`_inputs_in_range` holds, checked in the graph. The direct and blockwise paths mask
     the scores they form. ``norms`` are the largest squared row norms of the queries and keys
     (``|q . k| <= |q| |k|``), empty under tracing.
     """
@@ -529,42 +513,63 @@ def dot_product_attention(
     overflow = _may_overflow(ops, q, factor, norms)
     if path == "fused" and overflow and norms:  # known now to risk it: not the kernel
         path = _unfused_path(ops, shape)
-    mended = finite or path != "fused" or getattr(ops, "fused_propagates_nan", True)
-    if not finite:
-        if mended:
-            q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
-        k, v = values_onto_keys(ops, k, v)
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
 
-    def pool(path: str) -> tuple[Array, Array | None]:
-        """``(output, weights or None)`` pooled on ``path``."""
-        if path == "fused":  # the backend's fused kernel: the weights are never formed
-            return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
-        qm, km = (q, k) if mended else (non_finite_rows(ops, q), non_finite_rows(ops, k))
-        if path == "blockwise":
-            return blockwise_attention(ops, qm, km, v, visible, dropout, scale=factor), None
-        scores = ops.matmul(qm * factor, ops.transpose(km, (0, 1, 3, 2)))  # (B, H, Q, K)
-        known = finite and not overflow
-        # traced (nothing probed): a bound on the scores, checked in the graph, spares the
-        # softmax kernel's row check its pass over the scores when they cannot overflow
-        in_range = None
-        if not known and not norms and _has_cond_softmax(ops):
-            in_range = (_scores_in_range(ops, qm, km, factor), ops.sum(qm - qm, -1),
-                        lambda: ops.matmul(qm * factor, ops.transpose(km, (0, 1, 3, 2))))
-        return pool_visible(ops, scores, v, visible.full(), dropout, return_weights, known,
-                            in_range)
+    def pool(path: str, finite: bool, overflow: bool) -> Any:
+        """The output on ``path``, and the weights when asked; inputs mended unless ``finite``."""
+        out, weights = _pooled(ops, (q, k, v), visible, factor, dropout, path, return_weights,
+                               finite, overflow)
+        return (out, weights) if return_weights else out
 
     cond = getattr(ops, "cond", None)
-    if path == "fused" and not norms and cond is not None:
-        # traced: the kernel only when a bound checked in the graph keeps the scores in range
-        fallback = _unfused_path(ops, shape)
-        out = cond(_scores_in_range(ops, q, k, factor), lambda: pool("fused")[0],
-                   lambda: pool(fallback)[0])
-        weights = None
+    if not norms and cond is not None and path != "blockwise":
+        # traced (nothing probed): a bound checked in the graph picks the branch. When it holds
+        # the inputs need no mending and the scores cannot overflow: the path as chosen, on the
+        # inputs as given, with no pass over the scores to find rows to zero. Otherwise the
+        # inputs are mended, and the fused kernel gives way to the unfused path.
+        slow = _unfused_path(ops, shape) if path == "fused" else path
+        result = cond(_inputs_in_range(ops, q, k, v, factor), lambda: pool(path, True, False),
+                      lambda: pool(slow, finite, True))
     else:
-        out, weights = pool(path)
+        result = pool(path, finite, overflow)
+    out, weights = result if return_weights else (result, None)
     out = out if rank == 4 else out[:, 0]
     return (out, weights) if return_weights else out
+
+
+def _pooled(
+    ops: Ops, qkv: tuple[Array, Array, Array], visible: masks.Visibility, factor: Any,
+    dropout: float, path: str, want_weights: bool, finite: bool, overflow: bool,
+) -> tuple[Array, Array | None]:
+    """``(output, weights or None)`` of :func:`dot_product_attention` pooled on ``path``.
+
+    Args:
+        ops: The backend's ops.
+        qkv: Queries, keys and values, ``(B, H, N, D)``.
+        visible: The mask.
+        factor: Multiplies the scores.
+        dropout: Dropout rate on the weights.
+        path: ``"direct"``, ``"blockwise"`` or ``"fused"``.
+        want_weights: Whether the direct path returns the weights.
+        finite: The inputs are known finite: nothing is mended. Otherwise a NaN or inf in a
+            query or key makes its row NaN (:func:`non_finite_rows`), and a value's moves onto
+            its key (:func:`values_onto_keys`); a fused kernel that does not propagate NaN is
+            mended by :func:`_fused_nan_rows` instead.
+        overflow: A score may overflow (the direct path then finds the rows to zero from the
+            scores themselves).
+    """
+    q, k, v = qkv
+    if not finite:
+        if path != "fused" or getattr(ops, "fused_propagates_nan", True):
+            q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
+        k, v = values_onto_keys(ops, k, v)
+    if path == "fused":  # the backend's fused kernel: the weights are never formed
+        return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
+    if path == "blockwise":
+        return blockwise_attention(ops, q, k, v, visible, dropout, scale=factor), None
+    scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
+    return pool_visible(ops, scores, v, visible.full(), dropout, want_weights,
+                        finite and not overflow)
 
 
 def additive_attention(

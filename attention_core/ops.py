@@ -256,10 +256,10 @@ class FusedAttentionOps(Ops, Protocol):
     one-element boolean array ``pred`` is True, else ``if_false()``, running only that branch,
     in the graph under tracing (``tf.cond``, ``jax.lax.cond``); both branches return arrays of
     the same shape and dtype. Traced calls, which cannot be probed, then decide in the graph
-    from a bound on the scores (:func:`attention_core.attention.dot_product_attention`):
-    whether the fused kernel may run (else the unfused path does), and whether the direct
-    path's softmax kernel needs its pass over the scores to find the rows it leaves uniform
-    (see :func:`attention_core.attention.pool_visible`).
+    from a bound on the inputs (:func:`attention_core.attention.dot_product_attention`): when
+    it holds, the inputs are used as given (the fused kernel may run, and the direct path's
+    softmax kernel needs no pass over the scores to find the rows it leaves uniform); when it
+    fails, the inputs are mended and the unfused path runs.
     """
 
     def fused_attention(
