@@ -18,7 +18,7 @@ import pytest
 
 import attention_core as ac
 from tests.harness import DTYPES, FASTEST_GRADIENT_MODE, TOLERANCE, Harness, max_diff
-from tests.matrix import weight_array
+from tests.matrix import COMPILED_CASES, weight_array
 from tests.reference.cases import CASES, Case
 from tests.reference.generate import record
 from tests.reference.gradients import gradient_cases, key, load_gradients
@@ -28,9 +28,10 @@ TOL = TOLERANCE["float32"]
 #: A layer on the fused path: the automatic choice may prefer another (JAX on CPU does).
 FUSED = {"keep_attention_weights": False, "implementation": "fused"}
 #: Backends on which every new shape compiles for seconds (JAX's eager mode compiles each
-#: primitive): there the tests below take the calls the kernel takes (``fused_attention`` pools
-#: the others on the direct path, which the reference matrix covers), one case per mask kind.
-PER_KIND = ("jax",)
+#: primitive): there the tests below take the cases the matrix runs in compiled modes
+#: (``COMPILED_CASES``), and of those the calls the kernel takes (``fused_attention`` pools the
+#: others on the direct path, which the reference matrix covers).
+FEW_CASES = ("jax",)
 
 
 def fused(backend: str, dtype: str = "float32") -> Harness:
@@ -74,8 +75,9 @@ def kernel_calls(h: Harness, case: Case, dtype: str) -> int:
 
 
 def runs(h: Harness, case: Case, dtype: str) -> bool:
-    """Whether the backend runs the case here (see :data:`PER_KIND`)."""
-    return h.name not in PER_KIND or (case.edge is None and kernel_calls(h, case, dtype) > 0)
+    """Whether the backend runs the case here (see :data:`FEW_CASES`)."""
+    return h.name not in FEW_CASES or (case.name in COMPILED_CASES[case.layer]
+                                       and kernel_calls(h, case, dtype) > 0)
 
 
 def gradients(h: Harness, layer: Any, inputs: list[Any], call: dict[str, Any],
@@ -111,7 +113,7 @@ def test_fused_path_matches_reference(backend: str, case: Case, dtype: str,
     """Every mask kind, fully masked rows included, through the kernel equals the float64 files."""
     h = fused(backend, dtype)
     if not runs(h, case, dtype):
-        pytest.skip(f"{case.layer}-{case.name} in {dtype} is not a kernel call of {backend}'s")
+        pytest.skip(f"{case.layer}-{case.name} in {dtype}: not a case of {backend}'s (FEW_CASES)")
     layer, inputs, call, ref = reference_layer(h, case, dtype, **FUSED)
     count = h.hook("count_fused_calls")(monkeypatch)
     out = h.call(layer, *inputs, **call)
@@ -147,7 +149,7 @@ def test_fully_masked_rows_are_zero_on_both_paths(backend: str, dtype: str) -> N
     h = fused(backend, dtype)
     case = case_of("DotProductAttention", "fully_masked_row")
     if not runs(h, case, dtype):
-        pytest.skip(f"the case in {dtype} is not a kernel call of {backend}'s")
+        pytest.skip(f"the case in {dtype} is not a case of {backend}'s (FEW_CASES)")
     for keep in (True, False):
         layer, inputs, call, _ = reference_layer(h, case, dtype, **({} if keep else FUSED))
         out = h.numpy(h.call(layer, *inputs, **call))
@@ -165,11 +167,11 @@ def test_low_precision_never_nan_and_close(backend: str, layer_name: str, keep: 
     """Every case in fp16/bf16: within the dtype's tolerance of the files, and the gradients of
     ``sum(out ** 2)`` by every input and weight finite."""
     h = fused(backend, dtype)
-    if keep and h.name in PER_KIND:
-        pytest.skip("the direct path in low precision is the reference matrix's (PER_KIND)")
+    if keep and h.name in FEW_CASES:
+        pytest.skip("the direct path in low precision is the reference matrix's (FEW_CASES)")
     cases = [c for c in CASES if c.layer == layer_name and runs(h, c, dtype)]
     if not cases:
-        pytest.skip(f"no {layer_name} case in {dtype} is a kernel call of {backend}'s")
+        pytest.skip(f"no {layer_name} case in {dtype} is a case of {backend}'s (FEW_CASES)")
     for case in cases:
         layer, inputs, call, ref = reference_layer(h, case, dtype, **({} if keep else FUSED))
         out = h.numpy(h.call(layer, *inputs, **call))
@@ -184,7 +186,7 @@ def test_low_precision_never_nan_and_close(backend: str, layer_name: str, keep: 
 def test_fused_path_gradients_match_reference(backend: str, case: Case) -> None:
     h = fused(backend)
     if not runs(h, case, "float32"):
-        pytest.skip(f"{case.layer}-{case.name} is not a kernel call of {backend}'s")
+        pytest.skip(f"{case.layer}-{case.name} is not a case of {backend}'s (FEW_CASES)")
     layer, inputs, call, _ = reference_layer(h, case, **FUSED)
     ref = load_gradients()[key(case)]
     got = gradients(h, layer, inputs, call, ref["cotangent"].astype(np.float32))
@@ -253,9 +255,10 @@ def test_encoder_fused_path_matches_reference(backend: str, dtype: str,
     h = fused(backend, dtype)
     count = h.hook("count_fused_calls")(monkeypatch)
     reference_gradients = load_gradients()
-    cases = [c for c in CASES if c.layer == "TransformerEncoder" and c.edge is None]
-    if not any(runs(h, c, dtype) for c in cases):
-        pytest.skip(f"no encoder case in {dtype} is a kernel call of {backend}'s")
+    cases = [c for c in CASES if c.layer == "TransformerEncoder" and c.edge is None
+             and runs(h, c, dtype)]
+    if not cases:
+        pytest.skip(f"no encoder case in {dtype} is a case of {backend}'s here (FEW_CASES)")
     for case in cases:
         layer, inputs, call, ref = reference_layer(h, case, dtype, **FUSED)
         calls = count()
