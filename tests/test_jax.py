@@ -402,18 +402,6 @@ def test_the_blockwise_loops_are_compiled_not_unrolled(small_blocks: None) -> No
     assert long.count("dot_general") == short.count("dot_general") <= 12
 
 
-def test_the_kernel_averages_rows_with_no_visible_key_so_the_core_zeroes_them() -> None:
-    q, k, v = draw((1, 2, 1, 4), (1, 3, 1, 4), (1, 3, 1, 4))
-    mask = jnp.array([[True, False, True], [False, False, False]])[None, None]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-    assert diff(out[0, 1], v[0].mean(0)) <= TOL  # (B, T, N, H): the empty row is the mean
-    assert bj.OPS.fused_zeroes_empty_rows is False
-    lens = jnp.array([0])
-    fused = ac.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), lens,
-                                     implementation="fused")
-    np.testing.assert_array_equal(np.asarray(fused), 0.0)
-
-
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the rule measured on CPU")
 def test_the_automatic_choice_on_cpu_never_takes_the_measured_slower_kernel() -> None:
     for shape in [(1, 1, 8, 8), (1, 8, 512, 512), (1, 8, 4096, 4096)]:

@@ -1,6 +1,6 @@
-"""PyTorch-specific behaviour: the fused path (SDPA), torch.compile and fullgraph, jit.trace,
-export, autocast, state_dict and buffers, dtypes and ``.to()``. What every framework does alike
-(dropout, kept weights, training steps, files, the blockwise path) is in tests/test_adapters.py.
+"""PyTorch-specific behaviour: torch.compile and fullgraph, jit.trace, export, autocast,
+state_dict and buffers, dtypes and ``.to()``. What every framework does alike is in
+tests/test_adapters.py; the fused path (SDPA here) in tests/test_fused.py.
 
 Expected values come from the float64 reference files, the NumPy backend, tests/naive.py or
 the reference gradients, never from the torch code under test.
@@ -28,8 +28,8 @@ import attention_core as ac
 import backends.torch as torch_layers
 from backends.torch import OPS, TorchOps
 from tests import naive
-from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, Harness, max_diff, tolerance
-from tests.reference.cases import CASES, INTEGER_INPUTS, Case
+from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, max_diff, tolerance
+from tests.reference.cases import Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
 
@@ -38,131 +38,17 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
 
 
-def reference(case: Case, dtype: str) -> tuple[list[torch.Tensor], dict[str, np.ndarray],
-                                               dict[str, Any], dict[str, np.ndarray]]:
-    """A case's inputs (as torch tensors of ``dtype``), weights, call arguments and record."""
-    ref = record(case)
-    inputs = [torch.tensor(ref[f"input.{name}"]) if name in INTEGER_INPUTS  # token ids stay int64
-              else torch.tensor(ref[f"input.{name}"], dtype=DTYPES[dtype]) for name in case.inputs]
-    weights = {k[len("weight."):]: v for k, v in ref.items() if k.startswith("weight.")}
-    call = {k[len("call."):]: (bool(v) if k == "call.causal" else torch.from_numpy(v))
-            for k, v in ref.items() if k.startswith("call.")}
-    return inputs, weights, call, ref
-
-
 def build(case: Case, dtype: str, **kwargs: Any) -> Any:
     """The case's torch layer in ``dtype``, holding the reference weights."""
     layer = getattr(torch_layers, case.layer)(**case.config, **kwargs, dtype=DTYPES[dtype])
-    _, weights, _, _ = reference(case, dtype)
+    weights = {k[len("weight."):]: v for k, v in record(case).items() if k.startswith("weight.")}
     if weights:
         layer.set_weights(weights)
     return layer
 
 
-def base_case(layer_name: str, name: str) -> Case:
-    return next(c for c in CASES if c.layer == layer_name and c.name == name)
-
-
-def fusable_cases() -> list[Any]:
-    return [pytest.param(c, id=f"{c.layer}-{c.name}") for c in CASES if c.layer in FUSABLE]
-
-
-class CountSDPA:
-    """Counts calls of torch's scaled_dot_product_attention (to prove the fused path ran)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = torch.nn.functional.scaled_dot_product_attention
-
-        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-            self.calls += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
-
-
 def out_of(result: Any) -> np.ndarray:
     return result.detach().double().numpy()
-
-
-# -- the fused path -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", fusable_cases())
-def test_fused_path_matches_reference(case: Case, dtype: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every mask kind, fully masked rows included, through SDPA equals the float64 files."""
-    layer = build(case, dtype, keep_attention_weights=False)
-    inputs, _, call, ref = reference(case, dtype)
-    sdpa = CountSDPA(monkeypatch)
-    out = layer(*inputs, **call)
-    assert sdpa.calls == 1
-    assert layer.attention_weights is None
-    assert max_diff(out_of(out), ref["output.out"]) <= TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("layer_name", FUSABLE)
-def test_weights_kept_or_asked_for_use_the_direct_path(layer_name: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    case = next(c for c in CASES if c.layer == layer_name and c.name == "valid_lens_2d")
-    inputs, _, call, ref = reference(case, "float32")
-    sdpa = CountSDPA(monkeypatch)
-    kept = build(case, "float32")
-    kept(*inputs, **call)
-    assert max_diff(out_of(kept.attention_weights), ref["output.attention"]) <= 1e-5
-    if layer_name != "TransformerEncoderBlock":  # the block has no return_attention
-        fused = build(case, "float32", keep_attention_weights=False)
-        _, weights = fused(*inputs, **call, return_attention=True)
-        assert max_diff(out_of(weights), ref["output.attention"]) <= 1e-5
-    assert sdpa.calls == 0
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fully_masked_rows_are_zero_on_both_paths(dtype: str) -> None:
-    case = next(c for c in CASES if c.layer == "DotProductAttention" and c.name == "fully_masked_row")
-    inputs, _, call, _ = reference(case, dtype)
-    for keep in (True, False):
-        layer = build(case, dtype, keep_attention_weights=keep)
-        inputs = [x.requires_grad_(True) for x in inputs]
-        out = layer(*inputs, **call)
-        assert torch.all(out[0, 1] == 0) and torch.all(out[1, 2] == 0)
-        out.sum().backward()
-        assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in inputs)
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
-@pytest.mark.parametrize("layer_name", FUSABLE)
-def test_low_precision_never_nan_and_close(layer_name: str, keep: bool, dtype: str) -> None:
-    """Every mask kind in fp16/bf16: finite outputs and gradients, within the dtype's tolerance."""
-    for case in (c for c in CASES if c.layer == layer_name):
-        layer = build(case, dtype, keep_attention_weights=keep)
-        inputs, _, call, ref = reference(case, dtype)
-        inputs = [x.requires_grad_(True) for x in inputs]
-        out = layer(*inputs, **call)
-        assert max_diff(out_of(out), ref["output.out"]) <= TOLERANCE[dtype], case.name
-        out.float().square().sum().backward()
-        grads = [x.grad for x in inputs] + [p.grad for p in layer.parameters()]
-        assert all(g is not None and torch.isfinite(g).all() for g in grads), case.name
-
-
-@pytest.mark.parametrize("case", [c for c in gradient_cases() if c.layer in FUSABLE], ids=key)
-def test_fused_path_gradients_match_reference(case: Case) -> None:
-    h = Harness("torch")
-    layer = build(case, "float32", keep_attention_weights=False)
-    inputs, _, call = case_data(case)
-    ref = load_gradients()[key(case)]
-    kwargs = {k: (v if k == "causal" else torch.from_numpy(v)) for k, v in call.items()}
-    got = h.hooks.gradients(layer, [torch.tensor(x, dtype=torch.float32) for x in inputs], kwargs,
-                            ref["cotangent"].astype(np.float32))
-    assert layer.attention_weights is None  # the fused path ran
-    for name, value in got.items():
-        assert max_diff(value, ref[name]) <= TOLERANCE["float32"], name
-
-
-def test_gradient_cases_include_fused_layers() -> None:
-    assert {"MultiHeadAttention", "TransformerEncoderBlock"} <= {c.layer for c in gradient_cases()}
 
 
 # -- torch.compile --------------------------------------------------------------------------
@@ -175,27 +61,33 @@ def mha_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
 def test_no_graph_breaks(keep: bool) -> None:
-    q, kv, lens = mha_inputs()
+    """One graph, no break, for the attention layers (input sizes inferred eagerly first), the
+    block and the encoder."""
+    (q, kv, lens), (rq, rk, rv) = mha_inputs(), relative_inputs()
     mha = torch_layers.MultiHeadAttention(16, 4, keep_attention_weights=keep)
-    mha(q, kv, kv)  # input sizes are inferred eagerly
-    explained = torch._dynamo.explain(mha)(q, kv, kv, lens, causal=True)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    block = torch_layers.TransformerEncoderBlock(12, 20, 3, keep_attention_weights=keep)
-    explained = torch._dynamo.explain(block)(q, torch.tensor([[1, 2, 3, 4, 5], [0, 5, 5, 1, 1]]))
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    relative = torch_layers.RelativeMultiHeadAttention(12, 3, 2, keep_attention_weights=keep)
+    mha(q, kv, kv), relative(rq, rk, rv)
+    for layer, args, kwargs in [
+        (mha, (q, kv, kv, lens), {"causal": True}),
+        (relative, (rq, rk, rv, torch.tensor([2, 6])), {"causal": True}),
+        (torch_layers.TransformerEncoderBlock(12, 20, 3, keep_attention_weights=keep),
+         (q, torch.tensor([[1, 2, 3, 4, 5], [0, 5, 5, 1, 1]])), {}),
+        (torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep),
+         (tokens([1, 2, 3], [4, 5, 6]), torch.tensor([3, 1])), {}),
+    ]:
+        explained = torch._dynamo.explain(layer)(*args, **kwargs)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), type(layer)
 
 
-def test_compiled_multi_head_attention_fullgraph() -> None:
+def test_compiled_fullgraph_equals_eager_and_keeps_weights() -> None:
+    """Compiled with fullgraph (which raises on any graph break), a fused multi-head layer and
+    a block keeping its weights, over a fully masked row, give eager's numbers."""
     torch._dynamo.reset()
     q, kv, lens = mha_inputs()
     mha = torch_layers.MultiHeadAttention(16, 4, bias=True, keep_attention_weights=False).eval()
-    expected = mha(q, kv, kv, lens, causal=True)
-    compiled = torch.compile(mha, fullgraph=True)  # raises on any graph break
-    out = compiled(q, kv, kv, lens, causal=True)
-    assert max_diff(out_of(out), out_of(expected)) <= 1e-5
-
-
-def test_compiled_encoder_block_fullgraph_keeps_weights() -> None:
+    expected = out_of(mha(q, kv, kv, lens, causal=True))  # input sizes are inferred eagerly
+    out = torch.compile(mha, fullgraph=True)(q, kv, kv, lens, causal=True)
+    assert max_diff(out_of(out), expected) <= 1e-5
     torch._dynamo.reset()
     X = torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(1))
     lens = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 1, 1, 6, 6, 6]])  # a fully masked row
@@ -218,22 +110,15 @@ def test_unbuilt_layer_under_fullgraph_says_what_to_do() -> None:
 # -- state_dict, buffers, dtype and device moves ------------------------------------------------
 
 
-def test_positional_table_is_a_non_persistent_buffer() -> None:
+def test_positional_table_is_a_non_persistent_buffer_moved_by_to() -> None:
     layer = torch_layers.PositionalEncoding(16, max_len=50)
-    assert "P" in dict(layer.named_buffers())
-    assert layer.state_dict() == {}
-    assert list(layer.parameters()) == []
+    assert "P" in dict(layer.named_buffers()) and layer.P.dtype == torch.float32
+    assert layer.state_dict() == {} and list(layer.parameters()) == []
     layer.load_state_dict({})
-
-
-def test_to_float64_moves_P_and_keeps_it_exact() -> None:
-    layer = torch_layers.PositionalEncoding(16, max_len=50)
-    assert layer.P.dtype == torch.float32
     layer.to(torch.float64)
     assert layer.P.dtype == torch.float64
-    assert max_diff(layer.P[0].numpy(), naive.pe_table(50, 16)) <= 1e-12
-    out = layer(torch.zeros(1, 7, 16, dtype=torch.float64))
-    assert out.dtype == torch.float64
+    assert max_diff(layer.P[0].numpy(), naive.pe_table(50, 16)) <= 1e-12  # exact in float64
+    assert layer(torch.zeros(1, 7, 16, dtype=torch.float64)).dtype == torch.float64
 
 
 def test_dtype_factory_argument() -> None:
@@ -280,24 +165,14 @@ def test_ops_dtype_names_and_conversion() -> None:
     assert isinstance(OPS, TorchOps) and OPS.name == "torch"
 
 
-def test_concrete_is_none_under_compile() -> None:
+def test_concrete_is_none_under_compile_and_jit_trace() -> None:
     def probe(x: torch.Tensor) -> torch.Tensor:
         return x + (1.0 if OPS.concrete(x) is None else 0.0)
 
     x = torch.zeros(2)
     assert probe(x).tolist() == [0.0, 0.0]
     assert torch.compile(probe, fullgraph=True, backend="eager")(x).tolist() == [1.0, 1.0]
-
-
-def test_concrete_is_none_under_jit_trace() -> None:
-    seen = []
-
-    def probe(x: torch.Tensor) -> torch.Tensor:
-        seen.append(OPS.concrete(x) is None)
-        return x * 2
-
-    torch.jit.trace(probe, torch.zeros(2), check_trace=False)
-    assert seen == [True]
+    assert torch.jit.trace(probe, x, check_trace=False)(x).tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("implementation", ["direct", "blockwise", "fused"])
@@ -319,40 +194,36 @@ def test_torch_func_grad_and_vmap(implementation: str) -> None:
     assert max_diff(one.numpy(), want.numpy()) <= 1e-12
 
 
-def _compiled_fused_equals_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  lens: torch.Tensor, nan_rows: int) -> None:
-    """The fused path under ``torch.compile`` gives the eager direct path's rows, NaN ones
-    included (``nan_rows`` of them)."""
+NAN, INF = float("nan"), float("inf")
+#: Seed, the non-finite entries of q, k, v (2, 2, n, 8), lengths, and the rows left NaN.
+NON_FINITE = {  # NaN in a query, a masked key and a masked value:
+    "nan": (1, {"q": [((1, 0, 2, 3), NAN)], "k": [((0, 1, 5, 0), NAN)],
+                "v": [((1, 1, 4, 2), NAN)]}, [5, 4], 1),
+    # +inf in a query, -inf in a visible key, +inf in a key past example 1's length
+    "inf": (2, {"q": [((1, 0, 2, 3), INF)], "k": [((0, 1, 1, 0), -INF), ((1, 0, 5, 2), INF)],
+                "v": []}, [6, 4], 5),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_FINITE))
+def test_compiled_fused_path_puts_nan_where_eager_does(name: str) -> None:
+    """Under ``torch.compile`` the inputs cannot be probed, so the mending is always traced:
+    the fused path gives the eager direct path's rows, NaN ones included (inf in a query or
+    key counts as NaN)."""
+    seed, entries, lens, nan_rows = NON_FINITE[name]
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (4, 6, 6))
+    for x, name_ in ((q, "q"), (k, "k"), (v, "v")):
+        for index, value in entries[name_]:
+            x[index] = value
 
     def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> Any:
         return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=OPS)
 
-    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, lens)
-    want = ac.dot_product_attention(q, k, v, lens, implementation="direct")
+    got = torch.compile(fused, fullgraph=True, backend="eager")(q, k, v, torch.tensor(lens))
+    want = ac.dot_product_attention(q, k, v, torch.tensor(lens), implementation="direct")
     assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().any(-1).sum()) == nan_rows
     assert max_diff(got.nan_to_num().numpy(), want.nan_to_num().numpy()) <= TOLERANCE["float32"]
-
-
-def test_compiled_fused_path_puts_nan_where_eager_does() -> None:
-    """Under ``torch.compile`` the inputs cannot be probed, so the mending is always traced:
-    NaN in a query, a masked key and a masked value give the eager direct path's rows."""
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (4, 6, 6))
-    q[1, 0, 2, 3] = k[0, 1, 5, 0] = v[1, 1, 4, 2] = float("nan")
-    lens = torch.tensor([5, 4])
-    _compiled_fused_equals_direct(q, k, v, lens, nan_rows=1)
-
-
-def test_compiled_fused_path_treats_inf_in_queries_and_keys_as_nan() -> None:
-    """Under ``torch.compile``: +inf in a query, -inf in a visible key and +inf in a masked key
-    give the eager direct path's rows (NaN for the query's row and the rows that see the key)."""
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for n in (4, 6, 6))
-    q[1, 0, 2, 3] = k[0, 1, 1, 0] = float("inf")
-    k[0, 1, 1, 0] = -float("inf")
-    k[1, 0, 5, 2] = float("inf")  # past example 1's length
-    lens = torch.tensor([6, 4])
-    _compiled_fused_equals_direct(q, k, v, lens, nan_rows=5)
 
 
 # -- RelativeMultiHeadAttention and TransformerEncoder -----------------------------------------
@@ -367,74 +238,30 @@ def tokens(*rows: list[int]) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-def test_unkept_relative_weights_use_the_fused_path() -> None:
-    case = base_case("RelativeMultiHeadAttention", "valid_lens_2d")
-    inputs, _, call, ref = reference(case, "float32")
-    unkept = build(case, "float32", keep_attention_weights=False)
-    out = unkept(*inputs, **call)
-    assert unkept.attention_weights is None
-    assert max_diff(out_of(out), ref["output.out"]) <= 1e-5
-
-
-def test_encoder_keeps_weights_on_its_blocks_by_the_direct_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kept maps (tests/test_adapters.py) are formed on the direct path, each block's own."""
-    case = base_case("TransformerEncoder", "valid_lens_1d")
-    inputs, _, call, _ = reference(case, "float32")
-    sdpa = CountSDPA(monkeypatch)
-    encoder = build(case, "float32")
-    encoder(*inputs, **call)
-    assert sdpa.calls == 0
-    kept = encoder.attention_weights
-    assert all(block.attention_weights is w for block, w in zip(encoder.blks, kept, strict=True))
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_encoder_fused_path_matches_reference(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without kept weights every block goes through SDPA: every mask kind against the files,
-    gradients (float32, by weight; the tokens have none) against the reference gradients."""
-    h = Harness("torch")
-    sdpa = CountSDPA(monkeypatch)
-    reference_gradients = load_gradients()
-    for case in (c for c in CASES if c.layer == "TransformerEncoder" and c.edge is None):
-        layer = build(case, dtype, keep_attention_weights=False)
-        inputs, _, call, ref = reference(case, dtype)
-        calls = sdpa.calls
-        out = layer(*inputs, **call)
-        assert sdpa.calls - calls == 2, case.name
-        assert layer.attention_weights == [None, None]
-        assert max_diff(out_of(out), ref["output.out"]) <= TOLERANCE[dtype], case.name
-        grads = reference_gradients[key(case)]
-        got = h.hooks.gradients(layer, inputs, call, grads["cotangent"])
-        assert set(got) == {k for k in grads if k != "cotangent"}  # no input.0: token ids
-        assert all(np.isfinite(g).all() for g in got.values()), case.name
-        if dtype in ("float32", "float64"):  # low precision: ReLUs may flip (tests/harness.py)
-            for name, value in got.items():
-                bound = TOLERANCE[dtype] * max(1.0, float(np.abs(grads[name]).max()))
-                assert max_diff(value, grads[name]) <= bound, (case.name, name)
-
-
-@pytest.mark.parametrize("keep", [True, False], ids=["direct", "fused"])
-def test_new_layers_trace_without_graph_breaks(keep: bool) -> None:
-    q, k, v = relative_inputs()
-    relative = torch_layers.RelativeMultiHeadAttention(12, 3, 2, keep_attention_weights=keep)
-    relative(q, k, v)  # input sizes are inferred eagerly
-    explained = torch._dynamo.explain(relative)(q, k, v, torch.tensor([2, 6]), causal=True)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep)
-    explained = torch._dynamo.explain(encoder)(tokens([1, 2, 3], [4, 5, 6]), torch.tensor([3, 1]))
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-
-
 # -- unknown sequence lengths: torch.export and ONNX (issue 14, item 16) --------------------------
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["weights", "fused"])
-def test_encoder_torch_export_with_a_dynamic_length(keep: bool) -> None:
-    torch.manual_seed(0)
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=keep).eval()
-    steps = torch.export.Dim("steps", min=2, max=64)
-    program = torch.export.export(encoder, (torch.randint(0, 11, (2, 5)),),
-                                  dynamic_shapes={"tokens": {1: steps}})
+class _FunctionalEncoder(torch.nn.Module):
+    """The functional ``transformer_encoder`` over a layer's parameters (no table held)."""
+
+    def __init__(self, encoder: torch_layers.TransformerEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        return ac.transformer_encoder(tokens, dict(self.encoder.named_parameters()), 3)
+
+
+@pytest.mark.parametrize("kind", ["weights", "fused", "functional"])
+def test_encoder_torch_export_with_a_dynamic_length(kind: str) -> None:
+    """The layer, keeping its weights or not, and the functional API over its parameters (which
+    under a symbolic length slices a table of max_len (1000) rows)."""
+    torch.manual_seed(1 if kind == "functional" else 0)
+    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2,
+                                              keep_attention_weights=kind != "fused").eval()
+    module = _FunctionalEncoder(encoder).eval() if kind == "functional" else encoder
+    program = torch.export.export(module, (torch.randint(0, 11, (2, 5)),), dynamic_shapes={
+        "tokens": {1: torch.export.Dim("steps", min=2, max=64)}})
     for length in (3, 17):
         tokens = torch.randint(0, 11, (2, length))
         got = program.module()(tokens).detach().numpy()
@@ -457,29 +284,6 @@ def test_encoder_onnx_export_with_a_dynamic_axis(tmp_path: Any) -> None:
         assert max_diff(got, naive.encoder_of(encoder, tokens)) <= 1e-4
 
 
-class _FunctionalEncoder(torch.nn.Module):
-    """The functional ``transformer_encoder`` over a layer's parameters (no table held)."""
-
-    def __init__(self, encoder: torch_layers.TransformerEncoder) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, tokens: torch.Tensor) -> Any:
-        return ac.transformer_encoder(tokens, dict(self.encoder.named_parameters()), 3)
-
-
-def test_functional_encoder_torch_export_with_a_dynamic_length() -> None:
-    """Under a symbolic length the functional API slices a table of max_len (1000) rows."""
-    torch.manual_seed(1)
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
-    steps = torch.export.Dim("steps", min=2, max=64)
-    program = torch.export.export(_FunctionalEncoder(encoder).eval(),
-                                  (torch.randint(0, 11, (2, 5)),),
-                                  dynamic_shapes={"tokens": {1: steps}})
-    for length in (3, 17):
-        tokens = torch.randint(0, 11, (2, length))
-        got = program.module()(tokens).detach().numpy()
-        assert max_diff(got, naive.encoder_of(encoder, tokens.numpy())) <= 1e-4
 # -- torch.autocast -------------------------------------------------------------------------
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -500,19 +304,17 @@ def test_every_layer_under_autocast_matches_reference(case: Case, keep: bool, dt
     """A float32 layer under ``torch.autocast("cpu", dtype)``, forward and backward: outputs
     and gradients within the autocast dtype's tolerance of the float64 files (the encoder's
     gradients finite only, tests/harness.py), the gradients in float32 like the parameters."""
-    options = {} if case.layer not in FUSABLE else {"keep_attention_weights": keep}
-    layer = build(case, "float32", **options)
+    layer = build(case, "float32", **({"keep_attention_weights": keep} if case.layer in FUSABLE
+                                      else {}))
     inputs, _, call = case_data(case)
     ref = load_gradients()[key(case)]
     leaves = [torch.tensor(x) if x.dtype.kind in "iu"
               else torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in inputs]
-    kwargs = {k: (v if k == "causal" else torch.from_numpy(v)) for k, v in call.items()}
     with torch.autocast("cpu", dtype=AUTOCAST[dtype]):
-        out = layer(*leaves, **kwargs)
-        loss = (out.float() * torch.from_numpy(ref["cotangent"]).float()).sum()
-    loss.backward()
-    _, _, _, record_ = reference(case, "float32")
-    assert max_diff(out_of(out), record_["output.out"]) <= TOLERANCE[dtype]
+        out = layer(*leaves, **{k: (v if k == "causal" else torch.from_numpy(v))
+                                for k, v in call.items()})
+    (out.float() * torch.from_numpy(ref["cotangent"]).float()).sum().backward()
+    assert max_diff(out_of(out), record(case)["output.out"]) <= TOLERANCE[dtype]
     grads = {f"input.{i}": x.grad for i, x in enumerate(leaves) if x.is_floating_point()}
     grads.update({f"weight.{n}": p.grad for n, p in layer.named_parameters()})
     for name, grad in grads.items():
@@ -673,17 +475,6 @@ def test_jit_trace_functional_api() -> None:
     assert max_diff(out_of(dot(q, k, v)), out_of(ac.dot_product_attention(q, k, v, causal=True))) <= 1e-6
 
 
-def test_jit_trace_blockwise_needs_known_lengths() -> None:
-    """The blockwise path's blocks are Python loops over the lengths: under jit.trace, where
-    lengths are run-time sizes, it says so (the automatic choice never takes it there)."""
-    mha = torch_layers.MultiHeadAttention(12, 3, keep_attention_weights=False,
-                                          implementation="blockwise")
-    mha(*_attention_args(3))
-    with pytest.raises(ValueError, match=r"^implementation='blockwise' needs the numbers of "
-                       r"queries and keys to be known when the call is traced"):
-        traced(mha, _attention_args(5))
-
-
 def test_jit_trace_encoder_equals_eager_at_any_length() -> None:
     encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2).eval()
     ids = lambda t: (torch.arange(2 * t).reshape(2, t) % 11, torch.tensor([t, 2]))  # noqa: E731
@@ -738,9 +529,10 @@ def test_compile_does_not_recompile_per_length(name: str, dynamic: bool | None) 
     assert compilations(module, args, dynamic) <= bar
 
 
-def test_compiled_blockwise_path_has_no_graph_break() -> None:
+def test_compiled_blockwise_path_has_no_graph_break_and_jit_trace_refuses_it() -> None:
     """The blockwise path's blocks are Python loops over the lengths, so it compiles per length
-    (documented), but each length in one graph."""
+    (documented), but each length in one graph; under jit.trace, where lengths are run-time
+    sizes, it says so (the automatic choice never takes it there)."""
     mha = torch_layers.MultiHeadAttention(12, 3, keep_attention_weights=False,
                                           implementation="blockwise").eval()
     mha(*_attention_args(3))
@@ -749,6 +541,9 @@ def test_compiled_blockwise_path_has_no_graph_break() -> None:
     for t in (5, 9):
         got = compiled(*_attention_args(t), causal=True)
         assert max_diff(out_of(got), out_of(mha(*_attention_args(t), causal=True))) <= 1e-6
+    with pytest.raises(ValueError, match=r"^implementation='blockwise' needs the numbers of "
+                       r"queries and keys to be known when the call is traced"):
+        traced(mha, _attention_args(5))
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
@@ -760,12 +555,8 @@ def test_autocast_every_path_over_many_key_blocks(implementation: str, compile_:
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal(shape) for shape in ((2, 4, 8), (2, 2100, 8), (2, 2100, 8)))
     lens = np.array([[0, 5, 2100, 1500], [2100, 1100, 0, 3]])  # (B, Q)
-    scores = q @ k.transpose(0, 2, 1) / np.sqrt(8)  # (B, Q, K)
-    seen = np.arange(2100)[None, None, :] < lens[:, :, None]
-    weights = np.where(seen, np.exp(scores - np.where(seen, scores, -np.inf).max(-1, keepdims=True,
-                                                                                  initial=0.0)), 0)
-    total = weights.sum(-1, keepdims=True)
-    expected = (weights / np.where(total > 0, total, 1)) @ v
+    expected = naive.dot_product(q[:, None], k[:, None], v[:, None],
+                                 naive.visible(2, 1, 4, 2100, lens))[0][:, 0]
     layer = torch_layers.DotProductAttention(keep_attention_weights=False,
                                              implementation=implementation)
     call = torch.compile(layer, fullgraph=True, backend="eager") if compile_ else layer

@@ -317,3 +317,28 @@ def initialise(layer: FlaxLayer | Layer, *args: Any, **kwargs: Any) -> None:
     ``jax.jit`` (one compilation instead of one per primitive of an eager first call)."""
     wrapper = handle(layer)
     wrapper.variables = {"params": jax.jit(wrapper.module.init)(_rngs(), *args, **kwargs)["params"]}
+
+
+# --- fused kernels ---
+
+
+def count_fused_calls(monkeypatch: Any) -> Callable[[], int]:
+    """Counts the calls of ``jax.nn.dot_product_attention`` (the fused path's kernel) from now
+    on, by way of ``monkeypatch``; returns a function giving the count so far (calls made while
+    a function is traced count once per trace)."""
+    calls = [0]
+    real = jax.nn.dot_product_attention
+
+    def counted(*args: Any, **kwargs: Any) -> jax.Array:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", counted)
+    return lambda: calls[0]
+
+
+def fused_kernel_takes(depth: int, value_depth: int, dtype: str) -> bool:
+    """Whether the kernel takes a fused call (no dropout) of these per-head depths and dtype:
+    ``jax.nn.dot_product_attention`` needs equal query and value depths, and XLA on CPU has no
+    float16 product accumulating in float32; ``fused_attention`` takes the direct path then."""
+    return depth == value_depth and not (dtype == "float16" and jax.default_backend() == "cpu")

@@ -148,3 +148,25 @@ def config(layer: Any) -> dict[str, Any]:
 
 def rebuild(layer: Any) -> Any:
     return type(layer)(**config(layer))
+
+
+# --- fused kernels ---
+
+
+def count_fused_calls(monkeypatch: Any) -> Callable[[], int]:
+    """Counts the calls of ``F.scaled_dot_product_attention`` (SDPA, the fused path's kernel)
+    from now on, by way of ``monkeypatch``; returns a function giving the count so far."""
+    calls = [0]
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    return lambda: calls[0]
+
+
+def fused_kernel_takes(depth: int, value_depth: int, dtype: str) -> bool:
+    """Whether the kernel takes a fused call of these per-head depths and dtype: SDPA takes all."""
+    return True
