@@ -78,3 +78,28 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
     loaded = keras.models.load_model(path / "layer.keras")
     (fresh,) = (m for m in loaded.layers if type(m) is type(layer))
     return fresh, list(fresh.get_weights())
+
+
+# --- compiled modes ---
+
+
+def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function as one XLA program: ``tf.function(jit_compile=True)``."""
+    return tf.function(fn, jit_compile=True)
+
+
+def loop_program(fn: Callable[..., Any], arrays: Sequence[Any]) -> tuple[bool, int]:
+    """Whether the graph ``tf.function`` traces for ``fn(*arrays)`` holds a ``While`` op, and
+    its number of ops (the loop bodies are functions of their own, counted once)."""
+    graph = tf.function(fn, autograph=False).get_concrete_function(*arrays).graph
+    types = [op.type for op in graph.get_operations()]
+    return bool({"While", "StatelessWhile"} & set(types)), len(types)
+
+
+def dropout_program(fn: Callable[[Any], Any], seed: int) -> Callable[[], Any]:
+    """``fn(ops)`` in a ``tf.function``, ``ops`` drawing dropout from a Keras ``SeedGenerator``
+    seeded by ``seed``, whose state each call advances."""
+    from backends.tensorflow.ops import TensorFlowOps
+
+    ops = TensorFlowOps(keras.random.SeedGenerator(seed))
+    return tf.function(lambda: fn(ops))
