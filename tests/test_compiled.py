@@ -200,17 +200,27 @@ ENCODER = {"vocab_size": 11, "num_hiddens": 12, "ffn_num_hiddens": 16, "num_head
 
 
 def test_compiled_encoder_at_two_lengths(backend: str) -> None:
-    """One compiled layer (and, where plain functions compile, the functional API) at 4 and
-    13 tokens: the eager output and the float64 reference at each; ids of the wrong rank are
-    refused by the shape check, which runs while compiling."""
+    """One compiled layer at 4 and 13 tokens: the eager output and the float64 reference at
+    each; so is the functional API compiled (JAX), and both as one function of any length
+    traced once (``unknown_length_function``, TensorFlow). Ids of the wrong rank are refused by
+    the shape check, which runs while compiling."""
     h = Harness(backend)
     modes = compiled_modes(h)
     encoder = h.make("TransformerEncoder", ENCODER)
     tokens = np.random.default_rng(7).integers(0, 11, (2, 13)).astype(np.int32)
     h.call(encoder, h.array(tokens[:, :4]))
     w = {k: np.asarray(v, np.float64) for k, v in encoder.get_weights().items()}
-    functional = None if h.name not in FUNCTIONAL_ENCODER else h.hook("compiled_function")(
-        lambda t: ac.transformer_encoder(t, {k: h.array(v, "float32") for k, v in w.items()}, 3))
+
+    def functional(t: Any) -> Any:
+        return ac.transformer_encoder(t, {k: h.array(v, "float32") for k, v in w.items()}, 3)
+
+    functions = {}
+    if h.name in FUNCTIONAL_ENCODER:
+        functions["functional"] = (h.hook("compiled_function")(functional), None)
+    any_length = getattr(h.hooks, "unknown_length_function", None)
+    if any_length is not None:
+        functions["layer, any length"] = any_length(lambda t: h.call(encoder, t))
+        functions["functional, any length"] = any_length(functional)
     for steps in (4, 13):
         part = tokens[:, :steps]
         want, _ = naive.transformer_encoder(part, w, 3, np.ones((2, 3, steps, steps), bool))
@@ -219,8 +229,10 @@ def test_compiled_encoder_at_two_lengths(backend: str) -> None:
         for mode in modes:
             got = h.numpy(h.run(mode, encoder, lambda m, t: h.call(m, t), [h.array(part)]))
             assert max_diff(got, want) <= 1e-4 and max_diff(got, eager) <= SAME.get(h.name, TOL)
-        if functional is not None:
-            assert max_diff(h.numpy(functional(h.array(part))), want) <= 1e-4
+        for name, (fn, _) in functions.items():
+            assert max_diff(h.numpy(fn(h.array(part))), want) <= 1e-4, name
+    for name, (_, traces) in functions.items():
+        assert traces is None or traces() == 1, name  # one trace served both lengths
     for mode in modes:
         with pytest.raises(ValueError, match="tokens"):
             h.run(mode, encoder, lambda m, t: h.call(m, t), [h.array(tokens[0])])

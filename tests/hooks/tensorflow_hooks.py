@@ -103,3 +103,10 @@ def dropout_program(fn: Callable[[Any], Any], seed: int) -> Callable[[], Any]:
 
     ops = TensorFlowOps(keras.random.SeedGenerator(seed))
     return tf.function(lambda: fn(ops))
+
+
+def unknown_length_function(fn: Callable[[Any], Any]) -> tuple[Callable[[Any], Any], Callable[[], int]]:
+    """``fn`` of ``(B, T)`` int32 token ids as one ``tf.function`` of unknown batch and length,
+    and the number of times it has been traced."""
+    compiled = tf.function(fn, input_signature=[tf.TensorSpec((None, None), tf.int32)])
+    return compiled, compiled.experimental_get_tracing_count
