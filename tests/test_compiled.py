@@ -124,9 +124,9 @@ def central_difference(f: Any, x: np.ndarray, idx: tuple[int, ...], eps: float =
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_compiled_layer_equals_eager_and_the_reference(backend: str, name: str) -> None:
     """Output, returned and kept attention weights, and the gradients by every input and
-    weight, compiled and eager: equal to each other, the outputs to the float64 reference, the
-    gradients to its central differences; a query that sees no key has weights 0, an input
-    gradient 0 and finite gradients elsewhere."""
+    weight, compiled and eager (eager gradients: see EAGER_GRADIENTS): equal to each other, the
+    outputs to the float64 reference, the gradients to its central differences; a query that
+    sees no key has weights 0, an input gradient 0 and finite gradients elsewhere."""
     h = Harness(backend)
     modes = compiled_modes(h)
     config, shapes, call, causal, entries, entry = LAYERS[name]
