@@ -428,16 +428,19 @@ def test_nan_with_a_mask_that_broadcasts_along_the_keys(backend: str, path: str,
     assert not np.isnan(out[1]).any()
 
 
-def _dpa_with_gradients(h: Harness, layer: Any, arrays: list[Any], path: str,
-                        call: dict[str, Any], cotangent: np.ndarray) -> tuple[Any, Any]:
-    """``(outputs, gradients)`` of dot-product attention on ``path`` (JAX under ``jax.jit``)."""
-    def forward(_: Any, q: Any, k: Any, v: Any) -> dict[str, Any]:
-        return {"out": ac.dot_product_attention(q, k, v, implementation=path, **call)}
+def _dpa_with_gradients(h: Harness, layer: Any, arrays: list[Any], paths: list[str],
+                        call: dict[str, Any], cotangent: np.ndarray) -> dict[str, Any]:
+    """``{path: (outputs, gradients)}`` of dot-product attention on each of ``paths`` (JAX:
+    all in one program under ``jax.jit``, compiled once instead of once per path)."""
+    def forward(path: str) -> Any:
+        return lambda _, q, k, v: {"out": ac.dot_product_attention(q, k, v, implementation=path,
+                                                                   **call)}
 
-    def both(layer: Any, *xs: Any) -> Any:
-        return h.forward_and_gradients(layer, forward, list(xs), cotangent)
+    def every_path(layer: Any, *xs: Any) -> Any:
+        return {path: h.forward_and_gradients(layer, forward(path), list(xs), cotangent)
+                for path in paths}
 
-    return h.run("jit" if h.name == "jax" else "eager", layer, both, arrays)
+    return h.run("jit" if h.name == "jax" else "eager", layer, every_path, arrays)
 
 
 def _gradient_problems(h: Harness, label: str, grads: Any, expected: dict[str, np.ndarray],
@@ -485,8 +488,8 @@ def test_finite_inputs_keep_their_values_and_gradients(backend: str, mended: boo
         expected = _reference_gradients(*rounded, vis, cotangent)
         expected_out, _ = attention(*rounded, vis)
         call = {key: h.array(value) for key, value in kw.items()}
-        for path in paths(h, "float32"):
-            outs, grads = _dpa_with_gradients(h, layer, arrays, path, call, cotangent)
+        results = _dpa_with_gradients(h, layer, arrays, paths(h, "float32"), call, cotangent)
+        for path, (outs, grads) in results.items():
             label = f"{name}, {path}"
             if max_diff(h.numpy(outs["out"]), expected_out) > TOLERANCE["float32"]:
                 problems.append(f"{label}: output off the reference")
@@ -534,8 +537,8 @@ def test_gradients_with_fully_masked_rows_are_finite_and_exact(backend: str) -> 
             expected = _reference_gradients(*rounded, vis, cotangent)
             call = {**kw, "valid_lens": h.array(kw["valid_lens"])} if "valid_lens" in kw else kw
             empty = ~vis.any(-1)  # (B, H, Q)
-            for path in paths(h, dtype):
-                _, grads = _dpa_with_gradients(h, layer, arrays, path, call, cotangent)
+            results = _dpa_with_gradients(h, layer, arrays, paths(h, dtype), call, cotangent)
+            for path, (_, grads) in results.items():
                 label = f"{name}, {dtype}, {path}"
                 problems += _gradient_problems(h, label, grads, expected, dtype)
                 if not np.all(h.numpy(grads["input.0"])[empty] == 0.0):

@@ -27,7 +27,7 @@ import attention_core as ac
 import backends.numpy as numpy_layers
 import backends.tensorflow as keras_layers
 from attention_core import attention, blockwise
-from backends.tensorflow.ops import OPS, TensorFlowOps
+from backends.tensorflow.ops import OPS
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
 from tests.reference.cases import MASK_KINDS, mask_arguments
@@ -371,23 +371,6 @@ def pooled(implementation: str, q: Any, k: Any, v: Any, masks: dict[str, Any]) -
                                            **masks)
 
 
-def graph_op_types(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, lens: tf.Tensor) -> list[str]:
-    traced = tf.function(lambda q, k, v, lens: pooled("blockwise", q, k, v, {"valid_lens": lens}),
-                         autograph=False)
-    return [op.type for op in traced.get_concrete_function(q, k, v, lens).graph.get_operations()]
-
-
-def test_blockwise_graph_is_a_loop_not_unrolled(small_blocks: None) -> None:
-    """The traced graph holds While loops and has the same size for 4x longer sequences."""
-    sizes = []
-    for n in (24, 96):  # 6 and 24 query blocks, 5 and 20 key blocks (a few x 4 or 5 for each)
-        q, k, v = block_inputs(n, n)
-        types = graph_op_types(q, k, v, tf.constant([n - 3, n], tf.int32))
-        assert {"While", "StatelessWhile"} & set(types), sorted(set(types))
-        sizes.append(len(types))
-    assert sizes[0] == sizes[1]
-
-
 def test_blockwise_with_an_unknown_batch(small_blocks: None) -> None:
     q, k, v = block_inputs()
     lens = tf.constant([7, BLK], tf.int32)
@@ -414,29 +397,6 @@ def test_blockwise_gradients_equal_direct_in_a_tf_function(small_blocks: None) -
     run = tf.function(grads, autograph=False)
     for got, want in zip(run("blockwise", q, k, v), grads("direct", q, k, v), strict=True):
         assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
-
-
-def test_dropout_in_loops_draws_fresh_masks_each_iteration() -> None:
-    """``keras.random.dropout`` with a SeedGenerator inside tf.while_loop: new masks per step."""
-    ops = TensorFlowOps(keras.random.SeedGenerator(3))
-    n = 6
-
-    @tf.function
-    def masks() -> tuple[tf.Tensor, tf.Tensor]:
-        mapped = ops.map_concat(lambda i: ops.dropout(tf.ones((1, 64)), 0.5), n, 0)
-
-        def step(i: Any, carry: tuple[tf.Tensor]) -> tuple[tf.Tensor]:
-            row = tf.one_hot(i, n)[:, None] * ops.dropout(tf.ones((1, 64)), 0.5)
-            return (carry[0] + row,)
-
-        (folded,) = ops.fold(step, (tf.zeros((n, 64)),), n)
-        return mapped, folded
-
-    first, second = masks(), masks()
-    for rows in (*first, *second):
-        assert set(np.unique(rows.numpy())) == {0.0, 2.0}
-        assert len({r.tobytes() for r in rows.numpy()}) == n  # every iteration its own mask
-    assert not np.array_equal(first[0].numpy(), second[0].numpy())  # and every call
 
 
 def test_blockwise_dropout_in_a_layer_under_tf_function(small_blocks: None) -> None:
@@ -512,21 +472,3 @@ def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None
     tokens = rng.integers(0, 10, (2, 7))
     np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
                                rtol=1e-6, atol=1e-6)
-
-
-def test_encoder_under_tf_function_of_unknown_length() -> None:
-    """``tf.function`` with ``TensorSpec((None, None))``: the layer and the functional API."""
-    encoder = keras_layers.TransformerEncoder(**ENC)
-    encoder(tf.zeros((1, 2), tf.int32))
-    weights = {name: tf.constant(w) for name, w in encoder.get_weights().items()}
-    spec = [tf.TensorSpec((None, None), tf.int32)]
-    layer_fn = tf.function(lambda t: encoder(t), input_signature=spec)
-    core_fn = tf.function(lambda t: ac.transformer_encoder(t, weights, 2), input_signature=spec)
-    rng = np.random.default_rng(6)
-    for steps in (4, 11):
-        tokens = rng.integers(0, 10, (3, steps)).astype(np.int32)
-        want = naive.encoder_of(encoder, tokens)
-        assert max_diff(layer_fn(tokens).numpy(), want) <= 1e-4
-        assert max_diff(core_fn(tokens).numpy(), want) <= 1e-4
-    assert layer_fn.experimental_get_tracing_count() == 1  # one trace served both lengths
-    assert core_fn.experimental_get_tracing_count() == 1

@@ -342,3 +342,28 @@ def fused_kernel_takes(depth: int, value_depth: int, dtype: str) -> bool:
     ``jax.nn.dot_product_attention`` needs equal query and value depths, and XLA on CPU has no
     float16 product accumulating in float32; ``fused_attention`` takes the direct path then."""
     return depth == value_depth and not (dtype == "float16" and jax.default_backend() == "cpu")
+
+
+# --- compiled modes ---
+
+
+def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function as one XLA program: ``jax.jit``."""
+    return jax.jit(fn)
+
+
+def loop_program(fn: Callable[..., Any], arrays: Sequence[Any]) -> tuple[bool, int]:
+    """Whether the jaxpr of ``fn(*arrays)`` holds a ``scan`` or ``while``, and its number of
+    matrix products (``dot_general``), which the loops hold once each: at most 12."""
+    text = str(jax.make_jaxpr(fn)(*arrays))
+    products = text.count("dot_general")
+    assert products <= 12, f"{products} matrix products: the loops were unrolled"
+    return "scan" in text or "while" in text, products
+
+
+def dropout_program(fn: Callable[[Any], Any], seed: int) -> Callable[[], Any]:
+    """``fn(ops)`` jitted once, ``ops`` drawing dropout from the key ``seed`` folded with the
+    number of the call (a new key per call, as a training loop splits them)."""
+    run = jax.jit(lambda key: fn(bj.JaxOps(rng=key)))
+    calls = itertools.count()
+    return lambda: run(jax.random.fold_in(jax.random.PRNGKey(seed), next(calls)))

@@ -145,3 +145,35 @@ def rebuild(layer: Any) -> Any:
     serialized = keras.saving.serialize_keras_object(layer)
     assert serialized["registered_name"] == f"attention_core>{type(layer).__name__}"
     return keras.saving.deserialize_keras_object(serialized)
+
+
+# --- compiled modes ---
+
+
+def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function as one XLA program: ``tf.function(jit_compile=True)``."""
+    return tf.function(fn, jit_compile=True)
+
+
+def loop_program(fn: Callable[..., Any], arrays: Sequence[Any]) -> tuple[bool, int]:
+    """Whether the graph ``tf.function`` traces for ``fn(*arrays)`` holds a ``While`` op, and
+    its number of ops (the loop bodies are functions of their own, counted once)."""
+    graph = tf.function(fn, autograph=False).get_concrete_function(*arrays).graph
+    types = [op.type for op in graph.get_operations()]
+    return bool({"While", "StatelessWhile"} & set(types)), len(types)
+
+
+def dropout_program(fn: Callable[[Any], Any], seed: int) -> Callable[[], Any]:
+    """``fn(ops)`` in a ``tf.function``, ``ops`` drawing dropout from a Keras ``SeedGenerator``
+    seeded by ``seed``, whose state each call advances."""
+    from backends.tensorflow.ops import TensorFlowOps
+
+    ops = TensorFlowOps(keras.random.SeedGenerator(seed))
+    return tf.function(lambda: fn(ops))
+
+
+def unknown_length_function(fn: Callable[[Any], Any]) -> tuple[Callable[[Any], Any], Callable[[], int]]:
+    """``fn`` of ``(B, T)`` int32 token ids as one ``tf.function`` of unknown batch and length,
+    and the number of times it has been traced."""
+    compiled = tf.function(fn, input_signature=[tf.TensorSpec((None, None), tf.int32)])
+    return compiled, compiled.experimental_get_tracing_count
