@@ -177,3 +177,21 @@ def unknown_length_function(fn: Callable[[Any], Any]) -> tuple[Callable[[Any], A
     and the number of times it has been traced."""
     compiled = tf.function(fn, input_signature=[tf.TensorSpec((None, None), tf.int32)])
     return compiled, compiled.experimental_get_tracing_count
+
+
+# --- tests/test_tensorflow.py moved into shared tests (k2) ---
+
+
+def unknown_shape_function(fn: Callable[..., Any], arrays: Sequence[Any], widths: int,
+                           jit_compile: bool) -> tuple[Callable[..., Any], Callable[[], int]]:
+    """``fn`` as one ``tf.function`` (XLA if ``jit_compile``) whose signature leaves every
+    dimension of ``arrays`` unknown but the last of the first ``widths`` (the input widths a
+    layer is built from), and the number of times it has been traced."""
+    specs = []
+    for i, x in enumerate(map(tf.convert_to_tensor, arrays)):
+        shape: list[int | None] = [None] * x.shape.rank
+        if i < widths:
+            shape[-1] = x.shape[-1]
+        specs.append(tf.TensorSpec(shape, x.dtype))
+    compiled = tf.function(fn, input_signature=specs, jit_compile=jit_compile)
+    return compiled, compiled.experimental_get_tracing_count
