@@ -14,7 +14,12 @@ run the blockwise loops as the framework's own loops (the others skip, saying wh
 * ``loop_program(fn, arrays) -> (has_loop, size)``: whether the program of ``fn(*arrays)``
   holds a loop primitive, and a measure of its length;
 * ``dropout_program(fn, seed) -> run``: ``run()`` is ``fn(ops)`` compiled, ``ops`` drawing
-  dropout from a generator seeded by ``seed``, a new draw at each call of ``run``.
+  dropout from a generator seeded by ``seed``, a new draw at each call of ``run``;
+* ``unknown_shape_function(fn, arrays, widths, jit_compile) -> (fn, traces)``: ``fn`` traced
+  once for ``arrays`` of any shape (the last dimension of the first ``widths`` kept), and its
+  number of traces (TensorFlow's ``input_signature``);
+* ``graph_gradients(fn, arrays, cotangent, traced) -> list``: the gradients of
+  ``sum(fn(*arrays) * cotangent)`` by each array, eagerly or differentiated in a graph.
 """
 
 from __future__ import annotations
@@ -278,7 +283,7 @@ def test_a_layer_traced_for_unknown_shapes_serves_two_batch_sizes(
     h = Harness(backend)
     trace = getattr(h.hooks, "unknown_shape_function", None)
     if trace is None:
-        pytest.skip(f"{h.name} compiles one program per input shape")
+        pytest.skip(f"{h.name} has no unknown_shape_function: no mode traces unknown shapes")
     config, shapes, _ = UNKNOWN[layer]
     inputs = draw(*shapes, seed=len(kind))
     masking = mask_arguments(kind, np.random.default_rng(1), 3, q=shapes[0][1], k=shapes[-1][1])
@@ -387,6 +392,39 @@ def test_compiled_blockwise_and_fused_equal_direct(backend: str, kind: str) -> N
     for path, dv in paths.items():
         assert np.isfinite(got[path]).all(), path
         assert max_diff(got[path], got["direct"][..., :dv]) <= TOL, path
+
+
+def test_blockwise_gradients_in_a_graph_equal_the_direct_ones(
+    backend: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blockwise loops differentiated in a graph (``graph_gradients``: TensorFlow's
+    ``tf.while_loop`` in a ``tf.function``) give the direct path's eager gradients, every
+    masking at once, 13 queries in blocks of 4 and 19 keys in blocks of 5 (ragged tails; eager
+    blockwise gradients in each masking: tests/test_adapters.py)."""
+    h = Harness(backend)
+    graph_gradients = getattr(h.hooks, "graph_gradients", None)
+    if graph_gradients is None:
+        pytest.skip(f"{h.name} has no graph_gradients: no graph mode differentiates the loops")
+    B, H, Q, K = 2, 3, 13, 19
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * 5)
+    rng = np.random.default_rng(len("combined"))
+    masks = {**mask_arguments("valid_lens_2d", rng, H, Q, K, B),
+             **mask_arguments("mask_3d", rng, H, Q, K, B)}
+    arrays = [h.array(x) for x in draw((B, H, Q, 8), (B, H, K, 8), (B, H, K, 5), seed=Q + K)]
+    (ct,) = draw((B, H, Q, 5), seed=9)
+
+    def pooled(implementation: str) -> Any:
+        return lambda q, k, v: ac.dot_product_attention(
+            q, k, v, causal=True, implementation=implementation, ops=h.ops,
+            **{n: h.array(x) for n, x in masks.items()})
+
+    want = graph_gradients(pooled("direct"), arrays, ct, False)
+    got = graph_gradients(pooled("blockwise"), arrays, ct, True)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        assert max_diff(g, w) <= TOL
 
 
 def test_the_blockwise_loops_are_compiled_not_unrolled(backend: str, small_blocks: None) -> None:

@@ -1,7 +1,9 @@
 """Keras habits of the TensorFlow backend: tf.function and XLA, .keras files, configs, dropout.
 
 The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
-already run on this backend; these tests cover what only Keras has.
+already run on this backend; these tests cover what only Keras has. Layers traced for unknown
+shapes in every masking, and the blockwise loops' gradients in a ``tf.function``, are in
+tests/test_compiled.py (hooks ``unknown_shape_function`` and ``graph_gradients``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from attention_core import attention, blockwise
 from backends.tensorflow.ops import OPS
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
-from tests.reference.cases import mask_arguments
 from tests.reference.generate import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -278,14 +279,6 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blockwise, "TILE_SCORES", BQ * BH * 4 * 5)
 
 
-def block_masks(kind: str, q: int = BLQ, k: int = BLK) -> dict[str, Any]:
-    rng = np.random.default_rng(len(kind))
-    if kind == "combined":  # every way of masking at once, ANDed
-        return {**mask_arguments("valid_lens_2d", rng, BH, q, k, BQ),
-                **mask_arguments("mask_3d", rng, BH, q, k, BQ), "causal": True}
-    return mask_arguments(kind, rng, BH, q, k, BQ)
-
-
 def block_inputs(q: int = BLQ, k: int = BLK) -> list[tf.Tensor]:
     shapes = (BQ, BH, q, DEPTH), (BQ, BH, k, DEPTH), (BQ, BH, k, 5)
     return [tf.constant(x) for x in draw(*shapes, seed=q + k)]
@@ -304,24 +297,6 @@ def test_blockwise_with_an_unknown_batch(small_blocks: None) -> None:
                          input_signature=[*specs, tf.TensorSpec([None], tf.int32)])
     direct = pooled("direct", q, k, v, {"valid_lens": lens}).numpy()
     assert max_diff(traced(q, k, v, lens).numpy(), direct) <= TOLERANCE["float32"]
-
-
-def test_blockwise_gradients_equal_direct_in_a_tf_function(small_blocks: None) -> None:
-    """The tf.while_loop gradients in graph mode (eager: tests/test_adapters.py)."""
-    q, k, v = block_inputs()
-    masks = {name: tf.constant(x) if name != "causal" else x
-             for name, x in block_masks("combined").items()}
-    ct = tf.constant(draw((BQ, BH, BLQ, 5), seed=9)[0])
-
-    def grads(implementation: str, q: Any, k: Any, v: Any) -> list[tf.Tensor]:
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            loss = tf.reduce_sum(pooled(implementation, q, k, v, masks) * ct)
-        return list(tape.gradient(loss, [q, k, v]))
-
-    run = tf.function(grads, autograph=False)
-    for got, want in zip(run("blockwise", q, k, v), grads("direct", q, k, v), strict=True):
-        assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
 
 
 def test_blockwise_dropout_in_a_layer_under_tf_function(small_blocks: None) -> None:

@@ -195,3 +195,18 @@ def unknown_shape_function(fn: Callable[..., Any], arrays: Sequence[Any], widths
         specs.append(tf.TensorSpec(shape, x.dtype))
     compiled = tf.function(fn, input_signature=specs, jit_compile=jit_compile)
     return compiled, compiled.experimental_get_tracing_count
+
+
+def graph_gradients(fn: Callable[..., Any], arrays: Sequence[Any], cotangent: np.ndarray,
+                    traced: bool) -> list[np.ndarray]:
+    """The gradients of ``sum(fn(*arrays) * cotangent)`` by each array, by ``tf.GradientTape``:
+    eagerly, or in one ``tf.function`` if ``traced`` (autograph off: the only loops are the
+    ops' own ``tf.while_loop``)."""
+    def grads(*xs: Any) -> list[Any]:
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(fn(*xs) * tf.constant(cotangent))
+        return list(tape.gradient(loss, list(xs)))
+
+    run = tf.function(grads, autograph=False) if traced else grads
+    return [np.asarray(g) for g in run(*map(tf.convert_to_tensor, arrays))]
