@@ -14,7 +14,12 @@ run the blockwise loops as the framework's own loops (the others skip, saying wh
 * ``loop_program(fn, arrays) -> (has_loop, size)``: whether the program of ``fn(*arrays)``
   holds a loop primitive, and a measure of its length;
 * ``dropout_program(fn, seed) -> run``: ``run()`` is ``fn(ops)`` compiled, ``ops`` drawing
-  dropout from a generator seeded by ``seed``, a new draw at each call of ``run``.
+  dropout from a generator seeded by ``seed``, a new draw at each call of ``run``;
+* ``unknown_shape_function(fn, arrays, widths, jit_compile) -> (fn, traces)``: ``fn`` traced
+  once for ``arrays`` of any shape (the last dimension of the first ``widths`` kept), and its
+  number of traces (TensorFlow's ``input_signature``);
+* ``graph_gradients(fn, arrays, cotangent, traced) -> list``: the gradients of
+  ``sum(fn(*arrays) * cotangent)`` by each array, eagerly or differentiated in a graph.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+import backends.numpy as numpy_layers
 from attention_core import blockwise
 from tests import naive
 from tests.harness import (
@@ -34,6 +40,7 @@ from tests.harness import (
     Harness,
     max_diff,
 )
+from tests.reference.cases import MASK_KINDS, mask_arguments
 
 TOL = TOLERANCE["float32"]
 #: The compiled modes run here: the quick ones, and JAX's jit (seconds per trace, so only here
@@ -238,6 +245,82 @@ def test_compiled_encoder_at_two_lengths(backend: str) -> None:
             h.run(mode, encoder, lambda m, t: h.call(m, t), [h.array(tokens[0])])
 
 
+# -- a layer traced once for inputs of unknown shape, in every masking ----------------------
+
+#: layer: (config, input shapes, whether ``causal`` may be given).
+UNKNOWN = {
+    "MultiHeadAttention": ({"num_hiddens": 12, "num_heads": 3, "bias": True},
+                           [(2, 4, 10), (2, 6, 7), (2, 6, 9)], True),
+    "TransformerEncoderBlock": ({"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3,
+                                 "bias": True}, [(2, 6, 12)], False),
+}
+#: Mask kinds also traced for XLA with unknown shapes (each XLA compile takes seconds).
+UNKNOWN_XLA_KINDS = ("valid_lens_1d", "valid_lens_2d", "mask_4d", "causal_valid_lens",
+                     "fully_masked_row")
+UNKNOWN_CASES = [pytest.param(layer, kind, id=f"{layer}-{kind}")
+                 for layer, (_, _, causal) in UNKNOWN.items() for kind in MASK_KINDS
+                 if causal or not kind.startswith("causal")]
+
+
+def doubled(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The masking arguments for the inputs repeated twice along the batch axis."""
+    out = dict(kwargs)
+    if "valid_lens" in out:
+        out["valid_lens"] = np.concatenate([out["valid_lens"]] * 2)
+    if "mask" in out and out["mask"].ndim >= 3:
+        out["mask"] = np.concatenate([out["mask"]] * 2)
+    return out
+
+
+@pytest.mark.parametrize("layer, kind", UNKNOWN_CASES)
+def test_a_layer_traced_for_unknown_shapes_serves_two_batch_sizes(
+    backend: str, layer: str, kind: str,
+) -> None:
+    """A float32 layer holding the float64 NumPy layer's weights, traced once with every
+    dimension unknown but the input widths (``unknown_shape_function``; XLA too for
+    :data:`UNKNOWN_XLA_KINDS`), and compiled with every shape known for ``valid_lens_1d``: the
+    eager output, which equals the reference; the traces serve twice the batch, unretraced."""
+    h = Harness(backend)
+    trace = getattr(h.hooks, "unknown_shape_function", None)
+    if trace is None:
+        pytest.skip(f"{h.name} has no unknown_shape_function: no mode traces unknown shapes")
+    config, shapes, _ = UNKNOWN[layer]
+    inputs = draw(*shapes, seed=len(kind))
+    masking = mask_arguments(kind, np.random.default_rng(1), 3, q=shapes[0][1], k=shapes[-1][1])
+    reference = getattr(numpy_layers, layer)(**config, seed=0, dtype="float64")
+    reference(*[x.astype(np.float64) for x in inputs])  # infers the input sizes
+    ours = h.make(layer, config)
+    ours.set_weights({n: w.astype(np.float32) for n, w in reference.get_weights().items()})
+    causal = bool(masking.pop("causal", False))
+    extra = {"causal": causal} if layer == "MultiHeadAttention" else {}
+    names = sorted(masking)  # tensors passed to the traced function, by keyword
+
+    def call(*args: Any) -> Any:
+        tensors = dict(zip(names, args[len(inputs):], strict=True))
+        return h.call(ours, *args[: len(inputs)], **tensors, **extra)
+
+    def arrays(xs: list[np.ndarray], masks: dict[str, Any]) -> list[Any]:
+        return [h.array(a) for a in [*xs, *(masks[n] for n in names)]]
+
+    first = arrays(inputs, masking)
+    unknown = [trace(call, first, len(inputs), False)]
+    if kind in UNKNOWN_XLA_KINDS:
+        unknown.append(trace(call, first, len(inputs), True))
+    graphs = [fn for fn, _ in unknown]
+    if kind == "valid_lens_1d":  # XLA with every shape known, once per layer
+        graphs.append(h.hook("compiled_function")(call))
+    eager = h.numpy(call(*first))
+    expected = reference(*[x.astype(np.float64) for x in inputs], **masking, **extra)
+    assert max_diff(eager, expected) <= TOL
+    for fn in graphs:
+        assert max_diff(h.numpy(fn(*first)), eager) <= TOL
+    twice, masking2 = [np.concatenate([x, x]) for x in inputs], doubled(masking)
+    expected2 = reference(*[x.astype(np.float64) for x in twice], **masking2, **extra)
+    for fn, traces in unknown:
+        assert max_diff(h.numpy(fn(*arrays(twice, masking2))), expected2) <= TOL
+        assert traces() == 1
+
+
 # -- the blockwise loops under compilation --------------------------------------------------
 
 #: ``(B, H, Q, K, D)`` spanning two full query blocks and a tail, and a first key block, two
@@ -309,6 +392,39 @@ def test_compiled_blockwise_and_fused_equal_direct(backend: str, kind: str) -> N
     for path, dv in paths.items():
         assert np.isfinite(got[path]).all(), path
         assert max_diff(got[path], got["direct"][..., :dv]) <= TOL, path
+
+
+def test_blockwise_gradients_in_a_graph_equal_the_direct_ones(
+    backend: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blockwise loops differentiated in a graph (``graph_gradients``: TensorFlow's
+    ``tf.while_loop`` in a ``tf.function``) give the direct path's eager gradients, every
+    masking at once, 13 queries in blocks of 4 and 19 keys in blocks of 5 (ragged tails; eager
+    blockwise gradients in each masking: tests/test_adapters.py)."""
+    h = Harness(backend)
+    graph_gradients = getattr(h.hooks, "graph_gradients", None)
+    if graph_gradients is None:
+        pytest.skip(f"{h.name} has no graph_gradients: no graph mode differentiates the loops")
+    B, H, Q, K = 2, 3, 13, 19
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * 5)
+    rng = np.random.default_rng(len("combined"))
+    masks = {**mask_arguments("valid_lens_2d", rng, H, Q, K, B),
+             **mask_arguments("mask_3d", rng, H, Q, K, B)}
+    arrays = [h.array(x) for x in draw((B, H, Q, 8), (B, H, K, 8), (B, H, K, 5), seed=Q + K)]
+    (ct,) = draw((B, H, Q, 5), seed=9)
+
+    def pooled(implementation: str) -> Any:
+        return lambda q, k, v: ac.dot_product_attention(
+            q, k, v, causal=True, implementation=implementation, ops=h.ops,
+            **{n: h.array(x) for n, x in masks.items()})
+
+    want = graph_gradients(pooled("direct"), arrays, ct, False)
+    got = graph_gradients(pooled("blockwise"), arrays, ct, True)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        assert max_diff(g, w) <= TOL
 
 
 def test_the_blockwise_loops_are_compiled_not_unrolled(backend: str, small_blocks: None) -> None:

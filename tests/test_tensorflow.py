@@ -1,7 +1,9 @@
 """Keras habits of the TensorFlow backend: tf.function and XLA, .keras files, configs, dropout.
 
 The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
-already run on this backend; these tests cover what only Keras has.
+already run on this backend; these tests cover what only Keras has. Layers traced for unknown
+shapes in every masking, and the blockwise loops' gradients in a ``tf.function``, are in
+tests/test_compiled.py (hooks ``unknown_shape_function`` and ``graph_gradients``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from attention_core import attention, blockwise
 from backends.tensorflow.ops import OPS
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
-from tests.reference.cases import MASK_KINDS, mask_arguments
 from tests.reference.generate import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,82 +43,7 @@ def draw(*shapes: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
 
-def doubled(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The masking arguments for the inputs repeated twice along the batch axis."""
-    out = dict(kwargs)
-    if "valid_lens" in out:
-        out["valid_lens"] = np.concatenate([out["valid_lens"]] * 2)
-    if "mask" in out and out["mask"].ndim >= 3:
-        out["mask"] = np.concatenate([out["mask"]] * 2)
-    return out
-
-
-def spec(x: np.ndarray, keep_last: bool) -> tf.TensorSpec:
-    """Every dimension unknown (the feature width kept when asked)."""
-    shape = [None] * x.ndim
-    if keep_last:
-        shape[-1] = x.shape[-1]
-    return tf.TensorSpec(shape, tf.as_dtype(x.dtype))
-
-
-# -- tf.function, XLA, unknown batch; equal to NumPy with the same canonical weights -----------
-
-SETUPS = {
-    # layer: (numpy/keras constructor args, input shapes, whether causal may be given)
-    "MultiHeadAttention": ({"num_hiddens": 12, "num_heads": 3, "bias": True},
-                           [(B, Q, 10), (B, K, 7), (B, K, 9)], True),
-    "TransformerEncoderBlock": ({"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3,
-                                 "bias": True}, [(B, K, 12)], False),
-}
-#: Mask kinds also run under XLA (each XLA compile takes a while on a small machine).
-XLA_KINDS = ("valid_lens_1d", "valid_lens_2d", "mask_4d", "causal_valid_lens", "fully_masked_row")
-GRAPH_CASES = [pytest.param(layer, kind, id=f"{layer}-{kind}")
-               for layer, (_, _, causal) in SETUPS.items() for kind in MASK_KINDS
-               if causal or not kind.startswith("causal")]
-
-
-@pytest.mark.parametrize("layer, kind", GRAPH_CASES)
-def test_graph_modes_equal_eager_and_numpy(layer: str, kind: str) -> None:
-    config, shapes, _ = SETUPS[layer]
-    inputs = draw(*shapes, seed=len(kind))
-    q_len = shapes[0][1]
-    masking = mask_arguments(kind, np.random.default_rng(1), 3, q=q_len, k=shapes[-1][1])
-    reference = getattr(numpy_layers, layer)(**config, seed=0, dtype="float64")
-    reference(*[x.astype(np.float64) for x in inputs])  # infers the input sizes
-    weights = reference.get_weights()
-    ours = getattr(keras_layers, layer)(**config)
-    ours.set_weights({name: value.astype(np.float32) for name, value in weights.items()})
-
-    causal = bool(masking.pop("causal", False))
-    extra = {"causal": causal} if layer == "MultiHeadAttention" else {}
-    names = sorted(masking)  # tensors passed to the traced function, by keyword
-    arrays = [*inputs, *(masking[n] for n in names)]
-
-    def call(*args: Any) -> Any:
-        tensors = dict(zip(names, args[len(inputs):], strict=True))
-        return ours(*args[: len(inputs)], **tensors, **extra)
-
-    signature = [spec(a, keep_last=i < len(inputs)) for i, a in enumerate(arrays)]
-    unknown = [tf.function(call, input_signature=signature)]
-    if kind in XLA_KINDS:
-        unknown.append(tf.function(call, input_signature=signature, jit_compile=True))
-    graphs = list(unknown)
-    if kind == "valid_lens_1d":  # XLA with every shape known, once per layer
-        graphs.append(tf.function(call, jit_compile=True))
-
-    eager = ours(*inputs, **masking, **extra).numpy()
-    expected = reference(*[x.astype(np.float64) for x in inputs], **masking, **extra)
-    assert max_diff(eager, expected) <= TOLERANCE["float32"]
-    for fn in graphs:
-        assert max_diff(fn(*arrays).numpy(), eager) <= TOLERANCE["float32"]
-    # a second batch size runs through the same trace when the batch is unknown
-    twice = [np.concatenate([x, x]) for x in inputs]
-    masking2 = doubled(masking)
-    expected2 = reference(*[x.astype(np.float64) for x in twice], **masking2, **extra)
-    for fn in unknown:
-        out = fn(*twice, *(masking2[n] for n in names)).numpy()
-        assert max_diff(out, expected2) <= TOLERANCE["float32"]
-        assert fn.experimental_get_tracing_count() == 1
+# -- tf.function and XLA (every layer in every masking, unknown shapes: tests/test_compiled.py) --
 
 
 def test_functional_api_under_xla() -> None:
@@ -353,14 +279,6 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blockwise, "TILE_SCORES", BQ * BH * 4 * 5)
 
 
-def block_masks(kind: str, q: int = BLQ, k: int = BLK) -> dict[str, Any]:
-    rng = np.random.default_rng(len(kind))
-    if kind == "combined":  # every way of masking at once, ANDed
-        return {**mask_arguments("valid_lens_2d", rng, BH, q, k, BQ),
-                **mask_arguments("mask_3d", rng, BH, q, k, BQ), "causal": True}
-    return mask_arguments(kind, rng, BH, q, k, BQ)
-
-
 def block_inputs(q: int = BLQ, k: int = BLK) -> list[tf.Tensor]:
     shapes = (BQ, BH, q, DEPTH), (BQ, BH, k, DEPTH), (BQ, BH, k, 5)
     return [tf.constant(x) for x in draw(*shapes, seed=q + k)]
@@ -379,24 +297,6 @@ def test_blockwise_with_an_unknown_batch(small_blocks: None) -> None:
                          input_signature=[*specs, tf.TensorSpec([None], tf.int32)])
     direct = pooled("direct", q, k, v, {"valid_lens": lens}).numpy()
     assert max_diff(traced(q, k, v, lens).numpy(), direct) <= TOLERANCE["float32"]
-
-
-def test_blockwise_gradients_equal_direct_in_a_tf_function(small_blocks: None) -> None:
-    """The tf.while_loop gradients in graph mode (eager: tests/test_adapters.py)."""
-    q, k, v = block_inputs()
-    masks = {name: tf.constant(x) if name != "causal" else x
-             for name, x in block_masks("combined").items()}
-    ct = tf.constant(draw((BQ, BH, BLQ, 5), seed=9)[0])
-
-    def grads(implementation: str, q: Any, k: Any, v: Any) -> list[tf.Tensor]:
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            loss = tf.reduce_sum(pooled(implementation, q, k, v, masks) * ct)
-        return list(tape.gradient(loss, [q, k, v]))
-
-    run = tf.function(grads, autograph=False)
-    for got, want in zip(run("blockwise", q, k, v), grads("direct", q, k, v), strict=True):
-        assert max_diff(got.numpy(), want.numpy()) <= TOLERANCE["float32"]
 
 
 def test_blockwise_dropout_in_a_layer_under_tf_function(small_blocks: None) -> None:

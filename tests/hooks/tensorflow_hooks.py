@@ -177,3 +177,36 @@ def unknown_length_function(fn: Callable[[Any], Any]) -> tuple[Callable[[Any], A
     and the number of times it has been traced."""
     compiled = tf.function(fn, input_signature=[tf.TensorSpec((None, None), tf.int32)])
     return compiled, compiled.experimental_get_tracing_count
+
+
+# --- tests/test_tensorflow.py moved into shared tests (k2) ---
+
+
+def unknown_shape_function(fn: Callable[..., Any], arrays: Sequence[Any], widths: int,
+                           jit_compile: bool) -> tuple[Callable[..., Any], Callable[[], int]]:
+    """``fn`` as one ``tf.function`` (XLA if ``jit_compile``) whose signature leaves every
+    dimension of ``arrays`` unknown but the last of the first ``widths`` (the input widths a
+    layer is built from), and the number of times it has been traced."""
+    specs = []
+    for i, x in enumerate(map(tf.convert_to_tensor, arrays)):
+        shape: list[int | None] = [None] * x.shape.rank
+        if i < widths:
+            shape[-1] = x.shape[-1]
+        specs.append(tf.TensorSpec(shape, x.dtype))
+    compiled = tf.function(fn, input_signature=specs, jit_compile=jit_compile)
+    return compiled, compiled.experimental_get_tracing_count
+
+
+def graph_gradients(fn: Callable[..., Any], arrays: Sequence[Any], cotangent: np.ndarray,
+                    traced: bool) -> list[np.ndarray]:
+    """The gradients of ``sum(fn(*arrays) * cotangent)`` by each array, by ``tf.GradientTape``:
+    eagerly, or in one ``tf.function`` if ``traced`` (autograph off: the only loops are the
+    ops' own ``tf.while_loop``)."""
+    def grads(*xs: Any) -> list[Any]:
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(fn(*xs) * tf.constant(cotangent))
+        return list(tape.gradient(loss, list(xs)))
+
+    run = tf.function(grads, autograph=False) if traced else grads
+    return [np.asarray(g) for g in run(*map(tf.convert_to_tensor, arrays))]
