@@ -84,9 +84,10 @@ def test_every_layer_in_mixed_precision_matches_reference(
         assert h.ops.dtype_name(grad) == "float32", name
         got = h.numpy(grad)
         assert np.isfinite(got).all(), name
-        assert np.any(got != 0) or not np.any(ref[name] != 0), name  # a gradient that flows
+        bound = tolerance("grad." + name, dtype, ref[name])
+        assert np.any(got != 0) or np.abs(ref[name]).max() <= bound, name  # the gradient flows
         if case.layer not in LOW_PRECISION_UNBOUNDED_GRADIENTS:
-            assert max_diff(got, ref[name]) <= tolerance("grad." + name, dtype, ref[name]), name
+            assert max_diff(got, ref[name]) <= bound, name
 
 
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
