@@ -371,7 +371,7 @@ def test_dropout_inside_the_loops_draws_a_new_mask_per_block(
     assert max_diff(h.numpy(dropout_program(attend, 1)()), out) > 1e-3
 
 
-# -- the fused path's NaN mending under whole-graph capture -------------------------------------
+# -- the fused path's NaN mending, compiled ---------------------------------------------------
 
 NAN, INF = float("nan"), float("inf")
 #: Seed, the non-finite entries of q, k, v (2, 2, n, 8), lengths, and the rows left NaN.
@@ -385,14 +385,15 @@ NON_FINITE = {  # NaN in a query, a masked key and a masked value:
 
 
 @pytest.mark.parametrize("name", list(NON_FINITE))
-def test_captured_fused_path_puts_nan_where_eager_does(backend: str, name: str) -> None:
-    """Under ``torch.compile`` (hook ``graph_captured``; the backends without it skip) the
-    inputs cannot be probed, so the mending is always traced: the fused path gives the eager
-    direct path's rows, NaN ones included (inf in a query or key counts as NaN)."""
+def test_compiled_fused_path_puts_nan_where_eager_does(backend: str, name: str) -> None:
+    """Compiled (torch: hook ``graph_captured``, ``torch.compile`` without Inductor; JAX:
+    ``compiled_function``), the inputs cannot be probed, so the mending is always traced: the
+    fused path gives the eager direct path's rows, NaN ones included (inf in a query or key
+    counts as NaN)."""
     h = Harness(backend)
-    capture = getattr(h.hooks, "graph_captured", None)
-    if capture is None:
-        pytest.skip(f"{h.name} has no graph_captured (torch.compile with backend='eager')")
+    if not hasattr(h.ops, "fused_attention"):
+        pytest.skip(f"{h.name} has no fused path")
+    capture = getattr(h.hooks, "graph_captured", None) or function_hook(h, "compiled_function")
     seed, entries, lens, nan_rows = NON_FINITE[name]
     arrays = dict(zip("qkv", draw((2, 2, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8), seed=seed), strict=True))
     for part, x in arrays.items():
