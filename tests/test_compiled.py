@@ -485,3 +485,42 @@ def test_dropout_inside_the_loops_draws_a_new_mask_per_block(
     assert max_diff(h.numpy(run()), out) > 1e-3  # the next call: new masks
     np.testing.assert_array_equal(h.numpy(dropout_program(attend, 0)()), out)
     assert max_diff(h.numpy(dropout_program(attend, 1)()), out) > 1e-3
+
+
+# -- the fused path's NaN mending, compiled ---------------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+#: Seed, the non-finite entries of q, k, v (2, 2, n, 8), lengths, and the rows left NaN.
+NON_FINITE = {  # NaN in a query, a masked key and a masked value:
+    "nan": (1, {"q": [((1, 0, 2, 3), NAN)], "k": [((0, 1, 5, 0), NAN)],
+                "v": [((1, 1, 4, 2), NAN)]}, [5, 4], 1),
+    # +inf in a query, -inf in a visible key, +inf in a key past example 1's length
+    "inf": (2, {"q": [((1, 0, 2, 3), INF)], "k": [((0, 1, 1, 0), -INF), ((1, 0, 5, 2), INF)],
+                "v": []}, [6, 4], 5),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_FINITE))
+def test_compiled_fused_path_puts_nan_where_eager_does(backend: str, name: str) -> None:
+    """Compiled (torch: hook ``graph_captured``, ``torch.compile`` without Inductor; JAX:
+    ``compiled_function``), the inputs cannot be probed, so the mending is always traced: the
+    fused path gives the eager direct path's rows, NaN ones included (inf in a query or key
+    counts as NaN)."""
+    h = Harness(backend)
+    if not hasattr(h.ops, "fused_attention"):
+        pytest.skip(f"{h.name} has no fused path")
+    capture = getattr(h.hooks, "graph_captured", None) or function_hook(h, "compiled_function")
+    seed, entries, lens, nan_rows = NON_FINITE[name]
+    arrays = dict(zip("qkv", draw((2, 2, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8), seed=seed), strict=True))
+    for part, x in arrays.items():
+        for index, value in entries[part]:
+            x[index] = value
+    q, k, v = (h.array(arrays[part]) for part in "qkv")
+
+    def fused(q: Any, k: Any, v: Any, lens: Any) -> Any:
+        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=h.ops)
+
+    got = h.numpy(capture(fused)(q, k, v, h.array(np.array(lens))))
+    want = h.numpy(ac.dot_product_attention(q, k, v, h.array(np.array(lens)), implementation="direct"))
+    assert (np.isnan(got) == np.isnan(want)).all() and int(np.isnan(want).any(-1).sum()) == nan_rows
+    assert max_diff(np.nan_to_num(got), np.nan_to_num(want)) <= TOL

@@ -170,3 +170,42 @@ def count_fused_calls(monkeypatch: Any) -> Callable[[], int]:
 def fused_kernel_takes(depth: int, value_depth: int, dtype: str) -> bool:
     """Whether the kernel takes a fused call of these per-head depths and dtype: SDPA takes all."""
     return True
+
+
+# --- mixed precision ---
+
+
+def mixed_precision(dtype: str) -> Any:
+    """``torch.autocast`` on the CPU in ``dtype``: float32 parameters, computations in ``dtype``."""
+    return torch.autocast("cpu", dtype=getattr(torch, dtype))
+
+
+def graph_captured(fn: Any) -> Any:
+    """``torch.compile(fn, fullgraph=True, backend="eager")`` (a layer or a function): Dynamo's
+    whole-graph capture without Inductor, its caches reset first."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="eager")
+
+
+def adam_steps(make_layer: Callable[[], Any], args: Sequence[Any], target: np.ndarray, steps: int,
+               mixed: str | None) -> tuple[list[float], dict[str, Any], bool]:
+    """``steps`` Adam steps (lr 0.01) of ``make_layer()``, made after ``torch.manual_seed(0)``,
+    on ``mean((layer(*args) - target) ** 2)``, the forward under autocast in ``mixed`` unless
+    None. Returns the losses, the first step's gradients by weight, and whether every weight
+    moved at every step."""
+    torch.manual_seed(0)
+    layer = make_layer()
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    losses, first, moved = [], {}, True
+    for step in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=getattr(torch, mixed or "bfloat16"), enabled=bool(mixed)):
+            loss = ((layer(*args) - torch.as_tensor(target)) ** 2).mean()
+        loss.backward()
+        if step == 0:
+            first = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        optimizer.step()
+        moved = moved and all(not torch.equal(p, before[n]) for n, p in layer.named_parameters())
+        losses.append(loss.item())
+    return losses, first, moved
