@@ -4,8 +4,9 @@ A layer compiled (``jax.jit``, ``tf.function(jit_compile=True)``, ``hybridize()`
 eager output, attention weights and gradients, and the float64 reference's; gradients also
 match central differences of the reference. A compiled encoder serves two input lengths. The
 blockwise loops compile to loops (the program does not grow with the length), equal the direct
-path under compilation, and draw a fresh dropout mask in every block. ``torch.compile`` costs
-seconds per graph: its cases stay in tests/test_torch.py and the matrix.
+path under compilation, and draw a fresh dropout mask in every block. ``torch.compile`` with
+Inductor costs seconds per graph: its cases stay in tests/test_torch.py and the matrix; here
+torch runs only the fused path's NaN rows, captured by ``torch.compile(backend="eager")``.
 
 Hooks used besides the harness's (``tests/hooks/<backend>_hooks.py``), for backends whose ops
 run the blockwise loops as the framework's own loops (the others skip, saying why):
