@@ -522,7 +522,10 @@ def dot_product_attention(
         return (out, weights) if return_weights else out
 
     cond = getattr(ops, "cond", None)
-    if not norms and cond is not None and path != "blockwise":
+    # one bound for the whole batch: where a program may split the batch over devices, only
+    # the fused kernel is worth a collective (see attention_core.ops.FusedAttentionOps)
+    guarded = ("fused",) if getattr(ops, "batch_spans_devices", False) else ("fused", "direct")
+    if not norms and cond is not None and path in guarded:
         # traced (nothing probed): a bound checked in the graph picks the branch. When it holds
         # the inputs need no mending and the scores cannot overflow: the path as chosen, on the
         # inputs as given, with no pass over the scores to find rows to zero. Otherwise the

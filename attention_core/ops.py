@@ -260,6 +260,11 @@ class FusedAttentionOps(Ops, Protocol):
     it holds, the inputs are used as given (the fused kernel may run, and the direct path's
     softmax kernel needs no pass over the scores to find the rows it leaves uniform); when it
     fails, the inputs are mended and the unfused path runs.
+
+    The bound is one number for the whole batch. Ops whose traced programs may span devices
+    that split the batch (``jax.jit`` over a sharded batch) set ``batch_spans_devices = True``:
+    the bound then needs a collective across the devices, so it guards only the fused kernel,
+    and the direct path mends its inputs in every program, each example on its own device.
     """
 
     def fused_attention(

@@ -81,6 +81,10 @@ class JaxOps(NamespaceOps):
     def arange(self, n: Any) -> jax.Array:
         return jnp.arange(n, dtype=jnp.int32)
 
+    #: A jitted program may split the batch over devices (a sharded batch): a bound over the
+    #: whole batch would need a collective there, so it guards only the fused kernel.
+    batch_spans_devices = True
+
     def cond(self, pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
         """``jax.lax.cond`` on the one-element ``pred``.
 
