@@ -423,9 +423,7 @@ class AdditiveAttention(_Attention):
 
     num_hiddens: int
     dropout: float = 0.0
-    sizes: ClassVar[Mapping[str, Size]] = {
-        "q_in": Size("queries", "W_q.kernel"), "k_in": Size("keys", "W_k.kernel"),
-    }
+    sizes: ClassVar[Mapping[str, Size]] = {d: QKV_SIZES[d] for d in ("q_in", "k_in")}
     always_keeps: ClassVar[bool] = True
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:

@@ -210,7 +210,7 @@ def test_seeded_initial_weights_are_reproducible(backend: str) -> None:
     seeded = h.hook("seeded_weights")
     args = [h.array(x) for x in draw((2, 4, 8), (2, 6, 8), (2, 6, 5))]
     cls = getattr(h.module, "MultiHeadAttention")  # noqa: B009
-    weights = seeded(cls, {"num_hiddens": 8, "num_heads": 2}, [3, 3, 4], args)
+    weights = [seeded(cls, {"num_hiddens": 8, "num_heads": 2}, seed, args) for seed in (3, 3, 4)]
     assert sorted(weights[0]) == ["W_k.kernel", "W_o.kernel", "W_q.kernel", "W_v.kernel"]
     for name, value in weights[0].items():
         np.testing.assert_array_equal(np.asarray(weights[1][name]), np.asarray(value), err_msg=name)

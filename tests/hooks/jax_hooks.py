@@ -240,12 +240,10 @@ def native_shapes(layer: FlaxLayer | Layer) -> dict[str, tuple[int | None, ...] 
                                          for name, p in flatten(variables["params"]).items()}
 
 
-def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
-                   args: Sequence[Any]) -> list[dict[str, Any]]:
-    """The initial weights ``init`` draws from the params rng ``PRNGKey(seed)``, per seed."""
+def seeded_weights(cls: Any, config: dict[str, Any], seed: int, args: Sequence[Any]) -> dict[str, Any]:
+    """The initial weights ``init`` draws from the params rng ``PRNGKey(seed)``."""
     module = cls(**config)
-    return [bj.get_weights(module.init(jax.random.PRNGKey(seed), *args), layer=module)
-            for seed in seeds]
+    return dict(bj.get_weights(module.init(jax.random.PRNGKey(seed), *args), layer=module))
 
 
 def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,

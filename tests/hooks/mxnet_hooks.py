@@ -123,17 +123,13 @@ def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
             for key, p in layer.collect_params().items() if p.grad_req != "null"}
 
 
-def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
-                   args: Sequence[Any]) -> list[dict[str, Any]]:
-    """The initial weights after ``mx.random.seed(seed)`` and a first call, per seed."""
-    weights = []
-    for seed in seeds:
-        mx.random.seed(seed)
-        layer = cls(**config)
-        layer.initialize()
-        layer(*args)
-        weights.append(layer.get_weights())
-    return weights
+def seeded_weights(cls: Any, config: dict[str, Any], seed: int, args: Sequence[Any]) -> dict[str, Any]:
+    """The initial weights after ``mx.random.seed(seed)`` and a first call."""
+    mx.random.seed(seed)
+    layer = cls(**config)
+    layer.initialize()
+    layer(*args)
+    return dict(layer.get_weights())
 
 
 # --- native weights, names, config ---

@@ -37,15 +37,11 @@ def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[A
 # --- building (lazy sizes) ---
 
 
-def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
-                   args: Sequence[Any]) -> list[dict[str, Any]]:
-    """The initial weights of a layer made with ``seed=seed``, after a first call, per seed."""
-    weights = []
-    for seed in seeds:
-        layer = cls(**config, seed=seed)
-        layer(*args)
-        weights.append(layer.get_weights())
-    return weights
+def seeded_weights(cls: Any, config: dict[str, Any], seed: int, args: Sequence[Any]) -> dict[str, Any]:
+    """The initial weights of a layer made with ``seed=seed``, after a first call."""
+    layer = cls(**config, seed=seed)
+    layer(*args)
+    return dict(layer.get_weights())
 
 
 # --- native weights, names, config ---

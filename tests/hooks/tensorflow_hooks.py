@@ -102,16 +102,12 @@ def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
     return {w.name: tuple(w.shape) for w in layer.weights}
 
 
-def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
-                   args: Sequence[Any]) -> list[dict[str, Any]]:
-    """The initial weights after ``keras.utils.set_random_seed(seed)`` and a first call, per seed."""
-    weights = []
-    for seed in seeds:
-        keras.utils.set_random_seed(seed)
-        layer = cls(**config)
-        layer(*args)
-        weights.append(layer.get_weights())
-    return weights
+def seeded_weights(cls: Any, config: dict[str, Any], seed: int, args: Sequence[Any]) -> dict[str, Any]:
+    """The initial weights after ``keras.utils.set_random_seed(seed)`` and a first call."""
+    keras.utils.set_random_seed(seed)
+    layer = cls(**config)
+    layer(*args)
+    return dict(layer.get_weights())
 
 
 # --- native weights, names, config ---

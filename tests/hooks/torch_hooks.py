@@ -106,16 +106,12 @@ def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
             for name, p in layer.state_dict().items()}
 
 
-def seeded_weights(cls: Any, config: dict[str, Any], seeds: Sequence[int],
-                   args: Sequence[Any]) -> list[dict[str, Any]]:
-    """The initial weights after ``torch.manual_seed(seed)`` and a first call, per seed."""
-    weights = []
-    for seed in seeds:
-        torch.manual_seed(seed)
-        layer = cls(**config)
-        layer(*args)
-        weights.append(layer.get_weights())
-    return weights
+def seeded_weights(cls: Any, config: dict[str, Any], seed: int, args: Sequence[Any]) -> dict[str, Any]:
+    """The initial weights after ``torch.manual_seed(seed)`` and a first call."""
+    torch.manual_seed(seed)
+    layer = cls(**config)
+    layer(*args)
+    return dict(layer.get_weights())
 
 
 def weights_from_sizes(cls: Any, config: dict[str, Any], seed: int,
