@@ -12,6 +12,7 @@ import contextvars
 import importlib
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -140,6 +141,9 @@ def load(name: str) -> ModuleType:
         BackendNotInstalledError: The framework is not installed.
     """
     key = canonical_name(name)
+    module = _loaded.get(key) or _imported(f"backends.{key}")
+    if module is not None:  # no lock, no file system: also while torch.compile traces a call
+        return module
     if not is_installed(key):
         missing = [m for m in FRAMEWORKS[key] if importlib.util.find_spec(m) is None]
         raise BackendNotInstalledError(
@@ -158,6 +162,13 @@ def load(name: str) -> ModuleType:
         with _lock:
             module = _loaded[key] = importlib.import_module(f"backends.{key}")
     return module
+
+
+def _imported(name: str) -> ModuleType | None:
+    """The module ``name`` if its import has finished (by whoever imported it), else None."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return None if module is None or getattr(spec, "_initializing", False) else module
 
 
 def _env_default() -> str:

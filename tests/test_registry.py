@@ -126,3 +126,18 @@ def test_backend_of_array_types(backend: str) -> None:
 def test_set_backend_sets_process_default() -> None:
     out = run_python("import attention_core as ac; ac.set_backend('numpy'); print(ac.backend())")
     assert out.stdout.strip() == "numpy"
+
+
+def test_a_backend_imported_by_the_user_is_found_while_torch_compile_traces(backend: str) -> None:
+    """``torch.compile(fullgraph=True)`` of the functional API, first thing in a process whose
+    user imported ``backends.torch`` (not through the registry): the registry finds the module
+    without its lock, which Dynamo cannot enter, and without the file system."""
+    if backend != "torch":
+        pytest.skip("torch.compile")
+    done = run_python(
+        "import torch, attention_core as ac, backends.torch\n"
+        "q = torch.randn(2, 3, 8)\n"
+        "f = torch.compile(lambda q: ac.dot_product_attention(q, q, q), fullgraph=True)\n"
+        "print(float((f(q) - ac.dot_product_attention(q, q, q)).abs().max()))\n")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) <= 1e-6

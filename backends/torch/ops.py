@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from attention_core.ops import NamespaceOps
@@ -123,6 +125,26 @@ class TorchOps(NamespaceOps):
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
         return F.dropout(x, rate, training=True)
 
+    @property
+    def cond(self) -> Callable[..., Any] | None:
+        """``torch.cond`` where it can branch (see :func:`_can_cond`), None otherwise.
+
+        A compiled call cannot probe its inputs, so the core checks its bound on the scores in
+        the graph and this picks the branch (see :class:`attention_core.ops.Ops`). Eager calls
+        probe instead; ``torch.jit.trace`` and ``torch.func`` have no ``torch.cond``.
+        """
+        return _compiled_cond if _can_cond() else None
+
+    def prefers_fused(self, shape: tuple[Any, ...]) -> bool:
+        """Whether the automatic choice takes SDPA: unless a traced call has no ``cond``.
+
+        There the bound on the scores cannot pick the branch, and SDPA could not mask an
+        overflowed score, so the direct path is taken (``implementation="fused"`` still runs
+        the kernel).
+        """
+        traced = torch.compiler.is_compiling() or torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
+        return not traced or _can_cond()
+
     #: SDPA adds the mask to the scores, so a NaN in a masked key spreads to every row (NaN + -inf);
     #: without a mask it gives a row whose query is NaN zeros. The core mends both.
     fused_propagates_nan = False
@@ -156,6 +178,36 @@ class TorchOps(NamespaceOps):
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
         )
+
+
+def _can_cond() -> bool:
+    """Whether ``torch.cond`` can pick the branch now: in a static ``torch.compile`` program.
+
+    Only while ``torch.compile`` traces a call whose gradients are not wanted
+    (``torch.no_grad``, ``torch.inference_mode``). Not where autograd records the call: the
+    gradients of SDPA's inputs are laid out otherwise than the direct path's, which
+    ``torch.cond``'s backward refuses. Not with ``dynamic=True``: Dynamo then makes the scale
+    and the dropout rate symbolic floats, which ``torch.cond`` does not take from its branches.
+    """
+    static = getattr(torch._dynamo.config, "assume_static_by_default", True)
+    return bool(torch.compiler.is_compiling() and static and not torch.is_grad_enabled())
+
+
+def _compiled_cond(pred: torch.Tensor, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
+    """``torch.cond`` on the one-element ``pred``; each branch's tensors made contiguous.
+
+    ``torch.cond`` needs both branches to give tensors of one layout, and SDPA lays out its
+    output otherwise than a matrix product does.
+    """
+    def dense(branch: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            result = branch()
+            if isinstance(result, tuple):
+                return tuple(x.contiguous() for x in result)
+            return result.contiguous()
+        return run
+
+    return torch.cond(torch.reshape(pred, ()), dense(if_true), dense(if_false))
 
 
 #: The default torch ops (used by the functional API for torch tensors).
