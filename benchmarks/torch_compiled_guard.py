@@ -1,0 +1,122 @@
+"""``torch.compile``: the guarded SDPA against the bare one, in one process.
+
+Issue 14 closed its last leak under ``torch.compile``: a compiled call cannot probe its inputs,
+so SDPA, which cannot mask an overflowed score, ran on whatever came. Now, in a static program
+that autograd does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an
+in-graph bound says no score can overflow; where the program cannot branch (autograd on,
+``dynamic=True``) the automatic choice takes the direct path. This script times the compiled
+``MultiHeadAttention(512, 8, bias=True)`` (``fullgraph=True``), self-attention, batch 1,
+``valid_lens = [n - n // 4]``, in interleaved rounds (:mod:`benchmarks.timing`):
+
+* ``infer``: ``new`` is the default layer's forward under ``torch.no_grad()`` (the bound and
+  ``torch.cond``); ``old`` the same forward of a layer with ``implementation="fused"`` whose
+  weights do not require gradients, run with autograd on: bare SDPA, as before the change;
+* ``train``: forward and backward of the output's sum; ``new`` the default layer (the direct
+  path), ``old`` the layer with ``implementation="fused"`` (bare SDPA, as before).
+
+Both layers hold the same weights. ``old`` runs twice per round: ``old'/old`` is the A/A
+control. Prints, per mode and size, the median ratio ``new/old`` over rounds with its 95%
+interval, and the control.
+
+Usage: ``python -m benchmarks.torch_compiled_guard [--sizes 512,1024] [--rounds 15]
+[--min-time 0.2]``, from the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from backends.torch import MultiHeadAttention
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HIDDEN, HEADS = 512, 8
+
+
+def compiled(weights: dict[str, np.ndarray], x: torch.Tensor, **config: Any) -> Callable[..., Any]:
+    """``MultiHeadAttention(512, 8, bias=True, **config)`` holding ``weights``, compiled."""
+    layer = MultiHeadAttention(HIDDEN, HEADS, bias=True, keep_attention_weights=False, **config)
+    layer.eval()
+    layer(x, x, x)  # sizes inferred eagerly
+    layer.set_weights(weights)
+    fn: Callable[..., Any] = torch.compile(layer, fullgraph=True)
+    return fn
+
+
+def calls(weights: dict[str, np.ndarray], x: torch.Tensor, lens: torch.Tensor
+          ) -> dict[str, dict[str, Callable[[], Any]]]:
+    """``{mode: {"new": call, "old": call}}`` of the module docstring, each compiled now."""
+    default, fused = compiled(weights, x), compiled(weights, x, implementation="fused")
+    frozen = compiled(weights, x, implementation="fused")
+    for p in frozen.parameters():  # type: ignore[attr-defined]
+        p.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+
+    def infer(fn: Callable[..., Any], grad: bool) -> Callable[[], Any]:
+        def call() -> Any:
+            with torch.set_grad_enabled(grad):
+                return fn(x, x, x, lens).numpy()
+        return call
+
+    def train(fn: Callable[..., Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            out = fn(xg, xg, xg, lens)
+            out.sum().backward()
+            return out.detach().numpy()
+        return call
+
+    result = {"infer": {"new": infer(default, False), "old": infer(frozen, True)},
+              "train": {"new": train(default), "old": train(fused)}}
+    for pair in result.values():
+        for call in pair.values():
+            call()  # compiled here
+    return result
+
+
+def main() -> None:
+    """Parses the arguments, compiles the layers per size, times them, prints."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="512,1024")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--min-time", type=float, default=0.2)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rng = np.random.default_rng(0)
+    weights = {}
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        weights[f"{name}.kernel"] = (rng.standard_normal((HIDDEN, HIDDEN)) * HIDDEN**-0.5).astype(np.float32)
+        weights[f"{name}.bias"] = (rng.standard_normal(HIDDEN) * 0.1).astype(np.float32)
+    inputs = {n: (torch.from_numpy(rng.standard_normal((1, n, HIDDEN)).astype(np.float32)),
+                  torch.tensor([n - n // 4])) for n in sizes}
+    made = {n: calls(weights, *inputs[n]) for n in sizes}
+    timing = importlib.import_module("benchmarks.timing")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {head}; torch "
+          f"{torch.__version__}, {os.cpu_count()} CPUs; {args.rounds} interleaved rounds, "
+          "median [95% interval]", flush=True)
+    for n in sizes:
+        for mode in ("infer", "train"):
+            new, old = made[n][mode]["new"], made[n][mode]["old"]
+            np.testing.assert_allclose(new(), old(), rtol=1e-4, atol=1e-5)
+            contenders = {"old": old, "new": new, "old'": old}
+            times = timing.interleaved(contenders, args.rounds, args.min_time)
+            r, aa = timing.ratio(times, "new", "old"), timing.ratio(times, "old'", "old")
+            per_call = 1e3 * float(np.median(times["old"]))
+            print(f"n={n:5d} {mode}: new/old {r.median:.3f} [{r.low:.3f}, {r.high:.3f}]   "
+                  f"A/A {aa.median:.3f} [{aa.low:.3f}, {aa.high:.3f}]   old {per_call:.1f} ms",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
