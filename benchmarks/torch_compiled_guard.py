@@ -1,20 +1,14 @@
 """``torch.compile``: the guarded SDPA against the bare one, in one process.
 
 Issue 14 closed its last leak under ``torch.compile``: a compiled call cannot probe its inputs,
-so SDPA, which cannot mask an overflowed score, ran on whatever came. Now, in a static program
-that autograd does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an
-in-graph bound says no score can overflow; where the program cannot branch (autograd on,
-``dynamic=True``) the automatic choice takes the direct path. This script times the compiled
+so SDPA, which cannot mask an overflowed score, ran on whatever came. Now, in a program that
+autograd does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an in-graph
+bound says no score can overflow. This script times the forward of the compiled
 ``MultiHeadAttention(512, 8, bias=True)`` (``fullgraph=True``), self-attention, batch 1,
-``valid_lens = [n - n // 4]``, in interleaved rounds (:mod:`benchmarks.timing`):
-
-* ``infer``: ``new`` is the default layer's forward under ``torch.no_grad()`` (the bound and
-  ``torch.cond``); ``old`` the same forward of a layer with ``implementation="fused"`` whose
-  weights do not require gradients, run with autograd on: bare SDPA, as before the change;
-* ``train``: forward and backward of the output's sum; ``new`` the default layer (the direct
-  path), ``old`` the layer with ``implementation="fused"`` (bare SDPA, as before).
-
-Both layers hold the same weights. ``old`` runs twice per round: ``old'/old`` is the A/A
+``valid_lens = [n - n // 4]``, in interleaved rounds (:mod:`benchmarks.timing`): ``new`` under
+``torch.no_grad()`` (the bound and ``torch.cond``), ``old`` the same layer's weights in a layer
+whose weights do not require gradients, run with autograd on, where no ``torch.cond`` is made:
+bare SDPA, as every compiled call ran before the change. ``old`` runs twice per round: ``old'/old`` is the A/A
 control. Prints, per mode and size, the median ratio ``new/old`` over rounds with its 95%
 interval, and the control.
 
@@ -54,13 +48,11 @@ def compiled(weights: dict[str, np.ndarray], x: torch.Tensor, **config: Any) -> 
 
 
 def calls(weights: dict[str, np.ndarray], x: torch.Tensor, lens: torch.Tensor
-          ) -> dict[str, dict[str, Callable[[], Any]]]:
-    """``{mode: {"new": call, "old": call}}`` of the module docstring, each compiled now."""
-    default, fused = compiled(weights, x), compiled(weights, x, implementation="fused")
-    frozen = compiled(weights, x, implementation="fused")
-    for p in frozen.parameters():  # type: ignore[attr-defined]
+          ) -> dict[str, Callable[[], Any]]:
+    """``{"new": call, "old": call}`` of the module docstring, each compiled now."""
+    guarded, bare = compiled(weights, x), compiled(weights, x)
+    for p in bare.parameters():  # type: ignore[attr-defined]
         p.requires_grad_(False)
-    xg = x.clone().requires_grad_(True)
 
     def infer(fn: Callable[..., Any], grad: bool) -> Callable[[], Any]:
         def call() -> Any:
@@ -68,18 +60,9 @@ def calls(weights: dict[str, np.ndarray], x: torch.Tensor, lens: torch.Tensor
                 return fn(x, x, x, lens).numpy()
         return call
 
-    def train(fn: Callable[..., Any]) -> Callable[[], Any]:
-        def call() -> Any:
-            out = fn(xg, xg, xg, lens)
-            out.sum().backward()
-            return out.detach().numpy()
-        return call
-
-    result = {"infer": {"new": infer(default, False), "old": infer(frozen, True)},
-              "train": {"new": train(default), "old": train(fused)}}
-    for pair in result.values():
-        for call in pair.values():
-            call()  # compiled here
+    result = {"new": infer(guarded, False), "old": infer(bare, True)}
+    for call in result.values():
+        call()  # compiled here
     return result
 
 
@@ -106,8 +89,8 @@ def main() -> None:
           f"{torch.__version__}, {os.cpu_count()} CPUs; {args.rounds} interleaved rounds, "
           "median [95% interval]", flush=True)
     for n in sizes:
-        for mode in ("infer", "train"):
-            new, old = made[n][mode]["new"], made[n][mode]["old"]
+        for mode in ("infer",):
+            new, old = made[n]["new"], made[n]["old"]
             np.testing.assert_allclose(new(), old(), rtol=1e-4, atol=1e-5)
             contenders = {"old": old, "new": new, "old'": old}
             times = timing.interleaved(contenders, args.rounds, args.min_time)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
+from attention_core.attention import BLOCKWISE_MIN_SCORES
 from attention_core.ops import NamespaceOps
 
 
@@ -135,15 +137,15 @@ class TorchOps(NamespaceOps):
         """
         return _compiled_cond if _can_cond() else None
 
-    def prefers_fused(self, shape: tuple[Any, ...]) -> bool:
-        """Whether the automatic choice takes SDPA: unless a traced call has no ``cond``.
+    @property
+    def blockwise_min_scores(self) -> float:
+        """Scores from which the automatic choice pools blockwise: none inside ``torch.cond``.
 
-        There the bound on the scores cannot pick the branch, and SDPA could not mask an
-        overflowed score, so the direct path is taken (``implementation="fused"`` still runs
-        the kernel).
+        There the branch a failed bound takes is the direct path: Dynamo would unroll the
+        blockwise loops into the program, and Inductor cannot lay out their blocks once the
+        lengths are symbolic (a compiled layer called with a second length).
         """
-        traced = torch.compiler.is_compiling() or torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
-        return not traced or _can_cond()
+        return math.inf if _can_cond() else BLOCKWISE_MIN_SCORES
 
     #: SDPA adds the mask to the scores, so a NaN in a masked key spreads to every row (NaN + -inf);
     #: without a mask it gives a row whose query is NaN zeros. The core mends both.
