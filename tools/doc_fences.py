@@ -12,7 +12,9 @@ The convention the pages follow:
   the numpy env. A fence importing two frameworks is an error.
 * Each python fence runs on its own: a fresh interpreter, the working directory a new temporary
   one, the repository first on ``PYTHONPATH``. ``<!-- continues -->`` on the line right before
-  a fence appends it to the previous python fence of the same page (one script, one namespace).
+  a fence appends it to the previous python fence of the same page (one script, one namespace);
+  the chain runs in the env of its first fence, and a continued fence may import no other
+  framework.
 * ``<!-- not-runnable: <reason> -->`` right before a fence: not run (python or bash). At most
   :data:`MAX_NOT_RUNNABLE` such fences in all, each with a reason.
 * ``<!-- runs-in: <backend> -->`` right before a fence: its env, when the imports do not say.
@@ -208,7 +210,8 @@ def imported_backends(code: str) -> frozenset[str]:
             if isinstance(node, ast.Import):
                 modules += [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                modules.append(node.module)
+                modules.append(node.module)  # `from backends import torch` names backends.torch
+                modules += [f"{node.module}.{alias.name}" for alias in node.names]
     except SyntaxError:
         modules = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", code, flags=re.MULTILINE)
     return frozenset(b for b in map(module_backend, modules) if b and b != "numpy")
@@ -331,7 +334,7 @@ def chains(fences: Iterable[Fence]) -> tuple[list[Job], list[str]]:
                 problems.append(f"{fence.location}: continues {before.location}, which is not-runnable")
             elif fence.not_runnable is None:
                 chain = jobs[chain_of[before]]
-                framework = _chain_framework(chain)
+                framework = chain[0].framework
                 if fence.runs_in or (fence.imports and fence.framework != framework):
                     own = f"runs-in {fence.runs_in}" if fence.runs_in else f"imports {fence.framework}"
                     problems.append(f"{fence.location}: continues a {framework} chain "
@@ -343,15 +346,9 @@ def chains(fences: Iterable[Fence]) -> tuple[list[Job], list[str]]:
             jobs.append([fence])
         if fence.kind == "python":
             last_python[fence.page] = fence
-    return [Job(_chain_framework(c), tuple(c)) for c in jobs], problems
+    return [Job(c[0].framework, tuple(c)) for c in jobs], problems
 
 
-def _chain_framework(chain: Sequence[Fence]) -> str:
-    head = chain[0]
-    if head.runs_in or head.imports:
-        return head.framework
-    named = [f.framework for f in chain[1:] if f.imports]
-    return named[0] if named else "numpy"
 
 
 # -- shell fences -----------------------------------------------------------------------------
@@ -424,7 +421,7 @@ def _until_operator(words: Sequence[str]) -> list[str]:
 
 
 def shell_lines(fence: Fence) -> list[tuple[int, str]]:
-    r"""A bash fence's commands with their page lines (``\\`` continuations joined, comments out)."""
+    r"""A bash fence's commands with their page lines (``\`` continuations joined, comments out)."""
     out: list[tuple[int, str]] = []
     pending, start = "", 0
     for k, raw in enumerate(fence.code.splitlines()):
@@ -603,6 +600,9 @@ def load(root: str | Path) -> Docs:
     jobs, problems = chains(fences)
     problems = [f"{f.location}: {p}" for f in fences for p in f.problems] + problems
     for fence in fences:
+        if fence.kind == "other" and fence.not_runnable is None:
+            problems.append(f"{fence.location}: a fence tagged {fence.info or 'nothing'!r} is neither run "
+                            "nor output: tag it python, bash or text, or mark it not-runnable")
         if fence.kind == "bash" and fence.not_runnable is None:
             commands, bad = shell_jobs(fence, base)
             jobs += commands
@@ -613,7 +613,11 @@ def load(root: str | Path) -> Docs:
     if len(marked) > MAX_NOT_RUNNABLE:
         problems.append(f"{len(marked)} fences are marked not-runnable, at most {MAX_NOT_RUNNABLE} may be: "
                         + ", ".join(f.location for f in marked))
-    return Docs(base, tuple(fences), tuple(jobs), tuple(problems))
+    def page_order(problem: str) -> tuple[str, int]:
+        page, _, line = problem.split(": ", 1)[0].rpartition(":")
+        return (page, int(line)) if line.isdigit() else ("", 0)
+
+    return Docs(base, tuple(fences), tuple(jobs), tuple(sorted(problems, key=page_order)))
 
 
 # -- running ----------------------------------------------------------------------------------
