@@ -263,15 +263,15 @@ def test_a_failure_names_the_page_line(tmp_path: Path) -> None:
 
 @numpy_env
 def test_a_failure_without_traceback_names_its_fence_and_a_hang_is_stopped(tmp_path: Path) -> None:
-    text = page(fence("python", "x = 1"), "", "<!-- continues -->",
+    text = page(fence("python", "from __future__ import annotations", "x = 1"), "", "<!-- continues -->",
                 fence("python", "import os", "os._exit(3)"), "",
                 fence("python", "import time", "time.sleep(60)"))
     jobs, _ = doc_fences.chains(doc_fences.parse_page(text, "q.md"))
     exited = doc_fences.run_job(jobs[0], tmp_path)
-    assert (exited.returncode, exited.failed_at) == (3, "q.md:6")
+    assert (exited.returncode, exited.failed_at) == (3, "q.md:7")
     hung = doc_fences.run_job(jobs[1], tmp_path, timeout=2)
     assert hung.returncode is None and not hung.ok and hung.seconds < 30
-    assert hung.report().startswith("q.md:11: timed out")
+    assert hung.report().startswith("q.md:12: timed out")
 
 
 @numpy_env

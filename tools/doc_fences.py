@@ -626,19 +626,20 @@ def load(root: str | Path) -> Docs:
 def chain_script(job: Job) -> tuple[str, list[str | None]]:
     """The script a chain runs as, and the ``page:line`` of each of its lines (1-based, index 0 unused).
 
-    Each fence is preceded by a comment and a line writing ``[doc-fence] page:line`` to
-    standard error, so a failure that leaves no traceback is still placed.
+    Each continued fence is preceded by a comment and a line writing ``[doc-fence] page:line``
+    to standard error, so a failure that leaves no traceback is still placed (the first fence
+    gets neither: it may begin with ``from __future__ import``).
     """
     lines: list[str] = []
     where: list[str | None] = [None]
-    for fence in job.fences:
-        header = [f"# ---- {fence.location} ----",
-                  f"__import__('sys').stderr.write({f'{_DOC_PREFIX} {fence.location}' + chr(10)!r})"]
+    for k, fence in enumerate(job.fences):
+        note = f"{_DOC_PREFIX} {fence.location}\n"
+        header = [f"# ---- {fence.location} ----", f"__import__('sys').stderr.write({note!r})"] if k else []
         lines += header
         where += [fence.location] * len(header)
-        for k, text in enumerate(fence.code.splitlines()):
+        for n, text in enumerate(fence.code.splitlines()):
             lines.append(text)
-            where.append(f"{fence.page}:{fence.line + 1 + k}")
+            where.append(f"{fence.page}:{fence.line + 1 + n}")
     return "\n".join(lines) + "\n", where
 
 
