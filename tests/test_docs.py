@@ -147,26 +147,27 @@ def test_continues_chains_and_their_rules() -> None:
     text = page(
         "<!-- continues -->", fence("python", "x = 0"), "",                        # 2: nothing before
         fence("python", "import torch", "t = torch.ones(2)"), "",                  # 6
-        "<!-- continues -->", fence("python", "t = t + 1"), "",                    # 12: joins 6
-        fence("bash", "tox -e numpy"), "",                                         # 16
-        "<!-- continues -->", fence("python", "print(t)"), "",                     # 21: joins 6 (after bash)
-        "<!-- continues -->", fence("bash", "tox"), "",                            # 26: not python
-        "<!-- continues -->", fence("python", "import jax"), "",                   # 31: other framework
-        fence("python", "import numpy as np"), "",                                 # 35
-        "<!-- continues -->", fence("python", "import mxnet"), "",                 # 40: numpy head
-        "<!-- not-runnable: needs a GPU -->", fence("python", "y = 1"), "",        # 45
-        "<!-- continues -->", fence("python", "y += 1"),                           # 50: after not-runnable
+        "<!-- continues -->", "<!-- runs-in: torch -->",
+        fence("python", "t = t + 1"), "",                                          # 13: joins 6
+        fence("bash", "tox -e numpy"), "",                                         # 17
+        "<!-- continues -->", fence("python", "print(t)"), "",                     # 22: joins 6 (after bash)
+        "<!-- continues -->", fence("bash", "tox"), "",                            # 27: not python
+        "<!-- continues -->", fence("python", "import jax"), "",                   # 32: other framework
+        fence("python", "import numpy as np"), "",                                 # 36
+        "<!-- continues -->", fence("python", "import mxnet"), "",                 # 41: numpy head
+        "<!-- not-runnable: needs a GPU -->", fence("python", "y = 1"), "",        # 46
+        "<!-- continues -->", fence("python", "y += 1"),                           # 51: after not-runnable
     )
     jobs, problems = doc_fences.chains(doc_fences.parse_page(text, "c.md"))
     assert [(j.framework, [f.line for f in j.fences]) for j in jobs] == [
-        ("torch", [6, 12, 21, 31]), ("numpy", [35, 40])]
-    assert jobs[0].name == "c.md:6+12+21+31"
+        ("torch", [6, 13, 22, 32]), ("numpy", [36, 41])]
+    assert jobs[0].name == "c.md:6+13+22+32"
     assert problems == [
         "c.md:2: continues, but no python fence comes before it",
-        "c.md:26: continues, but is not a python fence",
-        "c.md:31: continues a torch chain (c.md:6) but says imports jax",
-        "c.md:40: continues a numpy chain (c.md:35) but says imports mxnet",
-        "c.md:50: continues c.md:45, which is not-runnable",
+        "c.md:27: continues, but is not a python fence",
+        "c.md:32: continues a torch chain (c.md:6) but says imports jax",
+        "c.md:41: continues a numpy chain (c.md:36) but says imports mxnet",
+        "c.md:51: continues c.md:46, which is not-runnable",
     ]
 
 

@@ -335,7 +335,7 @@ def chains(fences: Iterable[Fence]) -> tuple[list[Job], list[str]]:
             elif fence.not_runnable is None:
                 chain = jobs[chain_of[before]]
                 framework = chain[0].framework
-                if fence.runs_in or (fence.imports and fence.framework != framework):
+                if (fence.runs_in or fence.imports) and fence.framework != framework:
                     own = f"runs-in {fence.runs_in}" if fence.runs_in else f"imports {fence.framework}"
                     problems.append(f"{fence.location}: continues a {framework} chain "
                                     f"({chain[0].location}) but says {own}")
@@ -347,8 +347,6 @@ def chains(fences: Iterable[Fence]) -> tuple[list[Job], list[str]]:
         if fence.kind == "python":
             last_python[fence.page] = fence
     return [Job(c[0].framework, tuple(c)) for c in jobs], problems
-
-
 
 
 # -- shell fences -----------------------------------------------------------------------------
