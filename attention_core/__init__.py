@@ -36,7 +36,8 @@ from attention_core.transformer import (
 )
 from attention_core.weights import load_weights, save_weights
 
-__version__ = "0.1.0"
+#: The package version (pyproject.toml reads it from here; CHANGELOG.md names each release).
+__version__ = "0.2.0"
 
 #: Layer classes every backend provides (DESIGN section 3).
 LAYER_NAMES = (

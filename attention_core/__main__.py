@@ -2,9 +2,9 @@
 
 ``demo`` runs the source chapter's example on a backend and prints what it computed (with
 ``--out DIR`` it also draws the notes' pictures into DIR, see :mod:`attention_core.demo`);
-``info`` lists the backends. The benchmarks, the test matrix's README table and the worked
-examples are run from the repository, not from the installed package: ``python -m benchmarks``,
-``python -m tools.matrix`` and ``python -m examples.<name>``.
+``info`` prints the version and lists the backends. The benchmarks, the test matrix's README table
+and the worked examples are run from the repository, not from the installed package:
+``python -m benchmarks``, ``python -m tools.matrix`` and ``python -m examples.<name>``.
 Errors are printed as one line and exit with status 2.
 """
 
@@ -14,16 +14,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from attention_core import plot, registry
+from attention_core import __version__, plot, registry
 from attention_core.demo import demo, demo_figures
 
 __all__ = ["demo", "demo_figures", "info", "main"]
 
 
 def info() -> str:
-    """Describes every backend: installed or not, versions, and which one is active."""
+    """Describes the package's version and every backend: installed or not, versions, the active one."""
     active = registry.backend()
-    lines = [f"active backend: {active} (set {registry.ENV_VAR} or use set_backend/use_backend)"]
+    lines = [f"attention-core {__version__}",
+             f"active backend: {active} (set {registry.ENV_VAR} or use set_backend/use_backend)"]
     for name in registry.BACKENDS:
         versions = [(d, registry.module_version(d)) for d in registry.FRAMEWORKS[name]]
         if registry.is_installed(name):
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--out", metavar="DIR",
                         help="also draw the pictures into DIR as PNG files and print the binary table "
                              f"of 0..7 (needs matplotlib: {plot.INSTALL_HINT})")
-    sub.add_parser("info", help="list backends, versions and the active one")
+    sub.add_parser("info", help="the package's version; backends, their versions and the active one")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":

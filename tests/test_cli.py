@@ -9,11 +9,14 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import test_backends
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +88,24 @@ def test_info_lists_every_backend_and_marks_the_active_one() -> None:
     for name in ("numpy", "torch", "tensorflow", "jax", "mxnet"):
         assert any(line[2:].startswith(name) for line in lines), name
     assert any(line.startswith("* numpy") for line in lines)
+
+
+def test_info_starts_with_the_package_version() -> None:
+    import attention_core
+
+    out = cli("info")
+    assert out.stdout.splitlines()[0] == f"attention-core {attention_core.__version__}"
+
+
+@pytest.mark.skipif("numpy" not in test_backends(), reason="run once, in the numpy env")
+def test_the_version_has_one_place() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    import attention_core
+
+    project = tomllib.loads((Path(REPO) / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "attention_core.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", attention_core.__version__)
 
 
 @pytest.mark.parametrize("args, env, message", [

@@ -1,0 +1,302 @@
+"""Every code fence of README.md and docs/ is run (issue 16, item 3), by ``tools.doc_fences``.
+
+* ``test_fence_runs``: each python chain and each ``python -m attention_core``/``examples``
+  command of the pages, in the env of its backend (``ATTENTION_CORE_TEST_BACKENDS``; the numpy
+  env runs the framework-free ones). A failure names the page line that failed.
+* Once, in the numpy env: the pages keep the convention (at most five not-runnable fences, each
+  with a reason; no fence importing two frameworks; ``continues`` only after a python fence of
+  the same framework; shell lines that name real tox envs, ``.ci/run``'s pip installs and
+  commands that run), and the parser and the runner, on small pages written here, find what
+  they must.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import test_backends
+from tools import doc_fences
+from tools.doc_fences import Job
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = doc_fences.load(ROOT)
+
+numpy_env = pytest.mark.skipif("numpy" not in test_backends(), reason="run once, in the numpy env")
+
+
+@pytest.mark.parametrize("job", DOCS.jobs_for(test_backends()), ids=lambda job: job.name)
+def test_fence_runs(job: Job) -> None:
+    result = doc_fences.run_job(job, ROOT)
+    if not result.ok:
+        pytest.fail(result.report(), pytrace=False)
+
+
+# -- the pages keep the convention ------------------------------------------------------------
+
+
+@numpy_env
+def test_pages_keep_the_convention() -> None:
+    assert DOCS.fences, "no fences found in README.md and docs/"
+    if DOCS.problems:
+        pytest.fail("\n".join(DOCS.problems), pytrace=False)
+
+
+@numpy_env
+def test_at_most_five_not_runnable_fences_each_with_a_reason() -> None:
+    marked = DOCS.not_runnable
+    assert len(marked) <= doc_fences.MAX_NOT_RUNNABLE == 5, [f.location for f in marked]
+    assert all(f.not_runnable for f in marked), [f.location for f in marked if not f.not_runnable]
+
+
+@numpy_env
+def test_every_python_fence_is_in_one_job_or_marked() -> None:
+    in_jobs = [f for job in DOCS.jobs if not job.command for f in job.fences]
+    python = [f for f in DOCS.fences if f.kind == "python" and f.not_runnable is None]
+    assert sorted(in_jobs, key=lambda f: (f.page, f.line)) == python
+
+
+# -- the parser, on pages written here --------------------------------------------------------
+
+
+def page(*blocks: str) -> str:
+    return "\n".join(blocks) + "\n"
+
+
+def fence(kind: str, *lines: str, indent: str = "") -> str:
+    return "\n".join(indent + x if x else x for x in [f"```{kind}", *lines, "```"])
+
+
+def write_root(tmp_path: Path, text: str, docs: dict[str, str] | None = None,
+               tox: str = "[tox]\nenv_list = numpy, torch\n\n[testenv:docs]\n",
+               ci: str = 'pip="$work/venv/bin/pip"\n"$work/venv/bin/pip" install -q "$repo[plot]"\n') -> Path:
+    (tmp_path / "README.md").write_text(text)
+    for name, body in (docs or {}).items():
+        (tmp_path / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "docs" / name).write_text(body)
+    (tmp_path / "tox.ini").write_text(tox)
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text(ci)
+    return tmp_path
+
+
+@numpy_env
+def test_kinds_lines_and_frameworks() -> None:
+    text = page(
+        "# Title", "",
+        fence("python", "import numpy as np", "x = np.ones(3)"), "",                     # line 3
+        fence("python", "import torch"), "",                                            # 8
+        fence("python", "import keras"), "",                                            # 12
+        fence("py", "from flax import linen as nn"), "",                                # 16
+        fence("python", "from backends.mxnet import MultiHeadAttention"), "",           # 20
+        fence("python", "from examples.seq2seq_tensorflow import train_seq2seq"), "",   # 24
+        fence("python", "from backends import jax as b"), "",                           # 28
+        "<!-- runs-in: pytorch -->",
+        fence("python", "print(1)"), "",                                                # 33
+        fence("bash", "tox"), "",                                                       # 37
+        fence("text", "output"), "",                                                    # 41
+        fence("", "untagged"), "",                                                      # 45
+        fence("python", "import optax  # a comment"),                                   # 49
+    )
+    fences = doc_fences.parse_page(text, "page.md")
+    got = [(f.line, f.kind, f.framework if f.kind == "python" else None) for f in fences]
+    assert got == [
+        (3, "python", "numpy"), (8, "python", "torch"), (12, "python", "tensorflow"),
+        (16, "python", "jax"), (20, "python", "mxnet"), (24, "python", "tensorflow"),
+        (28, "python", "jax"), (33, "python", "torch"), (37, "bash", None), (41, "text", None),
+        (45, "other", None), (49, "python", "jax"),
+    ]
+    assert fences[0].code == "import numpy as np\nx = np.ones(3)\n"
+    assert fences[7].runs_in == "torch" and not fences[7].imports
+    assert all(not f.problems for f in fences)
+
+
+@numpy_env
+def test_indented_and_tilde_fences_are_read_without_their_indentation() -> None:
+    text = page('=== "PyTorch"', "",
+                fence("python", "import torch", "", "if True:", "    x = 1", indent="    "), "",
+                "~~~~python", "print('tilde')", "```", "~~~~")
+    first, second = doc_fences.parse_page(text, "tabs.md")
+    assert (first.line, first.framework) == (3, "torch")
+    assert first.code == "import torch\n\nif True:\n    x = 1\n"
+    assert (second.line, second.code) == (10, "print('tilde')\n```\n")
+
+
+@numpy_env
+def test_fence_problems() -> None:
+    text = page(
+        fence("python", "import torch", "import jax.numpy as jnp"), "",                          # 1
+        "<!-- not-runnable -->", fence("python", "x = 1"), "",                                 # 7
+        "<!-- continue -->", fence("python", "x = 2"), "",                                     # 12
+        "<!-- runs-in: theano -->", fence("python", "x = 3"), "",                              # 17
+        "<!-- runs-in: jax -->", fence("python", "import torch"), "",                          # 22
+        "```python", "never closed",                                                       # 26
+    )
+    problems = {f.line: f.problems for f in doc_fences.parse_page(text, "p.md")}
+    assert "imports two frameworks (jax, torch): split it" in problems[1]
+    assert any("without a reason" in p for p in problems[7])
+    assert any("unknown fence marker <!-- continue -->" in p for p in problems[12])
+    assert any(p.startswith("runs-in: unknown backend 'theano'") for p in problems[17])
+    assert "runs-in jax but imports torch" in problems[22]
+    assert "the fence is never closed" in problems[26]
+
+
+@numpy_env
+def test_continues_chains_and_their_rules() -> None:
+    text = page(
+        "<!-- continues -->", fence("python", "x = 0"), "",                        # 2: nothing before
+        fence("python", "import torch", "t = torch.ones(2)"), "",                  # 6
+        "<!-- continues -->", "<!-- runs-in: torch -->",
+        fence("python", "t = t + 1"), "",                                          # 13: joins 6
+        fence("bash", "tox -e numpy"), "",                                         # 17
+        "<!-- continues -->", fence("python", "print(t)"), "",                     # 22: joins 6 (after bash)
+        "<!-- continues -->", fence("bash", "tox"), "",                            # 27: not python
+        "<!-- continues -->", fence("python", "import jax"), "",                   # 32: other framework
+        fence("python", "import numpy as np"), "",                                 # 36
+        "<!-- continues -->", fence("python", "import mxnet"), "",                 # 41: numpy head
+        "<!-- not-runnable: needs a GPU -->", fence("python", "y = 1"), "",        # 46
+        "<!-- continues -->", fence("python", "y += 1"),                           # 51: after not-runnable
+    )
+    jobs, problems = doc_fences.chains(doc_fences.parse_page(text, "c.md"))
+    assert [(j.framework, [f.line for f in j.fences]) for j in jobs] == [
+        ("torch", [6, 13, 22, 32]), ("numpy", [36, 41])]
+    assert jobs[0].name == "c.md:6+13+22+32"
+    assert problems == [
+        "c.md:2: continues, but no python fence comes before it",
+        "c.md:27: continues, but is not a python fence",
+        "c.md:32: continues a torch chain (c.md:6) but says imports jax",
+        "c.md:41: continues a numpy chain (c.md:36) but says imports mxnet",
+        "c.md:51: continues c.md:46, which is not-runnable",
+    ]
+
+
+@numpy_env
+def test_more_than_five_not_runnable_fences_is_a_problem(tmp_path: Path) -> None:
+    marked = [page("<!-- not-runnable: a reason -->", fence("python", "x = 1")) for _ in range(3)]
+    root = write_root(tmp_path, "".join(marked), docs={"a.md": "".join(marked[:2])})
+    assert not doc_fences.load(root).problems
+    (root / "docs" / "sub").mkdir()
+    (root / "docs" / "sub" / "b.md").write_text(marked[0])
+    docs = doc_fences.load(root)
+    assert len(docs.not_runnable) == 6 and not docs.jobs
+    assert docs.problems == ("6 fences are marked not-runnable, at most 5 may be: README.md:2, "
+                             "README.md:6, README.md:10, docs/a.md:2, docs/a.md:6, docs/sub/b.md:2",)
+
+
+@numpy_env
+def test_shell_lines_are_checked(tmp_path: Path) -> None:
+    lines = [
+        "pip install .[plot]                      # .ci/run installs $repo[plot]",
+        "pip install -q attention-core[torch]",
+        "tox -e numpy,docs && tox -e bench-jax -- --quick",
+        "tox run -e torch -e mxnet",
+        "python -m attention_core demo --backend torch --out figures",
+        "ATTENTION_CORE_BACKEND=jax python -m attention_core info",
+        "python -m examples.seq2seq_torch \\",
+        "    --steps 2",
+        "python -m tools.nothing",
+        "mkdocs build --strict",
+        "curl https://example.org | sh",
+        "rm -rf build",
+    ]
+    root = write_root(tmp_path, page("# x", "", fence("bash", *lines)))
+    docs = doc_fences.load(root)
+    assert list(docs.problems) == [
+        "README.md:5: pip install -q attention-core[torch]: .ci/run runs no such install; make it one "
+        ".ci/run runs or mark the fence not-runnable",
+        "README.md:6: tox: no env bench-jax in tox.ini",
+        "README.md:7: tox: no env mxnet in tox.ini",
+        "README.md:12: python -m tools.nothing: no such module in the repository",
+        "README.md:13: mkdocs: only build/serve, with a mkdocs.yml at the root",
+        "README.md:14: pipes and redirections are not checked; keep one command a line",
+        "README.md:15: rm: a command the runner does not check; show it in prose, or mark the fence "
+        "not-runnable",
+    ]
+    assert [(j.line, j.framework, j.command, j.env) for j in docs.jobs] == [
+        (8, "torch", ("python", "-m", "attention_core", "demo", "--backend", "torch", "--out", "figures"),
+         ()),
+        (9, "jax", ("python", "-m", "attention_core", "info"), (("ATTENTION_CORE_BACKEND", "jax"),)),
+        (10, "torch", ("python", "-m", "examples.seq2seq_torch", "--steps", "2"), ()),
+    ]
+
+
+@numpy_env
+def test_ci_pip_installs_are_read_from_the_real_ci_script() -> None:
+    installs = doc_fences.ci_pip_installs(ROOT)
+    assert (".",) in installs and (".[plot]",) in installs and ("tox",) in installs
+
+
+# -- the runner --------------------------------------------------------------------------------
+
+
+@numpy_env
+def test_a_chain_shares_one_namespace_and_runs_away_from_the_root(tmp_path: Path) -> None:
+    (tmp_path / "helper_module.py").write_text("VALUE = 41\n")
+    text = page(
+        fence("python", "import os", "from helper_module import VALUE", "start = os.getcwd()"), "",
+        "<!-- continues -->",
+        fence("python", "print(VALUE + 1, start != os.environ['ROOT'], os.environ['MPLBACKEND'])"))
+    jobs, _ = doc_fences.chains(doc_fences.parse_page(text, "r.md"))
+    result = doc_fences.run_job(Job(jobs[0].framework, jobs[0].fences, env=(("ROOT", str(tmp_path)),)),
+                                tmp_path)
+    assert result.ok, result.stderr
+    assert result.stdout == "42 True Agg\n"
+
+
+@numpy_env
+def test_a_failure_names_the_page_line(tmp_path: Path) -> None:
+    text = page(
+        "intro", "",
+        fence("python", "def f(x):", "    return 1 / x", "", "y = f(1)"), "",             # line 3
+        "<!-- continues -->",
+        fence("python", "print('second')", "z = f(0)"),                                  # line 11
+    )
+    jobs, _ = doc_fences.chains(doc_fences.parse_page(text, "docs/fail.md"))
+    result = doc_fences.run_job(jobs[0], tmp_path)
+    assert result.returncode == 1 and result.stdout == "second\n"
+    assert result.failed_at == "docs/fail.md:5"          # the innermost frame in the page
+    assert 'File "docs/fail.md", line 13, in <module>' in result.stderr
+    assert 'File "docs/fail.md", line 5, in f' in result.stderr
+    assert "ZeroDivisionError" in result.stderr
+    assert result.report().startswith("docs/fail.md:5: exit status 1 (numpy job docs/fail.md:3+11)")
+
+
+@numpy_env
+def test_a_failure_without_traceback_names_its_fence_and_a_hang_is_stopped(tmp_path: Path) -> None:
+    text = page(fence("python", "from __future__ import annotations", "x = 1"), "", "<!-- continues -->",
+                fence("python", "import os", "os._exit(3)"), "",
+                fence("python", "import time", "time.sleep(60)"))
+    jobs, _ = doc_fences.chains(doc_fences.parse_page(text, "q.md"))
+    exited = doc_fences.run_job(jobs[0], tmp_path)
+    assert (exited.returncode, exited.failed_at) == (3, "q.md:7")
+    hung = doc_fences.run_job(jobs[1], tmp_path, timeout=2)
+    assert hung.returncode is None and not hung.ok and hung.seconds < 30
+    assert hung.report().startswith("q.md:12: timed out")
+
+
+@numpy_env
+def test_a_command_job_runs_the_module(tmp_path: Path) -> None:
+    root = write_root(tmp_path, page(fence("bash", "python -m attention_core info  # the backends")))
+    (job,) = doc_fences.load(root).jobs
+    result = doc_fences.run_job(job, ROOT)
+    assert result.ok, result.stderr
+    assert "* numpy" in result.stdout
+    bad = doc_fences.run_job(Job("numpy", job.fences, ("python", "-m", "attention_core", "nothing"),
+                                 line=job.line), ROOT)
+    assert bad.returncode == 2 and bad.failed_at == "README.md:2"
+
+
+@numpy_env
+def test_cli_lists_checks_and_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = page(fence("python", "print('numpy fence')"), "", fence("python", "import torch"), "",
+                fence("bash", "tox -e nothing"))
+    root = write_root(tmp_path, text)
+    assert doc_fences.main(["--root", str(root), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "README.md:1" in out and "torch      README.md:5" in out and "0 not-runnable" in out
+    assert doc_fences.main(["--root", str(root), "--check"]) == 1
+    assert "README.md:10: tox: no env nothing in tox.ini" in capsys.readouterr().out
+    assert doc_fences.main(["--root", str(root), "--run", "--backend", "numpy"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 jobs passed" in out and "torch" not in out
