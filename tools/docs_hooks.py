@@ -1,18 +1,20 @@
-"""mkdocs hook: the benchmark plots join the site where the pages link them.
+"""mkdocs hooks: the benchmark plots join the site where the pages link them.
 
 ``python -m benchmarks --merge`` and ``complexity --replot`` write their plots beside the JSON
-files in ``benchmarks/results/``. ``docs/speed.md`` links them as
-``benchmarks/results/<name>.png``; this hook adds those files to the site under the same path,
-so the generators keep one output directory and the pages need no copies.
+files in ``benchmarks/results/``, outside ``docs/``. A page links them by their path in the
+repository (``docs/speed.md``: ``../benchmarks/results/bench.png``), which is right on a source
+browser. These hooks add the plots to the site under ``benchmarks/results/`` and point such
+links there, so the generators keep one output directory and the pages need no copies.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
-#: The repository's directories whose PNG files the site serves under the same relative path.
+#: The repository's directories (outside ``docs/``) whose PNG files the site serves.
 PLOT_DIRS = ("benchmarks/results",)
 
 
@@ -24,7 +26,7 @@ def on_files(files: Any, config: Any) -> Any:
         config: The mkdocs configuration (``config_file_path`` locates the repository).
 
     Returns:
-        The same ``files``, with one entry per plot.
+        The same ``files``, with one entry per plot, at its path in the repository.
     """
     file_class = importlib.import_module("mkdocs.structure.files").File
     root = Path(config["config_file_path"]).resolve().parent
@@ -33,3 +35,21 @@ def on_files(files: Any, config: Any) -> Any:
             uri = png.relative_to(root).as_posix()
             files.append(file_class(uri, str(root), config["site_dir"], config["use_directory_urls"]))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
+    """Points a page's links into :data:`PLOT_DIRS` at the plots' place in the site.
+
+    Args:
+        markdown: The page's Markdown source.
+        page: The page (``page.file.src_uri`` is its path under ``docs/``).
+
+    Returns:
+        The Markdown with ``../`` (one more than the page's depth) taken off those links.
+    """
+    depth = page.file.src_uri.count("/")
+    for directory in PLOT_DIRS:
+        up = "../" * depth
+        link = rf"\]\({re.escape(up)}\.\./{re.escape(directory)}/"
+        markdown = re.sub(link, f"]({up}{directory}/", markdown)
+    return markdown
