@@ -1,10 +1,18 @@
-"""mkdocs hooks: the benchmark plots join the site where the pages link them.
+"""mkdocs hooks (``hooks:`` in mkdocs.yml): plots from outside ``docs/``, details, Sphinx roles.
 
 ``python -m benchmarks --merge`` and ``complexity --replot`` write their plots beside the JSON
 files in ``benchmarks/results/``, outside ``docs/``. A page links them by their path in the
 repository (``docs/speed.md``: ``../benchmarks/results/bench.png``), which is right on a source
 browser. These hooks add the plots to the site under ``benchmarks/results/`` and point such
 links there, so the generators keep one output directory and the pages need no copies.
+
+``python -m tools.matrix`` folds its largest table into ``<details>``, which a source browser
+renders with the Markdown inside; Python-Markdown does so only for blocks marked
+``markdown="1"`` (the ``md_in_html`` extension), which the page hook adds.
+
+The docstrings cross-reference in Sphinx's way (``:func:`name```), which ``help()`` and IDEs
+show as is; mkdocstrings renders the role's name as text before the code, so the content hook
+drops it.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from typing import Any
 
 #: The repository's directories (outside ``docs/``) whose PNG files the site serves.
 PLOT_DIRS = ("benchmarks/results",)
+
+#: A Sphinx role left before inline code in rendered HTML, e.g. ``:func:<code>``.
+_ROLE = re.compile(r":(?:attr|class|data|exc|func|meth|mod|obj):(?=<code>)")
 
 
 def on_files(files: Any, config: Any) -> Any:
@@ -45,11 +56,25 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
         page: The page (``page.file.src_uri`` is its path under ``docs/``).
 
     Returns:
-        The Markdown with ``../`` (one more than the page's depth) taken off those links.
+        The Markdown with ``../`` (one more than the page's depth) taken off those links, and
+        each bare ``<details>`` marked for its Markdown to be rendered.
     """
+    markdown = markdown.replace("<details>", '<details markdown="1">')
     depth = page.file.src_uri.count("/")
     for directory in PLOT_DIRS:
         up = "../" * depth
         link = rf"\]\({re.escape(up)}\.\./{re.escape(directory)}/"
         markdown = re.sub(link, f"]({up}{directory}/", markdown)
     return markdown
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    """Drops the Sphinx role names the docstrings put before inline code (``:func:``).
+
+    Args:
+        html: The page's rendered HTML.
+
+    Returns:
+        The HTML without those role names.
+    """
+    return _ROLE.sub("", html)
