@@ -14,7 +14,7 @@ pinned before the framework is imported):
 
 Results go to ``<out>/bench-<backend>.json`` with the machine they ran on; :mod:`.report`
 prints the tables, draws the plot and merges the files of several environments into the
-README's table. No module here imports a framework at import time.
+table of ``docs/speed.md``. No module here imports a framework at import time.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""``python -m benchmarks``: run the benchmarks, or merge runs into the README.
+"""``python -m benchmarks``: run the benchmarks, or merge runs into the site's speed page.
 
 Run mode starts one child process per backend (``python -m benchmarks.run``) with
 the thread environment pinned (:func:`benchmarks.thread_env`), so each framework has
 a process to itself and every one uses the same number of threads; then prints each backend's
 tables and saves ``<out>/bench-<backend>.json`` and ``<out>/bench-<backend>.png``.
 Merge mode (``--merge DIR``) reads the ``bench-*.json`` files that runs in several
-environments wrote to DIR, writes the combined Markdown into README.md between
+environments wrote to DIR, writes the combined Markdown into ``docs/speed.md`` between
 ``<!-- bench:start -->`` and ``<!-- bench:end -->`` and draws ``DIR/bench.png``.
 ``python -m benchmarks complexity`` (:mod:`benchmarks.complexity`) times a convolution, an RNN
 and self-attention against n on one backend. Run from the repository root (the benchmarks are
@@ -70,12 +70,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="directory for bench-<backend>.json and .png (default: benchmarks/results)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--merge", metavar="DIR",
-                        help="merge the bench-*.json files of DIR into the README table and "
+                        help=f"merge the bench-*.json files of DIR into the table of {report.PAGE} and "
                              "DIR/bench.png instead of running")
-    parser.add_argument("--readme", default="README.md",
+    parser.add_argument("--page", default=report.PAGE,
                         help=f"file --merge writes into, between {report.BENCH_START} and "
-                             f"{report.BENCH_END} (default: README.md)")
-    parser.add_argument("--stdout", action="store_true", help="with --merge: print, write no README")
+                             f"{report.BENCH_END} (default: {report.PAGE})")
+    parser.add_argument("--stdout", action="store_true", help="with --merge: print, write no page")
     commands = parser.add_subparsers(dest="bench_command", metavar="{complexity}")
     complexity.configure(commands.add_parser(
         "complexity", help="conv, RNN and self-attention forward time against n on one backend "
@@ -99,8 +99,10 @@ def config_from(args: argparse.Namespace) -> Config:
     return Config.quick_config(**overrides) if args.quick else Config(**overrides)  # type: ignore[arg-type]
 
 
-def merge(directory: str | Path, readme: str | Path | None) -> str:
-    """Merges a directory of results: README section (unless ``readme`` is None) and plot.
+def merge(directory: str | Path, page: str | Path | None) -> str:
+    """Merges a directory of results: the page's section (unless ``page`` is None) and plot.
+
+    The plot is linked by its path relative to the page's directory.
 
     Returns:
         The Markdown section.
@@ -110,11 +112,11 @@ def merge(directory: str | Path, readme: str | Path | None) -> str:
     png = report.plot(docs, folder / "bench.png")
     name = None
     if png is not None:
-        base = Path(readme).resolve().parent if readme is not None else Path.cwd()
+        base = Path(page).resolve().parent if page is not None else Path.cwd()
         name = Path(os.path.relpath(Path(png).resolve(), base)).as_posix()
     body = report.merged_markdown(docs, name)
-    if readme is not None:
-        report.write_between_markers(readme, body)
+    if page is not None:
+        report.write_between_markers(page, body)
     return body
 
 
@@ -128,11 +130,11 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "complexity":
         return complexity.run(args)
     if args.merge:
-        body = merge(args.merge, None if args.stdout else args.readme)
+        body = merge(args.merge, None if args.stdout else args.page)
         if args.stdout:
             print(body)
         else:
-            print(f"wrote the benchmark table into {args.readme} and {Path(args.merge) / 'bench.png'}")
+            print(f"wrote the benchmark table into {args.page} and {Path(args.merge) / 'bench.png'}")
         return 0
     names = [registry.canonical_name(b) for b in args.backend] if args.backend else \
         registry.available_backends()
@@ -164,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="benchmarks: speed against the native layers, memory, GEMM fraction (or --merge "
-                    "the results into README.md); complexity: conv vs RNN vs self-attention")
+                    "the results into docs/speed.md); complexity: conv vs RNN vs self-attention")
     configure(parser)
     args = parser.parse_args(argv)
     try:

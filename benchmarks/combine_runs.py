@@ -3,7 +3,7 @@
 The speed and flops suites want a quiet machine and the memory suite a long time, so they may
 run in separate passes (``--suite speed,flops --out A`` and ``--suite memory --out B``). This
 writes ``OUT/bench-<backend>.json`` with the first pass's document and the second pass's
-``memory`` section, which keeps its own machine record under ``memory.run`` (the README table
+``memory`` section, which keeps its own machine record under ``memory.run`` (the speed page's table
 names its commit and date). A file combined before may serve as the memory pass: its memory
 section keeps the run it already records.
 

@@ -130,7 +130,7 @@ class Builder:
     """
 
     name = "numpy"
-    #: What each contender is, for the JSON file and the README.
+    #: What each contender is, for the JSON file and the speed page.
     layers: ClassVar[dict[str, str]] = {"conv": "im2col: one (n, k*d) @ (k*d, d) NumPy matmul",
               "rnn": "Python loop of tanh(x_t W + h U + b) (x W for all steps in one matmul)",
               "attention": "attention_core MultiHeadAttention (numpy backend)"}

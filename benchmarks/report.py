@@ -17,8 +17,10 @@ from benchmarks import MEMORY_QUADRATIC_MAX
 from benchmarks.run import SCHEMA
 from tools import markdown
 
-#: The markers in README.md between which ``python -m benchmarks --merge`` writes its section.
+#: The markers in docs/speed.md between which ``python -m benchmarks --merge`` writes its section.
 BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"
+#: The page ``--merge`` writes into by default, from the repository root.
+PAGE = "docs/speed.md"
 
 #: The issue's targets: speed ratio bounds (n >= 1024 and n = 128) on these backends ...
 SPEED_TARGET_BACKENDS = ("torch", "tensorflow", "jax")
@@ -197,12 +199,12 @@ def target_rows(docs: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-# -- several backends: README section ---------------------------------------------------------
+# -- several backends: the page's section ------------------------------------------------------
 
 
 def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None,
                     now: datetime.datetime | None = None) -> str:
-    """The README section for runs of several backends (without the markers)."""
+    """The speed page's section for runs of several backends (without the markers)."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     names = [d["backend"] for d in docs]
     lines = [f"Generated {now:%Y-%m-%d %H:%M} UTC by `python -m benchmarks --merge` "

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Runs the benchmarks of issue 6 on every backend, each in its own environment and process,
-# then merges the results into README.md (between <!-- bench:start --> and <!-- bench:end -->)
+# then merges the results into docs/speed.md (between <!-- bench:start --> and <!-- bench:end -->)
 # and benchmarks/results/bench.png.
 #
 #   benchmarks/run_all.sh                 # tox envs bench-numpy ... bench-mxnet, then the merge

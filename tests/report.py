@@ -5,7 +5,7 @@ measured for each quantity (before it asserts, so a failing cell is reported wit
 numbers). At the end of the session, each backend that ran cells gets
 ``<dir>/<backend>.json``, ``<dir>`` being ``$ATTENTION_CORE_REPORT_DIR`` or ``reports/`` in the
 repository (git-ignored). ``python -m tools.matrix`` (and ``tox -e report``) turn the
-files into the Markdown table in README.md.
+files into the Markdown table in docs/test-matrix.md.
 
 File layout (``schema`` 1)::
 

@@ -3,13 +3,14 @@
 Runs the CLI with ``--quick`` (n = 16 and 32, seven rounds, one memory path) for the backend(s)
 of this env, in a child process per backend as the CLI always does, and checks the JSON
 schema, the A/A control, the outputs agreeing with the native layer, the screen table, and the
-README markers that ``--merge`` writes between. Speed targets are never asserted here.
+page markers that ``--merge`` writes between. Speed targets are never asserted here.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,16 @@ def test_quick_bench(backend: str, tmp_path_factory: pytest.TempPathFactory,
 def test_merge_writes_between_markers(backend: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     out, _ = quick_run(backend, tmp_path_factory, capsys)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n{report.BENCH_START}\nold\n{report.BENCH_END}\nafter\n")
-    assert cli.main(["--merge", str(out), "--readme", str(readme)]) == 0
-    text = readme.read_text()
+    page = tmp_path / "docs" / "speed.md"
+    page.parent.mkdir()
+    page.write_text(f"# x\n\nbefore\n{report.BENCH_START}\nold\n{report.BENCH_END}\nafter\n")
+    assert cli.main(["--merge", str(out), "--page", str(page)]) == 0
+    text = page.read_text()
     assert "old" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     body = text.split(report.BENCH_START)[1].split(report.BENCH_END)[0]
     assert "ours ÷ native" in body and f"`{backend}`" in body and "--quick" in body
+    if (out / "bench.png").exists():  # drawn where matplotlib is installed; linked from the page's folder
+        assert f"]({Path(os.path.relpath(out / 'bench.png', page.parent)).as_posix()})" in body
     assert cli.main(["--merge", str(out), "--stdout"]) == 0
     assert "ours ÷ native" in capsys.readouterr().out
 

@@ -1,5 +1,5 @@
 """The matrix report: the plugin writes what the cells measured; ``python -m tools.matrix`` turns
-it into the README table."""
+it into the table of docs/test-matrix.md."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from conftest import test_backends
 from tests.harness import Harness, tolerance
 from tests.matrix import differences, measure
 from tests.reference.cases import CASES
-from tools.matrix import MATRIX_END, MATRIX_START, matrix_table, write_between_markers
+from tools.matrix import MATRIX_END, MATRIX_START, PAGE, matrix_table, write_between_markers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,14 +74,14 @@ def test_table_shows_the_largest_measurement_per_backend_and_layer() -> None:
 
 
 def test_table_goes_between_the_markers_and_nowhere_else(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n{MATRIX_START}\nold table\n{MATRIX_END}\nafter\n")
-    write_between_markers(readme, "new table\nline 2")
-    assert readme.read_text() == (f"# title\n\nbefore\n{MATRIX_START}\nnew table\nline 2\n"
+    page = tmp_path / "test-matrix.md"
+    page.write_text(f"# title\n\nbefore\n{MATRIX_START}\nold table\n{MATRIX_END}\nafter\n")
+    write_between_markers(page, "new table\nline 2")
+    assert page.read_text() == (f"# title\n\nbefore\n{MATRIX_START}\nnew table\nline 2\n"
                                   f"{MATRIX_END}\nafter\n")
-    readme.write_text("no markers\n")
+    page.write_text("no markers\n")
     with pytest.raises(ValueError, match=re.escape(f"has no {MATRIX_START} ... {MATRIX_END}")):
-        write_between_markers(readme, "x")
+        write_between_markers(page, "x")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -89,15 +89,15 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, cwd=REPO, timeout=120)
 
 
-def test_cli_writes_the_readme_and_imports_no_framework(tmp_path: Path) -> None:
+def test_cli_writes_the_page_and_imports_no_framework(tmp_path: Path) -> None:
     for r in REPORTS:
         (tmp_path / f"{r['backend']}.json").write_text(json.dumps(r))
     (tmp_path / "other.json").write_text('{"not": "a report"}')
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{MATRIX_START}\n{MATRIX_END}\n")
-    out = cli(str(tmp_path), "--readme", str(readme))
+    page = tmp_path / "test-matrix.md"
+    page.write_text(f"intro\n{MATRIX_START}\n{MATRIX_END}\n")
+    out = cli(str(tmp_path), "--page", str(page))
     assert out.returncode == 0, out.stderr
-    text = readme.read_text()
+    text = page.read_text()
     assert text.startswith(f"intro\n{MATRIX_START}\nGenerated ") and text.endswith(f"{MATRIX_END}\n")
     assert text.index("| `numpy`") < text.index("| `torch`")  # the registry's order
     code = ("import sys; from tools.matrix import main; "
@@ -113,8 +113,8 @@ def test_cli_without_reports_says_what_to_run(tmp_path: Path) -> None:
     assert "no test matrix reports" in out.stderr and "run tox" in out.stderr
 
 
-def test_readme_has_the_markers() -> None:
-    text = (REPO / "README.md").read_text()
+def test_the_page_has_the_markers() -> None:
+    text = (REPO / PAGE).read_text()
     assert text.count(MATRIX_START) == 1 and text.count(MATRIX_END) == 1
     assert text.index(MATRIX_START) < text.index(MATRIX_END)
 

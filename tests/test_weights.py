@@ -358,18 +358,18 @@ def test_atomic_write_gives_the_usual_permissions(tmp_path: Path) -> None:
 
 
 def test_other_writers_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """README sections (markdown.write_between_markers) and figures go through the atomic writer."""
+    """Generated page sections (markdown.write_between_markers) and figures go through the atomic writer."""
     from tools import markdown
 
-    readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- s -->\nold\n<!-- e -->\nb\n")
-    previous = readme.read_bytes()
+    page = tmp_path / "speed.md"
+    page.write_text("a\n<!-- s -->\nold\n<!-- e -->\nb\n")
+    previous = page.read_bytes()
     real = files.os.fdopen
     monkeypatch.setattr(files.os, "fdopen", lambda fd, mode: _FailingWrites(real(fd, mode), 5))
     with pytest.raises(OSError):
-        markdown.write_between_markers(readme, "new", "<!-- s -->", "<!-- e -->")
-    assert readme.read_bytes() == previous
-    assert [p.name for p in tmp_path.iterdir()] == ["README.md"]
+        markdown.write_between_markers(page, "new", "<!-- s -->", "<!-- e -->")
+    assert page.read_bytes() == previous
+    assert [p.name for p in tmp_path.iterdir()] == ["speed.md"]
 
 
 def test_header_larger_than_the_package_reads_is_refused(

@@ -40,7 +40,7 @@ def write_between_markers(path: str | Path, body: str, start: str, end: str) -> 
     """Replaces what lies between the markers ``start`` and ``end`` in a file.
 
     Args:
-        path: The file (e.g. README.md).
+        path: The file (e.g. docs/speed.md).
         body: The new text; it gets a line of its own after ``start`` and before ``end``.
         start: The opening marker, e.g. ``<!-- bench:start -->``.
         end: The closing marker.

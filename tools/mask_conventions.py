@@ -2,7 +2,7 @@
 
 Run it in an environment that has the framework (e.g. a tox env):
 ``python tools/mask_conventions.py``. It prints one line per framework it can import; the
-README's table of fully masked rows was made from its output.
+table of fully masked rows in docs/masks.md was made from its output.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Run from the repository root (``tox -e report`` does, as the last env of ``tox``). It reads the
 JSON files the test suite wrote (one per backend, see ``tests/report.py``) and writes the table
-into README.md between :data:`MATRIX_START` and :data:`MATRIX_END`. Errors are printed as one
-line and exit with status 2.
+into the site's page ``docs/test-matrix.md`` between :data:`MATRIX_START` and
+:data:`MATRIX_END`. Errors are printed as one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any
 
 from tools import markdown
 
-#: The markers in README.md between which ``matrix`` writes its table.
+#: The markers in docs/test-matrix.md between which ``matrix`` writes its table.
 MATRIX_START, MATRIX_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+#: The page the table is written into, from the repository root.
+PAGE = "docs/test-matrix.md"
 _DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
 _LAYER_ORDER = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention",
                 "RelativeMultiHeadAttention", "PositionalEncoding", "LearnedPositionalEncoding",
@@ -131,7 +133,7 @@ def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = 
         now: The generation time (default: now, UTC).
 
     Returns:
-        Markdown, without the README markers.
+        Markdown, without the page's markers.
     """
     now = now or datetime.datetime.now(datetime.timezone.utc)
     names = [r["backend"] for r in reports]
@@ -202,11 +204,11 @@ def write_between_markers(path: str | Path, body: str) -> None:
     markdown.write_between_markers(path, body, MATRIX_START, MATRIX_END)
 
 
-def matrix(directory: str | Path, readme: str | Path | None) -> str:
-    """Builds the table from a directory of reports; writes it into ``readme`` unless None."""
+def matrix(directory: str | Path, page: str | Path | None) -> str:
+    """Builds the table from a directory of reports; writes it into ``page`` unless None."""
     body = matrix_table(load_reports(directory))
-    if readme is not None:
-        write_between_markers(readme, body)
+    if page is not None:
+        write_between_markers(page, body)
     return body
 
 
@@ -215,17 +217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.matrix", description=__doc__.split("\n")[0])
     parser.add_argument("directory", nargs="?", default="reports",
                         help="where the test runs wrote <backend>.json (default: reports)")
-    parser.add_argument("--readme", default="README.md",
+    parser.add_argument("--page", default=PAGE,
                         help=f"file to write the table into, between {MATRIX_START} and "
-                             f"{MATRIX_END} (default: README.md)")
+                             f"{MATRIX_END} (default: {PAGE})")
     parser.add_argument("--stdout", action="store_true", help="print the table, write no file")
     args = parser.parse_args(argv)
     try:
-        body = matrix(args.directory, None if args.stdout else args.readme)
+        body = matrix(args.directory, None if args.stdout else args.page)
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(body if args.stdout else f"wrote the test matrix table into {args.readme}")
+    print(body if args.stdout else f"wrote the test matrix table into {args.page}")
     return 0
 
 
