@@ -23,7 +23,6 @@ Usage: ``python benchmarks/tf_traced_softmax.py [--old COMMIT] [--sizes 512,1024
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import io
 import os
@@ -112,11 +111,9 @@ def make_inputs(n: int, rng: np.random.Generator) -> dict[str, Any]:
 
 def main() -> None:
     """Parses the arguments, traces both packages' calls per size, times them, prints."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    timing = importlib.import_module("benchmarks.timing")
+    parser = timing.ab_parser(__doc__.splitlines()[0], "512,1024,2048")
     parser.add_argument("--old", default="20d67e8", help="the commit to compare against")
-    parser.add_argument("--sizes", default="512,1024,2048")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--min-time", type=float, default=0.2)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = np.random.default_rng(0)
@@ -125,7 +122,6 @@ def main() -> None:
         old = {n: traced_calls(load(extract(args.old, Path(tmp))), n, inputs[n]) for n in sizes}
     ac = load(ROOT)
     new = {n: traced_calls(ac, n, inputs[n]) for n in sizes}
-    timing = importlib.import_module("benchmarks.timing")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *PACKAGES],
@@ -136,15 +132,9 @@ def main() -> None:
           flush=True)
     for n in sizes:
         for name in ("mha", "dpa"):
-            np.testing.assert_allclose(new[n][name](), old[n][name](), rtol=1e-4, atol=1e-5)
-            contenders = {"old": old[n][name], "new": new[n][name], "old'": old[n][name]}
-            times = timing.interleaved(contenders, args.rounds, args.min_time)
-            r, aa = timing.ratio(times, "new", "old"), timing.ratio(times, "old'", "old")
-            per_call = 1e3 * float(np.median(times["old"]))
-            print(f"n={n:5d} {name}: new/old {r.median:.3f} [{r.low:.3f}, {r.high:.3f}]   "
-                  f"A/A {aa.median:.3f} [{aa.low:.3f}, {aa.high:.3f}]   old {per_call:.1f} ms",
-                  flush=True)
-
+            line = timing.new_against_old(f"n={n:5d} {name}", new[n][name], old[n][name],
+                                          args.rounds, args.min_time)
+            print(line, flush=True)
 
 if __name__ == "__main__":
     main()

@@ -11,12 +11,15 @@ should contain 1; when it does not, the rounds are too noisy to trust the other 
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 #: A function that runs the measured call once and waits until its result is computed.
 Call = Callable[[], Any]
@@ -146,3 +149,26 @@ def ratio(times: Mapping[str, Sequence[float]], candidate: str, baseline: str,
     """The median per-round ratio ``candidate / baseline`` and its interval."""
     pairs = zip(times[candidate], times[baseline], strict=True)
     return median_interval([c / b for c, b in pairs], confidence)
+
+
+def new_against_old(label: str, new: Call, old: Call, rounds: int, min_time: float) -> str:
+    """One line: ``new/old`` over interleaved rounds, with the A/A control ``old'/old``.
+
+    ``old`` is timed twice per round (``old`` and ``old'``); ``new`` and ``old`` must give the
+    same numbers (checked first, to 1e-4 relative). The line ends with ``old``'s median time.
+    """
+    np.testing.assert_allclose(new(), old(), rtol=1e-4, atol=1e-5)
+    times = interleaved({"old": old, "new": new, "old'": old}, rounds, min_time)
+    r, aa = ratio(times, "new", "old"), ratio(times, "old'", "old")
+    per_call = 1e3 * statistics.median(times["old"])
+    return (f"{label}: new/old {r.median:.3f} [{r.low:.3f}, {r.high:.3f}]   "
+            f"A/A {aa.median:.3f} [{aa.low:.3f}, {aa.high:.3f}]   old {per_call:.1f} ms")
+
+
+def ab_parser(description: str, sizes: str) -> argparse.ArgumentParser:
+    """The arguments of a new-against-old script: ``--sizes``, ``--rounds``, ``--min-time``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--sizes", default=sizes, help="comma-separated sequence lengths")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--min-time", type=float, default=0.2)
+    return parser

@@ -18,7 +18,6 @@ Usage: ``python -m benchmarks.torch_compiled_guard [--sizes 512,1024] [--rounds 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import subprocess
@@ -68,11 +67,8 @@ def calls(weights: dict[str, np.ndarray], x: torch.Tensor, lens: torch.Tensor
 
 def main() -> None:
     """Parses the arguments, compiles the layers per size, times them, prints."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="512,1024")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--min-time", type=float, default=0.2)
-    args = parser.parse_args()
+    timing = importlib.import_module("benchmarks.timing")
+    args = timing.ab_parser(__doc__.splitlines()[0], "512,1024").parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = np.random.default_rng(0)
     weights = {}
@@ -82,24 +78,15 @@ def main() -> None:
     inputs = {n: (torch.from_numpy(rng.standard_normal((1, n, HIDDEN)).astype(np.float32)),
                   torch.tensor([n - n // 4])) for n in sizes}
     made = {n: calls(weights, *inputs[n]) for n in sizes}
-    timing = importlib.import_module("benchmarks.timing")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {head}; torch "
           f"{torch.__version__}, {os.cpu_count()} CPUs; {args.rounds} interleaved rounds, "
           "median [95% interval]", flush=True)
     for n in sizes:
-        for mode in ("infer",):
-            new, old = made[n]["new"], made[n]["old"]
-            np.testing.assert_allclose(new(), old(), rtol=1e-4, atol=1e-5)
-            contenders = {"old": old, "new": new, "old'": old}
-            times = timing.interleaved(contenders, args.rounds, args.min_time)
-            r, aa = timing.ratio(times, "new", "old"), timing.ratio(times, "old'", "old")
-            per_call = 1e3 * float(np.median(times["old"]))
-            print(f"n={n:5d} {mode}: new/old {r.median:.3f} [{r.low:.3f}, {r.high:.3f}]   "
-                  f"A/A {aa.median:.3f} [{aa.low:.3f}, {aa.high:.3f}]   old {per_call:.1f} ms",
-                  flush=True)
-
+        line = timing.new_against_old(f"n={n:5d} infer", made[n]["new"], made[n]["old"],
+                                      args.rounds, args.min_time)
+        print(line, flush=True)
 
 if __name__ == "__main__":
     main()
