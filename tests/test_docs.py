@@ -300,3 +300,55 @@ def test_cli_lists_checks_and_runs(tmp_path: Path, capsys: pytest.CaptureFixture
     assert doc_fences.main(["--root", str(root), "--run", "--backend", "numpy"]) == 0
     out = capsys.readouterr().out
     assert "1 of 1 jobs passed" in out and "torch" not in out
+
+
+# -- the API reference covers every public name ----------------------------------------------
+
+
+def _documented(page_text: str) -> dict[str, list[str] | None]:
+    """``{module: members or None (all)}`` of the pages' ``::: module`` directives."""
+    found: dict[str, list[str] | None] = {}
+    for block in page_text.split("\n::: ")[1:]:
+        lines = block.splitlines()
+        members = next((line.split(":", 1)[1] for line in lines[1:4] if "members:" in line), None)
+        names = None if members is None else [m.strip(" []") for m in members.split(",")]
+        found[lines[0].strip()] = names
+    return found
+
+
+def _undocumented(package: str, names: list[str]) -> list[str]:
+    """The names of ``package``'s ``__all__`` that no API page documents: by a ``:::``
+    directive on a module that defines or holds each (whole, or naming it among its members),
+    or, for a backend's layer class, by the layer table its page includes."""
+    import importlib
+
+    from attention_core.declarations import LAYERS
+
+    api = ROOT / "docs" / "api"
+    text = "\n".join(p.read_text() for p in sorted(api.rglob("*.md")))
+    directives = _documented("\n" + text)
+    table = (ROOT / "docs" / "snippets" / "backend-layers.md").read_text()
+    module = importlib.import_module(package)
+    missing = []
+    for name in names:
+        value = getattr(module, name)
+        home = getattr(value, "__module__", None) if callable(value) else None
+        covered = any(
+            (where == home or hasattr(importlib.import_module(where), name))
+            and (members is None or name in members)
+            for where, members in directives.items() if where.startswith(package))
+        if name in LAYERS and package.startswith("backends."):
+            covered = f"`{name}`" in table and "--8<-- \"docs/snippets/backend-layers.md\"" in (
+                api / "backends" / f"{package.split('.')[1]}.md").read_text()
+        if not covered:
+            missing.append(name)
+    return missing
+
+
+@pytest.mark.parametrize("package", ["attention_core", *(f"backends.{b}" for b in test_backends())])
+def test_the_api_reference_covers_every_public_name(package: str) -> None:
+    import importlib
+
+    names = list(importlib.import_module(package).__all__)
+    assert names
+    assert not _undocumented(package, names), f"{package}: not in docs/api"
