@@ -141,9 +141,6 @@ def load(name: str) -> ModuleType:
         BackendNotInstalledError: The framework is not installed.
     """
     key = canonical_name(name)
-    module = _loaded.get(key) or _imported(f"backends.{key}")
-    if module is not None:  # no lock, no file system: also while torch.compile traces a call
-        return module
     if not is_installed(key):
         missing = [m for m in FRAMEWORKS[key] if importlib.util.find_spec(m) is None]
         raise BackendNotInstalledError(
@@ -155,10 +152,11 @@ def load(name: str) -> ModuleType:
             f"backend {key!r}: its framework is installed, but this version of attention-core "
             "has no adapter for it yet"
         )
-    module = _loaded.get(key)
+    # a backend imported already, by the registry or by the user, is returned without the lock
+    # (which torch.compile cannot trace), so its users never wait for another thread's load
+    module = _loaded.get(key) or _imported(f"backends.{key}")
     if module is None:
-        # First loads run strictly one at a time; a backend that is loaded is returned without
-        # the lock, so its users never wait for another thread's first load of a framework.
+        # First loads run strictly one at a time.
         with _lock:
             module = _loaded[key] = importlib.import_module(f"backends.{key}")
     return module
