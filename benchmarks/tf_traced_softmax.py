@@ -136,5 +136,6 @@ def main() -> None:
                                           args.rounds, args.min_time)
             print(line, flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -1,16 +1,16 @@
 """``torch.compile``: the guarded SDPA against the bare one, in one process.
 
-Issue 14 closed its last leak under ``torch.compile``: a compiled call cannot probe its inputs,
-so SDPA, which cannot mask an overflowed score, ran on whatever came. Now, in a program that
-autograd does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an in-graph
+Issue 14's leak under ``torch.compile``: a compiled call cannot probe its inputs, so SDPA,
+which cannot mask an overflowed score, ran on whatever came. Now, in a program that autograd
+does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an in-graph
 bound says no score can overflow. This script times the forward of the compiled
 ``MultiHeadAttention(512, 8, bias=True)`` (``fullgraph=True``), self-attention, batch 1,
 ``valid_lens = [n - n // 4]``, in interleaved rounds (:mod:`benchmarks.timing`): ``new`` under
 ``torch.no_grad()`` (the bound and ``torch.cond``), ``old`` the same layer's weights in a layer
 whose weights do not require gradients, run with autograd on, where no ``torch.cond`` is made:
-bare SDPA, as every compiled call ran before the change. ``old`` runs twice per round: ``old'/old`` is the A/A
-control. Prints, per mode and size, the median ratio ``new/old`` over rounds with its 95%
-interval, and the control.
+bare SDPA, as every compiled call ran before the change (and a compiled training step still
+runs). ``old`` runs twice per round: ``old'/old`` is the A/A control. Prints, per size, the
+median ratio ``new/old`` over rounds with its 95% interval, and the control.
 
 Usage: ``python -m benchmarks.torch_compiled_guard [--sizes 512,1024] [--rounds 15]
 [--min-time 0.2]``, from the repository.
@@ -87,6 +87,7 @@ def main() -> None:
         line = timing.new_against_old(f"n={n:5d} infer", made[n]["new"], made[n]["old"],
                                       args.rounds, args.min_time)
         print(line, flush=True)
+
 
 if __name__ == "__main__":
     main()

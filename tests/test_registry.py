@@ -131,7 +131,7 @@ def test_set_backend_sets_process_default() -> None:
 def test_a_backend_imported_by_the_user_is_found_while_torch_compile_traces(backend: str) -> None:
     """``torch.compile(fullgraph=True)`` of the functional API, first thing in a process whose
     user imported ``backends.torch`` (not through the registry): the registry finds the module
-    without its lock, which Dynamo cannot enter, and without the file system."""
+    without its lock, which Dynamo cannot enter."""
     if backend != "torch":
         pytest.skip("torch.compile")
     done = run_python(

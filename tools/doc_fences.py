@@ -51,9 +51,9 @@ from attention_core import registry
 #: At most this many fences, in all pages, may be marked ``not-runnable``.
 MAX_NOT_RUNNABLE = 5
 
-#: Seconds a chain (or a command) may run before it is stopped and counted as failed. The
-#: slowest fence measured, a 200-step seq2seq training on torch, took 166 s alone on 2 cores;
-#: under ``pytest -n auto`` beside other tests it may take twice that.
+#: Seconds a chain (or a command) may run before it is stopped and counted as failed: a hang,
+#: not a slow page. The seq2seq fences, the slowest, train 20 steps (20-40 s each on 2 cores;
+#: at 200 steps the torch one took 166 s); under ``pytest -n auto`` they may take twice that.
 DEFAULT_TIMEOUT = 600.0
 
 #: Info-string words -> fence kind.

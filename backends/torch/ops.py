@@ -191,8 +191,10 @@ def _can_cond() -> bool:
     ``torch.cond``'s backward refuses. Not with ``dynamic=True``: Dynamo then makes the scale
     and the dropout rate symbolic floats, which ``torch.cond`` does not take from its branches.
     """
+    if not torch.compiler.is_compiling():  # every eager call asks: answered by this alone
+        return False
     static = getattr(torch._dynamo.config, "assume_static_by_default", True)
-    return bool(torch.compiler.is_compiling() and static and not torch.is_grad_enabled())
+    return bool(static and not torch.is_grad_enabled())
 
 
 def _compiled_cond(pred: torch.Tensor, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
