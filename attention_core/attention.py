@@ -432,7 +432,8 @@ def _may_overflow(ops: Ops, q: Array, factor: Any, norms: tuple[float, ...]) -> 
     an overflowed score (``+inf`` at a masked key, or ``-inf`` at every visible key) would put
     weight or NaN on masked keys: it is skipped when this is True in an eager call. Under
     tracing it is used where the ops have no ``cond``; with one, the kernel runs only when
-    :func:`_inputs_in_range` holds, checked in the graph. The direct and blockwise paths mask
+    :func:`_inputs_in_range` holds, checked in the graph (or, with ``attend_out_of_range``,
+    when the program runs). The direct and blockwise paths mask
     the scores they form. ``norms`` are the largest squared row norms of the queries and keys
     (``|q . k| <= |q| |k|``), empty under tracing.
     """
@@ -533,6 +534,16 @@ def dot_product_attention(
         slow = _unfused_path(ops, shape) if path == "fused" else path
         result = cond(_inputs_in_range(ops, q, k, v, factor), lambda: pool(path, True, False),
                       lambda: pool(slow, finite, True))
+    elif not norms and path == "fused" and (outside := getattr(ops, "attend_out_of_range", None)):
+        # traced where no branch can be taken in the graph: an operator checks the bound when
+        # it runs, and gives the eager call's output where it fails; the kernel runs on the
+        # inputs otherwise (zeros where the bound fails), and the output is picked
+        out_of_range, slow = outside(q, k, v, visible.full(), factor, dropout)
+        in_range = [ops.where(out_of_range, 0.0, x) for x in (q, k, v)]
+        fast, _ = _pooled(ops, (in_range[0], in_range[1], in_range[2]), visible, factor,
+                          dropout, path, False, True, False)
+        # in the kernel's dtype (torch.autocast runs the kernel, not the operator, in its own)
+        result = ops.where(out_of_range, ops.astype(slow, ops.dtype_name(fast)), fast)
     else:
         result = pool(path, finite, overflow)
     out, weights = result if return_weights else (result, None)

@@ -261,6 +261,13 @@ class FusedAttentionOps(Ops, Protocol):
     softmax kernel needs no pass over the scores to find the rows it leaves uniform); when it
     fails, the inputs are mended and the unfused path runs.
 
+    Ops that can trace a program where no ``cond`` branches (torch's, in a compiled training
+    step) may define ``attend_out_of_range(q, k, v, visible, factor, dropout)`` instead: one
+    operation of the program that checks the bound when the program runs, returning a
+    one-element boolean array (True when the bound fails) and then the eager call's output,
+    else zeros, with a gradient of its own. The fused kernel then runs on the inputs where
+    the bound holds (zeros otherwise), and the output is picked by the boolean.
+
     The bound is one number for the whole batch. Ops whose traced programs may span devices
     that split the batch (``jax.jit`` over a sharded batch) set ``batch_spans_devices = True``:
     the bound then needs a collective across the devices, so it guards only the fused kernel,

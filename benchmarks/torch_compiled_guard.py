@@ -2,15 +2,19 @@
 
 Issue 14's leak under ``torch.compile``: a compiled call cannot probe its inputs, so SDPA,
 which cannot mask an overflowed score, ran on whatever came. Now, in a program that autograd
-does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an in-graph
-bound says no score can overflow. This script times the forward of the compiled
-``MultiHeadAttention(512, 8, bias=True)`` (``fullgraph=True``), self-attention, batch 1,
-``valid_lens = [n - n // 4]``, in interleaved rounds (:mod:`benchmarks.timing`): ``new`` under
-``torch.no_grad()`` (the bound and ``torch.cond``), ``old`` the same layer's weights in a layer
-whose weights do not require gradients, run with autograd on, where no ``torch.cond`` is made:
-bare SDPA, as every compiled call ran before the change (and a compiled training step still
-runs). ``old`` runs twice per round: ``old'/old`` is the A/A control. Prints, per size, the
-median ratio ``new/old`` over rounds with its 95% interval, and the control.
+does not record (``torch.no_grad``), ``torch.cond`` picks SDPA only when an in-graph bound
+says no score can overflow; in a training step, where ``torch.cond`` cannot branch, the fused
+path runs as the eager call inside one operator, which probes the inputs when it runs and
+runs again in the backward pass.
+
+This script times ``dot_product_attention`` compiled with ``fullgraph=True``, self-attention
+on ``(1, 8, n, 64)`` float32 with ``valid_lens = [n - n // 4]``, in interleaved rounds
+(:mod:`benchmarks.timing`). ``new`` uses the torch ops, ``old`` ops without ``torch.cond``
+and without the operator: the bare SDPA, as every compiled call ran before. ``infer`` lines
+time the forward under ``torch.no_grad()``; ``train`` lines a training step (the forward,
+then the backward of the output's sum). ``old`` runs twice per round: ``old'/old`` is the A/A
+control. Prints, per size and line, the median ratio ``new/old`` over rounds with its 95%
+interval, and the control.
 
 Usage: ``python -m benchmarks.torch_compiled_guard [--sizes 512,1024] [--rounds 15]
 [--min-time 0.2]``, from the repository.
@@ -24,69 +28,72 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from backends.torch import MultiHeadAttention
+import attention_core as ac
+from backends.torch import TorchOps
 
 ROOT = Path(__file__).resolve().parent.parent
 
-HIDDEN, HEADS = 512, 8
+HEADS, DEPTH = 8, 64
 
 
-def compiled(weights: dict[str, np.ndarray], x: torch.Tensor, **config: Any) -> Callable[..., Any]:
-    """``MultiHeadAttention(512, 8, bias=True, **config)`` holding ``weights``, compiled."""
-    layer = MultiHeadAttention(HIDDEN, HEADS, bias=True, keep_attention_weights=False, **config)
-    layer.eval()
-    layer(x, x, x)  # sizes inferred eagerly
-    layer.set_weights(weights)
-    fn: Callable[..., Any] = torch.compile(layer, fullgraph=True)
-    return fn
+class _BareOps(TorchOps):
+    """Torch ops with neither ``torch.cond`` nor the eager-call operator: the bare SDPA."""
+
+    cond = None
+    attend_out_of_range = None
 
 
-def calls(weights: dict[str, np.ndarray], x: torch.Tensor, lens: torch.Tensor
-          ) -> dict[str, Callable[[], Any]]:
-    """``{"new": call, "old": call}`` of the module docstring, each compiled now."""
-    guarded, bare = compiled(weights, x), compiled(weights, x)
-    for p in bare.parameters():  # type: ignore[attr-defined]
-        p.requires_grad_(False)
+def calls(n: int, train: bool) -> dict[str, Callable[[], Any]]:
+    """``{"new": call, "old": call}`` of an ``infer`` or ``train`` line, each compiled now.
 
-    def infer(fn: Callable[..., Any], grad: bool) -> Callable[[], Any]:
+    A call returns the output, and in a training step the queries' gradient after it.
+    """
+    q = torch.from_numpy(np.random.default_rng(n).standard_normal((1, HEADS, n, DEPTH))
+                         .astype(np.float32)).requires_grad_(train)
+    lens = torch.tensor([n - n // 4])
+
+    def call_with(ops: TorchOps) -> Callable[[], Any]:
+        def attend(q: torch.Tensor) -> torch.Tensor:
+            return cast(torch.Tensor, ac.dot_product_attention(q, q, q, lens, ops=ops))
+
+        fn = torch.compile(attend, fullgraph=True)
+
         def call() -> Any:
-            with torch.set_grad_enabled(grad):
-                return fn(x, x, x, lens).numpy()
+            if not train:
+                with torch.no_grad():
+                    return fn(q).numpy()
+            q.grad = None
+            out = fn(q)
+            out.sum().backward()  # type: ignore[no-untyped-call]
+            assert q.grad is not None
+            return np.concatenate([out.detach().numpy().ravel(), q.grad.numpy().ravel()])
         return call
 
-    result = {"new": infer(guarded, False), "old": infer(bare, True)}
+    result = {"new": call_with(TorchOps()), "old": call_with(_BareOps())}
     for call in result.values():
         call()  # compiled here
     return result
 
 
 def main() -> None:
-    """Parses the arguments, compiles the layers per size, times them, prints."""
+    """Parses the arguments, compiles the calls per size, times them, prints."""
     timing = importlib.import_module("benchmarks.timing")
     args = timing.ab_parser(__doc__.splitlines()[0], "512,1024").parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    rng = np.random.default_rng(0)
-    weights = {}
-    for name in ("W_q", "W_k", "W_v", "W_o"):
-        weights[f"{name}.kernel"] = (rng.standard_normal((HIDDEN, HIDDEN)) * HIDDEN**-0.5).astype(np.float32)
-        weights[f"{name}.bias"] = (rng.standard_normal(HIDDEN) * 0.1).astype(np.float32)
-    inputs = {n: (torch.from_numpy(rng.standard_normal((1, n, HIDDEN)).astype(np.float32)),
-                  torch.tensor([n - n // 4])) for n in sizes}
-    made = {n: calls(weights, *inputs[n]) for n in sizes}
+    made = {(n, line): calls(n, line == "train") for n in sizes for line in ("infer", "train")}
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {head}; torch "
           f"{torch.__version__}, {os.cpu_count()} CPUs; {args.rounds} interleaved rounds, "
           "median [95% interval]", flush=True)
-    for n in sizes:
-        line = timing.new_against_old(f"n={n:5d} infer", made[n]["new"], made[n]["old"],
-                                      args.rounds, args.min_time)
-        print(line, flush=True)
+    for (n, line), made_now in made.items():
+        print(timing.new_against_old(f"n={n:5d} {line}", made_now["new"], made_now["old"],
+                                     args.rounds, args.min_time), flush=True)
 
 
 if __name__ == "__main__":

@@ -728,16 +728,26 @@ TRACED = {("tensorflow", "tf.function"): _tf_function(False),
           ("tensorflow", "xla"): _tf_function(True)}
 
 
-def _torch_compile(warm_up: bool) -> Callable[..., Any]:
+def _torch_compile(warm_up: bool = False, train: bool = False,
+                   dynamic: bool | None = None) -> Callable[..., Any]:
     """A runner that compiles each call with ``torch.compile(fullgraph=True)`` and runs it
     under ``torch.no_grad()``; with ``warm_up``, the program first runs on inputs one query
     and one key longer, so the call itself compiles again with symbolic lengths (what a
-    compiled layer does at its second length)."""
+    compiled layer does at its second length). With ``train``, the queries, keys and values
+    require gradients and autograd records the call (a training step's forward pass);
+    ``dynamic`` is ``torch.compile``'s."""
     def runner(h: Harness, fn: Callable[..., Any], *arrays: Any, **static: Any) -> Any:
         import torch
 
         torch._dynamo.reset()  # each call compiled afresh, as its own program
-        compiled = torch.compile(functools.partial(fn, **static), fullgraph=True)
+        compiled = torch.compile(functools.partial(fn, **static), fullgraph=True,
+                                 dynamic=dynamic)
+        if train:
+            q, k, v, *rest = arrays
+            result = compiled(*(x.detach().requires_grad_() for x in (q, k, v)), *rest)
+            if isinstance(result, tuple):
+                return tuple(x.detach() for x in result)
+            return result.detach()
         with torch.no_grad():
             if warm_up:
                 q, k, v, *rest = arrays
@@ -750,12 +760,17 @@ def _torch_compile(warm_up: bool) -> Callable[..., Any]:
 #: Compiled torch runners: compiling costs seconds a call, so only the overflow test uses them.
 #: ``torch.cond`` picks the branch in programs that autograd does not record and whose floats
 #: are not symbolic (see ``backends.torch.ops``).
-COMPILED = {("torch", "compile"): _torch_compile(warm_up=False),
-            ("torch", "compile-2nd-length"): _torch_compile(warm_up=True)}
+#: In a training step's forward pass and with ``dynamic=True``, where ``torch.cond`` cannot
+#: branch, the fused kernel runs as the eager call inside one operator of the program.
+COMPILED = {("torch", "compile"): _torch_compile(),
+            ("torch", "compile-2nd-length"): _torch_compile(warm_up=True),
+            ("torch", "compile-train"): _torch_compile(train=True),
+            ("torch", "compile-dynamic"): _torch_compile(dynamic=True)}
 
 
 #: The dtypes the compiled runners check (a compilation per call and path costs seconds).
-COMPILED_DTYPES = {"compile": ("float16", "float32"), "compile-2nd-length": ("float16",)}
+COMPILED_DTYPES = {"compile": ("float16", "float32"), "compile-2nd-length": ("float16",),
+                   "compile-train": ("float16", "bfloat16"), "compile-dynamic": ("float16",)}
 
 
 def _traced(backend: str, mode: str) -> Callable[..., Any]:

@@ -397,3 +397,125 @@ def test_compiled_blockwise_path_has_no_graph_break_and_jit_trace_refuses_it() -
     with pytest.raises(ValueError, match=r"^implementation='blockwise' needs the numbers of "
                        r"queries and keys to be known when the call is traced"):
         traced(mha, _attention_args(5))
+
+
+# -- a compiled training step: the bound checked by an operator when the program runs --------
+
+def _training_gradients(fn: Callable[..., torch.Tensor], arrays: list[np.ndarray],
+                        cotangent: np.ndarray, **kwargs: Any) -> list[np.ndarray]:
+    """The output and the gradients of ``sum(fn(q, k, v, **kwargs) * cotangent)``."""
+    q, k, v = (torch.tensor(a, requires_grad=True) for a in arrays)
+    out = fn(q, k, v, **kwargs)
+    (out * torch.tensor(cotangent)).sum().backward()
+    return [out_of(out)] + [out_of(x.grad) for x in (q, k, v)]
+
+
+def _counting_eager_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each eager call made by the operator."""
+    import backends.torch.ops as torch_ops
+
+    calls: list[int] = []
+    eager_call = torch_ops._eager_call
+    monkeypatch.setattr(torch_ops, "_eager_call", lambda *a: calls.append(1) or eager_call(*a))
+    return calls
+
+
+def _compiled_fused(dynamic: bool | None = None, **static: Any) -> Callable[..., torch.Tensor]:
+    torch._dynamo.reset()
+    return torch.compile(functools.partial(ac.dot_product_attention, implementation="fused",
+                                           **static),
+                         fullgraph=True, dynamic=dynamic, backend="aot_eager")
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_compiled_training_step_gives_the_reference_gradients(
+    dynamic: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where autograd records a compiled call (or its sizes are symbolic), ``torch.cond``
+    cannot branch: an operator checks the bound when the program runs. Inputs in range take
+    the kernel, with no eager call: the output and the gradients of the queries, keys and
+    values are the float64 reference's, for lengths, a mask and causal masking together."""
+    calls = _counting_eager_calls(monkeypatch)
+    rng = np.random.default_rng(14)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 5, 8), (2, 3, 6, 8),
+                                                                  (2, 3, 6, 4))]
+    cotangent = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    masking = {"valid_lens": torch.tensor([4, 6]), "causal": True,
+               "mask": torch.tensor(rng.random((5, 6)) < 0.8)}
+    got = _training_gradients(_compiled_fused(dynamic), arrays, cotangent, **masking)
+    wide = [a.astype(np.float64) for a in arrays]
+    want = _training_gradients(functools.partial(ac.dot_product_attention,
+                                                 implementation="direct"),
+                               wide, cotangent.astype(np.float64), **masking)
+    assert not calls
+    for name, g, w in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        assert max_diff(g, w) <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", ["overflow", "inf-key", "nan-value"])
+def test_compiled_training_step_out_of_range_gives_eager_gradients(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inputs out of range (scores that overflow, an inf key, a NaN value) take the eager call
+    inside the operator, once in each pass: the output and the gradients are eager's, NaN
+    where eager's are."""
+    calls = _counting_eager_calls(monkeypatch)
+    rng = np.random.default_rng(16)
+    q, k, v = (rng.standard_normal((2, 2, n, 8)).astype(np.float32) for n in (3, 4, 4))
+    if case == "overflow":
+        q[0], k[0] = 1e19, -1e19  # example 0's scores overflow to -inf
+    elif case == "inf-key":
+        k[1, 0, 3] = np.inf  # a padding key of example 1
+    else:
+        v[0, 1, 2, 0] = np.nan  # a visible value of example 0
+    cotangent = rng.standard_normal((2, 2, 3, 8)).astype(np.float32)
+    lens = torch.tensor([3, 3])
+    got = _training_gradients(_compiled_fused(), [q, k, v], cotangent, valid_lens=lens)
+    assert len(calls) == 2
+    want = _training_gradients(functools.partial(ac.dot_product_attention,
+                                                 implementation="fused"),
+                               [q, k, v], cotangent, valid_lens=lens)
+    for name, g, w in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("big", [None, 1e19], ids=["in-range", "out-of-range"])
+def test_compiled_training_step_draws_one_dropout_mask_for_both_passes(
+    big: float | None
+) -> None:
+    """With dropout, the backward pass uses the forward pass's mask, on the kernel and in the
+    operator: values of one-hot rows make the output the dropped weights ``P``, whose
+    transpose times the cotangent is then the values' gradient (example 1's); and two steps
+    draw different masks. Out of range, example 0's scores overflow."""
+    rng = np.random.default_rng(15)
+    q, k = (rng.standard_normal((2, 2, 6, 8)).astype(np.float32) for _ in range(2))
+    if big is not None:
+        q[0], k[0] = big, -big
+    v = np.broadcast_to(np.eye(6, dtype=np.float32), (2, 2, 6, 6)).copy()
+    cotangent = rng.standard_normal((2, 2, 6, 6)).astype(np.float32)
+    compiled = _compiled_fused(dropout=0.5)
+    outs = []
+    for _ in range(2):
+        out, _, _, dv = _training_gradients(compiled, [q, k, v], cotangent,
+                                            valid_lens=torch.tensor([5, 5]))
+        dropped = out[1]  # example 1's scores are finite either way
+        assert np.count_nonzero(dropped == 0) > np.count_nonzero(dropped[..., 5:] == 0)
+        assert max_diff(dv[1], np.swapaxes(dropped, -1, -2) @ cotangent[1]) <= 1e-5
+        outs.append(out)
+    assert not np.array_equal(*outs)
+
+
+def test_the_bound_operator_passes_torch_s_operator_checks() -> None:
+    """``torch.library.opcheck``: schema, fake kernel (shapes and strides), autograd
+    registration and dispatch of ``attention_core::attend_out_of_range``, on transposed
+    (strided) inputs in range and out of range, with and without a mask."""
+    import backends.torch.ops  # noqa: F401 (registers the operator)
+
+    g = torch.Generator().manual_seed(3)
+    seed = torch.zeros((), dtype=torch.int64)
+    for big in (1.0, 1e19):
+        q, k, v = (big * torch.randn(2, n, 3, d, generator=g).transpose(1, 2)
+                   for n, d in ((4, 8), (5, 8), (5, 6)))
+        for visible in (None, torch.rand(2, 3, 4, 5, generator=g) < 0.7):
+            args = (*(x.requires_grad_() for x in (q, k, v)), visible, 0.25, 0.0, seed)
+            torch.library.opcheck(torch.ops.attention_core.attend_out_of_range.default, args)

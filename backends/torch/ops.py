@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -147,6 +147,17 @@ class TorchOps(NamespaceOps):
         """
         return math.inf if _can_cond() else BLOCKWISE_MIN_SCORES
 
+    @property
+    def attend_out_of_range(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+        """:func:`_attend_out_of_range` where ``torch.cond`` cannot branch, None otherwise.
+
+        That is while ``torch.compile`` traces a call that ``torch.cond`` cannot branch in
+        (see :func:`_can_cond`). Not under ``torch.export``: an exported program holds only
+        torch's own operators, so ONNX and other runtimes can take it.
+        """
+        compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+        return _attend_out_of_range if compiling and not _can_cond() else None
+
     #: SDPA adds the mask to the scores, so a NaN in a masked key spreads to every row (NaN + -inf);
     #: without a mask it gives a row whose query is NaN zeros. The core mends both.
     fused_propagates_nan = False
@@ -212,6 +223,146 @@ def _compiled_cond(pred: torch.Tensor, if_true: Callable[[], Any], if_false: Cal
         return run
 
     return torch.cond(torch.reshape(pred, ()), dense(if_true), dense(if_false))
+
+
+def _attend_out_of_range(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    visible: torch.Tensor | None, scale: float | torch.Tensor, dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_of_range, output)``: the core's bound failed, and the eager call then, else 0.
+
+    ``output`` is the eager ``dot_product_attention`` of the inputs where the bound fails,
+    zeros where it holds.
+    One operator of the traced program (``attention_core::attend_out_of_range``), which
+    checks the bound when it runs, on the host. Its gradient is zero for inputs in range;
+    for others it runs the eager call again, under autograd, on the saved inputs. Dropout
+    there draws its mask from a seed taken in the program, so both passes draw one mask.
+
+    Args:
+        queries: ``(B, H, Q, D)``.
+        keys: ``(B, H, K, D)``.
+        values: ``(B, H, K, Dv)``.
+        visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
+        scale: Multiplies the scores; a 0-d tensor when it is ``1 / sqrt(D)`` of a depth
+            traced as a size.
+        dropout: Dropout rate on the weights (0 for none).
+
+    Returns:
+        A 0-d boolean tensor, and ``(B, H, Q, Dv)``.
+    """
+    B, H, Q, _ = queries.shape
+    if visible is not None:
+        visible = visible.expand(B, H, Q, keys.shape[2])
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout > 0 else torch.zeros(
+        (), dtype=torch.int64)
+    factor = None if isinstance(scale, torch.Tensor) else scale  # None: 1 / sqrt(D) again
+    out, out_of_range = torch.ops.attention_core.attend_out_of_range(
+        queries, keys, values, visible, factor, dropout, seed)
+    return out_of_range, out
+
+
+@torch.library.custom_op("attention_core::attend_out_of_range", mutates_args=())
+def _attend(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    visible: torch.Tensor | None, scale: float | None, dropout: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`_attend_out_of_range`."""
+    if _in_range(queries, keys, values, scale):
+        return _output_like(queries, values, 0.0), torch.zeros((), dtype=torch.bool)
+    with torch.no_grad():  # contiguous, as the fake says (SDPA lays its output out otherwise)
+        out = _eager_call(queries, keys, values, visible, scale, dropout, seed).contiguous()
+    return out, torch.ones((), dtype=torch.bool)
+
+
+@_attend.register_fake
+def _(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+      visible: torch.Tensor | None, scale: float | None, dropout: float,
+      seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _output_like(queries, values, None), torch.empty((), dtype=torch.bool)
+
+
+@torch.library.custom_op("attention_core::attend_out_of_range_backward", mutates_args=())
+def _attend_backward(
+    grad: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    visible: torch.Tensor | None, scale: float | None, dropout: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_attend`'s inputs: zeros in range, else by its eager call.
+
+    Out of range, the eager call runs again, under autograd. An operator's body runs below
+    autograd's dispatch keys; the eager call is recorded by letting autograd back in for its
+    span (a private torch guard: tests/test_torch.py's compiled training steps fail if it
+    stops doing so).
+    """
+    if _in_range(queries, keys, values, scale):
+        return queries.new_zeros(queries.shape), keys.new_zeros(keys.shape), values.new_zeros(
+            values.shape)
+    autograd_back = torch._C._SetExcludeDispatchKeyGuard(
+        torch._C.DispatchKey.AutogradFunctionality, False)
+    with autograd_back, torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in (queries, keys, values)]
+        out = _eager_call(leaves[0], leaves[1], leaves[2], visible, scale, dropout, seed)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()  # as the fake says
+
+
+@_attend_backward.register_fake
+def _(grad: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+      visible: torch.Tensor | None, scale: float | None, dropout: float,
+      seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return queries.new_empty(queries.shape), keys.new_empty(keys.shape), values.new_empty(
+        values.shape)
+
+
+def _attend_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    queries, keys, values, visible, scale, dropout, seed = inputs
+    ctx.save_for_backward(queries, keys, values, visible, seed)
+    ctx.scale, ctx.dropout = scale, dropout
+
+
+def _attend_gradient(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:
+    queries, keys, values, visible, seed = ctx.saved_tensors
+    dq, dk, dv = _attend_backward(grad, queries, keys, values, visible, ctx.scale, ctx.dropout,
+                                  seed)
+    return dq, dk, dv, None, None, None, None
+
+
+_attend.register_autograd(_attend_gradient, setup_context=_attend_context)
+
+
+def _output_like(queries: torch.Tensor, values: torch.Tensor, fill: float | None) -> torch.Tensor:
+    """``(B, H, Q, Dv)`` of the queries' dtype and device: ``fill``, or empty when None."""
+    shape = (*queries.shape[:-1], values.shape[-1])
+    return queries.new_empty(shape) if fill is None else queries.new_full(shape, fill)
+
+
+def _in_range(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              scale: float | None) -> bool:
+    """The core's bound (``_inputs_in_range``), read on the host."""
+    from attention_core.attention import _inputs_in_range
+
+    factor = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
+    return bool(_inputs_in_range(OPS, queries, keys, values, factor).reshape(()))
+
+
+def _eager_call(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    visible: torch.Tensor | None, scale: float | None, dropout: float, seed: torch.Tensor,
+) -> torch.Tensor:
+    """The library's eager call, its dropout drawn from ``seed``.
+
+    With dropout, the global generator is seeded from ``seed`` for the call's span, then put
+    back as it was.
+    """
+    from attention_core.attention import dot_product_attention
+
+    if dropout <= 0:
+        return cast(torch.Tensor, dot_product_attention(queries, keys, values, mask=visible,
+                                                        scale=scale, ops=OPS))
+    devices = [queries.device] if queries.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int(seed))
+        return cast(torch.Tensor, dot_product_attention(queries, keys, values, mask=visible,
+                                                        scale=scale, dropout=dropout, ops=OPS))
 
 
 #: The default torch ops (used by the functional API for torch tensors).
