@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -519,3 +519,26 @@ def test_the_bound_operator_passes_torch_s_operator_checks() -> None:
         for visible in (None, torch.rand(2, 3, 4, 5, generator=g) < 0.7):
             args = (*(x.requires_grad_() for x in (q, k, v)), visible, 0.25, 0.0, seed)
             torch.library.opcheck(torch.ops.attention_core.attend_out_of_range.default, args)
+
+
+@pytest.mark.parametrize("recorder", ["export", "export-no-grad", "jit.trace"])
+def test_exported_programs_never_leak_by_default(recorder: str) -> None:
+    """A program recorded for export cannot check the bound on the scores, so the automatic
+    choice takes the direct path there, which masks the scores it forms: overflowing scores in
+    a padded batch never put weight on padding (see tests/test_numerics.py)."""
+    from tests.test_numerics import OVERFLOW, _overflowing
+
+    class Attend(torch.nn.Module):
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return cast(torch.Tensor, ac.dot_product_attention(*args))
+
+    for dtype in ("float16", "float32"):
+        x, lens, expected = _overflowing(OVERFLOW[dtype])
+        args = (*(torch.tensor(a, dtype=DTYPES[dtype]) for a in x), torch.tensor(lens))
+        if recorder == "jit.trace":
+            program = traced(Attend(), args)
+        else:
+            with torch.set_grad_enabled(recorder == "export"):
+                program = torch.export.export(Attend(), args).module()
+            assert "scaled_dot_product" not in str(program.graph)
+        np.testing.assert_array_equal(out_of(program(*args)), expected, err_msg=dtype)

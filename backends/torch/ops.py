@@ -137,15 +137,25 @@ class TorchOps(NamespaceOps):
         """
         return _compiled_cond if _can_cond() else None
 
+    def prefers_fused(self, shape: tuple[Any, ...]) -> bool:
+        """SDPA, except in a program recorded for export (``torch.export``, ``torch.jit.trace``).
+
+        There no branch can be taken on the bound, and an exported program holds only
+        torch's own operators: the direct path, which masks the scores it forms, is chosen
+        (an explicit ``implementation="fused"`` is taken as given).
+        """
+        return not _exporting()
+
     @property
     def blockwise_min_scores(self) -> float:
-        """Scores from which the automatic choice pools blockwise: none inside ``torch.cond``.
+        """Scores from which the automatic choice pools blockwise (none in some programs).
 
-        There the branch a failed bound takes is the direct path: Dynamo would unroll the
-        blockwise loops into the program, and Inductor cannot lay out their blocks once the
-        lengths are symbolic (a compiled layer called with a second length).
+        None inside ``torch.cond`` or in an exported program. There the path taken is the
+        direct one: Dynamo would unroll the blockwise loops into the program, and Inductor
+        cannot lay out their blocks once the lengths are symbolic (a compiled layer called
+        with a second length).
         """
-        return math.inf if _can_cond() else BLOCKWISE_MIN_SCORES
+        return math.inf if _can_cond() or _exporting() else BLOCKWISE_MIN_SCORES
 
     @property
     def attend_out_of_range(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
@@ -155,7 +165,7 @@ class TorchOps(NamespaceOps):
         (see :func:`_can_cond`). Not under ``torch.export``: an exported program holds only
         torch's own operators, so ONNX and other runtimes can take it.
         """
-        compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+        compiling = torch.compiler.is_compiling() and not _exporting()
         return _attend_out_of_range if compiling and not _can_cond() else None
 
     #: SDPA adds the mask to the scores, so a NaN in a masked key spreads to every row (NaN + -inf);
@@ -191,6 +201,12 @@ class TorchOps(NamespaceOps):
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
         )
+
+
+def _exporting() -> bool:
+    """Whether ``torch.export`` or ``torch.jit.trace`` is recording the call."""
+    return bool(torch.compiler.is_exporting()
+                or torch.jit.is_tracing())  # type: ignore[attr-defined, no-untyped-call]
 
 
 def _can_cond() -> bool:
