@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -450,6 +450,42 @@ def _unfused_path(ops: Ops, shape: tuple[Any, ...]) -> str:
     return "blockwise" if known and threshold <= math.prod(shape) else "direct"
 
 
+#: ``return_weights=ON_READ``: the weights as a :class:`WeightsOnRead` when the call is eager.
+ON_READ = "on read"
+
+
+class WeightsOnRead:
+    """Attention weights formed when first read, from what one eager call kept.
+
+    A call that keeps its weights without returning them pools on its fast path and keeps the
+    inputs of the direct path's weights instead: the queries, keys and values as the call
+    lifted them, the mask and the scale, all O((Q + K) D). Reading forms the weights by the
+    direct path's own code on them, so they are the numbers a call that returned them gives.
+
+    Args:
+        form: Forms the weights ``(B, H, Q, K)``.
+    """
+
+    def __init__(self, form: Callable[[], Array]) -> None:
+        self._form: Callable[[], Array] | None = form
+        self._weights: Array | None = None
+
+    def __call__(self) -> Array:
+        """The weights, formed on the first call and kept (what they were made from is let go)."""
+        if self._form is not None:
+            self._weights, self._form = self._form(), None
+        return self._weights
+
+
+def formed(kept: Any) -> Any:
+    """``kept`` with every :class:`WeightsOnRead` in it formed (a list stays a list)."""
+    if isinstance(kept, WeightsOnRead):
+        return kept()
+    if isinstance(kept, list):
+        return [formed(k) for k in kept]
+    return kept
+
+
 def _scale_factor(ops: Ops, queries: Array, scale: float | None) -> Any:
     """The factor the scores are multiplied by: ``scale``, or ``1 / sqrt(D)`` when None."""
     depth = ops.shape(queries)[-1]
@@ -471,10 +507,10 @@ def dot_product_attention(
     causal: bool = False,
     scale: float | None = None,
     dropout: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     implementation: str | None = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, Array]:
+) -> Array | tuple[Array, Any]:
     """Scaled dot-product attention: ``softmax(Q K^T * scale) V`` over the visible keys.
 
     Args:
@@ -487,6 +523,8 @@ def dot_product_attention(
         scale: Multiplies the scores; ``1 / sqrt(D)`` when None.
         dropout: Dropout rate on the attention weights (applied whenever > 0).
         return_weights: Also return the weights, before dropout (direct path only).
+            :data:`ON_READ`: in an eager call, pool as if they were not asked for and return
+            a :class:`WeightsOnRead` that forms them; under tracing, return them as True does.
         implementation: ``"direct"`` forms the ``(B, H, Q, K)`` weights; ``"blockwise"`` visits
             the keys a block at a time with an online softmax and needs memory independent of
             K (:mod:`attention_core.blockwise`); ``"fused"`` calls the backend's own fused
@@ -507,10 +545,15 @@ def dot_product_attention(
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
     B, H, Q, _ = ops.shape(q)
     shape = (B, H, Q, ops.shape(k)[2])
-    path = choose_implementation(ops, implementation, return_weights, shape)
+    checks.check_return_weights(return_weights)
     # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync);
     # a fused kernel is given only inputs whose scores cannot overflow (see _may_overflow)
     finite, norms = _probe(ops, (v,), (q, k))
+    on_read = return_weights == ON_READ and bool(norms)  # an eager call: formed when read
+    if return_weights == ON_READ and not norms:  # traced: formed in the program, as asked
+        return_weights, implementation = True, None
+    want = bool(return_weights) and not on_read
+    path = choose_implementation(ops, implementation, want, shape)
     overflow = _may_overflow(ops, q, factor, norms)
     if path == "fused" and overflow and norms:  # known now to risk it: not the kernel
         path = _unfused_path(ops, shape)
@@ -518,9 +561,9 @@ def dot_product_attention(
 
     def pool(path: str, finite: bool, overflow: bool) -> Any:
         """The output on ``path``, and the weights when asked; inputs mended unless ``finite``."""
-        out, weights = _pooled(ops, (q, k, v), visible, factor, dropout, path, return_weights,
+        out, weights = _pooled(ops, (q, k, v), visible, factor, dropout, path, want,
                                finite, overflow)
-        return (out, weights) if return_weights else out
+        return (out, weights) if want else out
 
     cond = getattr(ops, "cond", None)
     # one bound for the whole batch: where a program may split the batch over devices, only
@@ -546,8 +589,11 @@ def dot_product_attention(
         result = ops.where(out_of_range, ops.astype(slow, ops.dtype_name(fast)), fast)
     else:
         result = pool(path, finite, overflow)
-    out, weights = result if return_weights else (result, None)
+    out, weights = result if want else (result, None)
     out = out if rank == 4 else out[:, 0]
+    if on_read:  # the direct path's weights, from the inputs as this call had them
+        weights = WeightsOnRead(lambda: _pooled(ops, (q, k, v), visible, factor, 0.0, "direct",
+                                                True, finite, overflow)[1])
     return (out, weights) if return_weights else out
 
 
@@ -596,7 +642,7 @@ def additive_attention(
     mask: Any = None,
     causal: bool = False,
     dropout: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Additive (Bahdanau) attention: score ``w_v^T tanh(W_q q + W_k k)``.
@@ -612,7 +658,8 @@ def additive_attention(
         mask: See :func:`dot_product_attention`.
         causal: See :func:`dot_product_attention`.
         dropout: Dropout rate on the attention weights.
-        return_weights: Also return the weights ``(B, 1, Q, K)``, before dropout.
+        return_weights: Also return the weights ``(B, 1, Q, K)``, before dropout
+            (:data:`ON_READ` counts as True: this function has only the direct path).
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
@@ -668,7 +715,7 @@ def nadaraya_watson(
     values: Array,
     w: Array | float | None = None,
     *,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Nadaraya-Watson kernel regression: ``f(x) = sum_i softmax(-((x - x_i) w)^2 / 2) y_i``.
@@ -678,7 +725,8 @@ def nadaraya_watson(
         keys: ``(B, K)`` or ``(K,)``: the training inputs ``x_i``.
         values: ``(B, K)`` or ``(K,)``: the training targets ``y_i``.
         w: The kernel's inverse width (a scalar or an array of one element); 1 when None.
-        return_weights: Also return the weights ``(B, 1, Q, K)``.
+        return_weights: Also return the weights ``(B, 1, Q, K)`` (:data:`ON_READ` counts as
+            True).
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:

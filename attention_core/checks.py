@@ -50,6 +50,14 @@ def check_implementation(implementation: Any) -> str | None:
     return implementation
 
 
+def check_return_weights(return_weights: Any) -> None:
+    """Checks ``return_weights``: a truth value, or the one string ``"on read"``."""
+    if isinstance(return_weights, str) and return_weights != "on read":
+        raise ValueError(
+            f"return_weights must be True, False or 'on read', got {return_weights!r}"
+        )
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """Checks that a size argument is a positive int (Python or NumPy) and returns it as an int."""
     value = plain(value)

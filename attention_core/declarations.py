@@ -74,14 +74,15 @@ class Run:
         weights: The weights by canonical name, in the compute dtype.
         constants: The fixed tables of :meth:`Declaration.constants`, as the backend holds them.
         dropout: The dropout rate of this call (0.0 outside training).
-        need: Whether to form and return the attention weights too.
+        need: Whether to return the attention weights too: True, False, or ``"on read"``
+            (the core's ``return_weights``; see :meth:`Declaration.needs_attention`).
     """
 
     ops: Ops
     weights: Mapping[str, Array]
     constants: Mapping[str, Array]
     dropout: float
-    need: bool
+    need: bool | str
 
 
 class Size(NamedTuple):
@@ -310,20 +311,32 @@ class Declaration:
         return {dim: int(np.shape(weights[size.weight])[0])
                 for dim, size in self.sizes.items() if size.weight in weights}
 
-    def needs_attention(self, return_attention: bool, keeping: bool = True) -> bool:
-        """Whether a call forms the attention weights.
+    def needs_attention(
+        self, return_attention: bool, keeping: bool = True, on_read: bool = True
+    ) -> bool | str:
+        """Whether a call forms the attention weights: True, False, or ``"on read"``.
+
+        ``"on read"`` (:data:`attention_core.attention.ON_READ`) when they are kept but not
+        returned: an eager call then pools on its fast path and keeps what forms them when
+        ``attention_weights`` is read (:class:`KeptAttention`).
 
         Args:
             return_attention: The caller asked for them.
             keeping: The framework can keep them now (False e.g. for Flax without a mutable
                 ``'intermediates'``).
+            on_read: The framework keeps them as an attribute read later (False for Flax,
+                whose ``sow`` takes arrays).
         """
         if self.attention_kind is None:
             return False
         keep = self.always_keeps or bool(getattr(self, "keep_attention_weights", True))
-        return return_attention or (keep and keeping)
+        if return_attention:
+            return True
+        if keep and keeping:
+            return attention.ON_READ if on_read else True
+        return False
 
-    def finish(self, result: Any, need: bool, return_attention: bool) -> tuple[Any, Any]:
+    def finish(self, result: Any, need: bool | str, return_attention: bool) -> tuple[Any, Any]:
         """Splits a forward's result: ``(what the call returns, the attention weights to keep)``.
 
         The weights to keep are None when not formed (a list of None for ``"blocks"``).
@@ -344,9 +357,10 @@ class Declaration:
         """The ``implementation`` a call pools by.
 
         The layer's own, or None (the core's rule, which takes the direct path) when the call
-        forms the attention weights: only the direct path gives them.
+        returns the attention weights: only the direct path gives them. Weights formed on read
+        leave the call its own path.
         """
-        return None if run.need else getattr(self, "implementation", None)
+        return None if run.need is True else getattr(self, "implementation", None)
 
 
 #: The input sizes of the layers with query, key and value projections.
@@ -785,6 +799,33 @@ def register(declaration: type[_D]) -> type[_D]:
                          f"which {known.__module__}.{known.__qualname__} has")
     LAYERS[declaration.__name__] = declaration
     return declaration
+
+
+# -- shared by adapters (numpy, torch, tensorflow, mxnet) ------------------------------------
+
+
+class KeptAttention:
+    """``attention_weights``: the last call's, formed when first read.
+
+    An adapter keeps what a call's :meth:`Declaration.finish` gives in ``_attention_kept``
+    (an array, a :class:`~attention_core.attention.WeightsOnRead`, or a list of them, one per
+    block); reading ``attention_weights`` forms what is not formed yet. Assigning to it
+    replaces what is kept (``layer.attention_weights = None``).
+    """
+
+    _attention_kept: Any = None
+
+    @property
+    def attention_weights(self) -> Any:
+        """The last call's attention weights ``(B, H, Q, K)``, before dropout.
+
+        A list, one per block, for an encoder; None before a call that keeps them.
+        """
+        return attention.formed(self._attention_kept)
+
+    @attention_weights.setter
+    def attention_weights(self, value: Any) -> None:
+        self._attention_kept = value
 
 
 # -- shared by adapters (tensorflow) -----------------------------------------------------------

@@ -62,7 +62,7 @@ def multi_head_attention(
     mask: Any = None,
     causal: bool = False,
     dropout: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     implementation: str | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
@@ -81,7 +81,8 @@ def multi_head_attention(
         mask: Boolean, True = may attend: ``(Q, K)``, ``(B, Q, K)`` or ``(B, H, Q, K)``.
         causal: Query ``i`` sees keys ``j <= i + (K - Q)``.
         dropout: Dropout rate on the attention weights.
-        return_weights: Also return the weights ``(B, H, Q, K)``, before dropout.
+        return_weights: Also return the weights ``(B, H, Q, K)``, before dropout; see
+            :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
@@ -139,7 +140,7 @@ def relative_multi_head_attention(
     mask: Any = None,
     causal: bool = False,
     dropout: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Multi-head attention with relative position representations (Shaw et al., 2018).
@@ -165,7 +166,8 @@ def relative_multi_head_attention(
         mask: See :func:`multi_head_attention`.
         causal: See :func:`multi_head_attention`.
         dropout: Dropout rate on the attention weights (both value terms use the dropped ones).
-        return_weights: Also return the weights ``(B, H, Q, K)``, before dropout.
+        return_weights: Also return the weights ``(B, H, Q, K)``, before dropout; see
+            :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:

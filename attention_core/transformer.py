@@ -96,7 +96,7 @@ def transformer_encoder_block(
     *,
     mask: Any = None,
     dropout: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     implementation: str | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
@@ -113,7 +113,8 @@ def transformer_encoder_block(
         valid_lens: Integer lengths of ``X``, ``(B,)`` or ``(B, T)``.
         mask: Boolean self-attention mask, True = may attend.
         dropout: Dropout rate of the attention weights and both residual branches.
-        return_weights: Also return the self-attention weights ``(B, H, T, T)``.
+        return_weights: Also return the self-attention weights ``(B, H, T, T)``; see
+            :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``X`` when omitted.
@@ -184,7 +185,7 @@ def transformer_encoder(
     *,
     mask: Any = None,
     dropout: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     implementation: str | None = None,
     positions: Array | None = None,
     max_len: int | None = None,
@@ -205,7 +206,8 @@ def transformer_encoder(
         valid_lens: Integer lengths of the sequences, ``(B,)`` or ``(B, T)``.
         mask: Boolean self-attention mask, True = may attend.
         dropout: Dropout rate of the positional encoding's sum and inside every block.
-        return_weights: Also return each block's self-attention weights ``(B, H, T, T)``.
+        return_weights: Also return each block's self-attention weights ``(B, H, T, T)``;
+            see :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
         implementation: How the blocks' heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
         positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, sliced to the first T

@@ -114,7 +114,9 @@ def test_graph_is_rebuilt_for_new_shapes_and_options() -> None:
         a = imperative(arr(x), arr(x), arr(x), **kw).asnumpy()
         b = hybrid(arr(x), arr(x), arr(x), **kw).asnumpy()
         assert b.shape == (x.shape[0], x.shape[1], 8)
-        assert max_diff(b, a) <= 1e-6, kwargs
+        # float32 rounding, relative to the outputs' scale: the graph forms the kept weights
+        # on the direct path, the imperative call pools blockwise and forms them on read
+        assert max_diff(b, a) <= 1e-6 * max(1.0, np.abs(a).max()), kwargs
 
 
 # -- the seeds' own usage ----------------------------------------------------------------------

@@ -155,7 +155,8 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         dtype = np.dtype(self.param_dtype).name
         prepared = self.prepare(OPS, dtype, self.bind_call(args, kwargs))
         weights = self._params(**prepared.dims)
-        need = self.needs_attention(prepared.return_attention, self.is_mutable_collection("intermediates"))
+        need = self.needs_attention(prepared.return_attention,
+                                    self.is_mutable_collection("intermediates"), on_read=False)
         rate = float(getattr(self, "dropout", 0.0)) if training else 0.0
         ops = JaxOps(rng=self.make_rng("dropout")) if rate > 0 else OPS
         run = D.Run(ops, weights, self._tables(), rate, need)

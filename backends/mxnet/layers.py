@@ -82,7 +82,8 @@ def _has_data(param: Parameter) -> bool:
 
 
 @D.dataclass_transform()
-class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: its params, cast()
+# HybridBlock first: its params, cast()
+class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
     """Holds a declared layer's weights as Gluon parameters and calls its forward.
 
     Attributes:
@@ -116,9 +117,9 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
             self._reg_params[name].cast(dtype)
         signature = self.call_signature().parameters.items()
         self._arrays = tuple(n for n, p in signature if not isinstance(p.default, bool))
-        self._call: tuple[dict[str, Any], bool, list[Any]] = ({}, False, [])
+        self._call: tuple[dict[str, Any], bool | str, list[Any]] = ({}, False, [])
         self._graph_key: Any = None
-        self.attention_weights: Any = self.finish(None, False, False)[1]
+        self._attention_kept = self.finish(None, False, False)[1]
 
     def __getattr__(self, name: str) -> Any:
         """A held table by its name (``P``): a constant, or a weight of that name."""
@@ -241,7 +242,7 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         out = tuple(out) if isinstance(out, (list, tuple)) else out
         returned, kept = self.finish(out, need, prepared.return_attention)
         if self.attention_kind:
-            self.attention_weights = kept
+            self._attention_kept = kept
         return returned
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
@@ -252,8 +253,8 @@ class Layer(HybridBlock, GluonArguments, D.Declaration):  # HybridBlock first: i
         ops = MXNetOps({s.name: (a.shape, np.dtype(a.dtype).name) for s, a in known}) if F is mx.sym else OPS
         return self._forward(ops, list(arrays), options, need, params)
 
-    def _forward(self, ops: MXNetOps, arrays: list[Any], options: Mapping[str, Any], need: bool,
-                 params: Mapping[str, Any]) -> Any:
+    def _forward(self, ops: MXNetOps, arrays: list[Any], options: Mapping[str, Any],
+                 need: bool | str, params: Mapping[str, Any]) -> Any:
         """The declared forward on the given inputs, weights and tables."""
         weights = {n: v for n, v in params.items() if n in self._weights}
         tables = {n: v for n, v in params.items() if n not in self._weights}

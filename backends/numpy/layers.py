@@ -36,7 +36,7 @@ class NumpyArguments:
 
 
 @D.dataclass_transform()
-class Layer(NumpyArguments, D.Declaration):
+class Layer(NumpyArguments, D.KeptAttention, D.Declaration):
     """Holds a declared layer's weights as NumPy arrays and calls its forward.
 
     Attributes:
@@ -63,7 +63,7 @@ class Layer(NumpyArguments, D.Declaration):
         self._dims: dict[str, int] = {}
         self._weights: dict[str, np.ndarray] | None = None
         self._constants = self.constants(self.dtype)
-        self.attention_weights: Any = self.finish(None, False, False)[1]
+        self._attention_kept = self.finish(None, False, False)[1]
         if None not in {d for shape in self.weight_shapes().values() for d in shape}:
             self._weights = self._current()
 
@@ -106,7 +106,7 @@ class Layer(NumpyArguments, D.Declaration):
             self._dims.update(prepared.dims)
             self._weights = weights
         if self.attention_kind:
-            self.attention_weights = kept
+            self._attention_kept = kept
         return returned
 
     def get_weights(self) -> dict[str, np.ndarray]:

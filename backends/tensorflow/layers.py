@@ -61,7 +61,7 @@ else:
 
 
 @D.dataclass_transform()
-class Layer(D.Declaration, _Keras, KerasArguments):
+class Layer(D.KeptAttention, D.Declaration, _Keras, KerasArguments):
     """Holds a declared layer's weights as Keras variables and calls its forward.
 
     Attributes:
@@ -103,7 +103,7 @@ class Layer(D.Declaration, _Keras, KerasArguments):
         self._params: dict[str, keras.Variable] = {}
         self._weightless = not self.weight_shapes()
         self._constants = {n: tf.cast(t, self.compute_dtype) for n, t in self.constants("float64").items()}
-        self.attention_weights: Any = self.finish(None, False, False)[1]
+        self._attention_kept = self.finish(None, False, False)[1]
         self._allow_non_tensor_positional_args = True  # valid_lens may be a Python list
         if None not in {d for shape in self.weight_shapes().values() for d in shape}:
             self._create({})
@@ -169,7 +169,7 @@ class Layer(D.Declaration, _Keras, KerasArguments):
         returned, kept = self.finish(self.compute(run, **arguments), need,
                                      prepared.return_attention)
         if self.attention_kind:
-            self.attention_weights = kept
+            self._attention_kept = kept
         return returned
 
     def _build(self, *args: Any, **kwargs: Any) -> None:

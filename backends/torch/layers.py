@@ -76,7 +76,7 @@ CLASSES: dict[type[D.Declaration], type[Layer]] = {}
 
 
 @D.dataclass_transform()
-class Layer(TorchArguments, D.Declaration, nn.Module):
+class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
     """Holds a declared layer's weights as ``Parameter``s and calls its forward.
 
     Attributes:
@@ -120,7 +120,7 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
             self.register_buffer(name, torch.from_numpy(table).to(factory["device"], dtype),
                                  persistent=False)
         self._tables, self._parts = tuple(tables), tuple(self.sublayers())
-        self.attention_weights: Any = self.finish(None, False, False)[1]
+        self._attention_kept = self.finish(None, False, False)[1]
         self._init([name for name, shape in spec.items() if None not in shape])
 
     def _attach(self, name: str, value: nn.Module | Parameter) -> None:
@@ -226,9 +226,9 @@ class Layer(TorchArguments, D.Declaration, nn.Module):
             raise
         if self.attention_kind == "blocks":
             for name, weights in zip(self._parts, kept, strict=True):
-                self.get_submodule(name).attention_weights = weights
+                self.get_submodule(name)._attention_kept = weights
         if self.attention_kind:
-            self.attention_weights = kept
+            self._attention_kept = kept
         return returned
 
     def _compute_dtype(self) -> str | None:

@@ -26,6 +26,9 @@ from backends.jax.layers import Layer
 from tests.hooks import eager
 
 RNGS = {"params": 0, "dropout": 1}
+#: Flax sows the attention weights in the call (arrays, formed by the direct path), where the
+#: other backends keep them to be formed on read (tests/test_fused.py).
+SOWS_WEIGHTS = True
 
 
 def _rngs() -> dict[str, jax.Array]:
