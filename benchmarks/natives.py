@@ -4,8 +4,9 @@ Each :class:`Harness` imports its framework only when built (:func:`harness`), a
 thread environment of :func:`benchmarks.thread_env` is in place, and gives the
 benchmark calls that wait for their result:
 
-* :meth:`Harness.mha_pair`: ``MultiHeadAttention(512, 8, bias=True,
-  keep_attention_weights=False)`` of this library against the native layer holding the same
+* :meth:`Harness.mha_pair`: ``MultiHeadAttention(512, 8, bias=True)`` of this library, as
+  constructed by default and with ``keep_attention_weights=False``, against the native layer
+  holding the same
   canonical weights (converted by ``backends.<fw>.convert``), self-attention on one input
   ``X (1, n, 512)`` with ``valid_lens = [n - n // 4]`` (the native layer gets the equivalent
   key padding mask). torch: ``torch.nn.MultiheadAttention(batch_first=True)`` in eval mode,
@@ -101,13 +102,14 @@ def plain_mha(xp: Any, X: Any, lens: Any, weights: Mapping[str, Any], num_heads:
     return xp.matmul(out, weights["W_o.kernel"]) + weights["W_o.bias"]
 
 
-def our_mha(module: Any) -> Any:
+def our_mha(module: Any, keep: bool = True) -> Any:
     """This library's ``MultiHeadAttention(512, 8, bias=True)`` from a backend module.
 
-    It is told not to keep its weights, so that the core may pool without forming them.
+    With ``keep`` (the constructor's default) it keeps its attention weights, as a user gets
+    it; without, the tuned configuration ``keep_attention_weights=False``.
     """
     return module.MultiHeadAttention(num_hiddens=NUM_HIDDENS, num_heads=NUM_HEADS, bias=True,
-                                     keep_attention_weights=False)
+                                     keep_attention_weights=keep)
 
 
 class Harness:
@@ -145,9 +147,10 @@ class Harness:
         versions = {m: registry.module_version(m) for m in registry.FRAMEWORKS[self.name]}
         return {m: v for m, v in versions.items() if v is not None}
 
-    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
+    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any, keep: bool = True
+             ) -> Call:
         """This library's MultiHeadAttention, called on ``(X, X, X, lens)``."""
-        layer = our_mha(self.module)
+        layer = our_mha(self.module, keep)
         layer.set_weights(weights)
         return lambda: self.sync(layer(X, X, X, lens))
 
@@ -172,15 +175,22 @@ class Harness:
         """``valid_lens`` ``[n - n // 4]`` as the framework's int32 array."""
         return self.to_array(np.array([valid_length(n)] * BATCH, np.int32))
 
-    def mha_pair(self, n: int, seed: int = 0) -> tuple[Call, Call, float]:
-        """``(ours, native, max |ours - native|)`` for self-attention on ``X (1, n, 512)``."""
+    def mha_pair(self, n: int, seed: int = 0) -> tuple[Call, Call, Call, float]:
+        """``(ours, tuned, native, max |ours - native|)``: self-attention on ``X (1, n, 512)``.
+
+        ``ours`` is the default layer, ``tuned`` the one with ``keep_attention_weights=False``.
+        """
         weights = canonical_weights(seed)
         X = self.to_array(np.random.default_rng(seed + 1).standard_normal(
             (BATCH, n, NUM_HIDDENS)).astype(np.float32))
         lens = self.lens(n)
         ours, native = self.ours(weights, X, lens), self.native(weights, X, lens)
-        diff = float(np.max(np.abs(self.to_numpy(ours()) - self.to_numpy(native()))))
-        return ours, native, diff
+        tuned = self.ours(weights, X, lens, keep=False)
+        got, want = self.to_numpy(ours()), self.to_numpy(native())
+        if not np.allclose(got, self.to_numpy(tuned()), rtol=1e-5, atol=1e-5):
+            raise AssertionError(f"n={n}: the default and the tuned layer give other outputs")
+        diff = float(np.max(np.abs(got - want)))
+        return ours, tuned, native, diff
 
     def paths(self) -> list[str]:
         """The paths :meth:`attention_call` knows on this backend."""
@@ -253,9 +263,10 @@ class TorchHarness(Harness):
 
         return call
 
-    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
+    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any, keep: bool = True
+             ) -> Call:
         """This library's layer (see the base class)."""
-        layer = our_mha(self.module)
+        layer = our_mha(self.module, keep)
         layer.set_weights(weights)
         layer.eval()
         return self._infer(lambda: layer(X, X, X, lens))
@@ -312,9 +323,10 @@ class TensorFlowHarness(Harness):
                 "intra_op_parallelism_threads": threading.get_intra_op_parallelism_threads(),
                 "inter_op_parallelism_threads": threading.get_inter_op_parallelism_threads()}
 
-    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
+    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any, keep: bool = True
+             ) -> Call:
         """This library's layer (see the base class)."""
-        layer = our_mha(self.module)
+        layer = our_mha(self.module, keep)
         layer(X[:, :2], X[:, :2], X[:, :2])  # builds the weights
         layer.set_weights(weights)
         fn = self.tf.function(lambda x, lens: layer(x, x, x, lens), autograph=False)
@@ -369,9 +381,10 @@ class JaxHarness(Harness):
         """Waits until ``x`` is computed (see the base class)."""
         return self.jax.block_until_ready(x)  # type: ignore[no-untyped-call]
 
-    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any) -> Call:
+    def ours(self, weights: Mapping[str, np.ndarray], X: Any, lens: Any, keep: bool = True
+             ) -> Call:
         """This library's layer (see the base class)."""
-        layer = our_mha(self.module)
+        layer = our_mha(self.module, keep)
         variables = self.module.init_from_weights(layer, weights)
         fn = self.jax.jit(lambda variables, x, lens: layer.apply(variables, x, x, x, lens))
         return lambda: self.sync(fn(variables, X, lens))
