@@ -226,15 +226,24 @@ def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None
     if speed:
         sizes = sorted({p["n"] for d in speed for p in d["speed"]["points"]})
         by = {d["backend"]: {p["n"]: p for p in d["speed"]["points"]} for d in speed}
-        lines += ["", "**(a) MultiHeadAttention(512, 8) forward time, ours ÷ native** (median of "
-                  "interleaved rounds [confidence interval]; A/A = native ÷ itself, the noise "
-                  "control). Native: " + "; ".join(f"`{d['backend']}` {d['speed']['native']}"
-                                                   for d in speed) + ".", ""]
+        layer = ("`keep_attention_weights=False`" if any(
+            d["speed"].get("keep_attention_weights_false") for d in speed)
+            else "as constructed by default")
+        lines += ["", f"**(a) MultiHeadAttention(512, 8) forward time, ours ({layer}) ÷ native** "
+                  "(median of interleaved rounds [confidence interval]; A/A = native ÷ itself, "
+                  "the noise control). Native: " + "; ".join(
+                      f"`{d['backend']}` {d['speed']['native']}" for d in speed) + ".", ""]
         table = (["n", *(f"`{d['backend']}`" for d in speed), "A/A (widest)"],
                  [[str(n), *(_ratio(by[d["backend"]].get(n, {}).get("ratio")) for d in speed),
                    _widest([by[d["backend"]][n]["aa"] for d in speed if n in by[d["backend"]]])]
                   for n in sizes])
         lines.append(render(table, True))
+        tuned = [d for d in speed if all("tuned_ratio" in p for p in d["speed"]["points"])]
+        if tuned:
+            lines += ["", "The tuned layer (`keep_attention_weights=False`) ÷ native, in the same "
+                      "rounds:", "", render((["n", *(f"`{d['backend']}`" for d in tuned)], [
+                          [str(n), *(_ratio(by[d["backend"]].get(n, {}).get("tuned_ratio"))
+                                     for d in tuned)] for n in sizes]), True)]
     flops = [d for d in docs if "flops" in d and d["flops"]["points"]]
     if flops:
         paths = ["default", "direct", "blockwise", "fused", "native"]
