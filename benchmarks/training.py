@@ -1,0 +1,205 @@
+"""One training step of the default layers against each framework's own, in one process.
+
+Issue 17's training benchmark. A training step is the forward of a layer on ``X (1, n, 512)``
+with ``valid_lens = [n - n // 4]`` (the framework's layer gets the equivalent key padding
+mask), then the gradients of the output's sum by every weight; dropout 0 on both sides, so
+that both do the same arithmetic. Ours are constructed with their defaults (they keep their
+attention weights: formed on read in eager calls, in the program when traced). Contenders,
+timed in interleaved rounds (:mod:`benchmarks.timing`), each ``ours ÷ native`` with the A/A
+control ``native' ÷ native``:
+
+* ``mha``: ``MultiHeadAttention(512, 8, bias=True)`` against the framework's multi-head
+  attention holding the same weights (``backends.<fw>.convert``): torch
+  ``nn.MultiheadAttention(batch_first=True)``, ``keras.layers.MultiHeadAttention``, Flax
+  ``MultiHeadDotProductAttention``;
+* ``block``: ``TransformerEncoderBlock(512, 2048, 8, bias=True)`` against torch's
+  ``nn.TransformerEncoderLayer(512, 8, 2048, dropout=0, batch_first=True)`` (post-norm, ReLU,
+  as the block), or a post-norm block composed of the framework's own layers (Keras: its
+  multi-head attention, ``LayerNormalization`` and ``Dense``; Flax likewise), each with its own
+  initial weights (same shapes and arithmetic; the outputs are not compared).
+
+torch runs eagerly; TensorFlow steps are one ``tf.function`` each (``tf.GradientTape``
+inside, as ``fit`` does); JAX steps are ``jax.jit(jax.grad(...))``.
+
+Usage: ``python -m benchmarks.training --backend torch [--sizes 128,1024] [--rounds 15]
+[--min-time 0.2]``, from the repository, one backend per process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HIDDEN, HEADS, FFN = 512, 8, 2048
+Steps = dict[str, Callable[[], Any]]
+
+
+def inputs(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``X (1, n, 512)``, ``valid_lens (1,)`` and the key padding ``(1, n)`` (True = a key)."""
+    X = np.random.default_rng(n).standard_normal((1, n, HIDDEN)).astype(np.float32)
+    lens = np.array([n - n // 4], np.int32)
+    return X, lens, np.arange(n)[None, :] < lens[:, None]
+
+
+def torch_steps(kind: str, n: int) -> Steps:
+    """The torch contenders: eager steps, ``zero_grad`` then forward and backward."""
+    import torch
+
+    from backends.torch import MultiHeadAttention, TransformerEncoderBlock
+    from backends.torch.convert import to_torch
+
+    x, lens_np, keys = inputs(n)
+    X, lens, padding = torch.from_numpy(x), torch.from_numpy(lens_np), torch.from_numpy(~keys)
+
+    def step(module: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        def call() -> Any:
+            module.zero_grad(set_to_none=True)
+            out = forward()
+            out.sum().backward()  # type: ignore[no-untyped-call]
+            return out
+        return call
+
+    if kind == "mha":
+        ours = MultiHeadAttention(HIDDEN, HEADS, bias=True).train()
+        ours(X, X, X, lens)  # sizes inferred
+        native = to_torch(ours.get_weights(), HEADS, batch_first=True).train()
+        return {"ours": step(ours, lambda: ours(X, X, X, lens)),
+                "native": step(native, lambda: native(X, X, X, key_padding_mask=padding,
+                                                      need_weights=False)[0])}
+    block = TransformerEncoderBlock(HIDDEN, FFN, HEADS, bias=True).train()
+    layer = torch.nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0,
+                                             batch_first=True).train()
+    return {"ours": step(block, lambda: block(X, lens)),
+            "native": step(layer, lambda: layer(X, src_key_padding_mask=padding))}
+
+
+def tensorflow_steps(kind: str, n: int) -> Steps:
+    """The Keras contenders: a ``tf.function`` step each, gradients by ``tf.GradientTape``."""
+    import keras
+    import tensorflow as tf
+
+    from backends.tensorflow import MultiHeadAttention, TransformerEncoderBlock
+    from backends.tensorflow.convert import to_keras
+
+    x, lens_np, keys = inputs(n)
+    X, lens = tf.constant(x), tf.constant(lens_np)
+    mask = tf.constant(keys[:, None, :])  # (B, 1, K), True = may attend
+
+    class Block(keras.layers.Layer):  # type: ignore[misc]
+        """A post-norm encoder block of Keras' own layers."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = keras.layers.MultiHeadAttention(HEADS, HIDDEN // HEADS)
+            self.norm1 = keras.layers.LayerNormalization(epsilon=1e-5)
+            self.dense1 = keras.layers.Dense(FFN, activation="relu")
+            self.dense2 = keras.layers.Dense(HIDDEN)
+            self.norm2 = keras.layers.LayerNormalization(epsilon=1e-5)
+
+        def call(self, x: Any, mask: Any) -> Any:
+            y = self.norm1(x + self.attention(x, x, x, attention_mask=mask))
+            return self.norm2(y + self.dense2(self.dense1(y)))
+
+    def step(layer: Any, forward: Callable[[], Any]) -> Callable[[], Any]:
+        forward()  # builds the weights
+
+        def gradients() -> Any:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(forward())
+            return tape.gradient(loss, layer.trainable_variables)
+
+        train = tf.function(gradients, autograph=False)
+        return lambda: [g.numpy() for g in train()][-1]
+
+    if kind == "mha":
+        ours = MultiHeadAttention(HIDDEN, HEADS, bias=True)
+        ours(X, X, X, lens)
+        native = to_keras(ours.get_weights(), HEADS)
+        return {"ours": step(ours, lambda: ours(X, X, X, lens, training=True)),
+                "native": step(native, lambda: native(X, X, X, attention_mask=mask,
+                                                      training=True))}
+    block, composed = TransformerEncoderBlock(HIDDEN, FFN, HEADS, bias=True), Block()
+    return {"ours": step(block, lambda: block(X, lens, training=True)),
+            "native": step(composed, lambda: composed(X, mask))}
+
+
+def jax_steps(kind: str, n: int) -> Steps:
+    """The Flax contenders: ``jax.jit(jax.grad(...))`` of the sum, by the params."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from backends.jax import MultiHeadAttention, TransformerEncoderBlock, get_weights
+    from backends.jax.convert import to_flax
+
+    x, lens_np, keys = inputs(n)
+    X, lens, mask = jnp.asarray(x), jnp.asarray(lens_np), jnp.asarray(keys[:, None, None, :])
+
+    class Block(nn.Module):
+        """A post-norm encoder block of Flax's own layers."""
+
+        @nn.compact
+        def __call__(self, x: Any, mask: Any) -> Any:
+            y = nn.LayerNorm(epsilon=1e-5)(x + nn.MultiHeadDotProductAttention(HEADS)(
+                x, x, mask=mask))
+            return nn.LayerNorm(epsilon=1e-5)(y + nn.Dense(HIDDEN)(nn.relu(nn.Dense(FFN)(y))))
+
+    def step(apply: Callable[..., Any], variables: Any) -> Callable[[], Any]:
+        grad = jax.jit(jax.grad(lambda v: jnp.sum(apply(v))))
+        return lambda: jax.block_until_ready(grad(variables))  # type: ignore[no-untyped-call]
+
+    key = jax.random.PRNGKey(0)
+    if kind == "mha":
+        ours = MultiHeadAttention(HIDDEN, HEADS, bias=True)
+        variables = ours.init(key, X, X, X, lens)
+        native, native_vars = to_flax(get_weights(variables), HEADS)
+        return {"ours": step(lambda v: ours.apply(v, X, X, X, lens, training=True), variables),
+                "native": step(lambda v: native.apply(v, X, X, mask=mask), native_vars)}
+    block, composed = TransformerEncoderBlock(HIDDEN, FFN, HEADS, bias=True), Block()
+    return {"ours": step(lambda v: block.apply(v, X, lens, training=True),
+                         block.init(key, X, lens)),
+            "native": step(lambda v: composed.apply(v, X, mask), composed.init(key, X, mask))}
+
+
+STEPS = {"torch": torch_steps, "tensorflow": tensorflow_steps, "jax": jax_steps}
+
+
+def main() -> None:
+    """Parses the arguments, times each kind and size, prints one line each."""
+    timing = importlib.import_module("benchmarks.timing")
+    parser = timing.ab_parser(__doc__.splitlines()[0], "128,1024")
+    parser.add_argument("--backend", choices=sorted(STEPS), required=True)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {head}; {args.backend}, "
+          f"{os.cpu_count()} CPUs; {args.rounds} interleaved rounds, median [95% interval]",
+          flush=True)
+    for kind in ("mha", "block"):
+        for n in sizes:
+            made = STEPS[args.backend](kind, n)
+            for call in made.values():
+                call()  # compiled here
+            times = timing.interleaved({"ours": made["ours"], "native": made["native"],
+                                        "native'": made["native"]}, args.rounds, args.min_time)
+            r = timing.ratio(times, "ours", "native")
+            aa = timing.ratio(times, "native'", "native")
+            ms = 1e3 * statistics.median(times["native"])
+            print(f"{kind:5s} n={n:5d}: ours/native {r.median:.3f} [{r.low:.3f}, {r.high:.3f}]"
+                  f"   A/A {aa.median:.3f} [{aa.low:.3f}, {aa.high:.3f}]   native {ms:.1f} ms",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
