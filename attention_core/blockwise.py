@@ -87,9 +87,15 @@ def blockwise_attention(
     K = ops.shape(keys)[2]
     batch_heads = math.prod([d if isinstance(d, int) else 1 for d in (B, H)])  # unknown: 1
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
+    # Recomputed in the backward pass, one query block at a time; not under dropout, whose
+    # recomputation would draw another mask (the tape then keeps every tile, as without it).
+    checkpoint = getattr(ops, "checkpoint", None) if dropout == 0 else None
+    if checkpoint is not None and isinstance(K, int):
+        # a block's recomputation records all its tiles: q_block * K scores, within the budget
+        auto_q = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
     q_block, k_block = q_block or auto_q, k_block or auto_k
 
-    def scores(q: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
+    def scores(q: Array, keys: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
         k_t = ops.transpose(ops.slice(keys, 2, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
         s = ops.matmul(q, k_t)  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
@@ -112,29 +118,37 @@ def blockwise_attention(
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
         return exp_diff(s, ops.where(m > FILL_VALUE[ops.dtype_name(m)], m, 0.0))  # s not read again
 
-    def pool(p: Array, k0: Any, kn: int) -> Array:
+    def pool(p: Array, values: Array, k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p
         return ops.matmul(p, ops.slice(values, 2, k0, kn))  # (B, H, qn, Dv)
 
-    def query_block(q0: Any, qn: int) -> Array:
-        q = ops.slice(queries, 2, q0, qn) * scale  # (B, H, qn, D)
+    def pooled(q: Array, keys: Array, values: Array, q0: Any, qn: int) -> Array:
+        """The block of queries ``q`` (``(B, H, qn, D)``, from row ``q0``) pooled over the keys."""
+        q = q * scale
         limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
         kn = min(k_block, limit)
-        s = scores(q, q0, qn, 0, kn)  # the first key block starts the running state
+        s = scores(q, keys, q0, qn, 0, kn)  # the first key block starts the running state
         m = row_max(s)  # (B, H, qn, 1)
         p = weigh(s, m)
-        start: Carry = (m, ops.sum(p, -1), pool(p, 0, kn))
+        start: Carry = (m, ops.sum(p, -1), pool(p, values, 0, kn))
 
         def step(carry: Carry, k0: Any, kn: int) -> Carry:
             m, total, acc = carry
-            s = scores(q, q0, qn, k0, kn)
+            s = scores(q, keys, q0, qn, k0, kn)
             m_new = ops.maximum(m, row_max(s))
             rescale = ops.exp(m - m_new)  # 0 when m was the fill and m_new is not
             p = weigh(s, m_new)
-            return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, k0, kn)
+            return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, values, k0, kn)
 
         _, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block)
         return acc / ops.where(total > 0, total, 1.0)
+
+    def query_block(q0: Any, qn: int) -> Array:
+        q = ops.slice(queries, 2, q0, qn)  # (B, H, qn, D)
+        if checkpoint is None:
+            return pooled(q, keys, values, q0, qn)
+        # the masks, q0 and the scale reach the block by closure: they get no gradient
+        return checkpoint(lambda q, k, v: pooled(q, k, v, q0, qn))(q, keys, values)
 
     return _map_blocks(ops, query_block, Q, q_block, axis=2)
 

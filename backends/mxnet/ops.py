@@ -12,7 +12,7 @@ asks for are inferred from the known shapes and dtypes of the graph's inputs (``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mxnet as mx
@@ -115,6 +115,13 @@ class MXNetOps(NamespaceOps):
     def arange(self, n: Any) -> Any:
         return self.xp.arange(int(n), dtype="int32")
 
+    def checkpoint(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # autograd.record() keeps every op of the blockwise loops for the backward pass; this
+        # keeps the inputs instead and re-runs fn there. Graphs (Symbols) are left as they are.
+        if self.symbolic:
+            return fn
+        return lambda *inputs: _Recomputed(fn)(*inputs)
+
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
         return self.npx.dropout(x, p=rate)
@@ -122,6 +129,34 @@ class MXNetOps(NamespaceOps):
     def _inputs(self, x: Any, field: int) -> dict[str, Any]:
         """The known shapes (field 0) or dtypes (field 1) of the inputs ``x`` depends on."""
         return {n: self._known[n][field] for n in x.list_arguments() if n in self._known}
+
+
+class _Recomputed(mx.autograd.Function):
+    """``fn`` of ``mxnet.numpy`` arrays whose intermediates are recomputed in the backward pass.
+
+    The forward runs ``fn`` with recording paused, keeping only its inputs; the backward runs
+    it again under ``autograd.record()`` and differentiates that. One instance per call.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs: Any) -> Any:
+        self.save_for_backward(*inputs)
+        return self.fn(*inputs)
+
+    def backward(self, *grads: Any) -> Any:
+        inputs = [x.detach() for x in self.saved_tensors]
+        for x in inputs:
+            x.attach_grad()
+        with mx.autograd.record(train_mode=mx.autograd.is_training()):
+            out = self.fn(*inputs)
+        # MXNet hands the gradients over, and takes them back, as legacy NDArrays
+        out.backward(grads[0].as_np_ndarray())
+        for x in inputs:
+            x.grad.wait_to_read()
+        return tuple(x.grad.as_nd_ndarray() for x in inputs)
 
 
 #: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).

@@ -178,6 +178,11 @@ class TensorFlowOps:
         rest = tf.reshape(moved, [*dims[:axis], (n - 1) * first.shape[axis], *dims[axis + 2 :]])
         return tf.concat([first, rest], axis)
 
+    def checkpoint(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # An eager tf.GradientTape records every op, so the blockwise loops would keep every
+        # tile for the backward pass; recompute_grad keeps the inputs and re-runs fn there.
+        return tf.recompute_grad(fn)
+
     def dropout(self, x: Any, rate: float) -> tf.Tensor:
         if self.seed_generator is None:
             return tf.nn.dropout(x, rate)
