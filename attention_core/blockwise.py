@@ -13,6 +13,11 @@ exponential is exactly 0; a row with no visible key keeps ``l = 0`` and ``acc = 
 out as zeros. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
 state ``(B, H, q_block, Dv)``, whatever the sequence length.
 
+Under an eager tape (TensorFlow, MXNet) the ops' ``recompute_blocks`` keeps the path's inputs
+only and recomputes one query block at a time in the backward pass (Rabe & Staats'
+checkpointing; see :class:`~attention_core.ops.RecomputeOps`), so training holds one block's
+tiles, not every tile.
+
 Shape legend: B batch, H heads, Q queries, K keys, D depth, Dv value depth.
 """
 
@@ -87,12 +92,6 @@ def blockwise_attention(
     K = ops.shape(keys)[2]
     batch_heads = math.prod([d if isinstance(d, int) else 1 for d in (B, H)])  # unknown: 1
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
-    # Recomputed in the backward pass, one query block at a time; not under dropout, whose
-    # recomputation would draw another mask (the tape then keeps every tile, as without it).
-    checkpoint = getattr(ops, "checkpoint", None) if dropout == 0 else None
-    if checkpoint is not None and isinstance(K, int):
-        # a block's recomputation records all its tiles: q_block * K scores, within the budget
-        auto_q = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
     q_block, k_block = q_block or auto_q, k_block or auto_k
 
     def scores(q: Array, keys: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
@@ -144,11 +143,20 @@ def blockwise_attention(
         return acc / ops.where(total > 0, total, 1.0)
 
     def query_block(q0: Any, qn: int) -> Array:
-        q = ops.slice(queries, 2, q0, qn)  # (B, H, qn, D)
-        if checkpoint is None:
-            return pooled(q, keys, values, q0, qn)
-        # the masks, q0 and the scale reach the block by closure: they get no gradient
-        return checkpoint(lambda q, k, v: pooled(q, k, v, q0, qn))(q, keys, values)
+        return pooled(ops.slice(queries, 2, q0, qn), keys, values, q0, qn)
+
+    # Recomputed in the backward pass, one query block at a time, where the ops can; not under
+    # dropout, whose recomputation would draw another mask (every tile is then kept).
+    recompute = getattr(ops, "recompute_blocks", None) if dropout == 0 else None
+    if recompute is not None:
+        # a block's recomputation records all its tiles: q_block * K scores, within the budget
+        size = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
+        blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
+        # the masks, the block's place and the scale reach it by closure: they get no gradient
+        out = recompute(lambda b, q, k, v: pooled(q, k, v, *blocks[b]), blocks, queries, keys,
+                        values)
+        if out is not None:
+            return out
 
     return _map_blocks(ops, query_block, Q, q_block, axis=2)
 

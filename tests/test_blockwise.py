@@ -220,23 +220,26 @@ NO_CHECKPOINT = {
 def test_recomputed_blocks_give_the_direct_gradients(backend: str, kind: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients of q, k and v through the blockwise path, each query block recomputed in the
-    backward pass (``ops.checkpoint``), equal the direct path's; the hook runs once per block,
-    and not under dropout, whose recomputation would draw another mask."""
+    backward pass (``ops.recompute_blocks``), equal the direct path's; the hook gets the
+    blocks the budget allows, and is not used under dropout, whose recomputation would draw
+    another mask."""
     h = Harness(backend)
-    if not hasattr(h.ops, "checkpoint"):
-        pytest.skip(NO_CHECKPOINT.get(backend, f"{backend} has no checkpoint hook"))
+    if not hasattr(h.ops, "recompute_blocks"):
+        pytest.skip(NO_CHECKPOINT.get(backend, f"{backend} has no recompute_blocks hook"))
     B, H, Q, K = 2, 3, 13, 19
     monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)  # ragged key blocks
     monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
     monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * K)  # 4 queries a block: 4, 4, 4, 1
-    calls: list[int] = []
-    hook = h.ops.checkpoint
+    calls: list[list[tuple[int, int]]] = []
+    hook = h.ops.recompute_blocks
 
-    def counting(fn: Any) -> Any:
-        calls.append(1)
-        return hook(fn)
+    def counting(fn: Any, blocks: list[tuple[int, int]], *arrays: Any) -> Any:
+        out = hook(fn, blocks, *arrays)
+        if out is not None:
+            calls.append(blocks)
+        return out
 
-    monkeypatch.setattr(h.ops, "checkpoint", counting)
+    monkeypatch.setattr(h.ops, "recompute_blocks", counting)
     rng = np.random.default_rng(len(kind))
     arrays = [rng.standard_normal((B, H, n, d)) for n, d in ((Q, 8), (K, 8), (K, 5))]
     masks = {name: x if name == "causal" else h.array(x)
@@ -252,7 +255,7 @@ def test_recomputed_blocks_give_the_direct_gradients(backend: str, kind: str,
         _, got = h.forward_and_gradients(layer, forward, [h.array(x, "float32") for x in arrays],
                                          cotangent)
         grads[impl] = {name: h.numpy(g) for name, g in got.items()}
-    assert len(calls) == 4
+    assert calls == [[(0, 4), (4, 4), (8, 4), (12, 1)]]
     assert set(grads["blockwise"]) == {"input.0", "input.1", "input.2"}
     for name, want in grads["direct"].items():
         assert np.isfinite(grads["blockwise"][name]).all(), name

@@ -115,12 +115,16 @@ class MXNetOps(NamespaceOps):
     def arange(self, n: Any) -> Any:
         return self.xp.arange(int(n), dtype="int32")
 
-    def checkpoint(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def recompute_blocks(
+        self, fn: Callable[..., Any], blocks: list[tuple[int, int]], queries: Any, keys: Any,
+        values: Any,
+    ) -> Any:
         # autograd.record() keeps every op of the blockwise loops for the backward pass; this
-        # keeps the inputs instead and re-runs fn there. Graphs (Symbols) are left as they are.
+        # keeps the inputs instead and recomputes one block at a time there. Graphs (Symbols)
+        # are left to the blockwise loops as they are.
         if self.symbolic:
-            return fn
-        return lambda *inputs: _Recomputed(fn)(*inputs)
+            return None
+        return _Recomputed(fn, blocks)(queries, keys, values)
 
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
@@ -132,31 +136,39 @@ class MXNetOps(NamespaceOps):
 
 
 class _Recomputed(mx.autograd.Function):
-    """``fn`` of ``mxnet.numpy`` arrays whose intermediates are recomputed in the backward pass.
+    """Blockwise attention whose blocks are recomputed, one at a time, in the backward pass.
 
-    The forward runs ``fn`` with recording paused, keeping only its inputs; the backward runs
-    it again under ``autograd.record()`` and differentiates that. One instance per call.
+    The forward runs ``fn(b, q_b, keys, values)`` for each block ``b`` of queries ``q_b`` with
+    recording paused, keeping only the inputs; the backward runs each block again under
+    ``autograd.record()``, differentiates it, and sums the keys' and values' gradients as it
+    goes. One instance per call (MXNet's rule for ``autograd.Function``).
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], blocks: list[tuple[int, int]]) -> None:
         super().__init__()
-        self.fn = fn
+        self.fn, self.blocks = fn, blocks
 
-    def forward(self, *inputs: Any) -> Any:
-        self.save_for_backward(*inputs)
-        return self.fn(*inputs)
+    def forward(self, queries: Any, keys: Any, values: Any) -> Any:
+        self.save_for_backward(queries, keys, values)
+        return mx.np.concatenate([self.fn(b, queries[:, :, q0 : q0 + qn], keys, values)
+                                  for b, (q0, qn) in enumerate(self.blocks)], axis=2)
 
-    def backward(self, *grads: Any) -> Any:
-        inputs = [x.detach() for x in self.saved_tensors]
-        for x in inputs:
-            x.attach_grad()
-        with mx.autograd.record(train_mode=mx.autograd.is_training()):
-            out = self.fn(*inputs)
-        # MXNet hands the gradients over, and takes them back, as legacy NDArrays
-        out.backward(grads[0].as_np_ndarray())
-        for x in inputs:
-            x.grad.wait_to_read()
-        return tuple(x.grad.as_nd_ndarray() for x in inputs)
+    def backward(self, d_out: Any) -> Any:
+        queries, keys, values = self.saved_tensors
+        d_out = d_out.as_np_ndarray()  # MXNet hands gradients over as legacy NDArrays
+        d_q, d_k, d_v = [], mx.np.zeros_like(keys), mx.np.zeros_like(values)
+        for b, (q0, qn) in enumerate(self.blocks):
+            q, k, v = (x.detach() for x in (queries[:, :, q0 : q0 + qn], keys, values))
+            for x in (q, k, v):
+                x.attach_grad()
+            with mx.autograd.record(train_mode=False):
+                out = self.fn(b, q, k, v)
+            out.backward(d_out[:, :, q0 : q0 + qn])
+            d_q.append(q.grad)
+            d_k += k.grad
+            d_v += v.grad
+            d_v.wait_to_read()  # one block's recomputation in memory at a time
+        return tuple(x.as_nd_ndarray() for x in (mx.np.concatenate(d_q, axis=2), d_k, d_v))
 
 
 #: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).

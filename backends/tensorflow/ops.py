@@ -178,10 +178,41 @@ class TensorFlowOps:
         rest = tf.reshape(moved, [*dims[:axis], (n - 1) * first.shape[axis], *dims[axis + 2 :]])
         return tf.concat([first, rest], axis)
 
-    def checkpoint(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def recompute_blocks(
+        self, fn: Callable[..., Any], blocks: list[tuple[int, int]], queries: Any, keys: Any,
+        values: Any,
+    ) -> tf.Tensor | None:
         # An eager tf.GradientTape records every op, so the blockwise loops would keep every
-        # tile for the backward pass; recompute_grad keeps the inputs and re-runs fn there.
-        return tf.recompute_grad(fn)
+        # tile for the backward pass. One custom gradient instead keeps the inputs and
+        # recomputes one block at a time, summing the keys' and values' gradients as it goes.
+        if not tf.executing_eagerly():
+            return None  # a traced graph loops over the blocks in tf.while_loop (map_concat)
+
+        def block(b: int, q: Any, k: Any, v: Any) -> Any:
+            q0, qn = blocks[b]
+            return fn(b, q[:, :, q0 : q0 + qn], k, v)
+
+        @tf.custom_gradient  # type: ignore[untyped-decorator]
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            held = [tf.stop_gradient(x) for x in (q, k, v)]  # the outer tape records nothing
+            out = tf.concat([block(b, *held) for b in range(len(blocks))], 2)
+
+            def backward(d_out: Any) -> tuple[Any, Any, Any]:
+                d_q, d_k, d_v = [], tf.zeros_like(k), tf.zeros_like(v)
+                for b, (q0, qn) in enumerate(blocks):
+                    q_b = q[:, :, q0 : q0 + qn]
+                    with tf.GradientTape() as tape:
+                        tape.watch([q_b, k, v])
+                        out_b = fn(b, q_b, k, v)
+                    grads = tape.gradient(out_b, [q_b, k, v], d_out[:, :, q0 : q0 + qn],
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    d_q.append(grads[0])
+                    d_k, d_v = d_k + grads[1], d_v + grads[2]
+                return tf.concat(d_q, 2), d_k, d_v
+
+            return out, backward
+
+        return attend(queries, keys, values)
 
     def dropout(self, x: Any, rate: float) -> tf.Tensor:
         if self.seed_generator is None:
