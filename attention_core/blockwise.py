@@ -94,8 +94,19 @@ def blockwise_attention(
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
 
-    def scores(q: Array, keys: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        k_t = ops.transpose(ops.slice(keys, 2, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
+    def part(x: Array | list[Array], k0: Any, kn: int) -> Array:
+        """Keys or values ``k0 .. k0 + kn``, from the array or from a recomputation's blocks.
+
+        A recomputation passes the keys and values as lists of key blocks; ``k0`` is then a
+        multiple of ``k_block``.
+        """
+        if not isinstance(x, list):
+            return ops.slice(x, 2, k0, kn)
+        block = x[k0 // k_block]
+        return block if ops.shape(block)[2] == kn else ops.slice(block, 2, 0, kn)
+
+    def scores(q: Array, keys: Array | list[Array], q0: Any, qn: int, k0: Any, kn: int) -> Array:
+        k_t = ops.transpose(part(keys, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
         s = ops.matmul(q, k_t)  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
         # the fill of the scores' dtype, which is not the queries' under torch.autocast
@@ -117,11 +128,12 @@ def blockwise_attention(
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
         return exp_diff(s, ops.where(m > FILL_VALUE[ops.dtype_name(m)], m, 0.0))  # s not read again
 
-    def pool(p: Array, values: Array, k0: Any, kn: int) -> Array:
+    def pool(p: Array, values: Array | list[Array], k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p
-        return ops.matmul(p, ops.slice(values, 2, k0, kn))  # (B, H, qn, Dv)
+        return ops.matmul(p, part(values, k0, kn))  # (B, H, qn, Dv)
 
-    def pooled(q: Array, keys: Array, values: Array, q0: Any, qn: int) -> Array:
+    def pooled(q: Array, keys: Array | list[Array], values: Array | list[Array], q0: Any,
+               qn: int) -> Array:
         """The block of queries ``q`` (``(B, H, qn, D)``, from row ``q0``) pooled over the keys."""
         q = q * scale
         limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
@@ -153,8 +165,8 @@ def blockwise_attention(
         size = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
         blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
         # the masks, the block's place and the scale reach it by closure: they get no gradient
-        out = recompute(lambda b, q, k, v: pooled(q, k, v, *blocks[b]), blocks, queries, keys,
-                        values)
+        out = recompute(lambda b, q, k, v: pooled(q, k, v, *blocks[b]), blocks, k_block,
+                        queries, keys, values)
         if out is not None:
             return out
 

@@ -330,25 +330,31 @@ class RecomputeOps(Ops, Protocol):
     """
 
     def recompute_blocks(
-        self, fn: Callable[[int, Array, Array, Array], Array], blocks: list[tuple[int, int]],
-        queries: Array, keys: Array, values: Array,
+        self, fn: Callable[[int, Array, list[Array], list[Array]], Array],
+        blocks: list[tuple[int, int]], k_block: int, queries: Array, keys: Array, values: Array,
     ) -> Array | None:
         """Returns the blocks' outputs concatenated along the queries, or None where it does not apply.
 
         Args:
-            fn: ``fn(b, q_b, keys, values)`` is block ``b``'s output ``(B, H, qn, Dv)``, where
-                ``q_b`` is ``queries[:, :, q0 : q0 + qn]`` and ``(q0, qn) = blocks[b]``; the
-                masks and the scale reach it by closure and get no gradient.
+            fn: ``fn(b, q_b, key_blocks, value_blocks)`` is block ``b``'s output
+                ``(B, H, qn, Dv)``, where ``q_b`` is ``queries[:, :, q0 : q0 + qn]`` with
+                ``(q0, qn) = blocks[b]``, and ``key_blocks`` lists the keys split along axis 2
+                into blocks of ``k_block`` (the last one shorter), ``value_blocks`` the values
+                alike. The masks and the scale reach it by closure and get no gradient.
             blocks: ``(q0, qn)`` of each block, in order, covering the queries.
+            k_block: Keys per block of ``key_blocks``. The ops differentiate with respect to
+                the blocks, each a separate array, since the gradient of a slice of the whole
+                keys would be an array of the whole keys' size per slice.
             queries: ``(B, H, Q, D)``.
             keys: ``(B, H, K, D)``.
             values: ``(B, H, K, Dv)``.
 
         Returns:
             ``(B, H, Q, Dv)``, whose gradients with respect to ``queries``, ``keys`` and
-            ``values`` are those of the blocks recomputed one at a time, the keys' and values'
-            summed over the blocks as they come; None when the arrays are not eager (a traced
-            graph), where the blockwise path then loops as without the hook.
+            ``values`` are those of the query blocks recomputed one at a time, the key and
+            value blocks' gradients summed over the query blocks as they come. None when the
+            arrays are not eager (a traced graph): the blockwise path then loops as without
+            the hook.
         """
         ...
 
