@@ -121,9 +121,9 @@ class MXNetOps(NamespaceOps):
     ) -> Any:
         # autograd.record() keeps every op of the blockwise loops for the backward pass; this
         # keeps the inputs instead and recomputes one block at a time there. Graphs (Symbols)
-        # are left to the blockwise loops as they are.
-        if self.symbolic:
-            return None
+        # and calls outside record() are left to the blockwise loops.
+        if self.symbolic or not mx.autograd.is_recording():
+            return None  # nothing kept: the loops as they are
         return _Recomputed(fn, blocks, k_block)(queries, keys, values)
 
     def dropout(self, x: Any, rate: float) -> Any:
