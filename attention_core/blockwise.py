@@ -13,6 +13,11 @@ exponential is exactly 0; a row with no visible key keeps ``l = 0`` and ``acc = 
 out as zeros. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
 state ``(B, H, q_block, Dv)``, whatever the sequence length.
 
+Under an eager tape (TensorFlow, MXNet) the ops' ``recompute_blocks`` keeps the path's inputs
+only and recomputes one query block at a time in the backward pass (Rabe & Staats'
+checkpointing; see :class:`~attention_core.ops.RecomputeOps`), so training holds one block's
+tiles, not every tile.
+
 Shape legend: B batch, H heads, Q queries, K keys, D depth, Dv value depth.
 """
 
@@ -89,8 +94,19 @@ def blockwise_attention(
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
 
-    def scores(q: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        k_t = ops.transpose(ops.slice(keys, 2, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
+    def part(x: Array | list[Array], k0: Any, kn: int) -> Array:
+        """Keys or values ``k0 .. k0 + kn``, from the array or from a recomputation's blocks.
+
+        A recomputation passes the keys and values as lists of key blocks; ``k0`` is then a
+        multiple of ``k_block``.
+        """
+        if not isinstance(x, list):
+            return ops.slice(x, 2, k0, kn)
+        block = x[k0 // k_block]
+        return block if ops.shape(block)[2] == kn else ops.slice(block, 2, 0, kn)
+
+    def scores(q: Array, keys: Array | list[Array], q0: Any, qn: int, k0: Any, kn: int) -> Array:
+        k_t = ops.transpose(part(keys, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
         s = ops.matmul(q, k_t)  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
         # the fill of the scores' dtype, which is not the queries' under torch.autocast
@@ -112,29 +128,47 @@ def blockwise_attention(
         """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
         return exp_diff(s, ops.where(m > FILL_VALUE[ops.dtype_name(m)], m, 0.0))  # s not read again
 
-    def pool(p: Array, k0: Any, kn: int) -> Array:
+    def pool(p: Array, values: Array | list[Array], k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p
-        return ops.matmul(p, ops.slice(values, 2, k0, kn))  # (B, H, qn, Dv)
+        return ops.matmul(p, part(values, k0, kn))  # (B, H, qn, Dv)
 
-    def query_block(q0: Any, qn: int) -> Array:
-        q = ops.slice(queries, 2, q0, qn) * scale  # (B, H, qn, D)
+    def pooled(q: Array, keys: Array | list[Array], values: Array | list[Array], q0: Any,
+               qn: int) -> Array:
+        """The block of queries ``q`` (``(B, H, qn, D)``, from row ``q0``) pooled over the keys."""
+        q = q * scale
         limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
         kn = min(k_block, limit)
-        s = scores(q, q0, qn, 0, kn)  # the first key block starts the running state
+        s = scores(q, keys, q0, qn, 0, kn)  # the first key block starts the running state
         m = row_max(s)  # (B, H, qn, 1)
         p = weigh(s, m)
-        start: Carry = (m, ops.sum(p, -1), pool(p, 0, kn))
+        start: Carry = (m, ops.sum(p, -1), pool(p, values, 0, kn))
 
         def step(carry: Carry, k0: Any, kn: int) -> Carry:
             m, total, acc = carry
-            s = scores(q, q0, qn, k0, kn)
+            s = scores(q, keys, q0, qn, k0, kn)
             m_new = ops.maximum(m, row_max(s))
             rescale = ops.exp(m - m_new)  # 0 when m was the fill and m_new is not
             p = weigh(s, m_new)
-            return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, k0, kn)
+            return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, values, k0, kn)
 
         _, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block)
         return acc / ops.where(total > 0, total, 1.0)
+
+    def query_block(q0: Any, qn: int) -> Array:
+        return pooled(ops.slice(queries, 2, q0, qn), keys, values, q0, qn)
+
+    # Recomputed in the backward pass, one query block at a time, where the ops can; not under
+    # dropout, whose recomputation would draw another mask (every tile is then kept).
+    recompute = getattr(ops, "recompute_blocks", None) if dropout == 0 else None
+    if recompute is not None:
+        # a block's recomputation records all its tiles: q_block * K scores, within the budget
+        size = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
+        blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
+        # the masks, the block's place and the scale reach it by closure: they get no gradient
+        out = recompute(lambda b, q, k, v: pooled(q, k, v, *blocks[b]), blocks, k_block,
+                        queries, keys, values)
+        if out is not None:
+            return out
 
     return _map_blocks(ops, query_block, Q, q_block, axis=2)
 

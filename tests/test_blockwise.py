@@ -18,8 +18,8 @@ import attention_core as ac
 from attention_core import blockwise, masks
 from attention_core.attention import BLOCKWISE_MIN_SCORES, choose_implementation
 from backends.numpy.ops import OPS as NP
-from tests.harness import TOLERANCE, Harness, max_diff
-from tests.reference.cases import CASES, Case
+from tests.harness import TOLERANCE, Harness, max_diff, tolerance
+from tests.reference.cases import CASES, MASK_KINDS, Case, mask_arguments
 from tests.reference.generate import record
 
 #: ``(KEY_BLOCK, TILE_SCORES)``: one key and one query per tile; ragged key blocks of 4 with one
@@ -206,3 +206,61 @@ def test_layers_without_kept_weights_pool_blockwise(backend: str) -> None:
     assert max_diff(h.numpy(out_fast), h.numpy(out_slow)) <= TOLERANCE["float32"]
     assert h.attention_weights(fast) is None
     assert h.attention_weights(slow) is not None
+
+
+#: Why a backend has no ``checkpoint`` hook: its blockwise backward is O(n) in memory already.
+NO_CHECKPOINT = {
+    "numpy": "NumPy has no autodiff",
+    "torch": "torch trains on SDPA by default, whose backward recomputes the weights itself",
+    "jax": "JAX differentiates the blockwise loops as compiled loops (lax.scan, lax.map)",
+}
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_recomputed_blocks_give_the_direct_gradients(backend: str, kind: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients of q, k and v through the blockwise path, each query block recomputed in the
+    backward pass (``ops.recompute_blocks``), equal the direct path's; the hook gets the
+    blocks the budget allows, and is not used under dropout, whose recomputation would draw
+    another mask."""
+    h = Harness(backend)
+    if not hasattr(h.ops, "recompute_blocks"):
+        pytest.skip(NO_CHECKPOINT.get(backend, f"{backend} has no recompute_blocks hook"))
+    B, H, Q, K = 2, 3, 13, 19
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)  # ragged key blocks
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * K)  # 4 queries a block: 4, 4, 4, 1
+    calls: list[tuple[list[tuple[int, int]], bool]] = []
+    hook = h.ops.recompute_blocks
+
+    def counting(fn: Any, blocks: list[tuple[int, int]], *arrays: Any) -> Any:
+        out = hook(fn, blocks, *arrays)
+        calls.append((blocks, out is not None))
+        return out
+
+    monkeypatch.setattr(h.ops, "recompute_blocks", counting)
+    rng = np.random.default_rng(len(kind))
+    arrays = [rng.standard_normal((B, H, n, d)) for n, d in ((Q, 8), (K, 8), (K, 5))]
+    masks = {name: x if name == "causal" else h.array(x)
+             for name, x in mask_arguments(kind, rng, H, Q, K, B).items()}
+    cotangent = rng.standard_normal((B, H, Q, 5))
+    layer = h.make("DotProductAttention", {"dropout": 0.0})
+    grads = {}
+    for impl in ("direct", "blockwise"):
+        def forward(_: Any, q: Any, k: Any, v: Any, impl: str = impl) -> dict[str, Any]:
+            return {"out": ac.dot_product_attention(q, k, v, implementation=impl, ops=h.ops,
+                                                    **masks)}
+
+        _, got = h.forward_and_gradients(layer, forward, [h.array(x, "float32") for x in arrays],
+                                         cotangent)
+        grads[impl] = {name: h.numpy(g) for name, g in got.items()}
+    assert calls == [([(0, 4), (4, 4), (8, 4), (12, 1)], True)]
+    assert set(grads["blockwise"]) == {"input.0", "input.1", "input.2"}
+    for name, want in grads["direct"].items():
+        assert np.isfinite(grads["blockwise"][name]).all(), name
+        bound = tolerance(f"grad.{name}", "float32", want)
+        assert max_diff(grads["blockwise"][name], want) <= bound, name
+    calls.clear()
+    ac.dot_product_attention(*(h.array(x, "float32") for x in arrays), implementation="blockwise",
+                             dropout=0.5, ops=h.ops, **masks)
+    assert not calls

@@ -12,7 +12,7 @@ asks for are inferred from the known shapes and dtypes of the graph's inputs (``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mxnet as mx
@@ -115,6 +115,17 @@ class MXNetOps(NamespaceOps):
     def arange(self, n: Any) -> Any:
         return self.xp.arange(int(n), dtype="int32")
 
+    def recompute_blocks(
+        self, fn: Callable[..., Any], blocks: list[tuple[int, int]], k_block: int, queries: Any,
+        keys: Any, values: Any,
+    ) -> Any:
+        # autograd.record() keeps every op of the blockwise loops for the backward pass; this
+        # keeps the inputs instead and recomputes one block at a time there. Graphs (Symbols)
+        # and calls outside record() are left to the blockwise loops.
+        if self.symbolic or not mx.autograd.is_recording():
+            return None  # nothing kept: the loops as they are
+        return _Recomputed(fn, blocks, k_block)(queries, keys, values)
+
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
         return self.npx.dropout(x, p=rate)
@@ -122,6 +133,51 @@ class MXNetOps(NamespaceOps):
     def _inputs(self, x: Any, field: int) -> dict[str, Any]:
         """The known shapes (field 0) or dtypes (field 1) of the inputs ``x`` depends on."""
         return {n: self._known[n][field] for n in x.list_arguments() if n in self._known}
+
+
+class _Recomputed(mx.autograd.Function):
+    """Blockwise attention whose query blocks are recomputed, one at a time, in the backward.
+
+    The forward runs ``fn(b, q_b, key_blocks, value_blocks)`` for each block ``b`` of queries
+    with recording paused, keeping only the inputs; the backward runs each block again under
+    ``autograd.record()``, differentiates it with respect to the query block and to each key
+    and value block (a gradient of a slice of the whole keys would be their size per slice),
+    and sums the key and value blocks' gradients as it goes. One instance per call (MXNet's
+    rule for ``autograd.Function``).
+    """
+
+    def __init__(self, fn: Callable[..., Any], blocks: list[tuple[int, int]], k_block: int) -> None:
+        super().__init__()
+        self.fn, self.blocks, self.k_block = fn, blocks, k_block
+
+    def _split(self, x: Any) -> list[Any]:
+        return [x[:, :, k0 : k0 + self.k_block] for k0 in range(0, x.shape[2], self.k_block)]
+
+    def forward(self, queries: Any, keys: Any, values: Any) -> Any:
+        self.save_for_backward(queries, keys, values)
+        k_parts, v_parts = self._split(keys), self._split(values)
+        return mx.np.concatenate([self.fn(b, queries[:, :, q0 : q0 + qn], k_parts, v_parts)
+                                  for b, (q0, qn) in enumerate(self.blocks)], axis=2)
+
+    def backward(self, d_out: Any) -> Any:
+        queries, keys, values = self.saved_tensors
+        d_out = d_out.as_np_ndarray()  # MXNet hands gradients over as legacy NDArrays
+        k_parts, v_parts = self._split(keys), self._split(values)
+        for x in (*k_parts, *v_parts):
+            x.attach_grad()
+        d_q = []
+        d_k, d_v = ([mx.np.zeros_like(x) for x in parts] for parts in (k_parts, v_parts))
+        for b, (q0, qn) in enumerate(self.blocks):
+            q = queries[:, :, q0 : q0 + qn]
+            q.attach_grad()
+            with mx.autograd.record(train_mode=False):
+                out = self.fn(b, q, k_parts, v_parts)
+            out.backward(d_out[:, :, q0 : q0 + qn])
+            d_q.append(q.grad)
+            for total, x in zip((*d_k, *d_v), (*k_parts, *v_parts), strict=True):
+                total += x.grad
+            d_q[-1].wait_to_read()  # one block's recomputation in memory at a time
+        return tuple(mx.np.concatenate(x, axis=2).as_nd_ndarray() for x in (d_q, d_k, d_v))
 
 
 #: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).

@@ -178,6 +178,46 @@ class TensorFlowOps:
         rest = tf.reshape(moved, [*dims[:axis], (n - 1) * first.shape[axis], *dims[axis + 2 :]])
         return tf.concat([first, rest], axis)
 
+    def recompute_blocks(
+        self, fn: Callable[..., Any], blocks: list[tuple[int, int]], k_block: int, queries: Any,
+        keys: Any, values: Any,
+    ) -> tf.Tensor | None:
+        # An eager tf.GradientTape records every op, so the blockwise loops would keep every
+        # tile for the backward pass. One custom gradient instead keeps the inputs and
+        # recomputes one query block at a time, summing the key blocks' gradients as it goes.
+        if not tf.executing_eagerly():
+            return None  # a traced graph loops over the blocks in tf.while_loop (map_concat)
+        num_keys = int(keys.shape[2])
+        sizes = [min(k_block, num_keys - k0) for k0 in range(0, num_keys, k_block)]
+
+        @tf.custom_gradient  # type: ignore[untyped-decorator]
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            q = tf.stop_gradient(q)  # the outer tape records nothing of the forward
+            k_parts = tf.split(tf.stop_gradient(k), sizes, axis=2)
+            v_parts = tf.split(tf.stop_gradient(v), sizes, axis=2)
+            out = tf.concat([fn(b, q[:, :, q0 : q0 + qn], k_parts, v_parts)
+                             for b, (q0, qn) in enumerate(blocks)], 2)
+
+            def backward(d_out: Any) -> tuple[Any, Any, Any]:
+                d_q = []
+                d_k, d_v = ([tf.zeros_like(x) for x in parts] for parts in (k_parts, v_parts))
+                for b, (q0, qn) in enumerate(blocks):
+                    q_b = q[:, :, q0 : q0 + qn]
+                    with tf.GradientTape() as tape:
+                        tape.watch([q_b, *k_parts, *v_parts])
+                        out_b = fn(b, q_b, k_parts, v_parts)
+                    grads = tape.gradient(out_b, [q_b, *k_parts, *v_parts],
+                                          d_out[:, :, q0 : q0 + qn],
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    d_q.append(grads[0])
+                    d_k = [x + g for x, g in zip(d_k, grads[1 : 1 + len(sizes)], strict=True)]
+                    d_v = [x + g for x, g in zip(d_v, grads[1 + len(sizes) :], strict=True)]
+                return tf.concat(d_q, 2), tf.concat(d_k, 2), tf.concat(d_v, 2)
+
+            return out, backward
+
+        return attend(queries, keys, values)
+
     def dropout(self, x: Any, rate: float) -> tf.Tensor:
         if self.seed_generator is None:
             return tf.nn.dropout(x, rate)
