@@ -124,7 +124,12 @@ class MXNetOps(NamespaceOps):
         # and calls outside record() are left to the blockwise loops.
         if self.symbolic or not mx.autograd.is_recording():
             return None  # nothing kept: the loops as they are
-        return _Recomputed(fn, blocks, k_block)(queries, keys, values)
+        # MXNet routes an autograd.Function's gradients wrongly unless every input is in the
+        # recorded graph: each input is tied to a throwaway variable (x + 0 * anchor)
+        anchor = mx.np.zeros((), dtype=queries.dtype, ctx=queries.ctx)
+        anchor.attach_grad()
+        tied = [x + 0 * anchor for x in (queries, keys, values)]
+        return _Recomputed(fn, blocks, k_block)(*tied)
 
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
@@ -164,9 +169,10 @@ class _Recomputed(mx.autograd.Function):
         d_out = d_out.as_np_ndarray()  # MXNet hands gradients over as legacy NDArrays
         k_parts, v_parts = self._split(keys), self._split(values)
         for x in (*k_parts, *v_parts):
-            x.attach_grad()
+            # summed over the query blocks by autograd ("add"), from zeros
+            x.attach_grad(grad_req="add")
+            x.grad[:] = 0
         d_q = []
-        d_k, d_v = ([mx.np.zeros_like(x) for x in parts] for parts in (k_parts, v_parts))
         for b, (q0, qn) in enumerate(self.blocks):
             q = queries[:, :, q0 : q0 + qn]
             q.attach_grad()
@@ -174,9 +180,8 @@ class _Recomputed(mx.autograd.Function):
                 out = self.fn(b, q, k_parts, v_parts)
             out.backward(d_out[:, :, q0 : q0 + qn])
             d_q.append(q.grad)
-            for total, x in zip((*d_k, *d_v), (*k_parts, *v_parts), strict=True):
-                total += x.grad
             d_q[-1].wait_to_read()  # one block's recomputation in memory at a time
+        d_k, d_v = ([x.grad for x in parts] for parts in (k_parts, v_parts))
         return tuple(mx.np.concatenate(x, axis=2).as_nd_ndarray() for x in (d_q, d_k, d_v))
 
 
