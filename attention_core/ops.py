@@ -340,7 +340,8 @@ class RecomputeOps(Ops, Protocol):
                 ``(B, H, qn, Dv)``, where ``q_b`` is ``queries[:, :, q0 : q0 + qn]`` with
                 ``(q0, qn) = blocks[b]``, and ``key_blocks`` lists the keys split along axis 2
                 into blocks of ``k_block`` (the last one shorter), ``value_blocks`` the values
-                alike. The masks and the scale reach it by closure and get no gradient.
+                alike; or the whole keys and values, as arrays, if the ops prefer them. The
+                masks and the scale reach it by closure and get no gradient.
             blocks: ``(q0, qn)`` of each block, in order, covering the queries.
             k_block: Keys per block of ``key_blocks``. The ops differentiate with respect to
                 the blocks, each a separate array, since the gradient of a slice of the whole
