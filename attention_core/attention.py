@@ -183,22 +183,36 @@ def pool_visible(
             :func:`_inputs_in_range`): the softmax kernel's rows then need zeroing only where
             no key is visible, which skips a pass over the scores.
     """
-    softmax = getattr(ops, "softmax", None)
-    if softmax is None:
-        weights = softmax_visible(ops, scores, visible)
-        dropped = ops.dropout(weights, dropout) if dropout > 0 else weights
-        return ops.matmul(dropped, values), weights
-    if finite:
-        fill = FILL_VALUE[ops.dtype_name(scores)]
-        raw = softmax(scores if visible is None else ops.where(visible, scores, fill))
-        seen = None if visible is None else _any_visible(ops, visible)
-    else:
-        raw, seen = _filled_softmax(ops, softmax, scores, visible)
+    raw, seen = _softmax_rows(ops, scores, visible, finite)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
     out = ops.matmul(dropped, values)
     if seen is None:
         return out, raw
     return ops.where(seen, out, 0.0), (ops.where(seen, raw, 0.0) if want_weights else None)
+
+
+def visible_weights(ops: Ops, scores: Array, visible: Array | None, finite: bool = False) -> Array:
+    """The weights of :func:`pool_visible` alone, with no values pooled."""
+    raw, seen = _softmax_rows(ops, scores, visible, finite)
+    return raw if seen is None else ops.where(seen, raw, 0.0)
+
+
+def _softmax_rows(
+    ops: Ops, scores: Array, visible: Array | None, finite: bool
+) -> tuple[Array, Array | None]:
+    """``(weights, seen)``: the softmax of the visible scores, and the rows to keep.
+
+    ``seen`` is None when every row is already right (no softmax kernel: zeroed by
+    :func:`softmax_visible`; or nothing masked); else the rows outside it are to be zeroed.
+    """
+    softmax = getattr(ops, "softmax", None)
+    if softmax is None:
+        return softmax_visible(ops, scores, visible), None
+    if finite:
+        fill = FILL_VALUE[ops.dtype_name(scores)]
+        raw = softmax(scores if visible is None else ops.where(visible, scores, fill))
+        return raw, None if visible is None else _any_visible(ops, visible)
+    return _filled_softmax(ops, softmax, scores, visible)
 
 
 def known_finite(ops: Ops, *arrays: Array) -> bool:
@@ -539,6 +553,33 @@ def dot_product_attention(
     """
     ops = ops or ops_for(queries)
     checks.check_qkv(ops, queries, keys, values)
+    return attend_checked(ops, queries, keys, values, valid_lens, mask=mask, causal=causal,
+                          scale=scale, dropout=dropout, return_weights=return_weights,
+                          implementation=implementation, fresh=False)
+
+
+def attend_checked(
+    ops: Ops,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Any = None,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    fresh: bool = True,
+) -> Array | tuple[Array, Any]:
+    """:func:`dot_product_attention` of queries, keys and values known to pass its checks.
+
+    For callers that made them from checked inputs (the heads of :mod:`multihead`); the
+    masks, the scale and the options are checked here. ``fresh``: the arrays are this call's
+    own (not the caller's), so weights formed on read may keep them as they are; otherwise
+    it keeps copies, which a change in place to the caller's arrays does not reach.
+    """
     dropout = checks.check_dropout(dropout)
     rank = len(ops.shape(queries))
     factor = _scale_factor(ops, queries, scale)
@@ -592,9 +633,18 @@ def dot_product_attention(
     out, weights = result if want else (result, None)
     out = out if rank == 4 else out[:, 0]
     if on_read:  # the direct path's weights, from the inputs as this call had them
-        weights = WeightsOnRead(lambda: _pooled(ops, (q, k, v), visible, factor, 0.0, "direct",
-                                                True, finite, overflow)[1])
+        kept = (q, k, v) if fresh else tuple(_snapshot(x) for x in (q, k, v))
+        weights = WeightsOnRead(lambda: _direct_weights(ops, kept, visible, factor, finite,
+                                                        overflow))
     return (out, weights) if return_weights else out
+
+
+def _snapshot(x: Array) -> Array:
+    """A copy of ``x`` its caller cannot change in place (torch, NumPy and MXNet arrays can).
+
+    ``x + 0`` keeps every value (-0 becomes 0, which no score can tell apart).
+    """
+    return x + 0
 
 
 def _pooled(
@@ -618,11 +668,7 @@ def _pooled(
         overflow: A score may overflow (the direct path then finds the rows to zero from the
             scores themselves).
     """
-    q, k, v = qkv
-    if not finite:
-        if path != "fused" or getattr(ops, "fused_propagates_nan", True):
-            q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
-        k, v = values_onto_keys(ops, k, v)
+    q, k, v = _mended(ops, qkv, path, finite)
     if path == "fused":  # the backend's fused kernel: the weights are never formed
         return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
     if path == "blockwise":
@@ -630,6 +676,28 @@ def _pooled(
     scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
     return pool_visible(ops, scores, v, visible.full(), dropout, want_weights,
                         finite and not overflow)
+
+
+def _mended(
+    ops: Ops, qkv: tuple[Array, Array, Array], path: str, finite: bool
+) -> tuple[Array, Array, Array]:
+    """The inputs of :func:`_pooled` on ``path``, mended unless known ``finite``."""
+    q, k, v = qkv
+    if not finite:
+        if path != "fused" or getattr(ops, "fused_propagates_nan", True):
+            q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)  # else _fused_nan_rows does
+        k, v = values_onto_keys(ops, k, v)
+    return q, k, v
+
+
+def _direct_weights(
+    ops: Ops, qkv: tuple[Array, Array, Array], visible: masks.Visibility, factor: Any,
+    finite: bool, overflow: bool,
+) -> Array:
+    """The weights :func:`_pooled` gives on the direct path, without pooling the values."""
+    q, k, _ = _mended(ops, qkv, "direct", finite)
+    scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
+    return visible_weights(ops, scores, visible.full(), finite and not overflow)
 
 
 def additive_attention(

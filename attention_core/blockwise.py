@@ -16,7 +16,8 @@ state ``(B, H, q_block, Dv)``, whatever the sequence length.
 Under an eager tape (TensorFlow, MXNet) the ops' ``recompute_blocks`` keeps the path's inputs
 only and recomputes one query block at a time in the backward pass (Rabe & Staats'
 checkpointing; see :class:`~attention_core.ops.RecomputeOps`), so training holds one block's
-tiles, not every tile.
+tiles, not every tile. JAX's loop ops recompute their bodies the same way under
+``jax.grad`` (``jax.checkpoint``).
 
 Shape legend: B batch, H heads, Q queries, K keys, D depth, Dv value depth.
 """

@@ -18,6 +18,9 @@ def dense(ops: Ops, x: Array, kernel: Array, bias: Array | None = None) -> Array
         bias: ``(out,)`` or None; added in the product's dtype, which differs from the
             bias's only under mixed precision (``ops.mixes_dtypes``), as in ``F.linear``.
     """
+    linear = getattr(ops, "linear", None)  # one kernel for both (LinearOps)
+    if linear is not None and bias is not None:
+        return linear(x, kernel, bias)
     y = ops.matmul(x, kernel)
     if bias is None:
         return y
@@ -35,6 +38,10 @@ def layer_norm(
     bfloat16 inputs are normalised in float32, as those layers do: the squares of
     ``|x - mean| > 256`` overflow float16. The result has the dtype of ``x``.
     """
+    kernel = getattr(ops, "layer_norm", None)  # one kernel where the backend has it (LinearOps)
+    normed = None if kernel is None else kernel(x, gamma, beta, eps)
+    if normed is not None:
+        return normed
     dtype = ops.dtype_name(x)
     narrow = dtype in _NARROW_FLOATS
     wide = ops.astype(x, "float32") if narrow else x

@@ -13,8 +13,8 @@ from typing import Any
 from attention_core import checks, masks
 from attention_core import weights as W
 from attention_core.attention import (
+    attend_checked,
     check_projected_inputs,
-    dot_product_attention,
     known_finite,
     non_finite_rows,
     softmax_visible,
@@ -91,7 +91,8 @@ def multi_head_attention(
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
-    check_projected_inputs(ops, queries, keys, values)
+    if not isinstance(weights, W.CheckedWeights):  # else the caller checked its inputs too
+        check_projected_inputs(ops, queries, keys, values)
     weights = W.check_call_weights(
         ops, "multi_head_attention", weights,
         lambda size: W.multi_head_call_spec(size, weights, num_heads), _widths(queries, keys, values),
@@ -101,9 +102,9 @@ def multi_head_attention(
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, h/H)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, h/H)
-    pooled = dot_product_attention(
-        q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
-        return_weights=return_weights, implementation=implementation, ops=ops,
+    pooled = attend_checked(  # heads of checked inputs
+        ops, q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
+        return_weights=return_weights, implementation=implementation,
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
@@ -174,7 +175,8 @@ def relative_multi_head_attention(
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
-    check_projected_inputs(ops, queries, keys, values)
+    if not isinstance(weights, W.CheckedWeights):  # else the caller checked its inputs too
+        check_projected_inputs(ops, queries, keys, values)
     weights = W.check_call_weights(
         ops, "relative_multi_head_attention", weights,
         lambda size: W.relative_call_spec(size, weights, num_heads), _widths(queries, keys, values),

@@ -300,7 +300,9 @@ class LoopOps(Ops, Protocol):
     Without these methods the core loops in Python, which is what eager frameworks want;
     a tracing framework supplies them so a long sequence does not unroll into a huge graph.
     A body is traced once, so the ops must make the dropout calls inside it draw a fresh mask
-    in every iteration (JAX folds the loop index into its key).
+    in every iteration (JAX folds the loop index into its key). Differentiated, a loop should
+    recompute its body in the backward pass rather than keep every iteration's intermediates
+    (every tile of scores): JAX wraps the bodies in ``jax.checkpoint``.
     """
 
     def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:
@@ -324,9 +326,10 @@ class RecomputeOps(Ops, Protocol):
     query blocks one at a time in the backward pass (the checkpointing of Rabe & Staats,
     2021), so the backward holds one block's tiles, ``q_block * K * B * H`` scores, within
     :data:`~attention_core.blockwise.TILE_SCORES`. It is not used under dropout, whose
-    recomputation would draw another mask. JAX needs no hook (it differentiates the loops as
-    compiled loops, ``lax.scan`` and ``lax.map``), nor torch (it trains on SDPA by default,
-    whose backward recomputes the weights itself).
+    recomputation would draw another mask. JAX needs no hook: its loop ops (``fold``,
+    ``map_concat``) rematerialise their bodies with ``jax.checkpoint``, which recomputes the
+    tiles under its compiled gradient. Nor does torch: it trains on SDPA by default, whose
+    backward recomputes the weights itself.
     """
 
     def recompute_blocks(
@@ -369,6 +372,32 @@ class InPlaceOps(Ops, Protocol):
 
     def exp_diff(self, x: Array, y: Array) -> Array:
         """Returns ``np.exp(x - y)`` (``y`` broadcast); may overwrite ``x`` with the result."""
+        ...
+
+
+class LinearOps(Ops, Protocol):
+    """Optional: ops with one kernel each for a dense layer and a layer normalisation (torch).
+
+    :func:`attention_core.linear.dense` calls ``linear`` when a bias is given, instead of a
+    product and an addition, which saves a pass over the output and an op per layer.
+    :func:`attention_core.linear.layer_norm` calls ``layer_norm`` and takes its result unless
+    it is None: one kernel forward and one backward instead of a chain of elementwise ops.
+    """
+
+    def layer_norm(self, x: Array, gamma: Array, beta: Array, eps: float) -> Array | None:
+        """Returns what :func:`attention_core.linear.layer_norm` computes, or None.
+
+        None where the kernel would not give the same numbers (dtypes that differ, float16
+        and bfloat16, whose statistics the core takes in float32): the core computes then.
+        """
+        ...
+
+    def linear(self, x: Array, kernel: Array, bias: Array) -> Array:
+        """Returns ``x @ kernel + bias``: ``x (..., in)``, ``kernel (in, out)``, ``bias (out,)``.
+
+        The bias is added in the product's dtype (cast when that differs, as under mixed
+        precision).
+        """
         ...
 
 

@@ -369,6 +369,10 @@ def check_weights(
 class CheckedWeights(dict[str, Any]):
     """A weights mapping :func:`check_call_weights` has checked (with its inputs' widths).
 
+    A call given one takes its inputs as checked too: the functional entry point or the layer
+    that made it has checked them (ranks, dtypes, widths) against these weights. A layer whose
+    framework keeps each parameter's shape (torch) passes its own parameters this way.
+
     The functional entry points check the mapping they are given once; the parts they call
     (a block's attention, an encoder's blocks) receive this type, directly or through
     :func:`subset`, and do not check it again.

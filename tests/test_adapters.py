@@ -439,6 +439,25 @@ def test_a_default_call_forms_its_weights_when_they_are_read(backend: str, name:
     assert max_diff(h.numpy(h.attention_weights(layer)), h.numpy(read)) > 0
 
 
+def test_weights_read_after_the_inputs_change_in_place_are_the_calls(backend: str) -> None:
+    """A default call to a layer without projections keeps copies of the caller's arrays:
+    changing them in place afterwards (torch, NumPy, MXNet) does not change the weights read."""
+    h = Harness(backend)
+    layer, other = h.make("DotProductAttention", {}), h.make("DotProductAttention", {})
+    q, kv = draw((BB, BQ, 8), (BB, BK, 8))
+    args = [h.array(q), h.array(kv), h.array(kv), h.array(np.array([5, BK], np.int32))]
+    _, want = h.call(other, *args, return_attention=True)
+    h.call(layer, *args)
+    before = np.array(h.numpy(args[0]), copy=True)
+    try:
+        args[0][:] = args[0] * 3 + 1  # in place, where the framework's arrays allow it
+        args[1][:] = args[1] * -2
+    except TypeError:
+        pytest.skip(f"{backend} arrays cannot change in place")
+    assert max_diff(h.numpy(args[0]), before * 3 + 1) <= 1e-5  # they did change
+    assert max_diff(h.numpy(h.attention_weights(layer)), h.numpy(want)) == 0.0
+
+
 @pytest.mark.parametrize("name", list(NOT_KEEPING))
 def test_invalid_implementation_gives_the_core_message(backend: str, name: str) -> None:
     with pytest.raises(ValueError) as err:

@@ -158,6 +158,15 @@ class JaxOps(NamespaceOps):
         return bool(B * H * Q * K <= FUSED_MAX_SCORES)
 
     # -- compiled loops for the blockwise path (attention_core.ops.LoopOps) ------------------
+    #
+    # Both loop bodies are rematerialised (jax.checkpoint): differentiating a loop otherwise
+    # keeps every iteration's intermediates, which for the blockwise path is every tile of
+    # scores, O(Q * K) memory. With the bodies recomputed in the backward pass, a key-block
+    # step keeps only its carry (the running max, sum and output of its query block) and a
+    # query block only its index, so training needs O((Q + K) * D) memory, as the forward
+    # does (the checkpointing of Rabe & Staats, 2021). A forward without a gradient is
+    # unchanged. Dropout draws the same mask when recomputed: its keys come from the
+    # iteration's index (``_iteration``).
 
     @contextmanager
     def _iteration(self, index: Any, draw: int) -> Iterator[None]:
@@ -183,6 +192,7 @@ class JaxOps(NamespaceOps):
     def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:
         draw = self._reserve_draw()
 
+        @jax.checkpoint
         def step(i: Any, carry: Any) -> Any:
             with self._iteration(i, draw):
                 return body(i, carry)
@@ -192,6 +202,7 @@ class JaxOps(NamespaceOps):
     def map_concat(self, fn: Callable[[Any], jax.Array], n: int, axis: int) -> jax.Array:
         draw = self._reserve_draw()
 
+        @jax.checkpoint
         def one(i: Any) -> jax.Array:
             with self._iteration(i, draw):
                 return fn(i)

@@ -142,9 +142,9 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
         return self.weight_shapes(**self._dims())
 
-    def _dims(self) -> dict[str, int]:
-        """The input sizes known from the kernels (``q_in`` ...)."""
-        params = dict(self.named_parameters())
+    def _dims(self, params: Mapping[str, Tensor] | None = None) -> dict[str, int]:
+        """The input sizes known from the kernels (``q_in`` ...) of ``params`` (the layer's)."""
+        params = dict(self.named_parameters()) if params is None else params
         return {dim: OPS.fixed_shape(params[s.weight])[0] for dim, s in self.sizes.items()
                 if not isinstance(params[s.weight], UninitializedParameter)}
 
@@ -173,13 +173,17 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
                 else:
                     params[name].fill_(rule.a)
 
-    def _build(self, dims: Mapping[str, int]) -> list[Tensor]:
+    def _build(self, dims: Mapping[str, int], params: Mapping[str, Tensor]) -> list[Tensor]:
         """Checks input sizes against the known ones; materialises the kernels of unknown ones.
+
+        Args:
+            dims: The input sizes of this call.
+            params: The layer's parameters by name.
 
         Returns:
             The kernels materialised now, to turn back into placeholders if the call fails.
         """
-        known = self._dims()
+        known = self._dims(params)
         for dim, size in dims.items():
             checks.check_built_size(self.sizes[dim].argument, size, known.get(dim))
         fresh = {dim: size for dim, size in dims.items() if dim not in known}
@@ -209,12 +213,15 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         first = next((a for a in bound.values() if isinstance(a, Tensor)), None)
         ops = TorchOps(None if first is None else first.device)
         prepared = self.prepare(ops, self._compute_dtype(), bound)
-        fresh = self._build(prepared.dims)
+        params = dict(self.named_parameters())
+        fresh = self._build(prepared.dims, params)
         try:
             need = self.needs_attention(prepared.return_attention)
             rate = getattr(self, "dropout", 0.0) if self.training else 0.0
             constants = {name: self.get_buffer(name) for name in self._tables}
-            run = D.Run(ops, dict(self.named_parameters()), constants, rate, need)
+            # the parameters hold the declared shapes (set_weights checks them, _build the
+            # inputs' widths), so the core does not check them again
+            run = D.Run(ops, W.CheckedWeights(params), constants, rate, need)
             returned, kept = self.finish(
                 self.compute(run, **prepared.arguments), need, prepared.return_attention
             )

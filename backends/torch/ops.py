@@ -121,6 +121,17 @@ class TorchOps(NamespaceOps):
     def arange(self, n: Any) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int32, device=self.device)
 
+    def linear(self, x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # F.linear takes (out, in): the transposed view of the canonical kernel, not a copy;
+        # under torch.autocast it casts the bias with the product, as the core's dense does
+        return F.linear(x, kernel.t(), bias)
+
+    def layer_norm(self, x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+                   eps: float) -> torch.Tensor | None:
+        if not x.dtype == gamma.dtype == beta.dtype or x.dtype not in _WIDE_FLOATS:
+            return None  # the core's own, in float32 for narrow dtypes
+        return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)
+
     def take(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return F.embedding(indices, table)
 
@@ -354,9 +365,9 @@ def _output_like(queries: torch.Tensor, values: torch.Tensor, fill: float | None
 def _in_range(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               scale: float | None) -> bool:
     """The core's bound (``_inputs_in_range``), read on the host."""
-    from attention_core.attention import _inputs_in_range
+    from attention_core.attention import _inputs_in_range, _scale_factor
 
-    factor = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
+    factor = _scale_factor(OPS, queries, scale)
     return bool(_inputs_in_range(OPS, queries, keys, values, factor).reshape(()))
 
 
@@ -371,15 +382,16 @@ def _eager_call(
     """
     from attention_core.attention import dot_product_attention
 
-    if dropout <= 0:
-        return cast(torch.Tensor, dot_product_attention(queries, keys, values, mask=visible,
-                                                        scale=scale, ops=OPS))
     devices = [queries.device] if queries.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(int(seed))
+    with torch.random.fork_rng(devices=devices, enabled=dropout > 0):
+        if dropout > 0:
+            torch.manual_seed(int(seed))
         return cast(torch.Tensor, dot_product_attention(queries, keys, values, mask=visible,
                                                         scale=scale, dropout=dropout, ops=OPS))
 
+
+#: Dtypes torch's layer norm kernel computes as the core does (statistics in the same dtype).
+_WIDE_FLOATS = (torch.float32, torch.float64)
 
 #: The default torch ops (used by the functional API for torch tensors).
 OPS = TorchOps()
