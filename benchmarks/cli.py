@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attention_core import registry
-from benchmarks import SUITES, Config, complexity, report, run_child
+from benchmarks import DEFAULT_SUITES, SUITES, Config, complexity, report, run_child
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -33,6 +33,19 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _maybe_ints(text: str) -> tuple[int, ...]:
+    return () if text.strip().lower() == "none" else _ints(text)
+
+
+def _large_point(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()  # no large point
+    values = _ints(text)
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected HEADS,N like 8,65536 or none, got {text!r}")
+    return values[0], values[1]
 
 
 def _suites(text: str) -> tuple[str, ...]:
@@ -48,14 +61,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark arguments to a parser."""
     parser.add_argument("--backend", nargs="+", metavar="NAME",
                         help="backends to run, each in its own process (default: the installed ones)")
-    parser.add_argument("--suite", type=_suites, default=SUITES, metavar="LIST",
-                        help=f"comma list of {','.join(SUITES)} (default: all)")
+    parser.add_argument("--suite", type=_suites, default=DEFAULT_SUITES, metavar="LIST",
+                        help=f"comma list of {','.join(SUITES)} (default: "
+                             f"{','.join(DEFAULT_SUITES)}; the training suites only when named)")
     parser.add_argument("--sizes", type=_ints, metavar="N,...",
                         help="sequence lengths of the speed and flops suites "
                              "(default 128,...,4096; --quick: 16,32)")
     parser.add_argument("--memory-sizes", type=_ints, metavar="N,...",
                         help="sequence lengths of the memory suite (default 1024,...,65536; "
                              "paths that form the n x n scores stop at 16384)")
+    parser.add_argument("--train-sizes", type=_ints, metavar="N,...",
+                        help="sequence lengths of the train suite (default 128,1024,2048)")
+    parser.add_argument("--train-memory-sizes", type=_maybe_ints, metavar="N,...|none",
+                        help="sequence lengths of the train-memory suite, 4 heads (default "
+                             "1024,...,16384; none: only the large point)")
+    parser.add_argument("--train-large-point", type=_large_point, metavar="HEADS,N|none",
+                        help="the train-memory suite's extra point (default 8,65536)")
+    parser.add_argument("--train-memory-path", choices=("default", "blockwise", "direct"),
+                        help="implementation of the train-memory suite (default: default, the "
+                             "automatic choice)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per speed point "
                                                    "(default 15; --quick: 3)")
     parser.add_argument("--min-time", type=float, metavar="SECONDS",
@@ -92,6 +116,11 @@ def config_from(args: argparse.Namespace) -> Config:
         overrides["sizes"] = args.sizes
     if args.memory_sizes:
         overrides["memory_sizes"] = args.memory_sizes
+    for name in ("train_sizes", "train_memory_sizes", "train_memory_path"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.train_large_point is not None:
+        overrides["train_large_point"] = args.train_large_point or None
     if args.rounds:
         overrides["rounds"] = args.rounds
     if args.min_time:
