@@ -99,6 +99,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page", default=report.PAGE,
                         help=f"file --merge writes into, between {report.BENCH_START} and "
                              f"{report.BENCH_END} (default: {report.PAGE})")
+    parser.add_argument("--train-page", default=report.TRAIN_PAGE,
+                        help=f"file --merge writes the training suites' tables into, between "
+                             f"{report.TRAIN_START} and {report.TRAIN_END}, when a run has them "
+                             f"(default: {report.TRAIN_PAGE})")
     parser.add_argument("--stdout", action="store_true", help="with --merge: print, write no page")
     commands = parser.add_subparsers(dest="bench_command", metavar="{complexity}")
     complexity.configure(commands.add_parser(
@@ -128,13 +132,15 @@ def config_from(args: argparse.Namespace) -> Config:
     return Config.quick_config(**overrides) if args.quick else Config(**overrides)  # type: ignore[arg-type]
 
 
-def merge(directory: str | Path, page: str | Path | None) -> str:
-    """Merges a directory of results: the page's section (unless ``page`` is None) and plot.
+def merge(directory: str | Path, page: str | Path | None,
+          train_page: str | Path | None = None) -> str:
+    """Merges a directory of results: the pages' sections (unless ``page`` is None) and plot.
 
-    The plot is linked by its path relative to the page's directory.
+    The plot is linked by its path relative to the page's directory. When some run measured
+    a training suite, its section goes into ``train_page`` too (and into the returned text).
 
     Returns:
-        The Markdown section.
+        The Markdown section (then, after a blank line, the training section, if any).
     """
     folder = Path(directory)
     docs = report.load(folder)
@@ -146,7 +152,12 @@ def merge(directory: str | Path, page: str | Path | None) -> str:
     body = report.merged_markdown(docs, name)
     if page is not None:
         report.write_between_markers(page, body)
-    return body
+    if not report.has_training(docs):
+        return body
+    train = report.train_markdown(docs)
+    if page is not None and train_page is not None:
+        report.write_between_markers(train_page, train, report.TRAIN_START, report.TRAIN_END)
+    return f"{body}\n\n{train}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,11 +170,14 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "complexity":
         return complexity.run(args)
     if args.merge:
-        body = merge(args.merge, None if args.stdout else args.page)
+        body = merge(args.merge, None if args.stdout else args.page, args.train_page)
         if args.stdout:
             print(body)
         else:
-            print(f"wrote the benchmark table into {args.page} and {Path(args.merge) / 'bench.png'}")
+            trained = report.has_training(report.load(args.merge))
+            also = f", the training tables into {args.train_page}" if trained else ""
+            print(f"wrote the benchmark table into {args.page}{also} and "
+                  f"{Path(args.merge) / 'bench.png'}")
         return 0
     names = [registry.canonical_name(b) for b in args.backend] if args.backend else \
         registry.available_backends()

@@ -74,7 +74,7 @@ def _train_step(backend: str, heads: int, n: int, path: str = "default") -> Call
         def torch_step() -> Any:
             for x in (tq, tk, tv):
                 x.grad = None
-            out = ac.dot_product_attention(tq, tk, tv, implementation=impl)
+            out: Any = ac.dot_product_attention(tq, tk, tv, implementation=impl)
             out.sum().backward()
             return [x.grad for x in (tq, tk, tv)]
 
@@ -102,7 +102,8 @@ def _train_step(backend: str, heads: int, n: int, path: str = "default") -> Call
         jq, jk, jv = (jnp.asarray(x) for x in data)
 
         def loss(a: Any, b: Any, c: Any) -> Any:
-            return jnp.sum(ac.dot_product_attention(a, b, c, implementation=impl))
+            out: Any = ac.dot_product_attention(a, b, c, implementation=impl)
+            return jnp.sum(out)
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         return lambda: jax.block_until_ready(grad(jq, jk, jv))  # type: ignore[no-untyped-call]

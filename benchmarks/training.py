@@ -18,11 +18,17 @@ control ``native' ÷ native``:
   multi-head attention, ``LayerNormalization`` and ``Dense``; Flax likewise), each with its own
   initial weights (same shapes and arithmetic; the outputs are not compared).
 
+On MXNet, as in suite (a), the native side is written with MXNet's own pieces: the plain
+``mxnet.numpy`` multi-head attention of :func:`benchmarks.natives.plain_mha` holding our
+layer's weights, and a post-norm block of Gluon's ``nn.Dense`` and ``nn.LayerNorm`` around it.
+
 torch runs eagerly; TensorFlow steps are one ``tf.function`` each (``tf.GradientTape``
-inside, as ``fit`` does); JAX steps are ``jax.jit(jax.grad(...))``.
+inside, as ``fit`` does); JAX steps are ``jax.jit(jax.grad(...))``; MXNet runs imperatively
+(neither side hybridized) under ``autograd.record()``, then ``backward()``.
 
 Usage: ``python -m benchmarks.training --backend torch [--sizes 128,1024] [--rounds 15]
-[--min-time 0.2]``, from the repository, one backend per process.
+[--min-time 0.2]``, from the repository, one backend per process; ``python -m benchmarks
+--suite train`` writes the same points into ``bench-<backend>.json``.
 """
 
 from __future__ import annotations
