@@ -80,6 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-memory-path", choices=("default", "blockwise", "direct"),
                         help="implementation of the train-memory suite (default: default, the "
                              "automatic choice)")
+    parser.add_argument("--memory-timeout", type=float, metavar="SECONDS",
+                        help="longest time of one memory or train-memory subprocess; a point that "
+                             "takes longer is recorded as timed out (default 3600)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per speed point "
                                                    "(default 15; --quick: 3)")
     parser.add_argument("--min-time", type=float, metavar="SECONDS",
@@ -120,7 +123,7 @@ def config_from(args: argparse.Namespace) -> Config:
         overrides["sizes"] = args.sizes
     if args.memory_sizes:
         overrides["memory_sizes"] = args.memory_sizes
-    for name in ("train_sizes", "train_memory_sizes", "train_memory_path"):
+    for name in ("train_sizes", "train_memory_sizes", "train_memory_path", "memory_timeout"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.train_large_point is not None:
