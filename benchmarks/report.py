@@ -284,7 +284,9 @@ def train_memory_table(docs: Sequence[dict[str, Any]]) -> Table:
     rows = []
     for backend, tm in sections:
         pts = [p for p in tm["points"] if p["heads"] == tm["heads"] and p["path"] == tm["path"]]
-        cells = {p["n"]: _mib(p) for p in pts}
+        mixed = len({p["implementation"] for p in pts if p["ok"]}) > 1  # say which, per cell
+        cells = {p["n"]: _mib(p) + (f" ({p['implementation']})" if mixed and p["ok"] else "")
+                 for p in pts}
         rows.append([f"`{backend}`", f"{tm['path']} ({_paths_taken(pts)})",
                      *(cells.get(n, "") for n in sizes), _num(tm["slope"], ".2f")])
     return (["backend", "path (taken)", *(f"n={n}" for n in sizes), "slope"], rows)
@@ -312,8 +314,17 @@ def _run_line(doc: dict[str, Any], section: str) -> str:
     run = doc[section]["run"]
     m = run["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
+    passes: dict[str, list[str]] = {}  # points kept from earlier passes record their own
+    for p in doc[section]["points"]:
+        if p.get("git_commit"):
+            label = (f"{p['kind']} {p['n']}" if "kind" in p else f"{p['n']}" if p["heads"] ==
+                     doc[section]["heads"] else f"{p['n']} x {p['heads']}")
+            passes.setdefault(f"{p['git_commit']}, {p['date']}", []).append(label)
+    where = ("; passes: " + "; ".join(f"n = {', '.join(ns)} at commit {c}"
+                                      for c, ns in passes.items())) if len(passes) > 1 else ""
     return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; Python {m['python']}, "
-            f"{versions}; {run['threads']['count']} threads; commit {m['git_commit']}; {m['date']}")
+            f"{versions}; {run['threads']['count']} threads; commit {m['git_commit']}; {m['date']}"
+            + where)
 
 
 def train_markdown(docs: Sequence[dict[str, Any]], now: datetime.datetime | None = None) -> str:
@@ -346,7 +357,8 @@ def train_markdown(docs: Sequence[dict[str, Any]], now: datetime.datetime | None
                   "subprocess per point (VmHWM - VmRSS before the call; the output and the three "
                   "gradients count), with the fitted log-log slope (2: forms the n x n scores; "
                   "≤ 1: does not). The path is the one asked for and, in brackets, the "
-                  "implementation it took.", "", render(train_memory_table(mems), True)]
+                  "implementations it took; where it took several, each cell names its own, and "
+                  "the slope mixes their laws.", "", render(train_memory_table(mems), True)]
         large = train_large_rows(mems)
         if large[1]:
             lines += ["", "**The large point**: one training step of the same call with 8 heads "

@@ -221,7 +221,10 @@ def run_backend(name: str, config: Config, progress: bool = True) -> dict[str, A
         for kind in training.KINDS:
             for n in config.train_sizes:
                 tick(f"train {kind} n={n}")
-                tpoints.append(training.time_point(h.name, kind, n, config.rounds, config.min_time))
+                tpoints.append({**training.time_point(h.name, kind, n, config.rounds,
+                                                      config.min_time),
+                                "git_commit": doc["machine"]["git_commit"],
+                                "date": doc["machine"]["date"]})
         doc["train"] = {"natives": training.NATIVES[h.name], "points": tpoints, "run": run}
     if train_plan and h.name in train_memory.BACKENDS:
         tmpoints = []

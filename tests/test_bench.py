@@ -181,6 +181,10 @@ def test_train_page_renders_from_json(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "| `torch` | mha | 128 | 1.10 [1.05, 1.15] | 1.00 [0.95, 1.05] | 11.0 | 10.0 |" in text
     assert "| `torch` | default (blockwise) | 4.0 |  | 64.0 | 1.00 |" in text  # 2048 not run
     assert "| `mxnet` | default (blockwise) | 8.0 | 16.0 |  | 1.00 |" in text
+    docs[1]["train_memory"]["points"][0]["implementation"] = "direct"
+    assert "| `mxnet` | default (direct, blockwise) | 8.0 (direct) | 16.0 (blockwise) |  | 1.00 |" in (
+        report.train_markdown(docs))
+    docs[1]["train_memory"]["points"][0]["implementation"] = "blockwise"
     assert "| `torch` | (1, 8, 65536, 64) | blockwise | 300.0 | 600.0 | 12 |" in text
     assert "commit abc123" in text and "--quick" not in text
     assert "| forward+backward extra memory at n=16384, H=4 <= 256 MiB | torch | 64.0 MiB | yes |" in text
@@ -213,6 +217,10 @@ def test_train_runs_keep_the_other_sections() -> None:
     got = [(p["heads"], p["n"], p["extra_mib"]) for p in doc["train_memory"]["points"]]
     assert got == [(4, 1024, 4.0), (4, 2048, 9.0), (8, 65536, 300.0)]  # 2048 measured again
     assert math.isclose(doc["train_memory"]["slope"], math.log2(9.0 / 4.0))
+    for i, p in enumerate(doc["train_memory"]["points"]):
+        p.update({"git_commit": "new" if i else "old", "date": "d"})
+    line = report._run_line(doc, "train_memory")
+    assert "passes: n = 1024 at commit old, d; n = 2048, 65536 x 8 at commit new, d" in line
     assert doc["config"]["suites"] == ["speed", "train", "train-memory"]
     main = {**old, "machine": {"date": "main"}, "config": {"suites": ["speed"]}}
     for section in ("train", "train_memory"):
