@@ -169,6 +169,9 @@ def test_train_targets_met_and_not_met() -> None:
     rows = {(r[0], r[1]): (r[2], r[3]) for r in report.train_target_rows([within])}
     assert rows[(mem_row, "jax")] == ("255.9 MiB", "yes")
     assert rows[("n=65536, H=8 trains one step within 24 GiB", "jax")] == ("killed", "**no**")
+    unmeasured = _train_doc("mxnet", {}, [_mem_point(16384, 100.0)])
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in report.train_target_rows([unmeasured])}
+    assert rows[("n=65536, H=8 trains one step within 24 GiB", "mxnet")] == ("not measured", "n/a")
 
 
 def test_train_page_renders_from_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
