@@ -12,6 +12,14 @@ pinned before the framework is imported):
 * ``flops``: achieved GFLOP/s of the attention core (``4 B H n^2 D / time``) divided by the
   same process's matrix-multiply GFLOP/s (:mod:`.flops`).
 
+Two training suites of issue 17, not run unless asked for (``--suite train,train-memory``):
+
+* ``train``: one training step (forward, gradients of the output's sum by every weight) of the
+  default ``MultiHeadAttention`` and ``TransformerEncoderBlock`` against the framework's own
+  layers, interleaved (:mod:`.training`);
+* ``train-memory``: peak extra memory of forward + backward of ``dot_product_attention`` with
+  the default implementation against n, with the log-log slope (:mod:`.train_memory`).
+
 Results go to ``<out>/bench-<backend>.json`` with the machine they ran on; :mod:`.report`
 prints the tables, draws the plot and merges the files of several environments into the
 table of ``docs/speed.md``. No module here imports a framework at import time.
@@ -32,7 +40,11 @@ from typing import Any
 from attention_core import files
 
 #: Suites in the order they run.
-SUITES = ("speed", "flops", "memory")
+SUITES = ("speed", "flops", "memory", "train", "train-memory")
+#: The suites a run without ``--suite`` runs (the training suites take long; ask for them).
+DEFAULT_SUITES = ("speed", "flops", "memory")
+#: Suites recorded at the top of the JSON document; the others record their run in their section.
+MAIN_SUITES = DEFAULT_SUITES
 
 #: The fixed shapes of the issue: batch 1, head depth 64, fp32, ``valid_lens`` on.
 BATCH, DEPTH, DTYPE = 1, 64, "float32"
@@ -46,6 +58,12 @@ MEMORY_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 MEMORY_QUADRATIC_MAX = 16384
 #: The extra memory point: 8 heads at n = 65536 on the default path must complete.
 LARGE_POINT = (8, 65536)
+#: Sequence lengths of the training-step suite (the issue's targets: n = 128 and n >= 1024).
+TRAIN_SIZES = (128, 1024, 2048)
+#: Heads and sequence lengths of the training-memory suite, and its large point (heads, n).
+TRAIN_MEMORY_HEADS = 4
+TRAIN_MEMORY_SIZES = (1024, 2048, 4096, 8192, 16384)
+TRAIN_LARGE_POINT = (8, 65536)
 #: Square matrix product whose rate is the denominator of the flops suite.
 GEMM_SIZE = 2048
 
@@ -73,9 +91,13 @@ class Config:
         threads: Threads of every framework's intra-op pool.
         quick: Tiny sizes and few rounds (a smoke test; the numbers mean nothing).
         memory_timeout: Seconds one memory subprocess may take.
+        train_sizes: Sequence lengths of the training-step suite.
+        train_memory_sizes: Sequence lengths of the training-memory suite (4 heads).
+        train_large_point: ``(heads, n)`` of its extra point, or None.
+        train_memory_path: ``default`` (the automatic choice), ``blockwise`` or ``direct``.
     """
 
-    suites: tuple[str, ...] = SUITES
+    suites: tuple[str, ...] = DEFAULT_SUITES
     sizes: tuple[int, ...] = SPEED_SIZES
     memory_sizes: tuple[int, ...] = MEMORY_SIZES
     memory_quadratic_max: int = MEMORY_QUADRATIC_MAX
@@ -88,6 +110,10 @@ class Config:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     quick: bool = False
     memory_timeout: float = 3600.0
+    train_sizes: tuple[int, ...] = TRAIN_SIZES
+    train_memory_sizes: tuple[int, ...] = TRAIN_MEMORY_SIZES
+    train_large_point: tuple[int, int] | None = TRAIN_LARGE_POINT
+    train_memory_path: str = "default"
 
     @classmethod
     def quick_config(cls, **overrides: Any) -> Config:
@@ -96,7 +122,8 @@ class Config:
             "sizes": QUICK_SIZES, "memory_sizes": QUICK_MEMORY_SIZES, "large_point": None,
             "memory_paths": ("default",), "rounds": 3, "flops_rounds": 2, "min_time": 0.002,
             "gemm_size": QUICK_GEMM_SIZE,
-            "quick": True, "memory_timeout": 300.0,
+            "quick": True, "memory_timeout": 300.0, "train_sizes": QUICK_SIZES,
+            "train_memory_sizes": QUICK_MEMORY_SIZES, "train_large_point": None,
         }
         return cls(**{**base, **overrides})
 
@@ -108,11 +135,10 @@ class Config:
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Inverse of :meth:`as_dict`."""
         data = dict(data)
-        for key in ("suites", "sizes", "memory_sizes", "memory_paths"):
+        for key in ("suites", "sizes", "memory_sizes", "memory_paths", "train_sizes",
+                    "train_memory_sizes", "large_point", "train_large_point"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
-        if data.get("large_point") is not None:
-            data["large_point"] = tuple(data["large_point"])
         return cls(**data)
 
 
@@ -141,7 +167,7 @@ def thread_env(threads: int) -> dict[str, str]:
     }
 
 
-__all__ = ["BATCH", "DEPTH", "DTYPE", "SUITES", "Config", "thread_env"]
+__all__ = ["BATCH", "DEFAULT_SUITES", "DEPTH", "DTYPE", "SUITES", "Config", "thread_env"]
 
 
 def run_child(module: str, backend: str, config: Any, out: Path, progress: bool) -> int:
@@ -163,6 +189,7 @@ def run_child(module: str, backend: str, config: Any, out: Path, progress: bool)
 def child_main(
     argv: Sequence[str] | None, module: str, from_dict: Callable[[dict[str, Any]], Any],
     run_backend: Callable[..., dict[str, Any]], prefix: str,
+    combine: Callable[[dict[str, Any] | None, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> int:
     """The child's entry point: runs one backend and writes ``<out>/<prefix>-<backend>.json``.
 
@@ -172,6 +199,8 @@ def child_main(
         from_dict: Makes the configuration from its JSON.
         run_backend: ``run_backend(name, config, progress=...)``, returning the document.
         prefix: The file name's start (``bench``, ``complexity``).
+        combine: ``combine(previous document or None, new document)``, what is written when
+            the file exists already (default: the new document).
     """
     parser = argparse.ArgumentParser(prog=f"python -m {module}")
     parser.add_argument("--backend", required=True)
@@ -184,6 +213,8 @@ def child_main(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{prefix}-{doc['backend']}.json"
+    if combine is not None:
+        doc = combine(json.loads(path.read_text()) if path.exists() else None, doc)
     files.write_text(path, json.dumps(doc, indent=1) + "\n")
     print(path)
     return 0

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attention_core import registry
-from benchmarks import SUITES, Config, complexity, report, run_child
+from benchmarks import DEFAULT_SUITES, SUITES, Config, complexity, report, run_child
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -33,6 +33,19 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _maybe_ints(text: str) -> tuple[int, ...]:
+    return () if text.strip().lower() == "none" else _ints(text)
+
+
+def _large_point(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()  # no large point
+    values = _ints(text)
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected HEADS,N like 8,65536 or none, got {text!r}")
+    return values[0], values[1]
 
 
 def _suites(text: str) -> tuple[str, ...]:
@@ -48,14 +61,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark arguments to a parser."""
     parser.add_argument("--backend", nargs="+", metavar="NAME",
                         help="backends to run, each in its own process (default: the installed ones)")
-    parser.add_argument("--suite", type=_suites, default=SUITES, metavar="LIST",
-                        help=f"comma list of {','.join(SUITES)} (default: all)")
+    parser.add_argument("--suite", type=_suites, default=DEFAULT_SUITES, metavar="LIST",
+                        help=f"comma list of {','.join(SUITES)} (default: "
+                             f"{','.join(DEFAULT_SUITES)}; the training suites only when named)")
     parser.add_argument("--sizes", type=_ints, metavar="N,...",
                         help="sequence lengths of the speed and flops suites "
                              "(default 128,...,4096; --quick: 16,32)")
     parser.add_argument("--memory-sizes", type=_ints, metavar="N,...",
                         help="sequence lengths of the memory suite (default 1024,...,65536; "
                              "paths that form the n x n scores stop at 16384)")
+    parser.add_argument("--train-sizes", type=_ints, metavar="N,...",
+                        help="sequence lengths of the train suite (default 128,1024,2048)")
+    parser.add_argument("--train-memory-sizes", type=_maybe_ints, metavar="N,...|none",
+                        help="sequence lengths of the train-memory suite, 4 heads (default "
+                             "1024,...,16384; none: only the large point)")
+    parser.add_argument("--train-large-point", type=_large_point, metavar="HEADS,N|none",
+                        help="the train-memory suite's extra point (default 8,65536)")
+    parser.add_argument("--train-memory-path", choices=("default", "blockwise", "direct"),
+                        help="implementation of the train-memory suite (default: default, the "
+                             "automatic choice)")
+    parser.add_argument("--memory-timeout", type=float, metavar="SECONDS",
+                        help="longest time of one memory or train-memory subprocess; a point that "
+                             "takes longer is recorded as timed out (default 3600)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per speed point "
                                                    "(default 15; --quick: 3)")
     parser.add_argument("--min-time", type=float, metavar="SECONDS",
@@ -75,6 +102,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page", default=report.PAGE,
                         help=f"file --merge writes into, between {report.BENCH_START} and "
                              f"{report.BENCH_END} (default: {report.PAGE})")
+    parser.add_argument("--train-page", default=report.TRAIN_PAGE,
+                        help=f"file --merge writes the training suites' tables into, between "
+                             f"{report.TRAIN_START} and {report.TRAIN_END}, when a run has them "
+                             f"(default: {report.TRAIN_PAGE})")
     parser.add_argument("--stdout", action="store_true", help="with --merge: print, write no page")
     commands = parser.add_subparsers(dest="bench_command", metavar="{complexity}")
     complexity.configure(commands.add_parser(
@@ -92,6 +123,11 @@ def config_from(args: argparse.Namespace) -> Config:
         overrides["sizes"] = args.sizes
     if args.memory_sizes:
         overrides["memory_sizes"] = args.memory_sizes
+    for name in ("train_sizes", "train_memory_sizes", "train_memory_path", "memory_timeout"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.train_large_point is not None:
+        overrides["train_large_point"] = args.train_large_point or None
     if args.rounds:
         overrides["rounds"] = args.rounds
     if args.min_time:
@@ -99,13 +135,15 @@ def config_from(args: argparse.Namespace) -> Config:
     return Config.quick_config(**overrides) if args.quick else Config(**overrides)  # type: ignore[arg-type]
 
 
-def merge(directory: str | Path, page: str | Path | None) -> str:
-    """Merges a directory of results: the page's section (unless ``page`` is None) and plot.
+def merge(directory: str | Path, page: str | Path | None,
+          train_page: str | Path | None = None) -> str:
+    """Merges a directory of results: the pages' sections (unless ``page`` is None) and plot.
 
-    The plot is linked by its path relative to the page's directory.
+    The plot is linked by its path relative to the page's directory. When some run measured
+    a training suite, its section goes into ``train_page`` too (and into the returned text).
 
     Returns:
-        The Markdown section.
+        The Markdown section (then, after a blank line, the training section, if any).
     """
     folder = Path(directory)
     docs = report.load(folder)
@@ -117,7 +155,12 @@ def merge(directory: str | Path, page: str | Path | None) -> str:
     body = report.merged_markdown(docs, name)
     if page is not None:
         report.write_between_markers(page, body)
-    return body
+    if not report.has_training(docs):
+        return body
+    train = report.train_markdown(docs)
+    if page is not None and train_page is not None:
+        report.write_between_markers(train_page, train, report.TRAIN_START, report.TRAIN_END)
+    return f"{body}\n\n{train}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,11 +173,14 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "complexity":
         return complexity.run(args)
     if args.merge:
-        body = merge(args.merge, None if args.stdout else args.page)
+        body = merge(args.merge, None if args.stdout else args.page, args.train_page)
         if args.stdout:
             print(body)
         else:
-            print(f"wrote the benchmark table into {args.page} and {Path(args.merge) / 'bench.png'}")
+            trained = report.has_training(report.load(args.merge))
+            also = f", the training tables into {args.train_page}" if trained else ""
+            print(f"wrote the benchmark table into {args.page}{also} and "
+                  f"{Path(args.merge) / 'bench.png'}")
         return 0
     names = [registry.canonical_name(b) for b in args.backend] if args.backend else \
         registry.available_backends()

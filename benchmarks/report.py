@@ -31,6 +31,15 @@ FLOPS_TARGET_N = 4096
 #: ... and peak extra memory at n = 16384, 4 heads, on the default path.
 MEMORY_TARGET_MIB, MEMORY_TARGET_N = 64.0, 16384
 
+#: The training page, its markers, and issue 17's targets: a training step's ours ÷ native at
+#: n >= 1024 and at n = 128; extra memory of forward + backward at n = 16384, 4 heads; and
+#: the large point (8 heads, n = 65536) training one step within 24 GiB (its peak resident set).
+TRAIN_PAGE = "docs/training.md"
+TRAIN_START, TRAIN_END = "<!-- train:start -->", "<!-- train:end -->"
+TRAIN_TARGET_LARGE, TRAIN_TARGET_SMALL = 1.00, 1.15
+TRAIN_MEMORY_TARGET_MIB, TRAIN_MEMORY_TARGET_N = 256.0, 16384
+TRAIN_LARGE_LIMIT_MIB = 24 * 1024.0
+
 Table = tuple[list[str], list[list[str]]]
 
 
@@ -158,7 +167,13 @@ def backend_report(doc: dict[str, Any]) -> str:
     if "memory" in doc:
         parts += ["", f"memory: peak extra MiB of one call on (1, H, n, 64); native = "
                   f"{doc['memory']['native']}", render(memory_table(doc), False)]
-    checks = target_rows([doc])
+    if "train" in doc:
+        parts += ["", "train: one training step, ours / native (median [interval]), A/A",
+                  render(train_step_table([doc]), False)]
+    if "train_memory" in doc:
+        parts += ["", "train-memory: peak extra MiB of forward + backward on (1, H, n, 64)",
+                  render(train_memory_table([doc]), False)]
+    checks = target_rows([doc]) + train_target_rows([doc])
     if checks:
         parts += ["", "targets:", render((TARGET_HEADERS, checks), False)]
     return "\n".join(parts)
@@ -206,6 +221,158 @@ def target_rows(docs: Sequence[dict[str, Any]]) -> list[list[str]]:
                 took = f"{p['extra_mib']:.1f} MiB, {p['seconds']:.0f} s" if p["ok"] else p["error"]
                 rows.append([f"n={p['n']}, H=8 completes", b, took, _met(p["ok"])])
     return rows
+
+
+def has_training(docs: Sequence[dict[str, Any]]) -> bool:
+    """Whether some document has a training suite's section."""
+    return any(d.get("train") or d.get("train_memory") for d in docs)
+
+
+def train_target_rows(docs: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per target of issue 17 that the training suites of these runs measured."""
+    rows: list[list[str]] = []
+    for doc in docs:
+        b = doc["backend"]
+        for p in doc.get("train", {}).get("points", []):
+            bound = TRAIN_TARGET_LARGE if p["n"] >= 1024 else (
+                TRAIN_TARGET_SMALL if p["n"] == 128 else None)
+            if bound is not None:
+                r = p["ratio"]["median"]
+                rows.append([f"{p['kind']} training step ours/native <= {bound:.2f} at n={p['n']}",
+                             b, f"{r:.2f}", _met(r <= bound)])
+        tm_points = doc.get("train_memory", {}).get("points", [])
+        if tm_points and not any(p["n"] >= 65536 and p["heads"] == 8 for p in tm_points):
+            rows.append([f"n=65536, H=8 trains one step within "
+                         f"{TRAIN_LARGE_LIMIT_MIB / 1024:.0f} GiB", b, "not measured", _met(None)])
+        for p in tm_points:
+            if p["path"] != "default":
+                continue
+            if p["n"] == TRAIN_MEMORY_TARGET_N and p["heads"] == 4:
+                ok = p["ok"] and p["extra_mib"] <= TRAIN_MEMORY_TARGET_MIB
+                rows.append([f"forward+backward extra memory at n={p['n']}, H=4 <= "
+                             f"{TRAIN_MEMORY_TARGET_MIB:.0f} MiB", b,
+                             f"{p['extra_mib']:.1f} MiB" if p["ok"] else p["error"], _met(ok)])
+            elif p["n"] >= 65536 and p["heads"] == 8:
+                ok = p["ok"] and p["peak_mib"] <= TRAIN_LARGE_LIMIT_MIB
+                took = (f"peak {p['peak_mib']:.0f} MiB, {p['seconds']:.0f} s" if p["ok"]
+                        else p["error"])
+                rows.append([f"n={p['n']}, H=8 trains one step within "
+                             f"{TRAIN_LARGE_LIMIT_MIB / 1024:.0f} GiB", b, took, _met(ok)])
+    return rows
+
+
+def train_step_table(docs: Sequence[dict[str, Any]]) -> Table:
+    """Backend | layer | n | ours/native [interval] | A/A | ours ms | native ms | native."""
+    rows = []
+    for d in docs:
+        train = d.get("train")
+        if not train:
+            continue
+        for p in train["points"]:
+            rows.append([f"`{d['backend']}`", p["kind"], str(p["n"]), _ratio(p["ratio"]),
+                         _ratio(p["aa"]), f"{p['ours_ms']:.1f}", f"{p['native_ms']:.1f}",
+                         train["natives"][p["kind"]]])
+    return (["backend", "layer", "n", "ours/native", "A/A", "ours ms", "native ms", "native"],
+            rows)
+
+
+def _paths_taken(points: Sequence[dict[str, Any]]) -> str:
+    taken = list(dict.fromkeys(p["implementation"] for p in points if p["ok"]))
+    return ", ".join(taken) or "n/a"
+
+
+def train_memory_table(docs: Sequence[dict[str, Any]]) -> Table:
+    """Backend | path (taken) | extra MiB per n at 4 heads | slope."""
+    sections = [(d["backend"], d["train_memory"]) for d in docs if d.get("train_memory")]
+    sizes = sorted({p["n"] for _, tm in sections for p in tm["points"] if p["heads"] == tm["heads"]})
+    rows = []
+    for backend, tm in sections:
+        pts = [p for p in tm["points"] if p["heads"] == tm["heads"] and p["path"] == tm["path"]]
+        mixed = len({p["implementation"] for p in pts if p["ok"]}) > 1  # say which, per cell
+        cells = {p["n"]: _mib(p) + (f" ({p['implementation']})" if mixed and p["ok"] else "")
+                 for p in pts}
+        rows.append([f"`{backend}`", f"{tm['path']} ({_paths_taken(pts)})",
+                     *(cells.get(n, "") for n in sizes), _num(tm["slope"], ".2f")])
+    return (["backend", "path (taken)", *(f"n={n}" for n in sizes), "slope"], rows)
+
+
+def train_large_rows(docs: Sequence[dict[str, Any]]) -> Table:
+    """Backend | point | path taken | extra MiB | peak MiB | seconds, for points beyond 4 heads."""
+    rows = []
+    for d in docs:
+        tm = d.get("train_memory") or {"points": []}
+        for p in tm["points"]:
+            if p["heads"] == tm["heads"]:
+                continue
+            point = f"(1, {p['heads']}, {p['n']}, {tm['depth']})"
+            if p["ok"]:
+                rows.append([f"`{d['backend']}`", point, p["implementation"],
+                             f"{p['extra_mib']:.1f}", f"{p['peak_mib']:.1f}",
+                             f"{p['seconds']:.0f}"])
+            else:
+                rows.append([f"`{d['backend']}`", point, "failed", p["error"], "", ""])
+    return (["backend", "(B, H, n, D)", "path taken", "extra MiB", "peak MiB", "seconds"], rows)
+
+
+def _run_line(doc: dict[str, Any], section: str) -> str:
+    run = doc[section]["run"]
+    m = run["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
+    passes: dict[str, list[str]] = {}  # points kept from earlier passes record their own
+    for p in doc[section]["points"]:
+        if p.get("git_commit"):
+            label = (f"{p['kind']} {p['n']}" if "kind" in p else f"{p['n']}" if p["heads"] ==
+                     doc[section]["heads"] else f"{p['n']} x {p['heads']}")
+            passes.setdefault(f"{p['git_commit']}, {p['date']}", []).append(label)
+    where = ("; passes: " + "; ".join(f"n = {', '.join(ns)} at commit {c}"
+                                      for c, ns in passes.items())) if len(passes) > 1 else ""
+    return (f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; Python {m['python']}, "
+            f"{versions}; {run['threads']['count']} threads; commit {m['git_commit']}; {m['date']}"
+            + where)
+
+
+def train_markdown(docs: Sequence[dict[str, Any]], now: datetime.datetime | None = None) -> str:
+    """The training page's section (without the markers), from the runs' training sections."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    steps = [d for d in docs if d.get("train")]
+    mems = [d for d in docs if d.get("train_memory")]
+    lines = [f"Generated {now:%Y-%m-%d %H:%M} UTC by `python -m benchmarks --merge` from the "
+             "runs below (one environment and process per backend); never typed by hand."]
+    if not steps and not mems:
+        return "\n".join([*lines, "", "No run has measured the training suites yet."])
+    lines += ["", "| backend | suite | machine and versions |", "|---|---|---|"]
+    lines += [f"| `{d['backend']}` | train | {_run_line(d, 'train')} |" for d in steps]
+    lines += [f"| `{d['backend']}` | train-memory | {_run_line(d, 'train_memory')} |"
+              for d in mems]
+    if any(d[s]["run"]["config"].get("quick") for s in ("train", "train_memory")
+           for d in docs if d.get(s)):
+        lines += ["", "**Some of these are `--quick` runs: tiny sizes, the numbers mean nothing.**"]
+    if steps:
+        lines += ["", "**One training step, ours ÷ native** (forward on `X (1, n, 512)` with "
+                  "`valid_lens = [n - n//4]`, then the gradients of the output's sum by every "
+                  "weight; median of interleaved rounds [confidence interval]; A/A = native ÷ "
+                  "itself, the noise control). Layers: `MultiHeadAttention(512, 8, bias=True)` "
+                  "(mha) and `TransformerEncoderBlock(512, 2048, 8, bias=True)` (block), as "
+                  "constructed by default.", "", render(train_step_table(steps), True)]
+    if mems:
+        heads = mems[0]["train_memory"]["heads"]
+        lines += ["", f"**Peak extra memory of forward + backward**, MiB, (1, {heads}, n, 64) "
+                  "fp32, gradients of `sum(dot_product_attention(q, k, v))` by q, k and v, one "
+                  "subprocess per point (VmHWM - VmRSS before the call; the output and the three "
+                  "gradients count), with the fitted log-log slope (2: forms the n x n scores; "
+                  "≤ 1: does not). The path is the one asked for and, in brackets, the "
+                  "implementations it took; where it took several, each cell names its own, and "
+                  "the slope mixes their laws.", "", render(train_memory_table(mems), True)]
+        large = train_large_rows(mems)
+        if large[1]:
+            lines += ["", "**The large point**: one training step of the same call with 8 heads "
+                      "(peak MiB is the whole process's resident set at its peak).", "",
+                      render(large, True)]
+    checks = train_target_rows(docs)
+    if checks:
+        lines += ["", "**Targets of issue 17 (training)**", "", render((TARGET_HEADERS, checks),
+                                                                       True)]
+    return "\n".join(lines)
 
 
 # -- several backends: the page's section ------------------------------------------------------

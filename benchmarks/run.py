@@ -21,14 +21,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from benchmarks import (
+    MAIN_SUITES,
     MEMORY_HEADS,
     SPEED_HEADS,
+    TRAIN_MEMORY_HEADS,
     Config,
     child_main,
     flops,
     memory,
     thread_env,
     timing,
+    train_memory,
 )
 
 #: Identifies the JSON documents of this module.
@@ -155,8 +158,13 @@ def run_backend(name: str, config: Config, progress: bool = True) -> dict[str, A
         "config": config.as_dict(),
     }
     mem_plan = _memory_plan(h, config) if "memory" in config.suites else []
+    train_plan = _train_memory_plan(config) if "train-memory" in config.suites else []
+    from benchmarks import training
+
+    trains = "train" in config.suites and h.name in training.STEPS
     total = (len(config.sizes) * config.rounds if "speed" in config.suites else 0) + (
-        1 + len(config.sizes) * len(h.paths()) if "flops" in config.suites else 0) + len(mem_plan)
+        1 + len(config.sizes) * len(h.paths()) if "flops" in config.suites else 0) + len(
+        mem_plan) + (2 * len(config.train_sizes) if trains else 0) + len(train_plan)
     bar = Progress(total, f"bench {h.name}") if progress else None
 
     def tick(note: str = "") -> None:
@@ -206,14 +214,100 @@ def run_backend(name: str, config: Config, progress: bool = True) -> dict[str, A
             slopes[path] = memory.slope(pts)
         doc["memory"] = {"heads": MEMORY_HEADS, "native": NATIVE_ATTENTION[h.name],
                          "points": mpoints, "slopes": slopes}
+    run = {"machine": doc["machine"], "versions": doc["versions"], "threads": doc["threads"],
+           "config": doc["config"]}
+    if trains:
+        tpoints = []
+        for kind in training.KINDS:
+            for n in config.train_sizes:
+                tick(f"train {kind} n={n}")
+                tpoints.append({**training.time_point(h.name, kind, n, config.rounds,
+                                                      config.min_time),
+                                "git_commit": doc["machine"]["git_commit"],
+                                "date": doc["machine"]["date"]})
+        doc["train"] = {"natives": training.NATIVES[h.name], "points": tpoints, "run": run}
+    if train_plan and h.name in train_memory.BACKENDS:
+        tmpoints = []
+        for n, heads in train_plan:
+            tick(f"train-memory n={n} H={heads}")
+            result = train_memory.measure(h.name, n, heads, config.threads,
+                                          config.train_memory_path, config.memory_timeout)
+            tmpoints.append({"n": n, "heads": heads, "path": config.train_memory_path,
+                             "git_commit": doc["machine"]["git_commit"],
+                             "date": doc["machine"]["date"], **result})
+        doc["train_memory"] = train_memory_section(tmpoints, config.train_memory_path, run)
     if bar is not None:
         bar.close()
     return doc
 
 
+def _train_memory_plan(config: Config) -> list[tuple[int, int]]:
+    """``(n, heads)`` points of the training-memory suite."""
+    plan = [(n, TRAIN_MEMORY_HEADS) for n in config.train_memory_sizes]
+    if config.train_large_point is not None:
+        heads, n = config.train_large_point
+        plan.append((n, heads))
+    return plan
+
+
+def train_memory_section(points: list[dict[str, Any]], path: str, run: dict[str, Any]
+                         ) -> dict[str, Any]:
+    """The ``train_memory`` section: points, and the slope of the 4-head points of ``path``."""
+    fitted = memory.slope([(p["n"], p["extra_mib"]) for p in points
+                           if p["ok"] and p["heads"] == TRAIN_MEMORY_HEADS and p["path"] == path])
+    return {"heads": TRAIN_MEMORY_HEADS, "depth": 64, "path": path, "points": points,
+            "slope": fitted, "run": run}
+
+
+#: The sections of the suites, by suite name.
+SECTIONS = {"speed": "speed", "flops": "flops", "memory": "memory", "train": "train",
+            "train-memory": "train_memory"}
+
+
+def _merge_points(old: list[dict[str, Any]], new: list[dict[str, Any]], key: tuple[str, ...]
+                  ) -> list[dict[str, Any]]:
+    """``old`` points whose key no new point has, then the new ones, sorted by the key."""
+    fresh = {tuple(p[k] for k in key) for p in new}
+    kept = [p for p in old if tuple(p[k] for k in key) not in fresh]
+    return sorted(kept + new, key=lambda p: tuple(p[k] for k in key))
+
+
+def keep_previous(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """What a run writes into a ``bench-<backend>.json`` that exists already.
+
+    The sections of suites this run did not run are kept from the old file. When the run ran
+    none of the main suites (speed, flops, memory), the top-level machine, versions, threads
+    and config stay the old file's (they describe its main suites' run; the training sections
+    record their own run under ``run``). Training points of an old section are kept unless
+    this run measured the same point again (``train``: kind and n; ``train_memory``: path, n
+    and heads), so large points may run in passes of their own; the slope is refitted.
+    """
+    if old is None or old.get("schema") != new["schema"] or old.get("backend") != new["backend"]:
+        return new
+    ran = set(new["config"]["suites"])
+    base = old if not ran & set(MAIN_SUITES) else new
+    doc = dict(base)
+    for suite, section in SECTIONS.items():
+        if section in new:
+            doc[section] = new[section]
+        elif suite not in ran and section in old:
+            doc[section] = old[section]
+    if "train" in new and "train" in old:
+        doc["train"] = {**new["train"], "points": _merge_points(
+            old["train"]["points"], new["train"]["points"], ("kind", "n"))}
+    if "train_memory" in new and "train_memory" in old:
+        tm = new["train_memory"]
+        points = _merge_points(old["train_memory"]["points"], tm["points"], ("path", "heads", "n"))
+        doc["train_memory"] = train_memory_section(points, tm["path"], tm["run"])
+    suites = set(old["config"]["suites"]) | ran
+    doc["config"] = {**base["config"], "suites": [s for s in SECTIONS if s in suites]}
+    return doc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the child: runs one backend and writes its JSON file."""
-    return child_main(argv, "benchmarks.run", Config.from_dict, run_backend, "bench")
+    return child_main(argv, "benchmarks.run", Config.from_dict, run_backend, "bench",
+                      keep_previous)
 
 
 if __name__ == "__main__":

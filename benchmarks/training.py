@@ -18,11 +18,17 @@ control ``native' ÷ native``:
   multi-head attention, ``LayerNormalization`` and ``Dense``; Flax likewise), each with its own
   initial weights (same shapes and arithmetic; the outputs are not compared).
 
+On MXNet, as in suite (a), the native side is written with MXNet's own pieces: the plain
+``mxnet.numpy`` multi-head attention of :func:`benchmarks.natives.plain_mha` holding our
+layer's weights, and a post-norm block of Gluon's ``nn.Dense`` and ``nn.LayerNorm`` around it.
+
 torch runs eagerly; TensorFlow steps are one ``tf.function`` each (``tf.GradientTape``
-inside, as ``fit`` does); JAX steps are ``jax.jit(jax.grad(...))``.
+inside, as ``fit`` does); JAX steps are ``jax.jit(jax.grad(...))``; MXNet runs imperatively
+(neither side hybridized) under ``autograd.record()``, then ``backward()``.
 
 Usage: ``python -m benchmarks.training --backend torch [--sizes 128,1024] [--rounds 15]
-[--min-time 0.2]``, from the repository, one backend per process.
+[--min-time 0.2]``, from the repository, one backend per process; ``python -m benchmarks
+--suite train`` writes the same points into ``bench-<backend>.json``.
 """
 
 from __future__ import annotations
@@ -171,7 +177,111 @@ def jax_steps(kind: str, n: int) -> Steps:
             "native": step(lambda v: composed.apply(v, X, mask), composed.init(key, X, mask))}
 
 
-STEPS = {"torch": torch_steps, "tensorflow": tensorflow_steps, "jax": jax_steps}
+def mxnet_steps(kind: str, n: int) -> Steps:
+    """The MXNet contenders: imperative Gluon under ``autograd.record()``, then ``backward()``.
+
+    The native side is written with MXNet's own pieces, as suite (a) does: the plain
+    multi-head attention of :func:`benchmarks.natives.plain_mha` in ``mxnet.numpy`` holding
+    our layer's weights, and for the block a post-norm block of Gluon's ``nn.Dense`` and
+    ``nn.LayerNorm`` around that plain attention (its own initial weights). Neither side is
+    hybridized. Each step returns the gradient of every parameter, copied to NumPy.
+    """
+    import mxnet as mx
+    from mxnet.gluon import nn
+
+    from backends.mxnet import MultiHeadAttention, TransformerEncoderBlock
+    from benchmarks.natives import canonical_weights, plain_mha
+
+    x, lens_np, _ = inputs(n)
+    X, lens = mx.np.array(x), mx.np.array(lens_np, dtype="int32")
+
+    def attention_weights(seed: int) -> dict[str, Any]:
+        weights = {k: mx.np.array(v) for k, v in canonical_weights(seed).items()}
+        for w in weights.values():
+            w.attach_grad()
+        return weights
+
+    class Block(nn.Block):  # type: ignore[misc]
+        """A post-norm encoder block: plain attention, Gluon's ``Dense`` and ``LayerNorm``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = attention_weights(1)
+            self.norm1 = nn.LayerNorm(epsilon=1e-5, in_channels=HIDDEN)
+            self.dense1 = nn.Dense(FFN, activation="relu", flatten=False, in_units=HIDDEN)
+            self.dense2 = nn.Dense(HIDDEN, flatten=False, in_units=FFN)
+            self.norm2 = nn.LayerNorm(epsilon=1e-5, in_channels=HIDDEN)
+
+        def forward(self, x: Any) -> Any:
+            y = self.norm1(x + plain_mha(mx.np, x, lens, self.weights, HEADS))
+            return self.norm2(y + self.dense2(self.dense1(y)))
+
+    def step(forward: Callable[[], Any], grads: Callable[[], list[Any]]) -> Callable[[], Any]:
+        def call() -> Any:
+            with mx.autograd.record():
+                out = forward()
+            out.backward()
+            return [g.asnumpy() for g in grads()]
+        return call
+
+    def parameter_grads(block: Any) -> Callable[[], list[Any]]:
+        params = list(block.collect_params().values())
+        return lambda: [p.grad() for p in params]
+
+    if kind == "mha":
+        ours = MultiHeadAttention(HIDDEN, HEADS, bias=True)
+        ours.initialize()
+        ours(X, X, X, lens)  # sizes inferred
+        weights = {k: mx.np.array(v) for k, v in ours.get_weights().items()}
+        for w in weights.values():
+            w.attach_grad()
+        return {"ours": step(lambda: ours(X, X, X, lens), parameter_grads(ours)),
+                "native": step(lambda: plain_mha(mx.np, X, lens, weights, HEADS),
+                               lambda: list(weights.values()))}
+    block, composed = TransformerEncoderBlock(HIDDEN, FFN, HEADS, bias=True), Block()
+    block.initialize()
+    composed.initialize()
+    block(X, lens)
+    return {"ours": step(lambda: block(X, lens), parameter_grads(block)),
+            "native": step(lambda: composed(X), lambda: [
+                *parameter_grads(composed)(), *composed.weights.values()])}
+
+
+STEPS = {"torch": torch_steps, "tensorflow": tensorflow_steps, "jax": jax_steps,
+         "mxnet": mxnet_steps}
+#: The layers timed, in order.
+KINDS = ("mha", "block")
+#: What the native contender of each kind is, per backend (for the tables).
+NATIVES = {
+    "torch": {"mha": "torch.nn.MultiheadAttention",
+              "block": "torch.nn.TransformerEncoderLayer (post-norm)"},
+    "tensorflow": {"mha": "keras.layers.MultiHeadAttention",
+                   "block": "post-norm block of Keras layers"},
+    "jax": {"mha": "flax MultiHeadDotProductAttention",
+            "block": "post-norm block of Flax layers"},
+    "mxnet": {"mha": "plain mx.np MHA",
+              "block": "post-norm block: plain mx.np MHA, Gluon Dense and LayerNorm"},
+}
+
+
+def time_point(backend: str, kind: str, n: int, rounds: int, min_time: float) -> dict[str, Any]:
+    """Times ours against the native contender for one kind and n, in interleaved rounds.
+
+    Returns:
+        ``{"kind", "n", "ratio", "aa", "ours_ms", "native_ms"}``: ``ratio`` is ours ÷ native,
+        ``aa`` native ÷ itself (the noise control), both as :meth:`timing.Ratio.as_dict`.
+    """
+    from benchmarks import timing
+
+    made = STEPS[backend](kind, n)
+    for call in made.values():
+        call()  # compiled (or warmed up) here
+    times = timing.interleaved({"ours": made["ours"], "native": made["native"],
+                                "native'": made["native"]}, rounds, min_time)
+    return {"kind": kind, "n": n, "ratio": timing.ratio(times, "ours", "native").as_dict(),
+            "aa": timing.ratio(times, "native'", "native").as_dict(),
+            "ours_ms": 1e3 * statistics.median(times["ours"]),
+            "native_ms": 1e3 * statistics.median(times["native"])}
 
 
 def main() -> None:
@@ -186,19 +296,13 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {head}; {args.backend}, "
           f"{os.cpu_count()} CPUs; {args.rounds} interleaved rounds, median [95% interval]",
           flush=True)
-    for kind in ("mha", "block"):
+    for kind in KINDS:
         for n in sizes:
-            made = STEPS[args.backend](kind, n)
-            for call in made.values():
-                call()  # compiled here
-            times = timing.interleaved({"ours": made["ours"], "native": made["native"],
-                                        "native'": made["native"]}, args.rounds, args.min_time)
-            r = timing.ratio(times, "ours", "native")
-            aa = timing.ratio(times, "native'", "native")
-            ms = 1e3 * statistics.median(times["native"])
-            print(f"{kind:5s} n={n:5d}: ours/native {r.median:.3f} [{r.low:.3f}, {r.high:.3f}]"
-                  f"   A/A {aa.median:.3f} [{aa.low:.3f}, {aa.high:.3f}]   native {ms:.1f} ms",
-                  flush=True)
+            p = time_point(args.backend, kind, n, args.rounds, args.min_time)
+            r, aa = p["ratio"], p["aa"]
+            print(f"{kind:5s} n={n:5d}: ours/native {r['median']:.3f} [{r['low']:.3f}, "
+                  f"{r['high']:.3f}]   A/A {aa['median']:.3f} [{aa['low']:.3f}, {aa['high']:.3f}]"
+                  f"   native {p['native_ms']:.1f} ms", flush=True)
 
 
 if __name__ == "__main__":

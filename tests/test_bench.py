@@ -8,6 +8,7 @@ page markers that ``--merge`` writes between. Speed targets are never asserted h
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cli, report, timing
+from benchmarks import Config, cli, report, timing
 from benchmarks.memory import slope
 
 #: backend -> (results directory, screen output) of its quick run, shared by the tests.
@@ -103,3 +104,145 @@ def test_median_interval() -> None:
 def test_slope() -> None:
     assert math.isclose(slope([(1024, 4.0), (2048, 16.0), (4096, 64.0)]) or 0, 2.0)
     assert slope([(1024, 0.1), (2048, 0.2)]) is None  # below 1 MiB: noise
+
+
+# -- the training suites (issue 17): report code on documents built here ----------------------
+
+
+def _ratio_dict(median: float) -> dict[str, float | int]:
+    return {"median": median, "low": median - 0.05, "high": median + 0.05, "confidence": 0.96,
+            "rounds": 15}
+
+
+def _run(commit: str = "abc123", quick: bool = False) -> dict[str, object]:
+    machine = {"cpu": "Test CPU", "cores": 2, "ram_gib": 8.0, "system": "Linux", "python": "3.11",
+               "git_commit": commit, "date": "2026-01-01T00:00:00+00:00"}
+    return {"machine": machine, "versions": {"torch": "9.9"}, "threads": {"count": 2},
+            "config": {"quick": quick}}
+
+
+def _mem_point(n: int, mib: float, heads: int = 4, ok: bool = True) -> dict[str, object]:
+    if not ok:
+        return {"path": "default", "n": n, "heads": heads, "ok": False, "error": "killed"}
+    return {"path": "default", "n": n, "heads": heads, "ok": True, "extra_mib": mib,
+            "peak_mib": mib + 300.0, "seconds": 12.0, "implementation": "blockwise"}
+
+
+def _train_doc(backend: str, step_ratios: dict[tuple[str, int], float],
+               mem: list[dict[str, object]]) -> dict[str, object]:
+    from benchmarks.run import SCHEMA, train_memory_section
+
+    points = [{"kind": kind, "n": n, "ratio": _ratio_dict(r), "aa": _ratio_dict(1.0),
+               "ours_ms": 10.0 * r, "native_ms": 10.0} for (kind, n), r in step_ratios.items()]
+    return {"schema": SCHEMA, "backend": backend, "config": {"suites": ["train", "train-memory"]},
+            "train": {"natives": {"mha": f"{backend} native mha", "block": f"{backend} block"},
+                      "points": points, "run": _run()},
+            "train_memory": train_memory_section(mem, "default", _run())}
+
+
+def test_train_memory_slope_uses_the_four_head_points() -> None:
+    from benchmarks.run import train_memory_section
+
+    mem = [_mem_point(1024, 4.0), _mem_point(2048, 8.0), _mem_point(4096, 16.0),
+           _mem_point(65536, 9999.0, heads=8), _mem_point(8192, 0.0, ok=False)]
+    assert math.isclose(train_memory_section(mem, "default", {})["slope"], 1.0)
+    quadratic = [_mem_point(1024, 4.0), _mem_point(2048, 16.0), _mem_point(4096, 64.0)]
+    assert math.isclose(train_memory_section(quadratic, "default", {})["slope"], 2.0)
+
+
+def test_train_targets_met_and_not_met() -> None:
+    doc = _train_doc("torch", {("mha", 128): 1.10, ("mha", 1024): 1.02, ("block", 128): 1.20,
+                               ("block", 2048): 0.97, ("block", 512): 3.0},
+                     [_mem_point(1024, 10.0), _mem_point(16384, 257.0),
+                      _mem_point(65536, 900.0, heads=8)])
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in report.train_target_rows([doc])}
+    assert rows[("mha training step ours/native <= 1.15 at n=128", "torch")] == ("1.10", "yes")
+    assert rows[("mha training step ours/native <= 1.00 at n=1024", "torch")] == ("1.02", "**no**")
+    assert rows[("block training step ours/native <= 1.15 at n=128", "torch")] == ("1.20", "**no**")
+    assert rows[("block training step ours/native <= 1.00 at n=2048", "torch")][1] == "yes"
+    assert not any("n=512" in r[0] for r in rows)  # no target at n = 512
+    mem_row = "forward+backward extra memory at n=16384, H=4 <= 256 MiB"
+    assert rows[(mem_row, "torch")] == ("257.0 MiB", "**no**")
+    assert rows[("n=65536, H=8 trains one step within 24 GiB", "torch")] == (
+        "peak 1200 MiB, 12 s", "yes")
+    within = _train_doc("jax", {}, [_mem_point(16384, 255.9), _mem_point(65536, 0.0, 8, ok=False)])
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in report.train_target_rows([within])}
+    assert rows[(mem_row, "jax")] == ("255.9 MiB", "yes")
+    assert rows[("n=65536, H=8 trains one step within 24 GiB", "jax")] == ("killed", "**no**")
+    unmeasured = _train_doc("mxnet", {}, [_mem_point(16384, 100.0)])
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in report.train_target_rows([unmeasured])}
+    assert rows[("n=65536, H=8 trains one step within 24 GiB", "mxnet")] == ("not measured", "n/a")
+
+
+def test_train_page_renders_from_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    docs = [_train_doc("torch", {("mha", 128): 1.10, ("block", 1024): 0.93},
+                       [_mem_point(1024, 4.0), _mem_point(16384, 64.0),
+                        _mem_point(65536, 300.0, heads=8)]),
+            _train_doc("mxnet", {("mha", 128): 0.80},
+                       [_mem_point(1024, 8.0), _mem_point(2048, 16.0)])]
+    text = report.train_markdown(docs)
+    assert "| `torch` | mha | 128 | 1.10 [1.05, 1.15] | 1.00 [0.95, 1.05] | 11.0 | 10.0 |" in text
+    assert "| `torch` | default (blockwise) | 4.0 |  | 64.0 | 1.00 |" in text  # 2048 not run
+    assert "| `mxnet` | default (blockwise) | 8.0 | 16.0 |  | 1.00 |" in text
+    docs[1]["train_memory"]["points"][0]["implementation"] = "direct"
+    assert "| `mxnet` | default (direct, blockwise) | 8.0 (direct) | 16.0 (blockwise) |  | 1.00 |" in (
+        report.train_markdown(docs))
+    docs[1]["train_memory"]["points"][0]["implementation"] = "blockwise"
+    assert "| `torch` | (1, 8, 65536, 64) | blockwise | 300.0 | 600.0 | 12 |" in text
+    assert "commit abc123" in text and "--quick" not in text
+    assert "| forward+backward extra memory at n=16384, H=4 <= 256 MiB | torch | 64.0 MiB | yes |" in text
+    # --merge writes the page between its markers, and leaves the speed page's part alone
+    for d in docs:
+        d.update({"machine": _run()["machine"], "versions": {}, "threads": {"count": 2},
+                  "config": {"suites": ["train"]}})
+        (tmp_path / f"bench-{d['backend']}.json").write_text(json.dumps(d))
+    speed, train = tmp_path / "speed.md", tmp_path / "training.md"
+    speed.write_text(f"{report.BENCH_START}\n{report.BENCH_END}\n")
+    train.write_text(f"# T\n{report.TRAIN_START}\nold\n{report.TRAIN_END}\nend\n")
+    assert cli.main(["--merge", str(tmp_path), "--page", str(speed), "--train-page", str(train)]) == 0
+    written = train.read_text()
+    assert written.startswith("# T\n") and written.endswith("end\n") and "old" not in written
+    assert "| `mxnet` | mha | 128 | 0.80" in written and "training" in capsys.readouterr().out
+
+
+def test_train_runs_keep_the_other_sections() -> None:
+    from benchmarks.run import keep_previous
+
+    old = _train_doc("torch", {("mha", 128): 1.1}, [_mem_point(1024, 4.0), _mem_point(2048, 8.0)])
+    old.update({"machine": {"date": "old"}, "speed": {"points": []},
+                "config": {"suites": ["speed", "train", "train-memory"]}})
+    large = _train_doc("torch", {}, [_mem_point(65536, 300.0, heads=8), _mem_point(2048, 9.0)])
+    del large["train"]
+    large.update({"machine": {"date": "new"}, "config": {"suites": ["train-memory"]}})
+    doc = keep_previous(old, large)
+    assert doc["machine"] == {"date": "old"} and doc["speed"] == old["speed"]  # main run kept
+    assert doc["train"] == old["train"]  # a suite not run now: kept
+    got = [(p["heads"], p["n"], p["extra_mib"]) for p in doc["train_memory"]["points"]]
+    assert got == [(4, 1024, 4.0), (4, 2048, 9.0), (8, 65536, 300.0)]  # 2048 measured again
+    assert math.isclose(doc["train_memory"]["slope"], math.log2(9.0 / 4.0))
+    for i, p in enumerate(doc["train_memory"]["points"]):
+        p.update({"git_commit": "new" if i else "old", "date": "d"})
+    line = report._run_line(doc, "train_memory")
+    assert "passes: n = 1024 at commit old, d; n = 2048, 65536 x 8 at commit new, d" in line
+    assert doc["config"]["suites"] == ["speed", "train", "train-memory"]
+    main = {**old, "machine": {"date": "main"}, "config": {"suites": ["speed"]}}
+    for section in ("train", "train_memory"):
+        del main[section]
+    doc = keep_previous(old, main)
+    assert doc["machine"] == {"date": "main"} and doc["train"] == old["train"]
+    assert keep_previous(None, main) is main
+
+
+def test_training_suites_only_when_asked() -> None:
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args([])
+    assert "train" not in cli.config_from(args).suites
+    args = parser.parse_args(["--suite", "train-memory,train", "--train-memory-sizes", "none",
+                              "--train-large-point", "8,65536"])
+    config = cli.config_from(args)
+    assert config.suites == ("train", "train-memory") and config.train_memory_sizes == ()
+    assert config.train_large_point == (8, 65536)
+    config = cli.config_from(parser.parse_args(["--train-large-point", "none"]))
+    assert config.train_large_point is None
+    assert Config.from_dict(json.loads(json.dumps(config.as_dict()))) == config

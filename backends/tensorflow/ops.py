@@ -35,6 +35,13 @@ def _could_record() -> bool:
     return bool(record.could_possibly_record())
 
 
+def _joined(parts: list[Any], axis: int) -> tf.Tensor:
+    """``tf.concat(parts, axis)``, emptying ``parts`` so that its blocks are freed at once."""
+    joined = tf.concat(parts, axis)
+    parts.clear()
+    return joined
+
+
 class TensorFlowOps:
     """TensorFlow tensors; dropout draws from a Keras ``SeedGenerator`` when one is given.
 
@@ -215,7 +222,10 @@ class TensorFlowOps:
 
             def backward(d_out: Any) -> tuple[Any, Any, Any]:
                 d_q = []
-                d_k, d_v = ([tf.zeros_like(x) for x in parts] for parts in (k_parts, v_parts))
+                # the key and value blocks' gradients, summed over the query blocks one block
+                # at a time, each block's new gradient dropped once added: a whole second
+                # set of sums never exists next to the old one (32 MiB at (1, 4, 16384, 64))
+                d_kv: list[Any] = []
                 for b, (q0, qn) in enumerate(blocks):
                     q_b = q[:, :, q0 : q0 + qn]
                     with tf.GradientTape() as tape:
@@ -224,10 +234,17 @@ class TensorFlowOps:
                     grads = tape.gradient(out_b, [q_b, *k_parts, *v_parts],
                                           d_out[:, :, q0 : q0 + qn],
                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    del tape, out_b
                     d_q.append(grads[0])
-                    d_k = [x + g for x, g in zip(d_k, grads[1 : 1 + len(sizes)], strict=True)]
-                    d_v = [x + g for x, g in zip(d_v, grads[1 + len(sizes) :], strict=True)]
-                return tf.concat(d_q, 2), tf.concat(d_k, 2), tf.concat(d_v, 2)
+                    if not d_kv:
+                        d_kv = grads[1:]
+                        continue
+                    for i in range(len(d_kv)):
+                        d_kv[i], grads[1 + i] = d_kv[i] + grads[1 + i], None
+                d_k, d_v = d_kv[: len(sizes)], d_kv[len(sizes) :]
+                del d_kv
+                # each result joined while the others' blocks are already gone
+                return (_joined(d_q, 2), _joined(d_k, 2), _joined(d_v, 2))
 
             return out, backward
 
