@@ -85,6 +85,53 @@ class Run:
     need: bool | str
 
 
+class Binding(NamedTuple):
+    """A call signature of plain parameters, bound without :mod:`inspect` (every call binds).
+
+    Attributes:
+        positional: The names that may be given by position, in order.
+        defaults: Every name, in order, with its default (``inspect.Parameter.empty`` when
+            required).
+    """
+
+    positional: tuple[str, ...]
+    defaults: dict[str, Any]
+
+    @classmethod
+    def of(cls, signature: inspect.Signature) -> Binding | None:
+        """The binding of ``signature``.
+
+        None when it has ``*args``, ``**kwargs`` or positional-only parameters.
+        """
+        kinds = {p.kind for p in signature.parameters.values()}
+        if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}:
+            return None
+        positional = tuple(name for name, p in signature.parameters.items()
+                           if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return cls(positional, {name: p.default for name, p in signature.parameters.items()})
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The arguments by name, defaults applied, as ``Signature.bind`` gives them.
+
+        None for a call it would refuse: the caller then binds by :mod:`inspect`, whose
+        TypeError is Python's.
+        """
+        if len(args) > len(self.positional):
+            return None
+        given = dict(zip(self.positional, args, strict=False))
+        for name, value in kwargs.items():
+            if name in given or name not in self.defaults:
+                return None
+            given[name] = value
+        bound = {}
+        for name, default in self.defaults.items():
+            value = given.get(name, default)
+            if value is inspect.Parameter.empty:
+                return None
+            bound[name] = value
+        return bound
+
+
 class Size(NamedTuple):
     """An input size a layer learns on its first call (``q_in`` ...).
 
@@ -160,6 +207,7 @@ class Declaration:
         elif cls.declared_or_none():
             cls.__signature__ = ClassSignature(cls.signature(*cls.extras))  # type: ignore[attr-defined]
             setattr(cls, "_declared_call", cls.call_signature())  # noqa: B010
+            setattr(cls, "_call_binding", Binding.of(cls.call_signature()))  # noqa: B010
             if "__doc__" not in cls.__dict__ or cls.__doc__ is None:
                 cls.__doc__ = cls.declared().__doc__
 
@@ -277,6 +325,10 @@ class Declaration:
 
     def bind_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Binds a call's arguments to :meth:`call_signature` (a TypeError like Python's)."""
+        binding: Binding | None = getattr(type(self), "_call_binding", None)
+        quick = None if binding is None else binding.bind(args, kwargs)
+        if quick is not None:
+            return quick
         bound = self.call_signature().bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)

@@ -217,6 +217,8 @@ def mxnet_steps(kind: str, n: int) -> Steps:
             return self.norm2(y + self.dense2(self.dense1(y)))
 
     def step(forward: Callable[[], Any], grads: Callable[[], list[Any]]) -> Callable[[], Any]:
+        # ``grads`` gives the gradient arrays: reading them waits for the backward pass
+        # (MXNet's engine runs it asynchronously; reading the weights would not wait)
         def call() -> Any:
             with mx.autograd.record():
                 out = forward()
@@ -237,14 +239,14 @@ def mxnet_steps(kind: str, n: int) -> Steps:
             w.attach_grad()
         return {"ours": step(lambda: ours(X, X, X, lens), parameter_grads(ours)),
                 "native": step(lambda: plain_mha(mx.np, X, lens, weights, HEADS),
-                               lambda: list(weights.values()))}
+                               lambda: [w.grad for w in weights.values()])}
     block, composed = TransformerEncoderBlock(HIDDEN, FFN, HEADS, bias=True), Block()
     block.initialize()
     composed.initialize()
     block(X, lens)
     return {"ours": step(lambda: block(X, lens), parameter_grads(block)),
             "native": step(lambda: composed(X), lambda: [
-                *parameter_grads(composed)(), *composed.weights.values()])}
+                *parameter_grads(composed)(), *(w.grad for w in composed.weights.values())])}
 
 
 STEPS = {"torch": torch_steps, "tensorflow": tensorflow_steps, "jax": jax_steps,

@@ -175,3 +175,30 @@ def test_a_declaration_needs_a_new_name() -> None:
         D.register(clash)
     assert before == D.LAYERS
     assert D.register(TanhDense) is TanhDense  # the same one again: nothing to do
+
+
+@pytest.mark.parametrize("name", sorted(D.LAYERS))
+def test_the_quick_binding_binds_as_inspect_does(name: str) -> None:
+    """Every call binds its arguments (``bind_call``) without :mod:`inspect` where it can: the
+    result equals ``Signature.bind`` with defaults applied, names in order, for every mix of
+    positional and keyword arguments; a call ``inspect`` refuses gets None (and then
+    ``inspect``'s own TypeError)."""
+    signature = D.LAYERS[name].call_signature()
+    binding = D.Binding.of(signature)
+    assert binding is not None
+    names = list(signature.parameters)
+    for n_args in range(len(binding.positional) + 2):
+        args = tuple(object() for _ in range(n_args))
+        for mask in range(2 ** len(names) + 1):
+            keywords = {x: object() for i, x in enumerate(names) if mask >> i & 1}
+            if mask == 2 ** len(names):
+                keywords = {"no_such_argument": object()}
+            try:
+                bound = signature.bind(*args, **keywords)
+            except TypeError:
+                assert binding.bind(args, keywords) is None, (n_args, keywords)
+                continue
+            bound.apply_defaults()
+            quick = binding.bind(args, keywords)
+            assert quick is not None
+            assert list(quick.items()) == list(bound.arguments.items())

@@ -129,7 +129,7 @@ class MXNetOps(NamespaceOps):
         anchor = mx.np.zeros((), dtype=queries.dtype, ctx=queries.ctx)
         anchor.attach_grad()
         tied = [x + 0 * anchor for x in (queries, keys, values)]
-        return _Recomputed(fn, blocks)(*tied)
+        return _Recomputed(fn, blocks, k_block)(*tied)
 
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
@@ -145,15 +145,16 @@ class _Recomputed(mx.autograd.Function):
 
     The forward runs ``fn(b, q_b, keys, values)`` for each block ``b`` of queries with
     recording paused, keeping only the inputs; the backward runs each block again under
-    ``autograd.record()``, differentiates it, and sums the keys' and values' gradients as it
-    goes. The whole keys are passed, not key blocks: measured at (1, 4, n, 64), split keys took
-    231 and 1208 MiB at n = 4096 and 8192, whole keys 114 and 254 MiB. One instance per call
-    (MXNet's rule for ``autograd.Function``).
+    ``autograd.record()`` on the keys and values split into key blocks, differentiates it, and
+    sums each key block's gradients as it goes. Key blocks, each its own array, get gradients
+    of their own size: MXNet's gradient of a slice of the whole keys is an array of the whole
+    keys' size, one per slice and query block, which took 885 s and 823 MiB at (1, 4, 16384,
+    64). One instance per call (MXNet's rule for ``autograd.Function``).
     """
 
-    def __init__(self, fn: Callable[..., Any], blocks: list[tuple[int, int]]) -> None:
+    def __init__(self, fn: Callable[..., Any], blocks: list[tuple[int, int]], k_block: int) -> None:
         super().__init__()
-        self.fn, self.blocks = fn, blocks
+        self.fn, self.blocks, self.k_block = fn, blocks, k_block
 
     def forward(self, queries: Any, keys: Any, values: Any) -> Any:
         self.save_for_backward(queries, keys, values)
@@ -163,19 +164,23 @@ class _Recomputed(mx.autograd.Function):
     def backward(self, d_out: Any) -> Any:
         queries, keys, values = self.saved_tensors
         d_out = d_out.as_np_ndarray()  # MXNet hands gradients over as legacy NDArrays
-        d_q, d_k, d_v = [], mx.np.zeros_like(keys), mx.np.zeros_like(values)
+        starts = range(0, keys.shape[2], self.k_block)
+        k_blocks, v_blocks = ([x[:, :, k0 : k0 + self.k_block].detach() for k0 in starts]
+                              for x in (keys, values))
+        d_q, d_k, d_v = [], [None] * len(k_blocks), [None] * len(v_blocks)
         for b, (q0, qn) in enumerate(self.blocks):
-            q, k, v = (x.detach() for x in (queries[:, :, q0 : q0 + qn], keys, values))
-            for x in (q, k, v):
+            q = queries[:, :, q0 : q0 + qn].detach()
+            for x in (q, *k_blocks, *v_blocks):  # zeros: a block this one skips adds nothing
                 x.attach_grad()
             with mx.autograd.record(train_mode=False):
-                out = self.fn(b, q, k, v)
+                out = self.fn(b, q, k_blocks, v_blocks)
             out.backward(d_out[:, :, q0 : q0 + qn])
             d_q.append(q.grad)
-            d_k += k.grad
-            d_v += v.grad
-            d_v.wait_to_read()  # one block's recomputation in memory at a time
-        return tuple(x.as_nd_ndarray() for x in (mx.np.concatenate(d_q, axis=2), d_k, d_v))
+            for sums, parts in ((d_k, k_blocks), (d_v, v_blocks)):
+                for i, x in enumerate(parts):
+                    sums[i] = x.grad.copy() if sums[i] is None else sums[i] + x.grad
+            d_v[-1].wait_to_read()  # one block's recomputation in memory at a time
+        return tuple(mx.np.concatenate(x, axis=2).as_nd_ndarray() for x in (d_q, d_k, d_v))
 
 
 #: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).
