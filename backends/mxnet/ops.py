@@ -167,7 +167,9 @@ class _Recomputed(mx.autograd.Function):
         starts = range(0, keys.shape[2], self.k_block)
         k_blocks, v_blocks = ([x[:, :, k0 : k0 + self.k_block].detach() for k0 in starts]
                               for x in (keys, values))
-        d_q, d_k, d_v = [], [None] * len(k_blocks), [None] * len(v_blocks)
+        d_q: list[Any] = []
+        d_k: list[Any] = [None] * len(k_blocks)  # each key block's sum, once it has one
+        d_v: list[Any] = [None] * len(v_blocks)
         for b, (q0, qn) in enumerate(self.blocks):
             q = queries[:, :, q0 : q0 + qn].detach()
             for x in (q, *k_blocks, *v_blocks):  # zeros: a block this one skips adds nothing
