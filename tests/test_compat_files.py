@@ -200,12 +200,19 @@ LOADERS = {"numpy": load_numpy, "torch": load_torch, "tensorflow": load_tensorfl
            "jax": load_jax, "mxnet": load_mxnet}
 
 
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Within :data:`TOL` of the recorded output, scaled by its magnitude where that exceeds 1:
+    a few float32 ulps, which a kernel of the same formula may round differently (torch's
+    ``F.layer_norm`` for the core's elementwise chain gave 1.07e-6 on outputs up to ~4)."""
+    return max_diff(got, want) <= TOL * max(1.0, float(np.max(np.abs(want))))
+
+
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_old_native_file_loads_with_equal_outputs(backend: str, layer: str) -> None:
     """The framework's own file (or, without weights, a fresh layer) gives the recorded output."""
     got = LOADERS[backend](layer, keys(backend).get(layer))
     assert got.dtype == np.float32
-    assert max_diff(got, recorded(backend, layer)) <= TOL
+    assert close(got, recorded(backend, layer))
 
 
 @pytest.mark.parametrize("layer", sorted(layer for layer in LAYERS if weights(layer)))
@@ -235,7 +242,7 @@ def test_old_safetensors_file_loads_with_equal_outputs(backend: str, layer: str)
         assert shapes(fresh.get_weights()) == entry["keys"]
         ops = module.OPS
         got = np.asarray(ops.to_numpy(fresh(*[ops.from_numpy(a) for a in x])))
-    assert max_diff(got, recorded(backend, layer)) <= TOL
+    assert close(got, recorded(backend, layer))
     assert max_diff(got, recorded("numpy", layer)) <= TOLERANCE["float32"]
 
 

@@ -358,7 +358,9 @@ def compilations(module: torch.nn.Module, args: Callable[[int], tuple[torch.Tens
     compiled = torch.compile(module, dynamic=dynamic, backend=counting)
     for t in lengths:
         got, want = compiled(*args(t)), module(*args(t))
-        assert max_diff(out_of(got), out_of(want)) <= 1e-6, t
+        # float32 rounding of the traced path, scaled by the outputs' magnitude where above 1
+        scale = max(1.0, float(np.max(np.abs(out_of(want)))))
+        assert max_diff(out_of(got), out_of(want)) <= 1e-6 * scale, t
     return len(graphs)
 
 
