@@ -524,6 +524,7 @@ def dot_product_attention(
     return_weights: bool | str = False,
     implementation: str | None = None,
     ops: Ops | None = None,
+    _heads: bool = False,
 ) -> Array | tuple[Array, Any]:
     """Scaled dot-product attention: ``softmax(Q K^T * scale) V`` over the visible keys.
 
@@ -546,40 +547,18 @@ def dot_product_attention(
             of :func:`choose_implementation`. All three give the same numbers within the
             dtype's rounding.
         ops: The backend's ops; found from ``queries`` when omitted.
+        _heads: Internal (:mod:`attention_core.multihead`): the inputs are heads this call
+            projected from checked inputs. They are not checked again, and weights formed on
+            read keep them as they are; otherwise they keep copies, which a change in place to
+            the caller's arrays does not reach.
 
     Returns:
         The output, shape of ``queries`` with depth Dv; with ``return_weights``, also the
         weights of shape ``(B, H, Q, K)`` (H = 1 for rank-3 inputs).
     """
     ops = ops or ops_for(queries)
-    checks.check_qkv(ops, queries, keys, values)
-    return attend_checked(ops, queries, keys, values, valid_lens, mask=mask, causal=causal,
-                          scale=scale, dropout=dropout, return_weights=return_weights,
-                          implementation=implementation, fresh=False)
-
-
-def attend_checked(
-    ops: Ops,
-    queries: Array,
-    keys: Array,
-    values: Array,
-    valid_lens: Any = None,
-    *,
-    mask: Any = None,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    return_weights: bool | str = False,
-    implementation: str | None = None,
-    fresh: bool = True,
-) -> Array | tuple[Array, Any]:
-    """:func:`dot_product_attention` of queries, keys and values known to pass its checks.
-
-    For callers that made them from checked inputs (the heads of :mod:`multihead`); the
-    masks, the scale and the options are checked here. ``fresh``: the arrays are this call's
-    own (not the caller's), so weights formed on read may keep them as they are; otherwise
-    it keeps copies, which a change in place to the caller's arrays does not reach.
-    """
+    if not _heads:
+        checks.check_qkv(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
     rank = len(ops.shape(queries))
     factor = _scale_factor(ops, queries, scale)
@@ -633,7 +612,7 @@ def attend_checked(
     out, weights = result if want else (result, None)
     out = out if rank == 4 else out[:, 0]
     if on_read:  # the direct path's weights, from the inputs as this call had them
-        kept = (q, k, v) if fresh else tuple(_snapshot(x) for x in (q, k, v))
+        kept = (q, k, v) if _heads else tuple(_snapshot(x) for x in (q, k, v))
         weights = WeightsOnRead(lambda: _direct_weights(ops, kept, visible, factor, finite,
                                                         overflow))
     return (out, weights) if return_weights else out
@@ -673,8 +652,8 @@ def _pooled(
         return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
     if path == "blockwise":
         return blockwise_attention(ops, q, k, v, visible, dropout, scale=factor), None
-    scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
-    return pool_visible(ops, scores, v, visible.full(), dropout, want_weights,
+    return pool_visible(ops, _direct_scores(ops, q, k, factor), v, visible.full(), dropout,
+                        want_weights,
                         finite and not overflow)
 
 
@@ -696,8 +675,13 @@ def _direct_weights(
 ) -> Array:
     """The weights :func:`_pooled` gives on the direct path, without pooling the values."""
     q, k, _ = _mended(ops, qkv, "direct", finite)
-    scores = ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
-    return visible_weights(ops, scores, visible.full(), finite and not overflow)
+    return visible_weights(ops, _direct_scores(ops, q, k, factor), visible.full(),
+                           finite and not overflow)
+
+
+def _direct_scores(ops: Ops, q: Array, k: Array, factor: Any) -> Array:
+    """The scores of the direct path, ``(B, H, Q, K)``."""
+    return ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))
 
 
 def additive_attention(

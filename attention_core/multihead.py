@@ -7,14 +7,14 @@ where h = num_hiddens and H = num_heads (DESIGN section 5).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attention_core import checks, masks
 from attention_core import weights as W
 from attention_core.attention import (
-    attend_checked,
     check_projected_inputs,
+    dot_product_attention,
     known_finite,
     non_finite_rows,
     softmax_visible,
@@ -45,10 +45,24 @@ def project(ops: Ops, x: Array, weights: Mapping[str, Array], name: str) -> Arra
     return dense(ops, x, weights[f"{name}.kernel"], weights.get(f"{name}.bias"))
 
 
-def _widths(queries: Array, keys: Array, values: Array) -> dict[str, tuple[Array, str]]:
-    """Each input and the kernel whose first dimension its width must be."""
-    return {"queries": (queries, "W_q.kernel"), "keys": (keys, "W_k.kernel"),
-            "values": (values, "W_v.kernel")}
+def _checked(
+    ops: Ops,
+    name: str,
+    weights: Mapping[str, Array],
+    spec_of: Callable[[Callable[[str, int, int], int | None]], W.Spec],
+    inputs: tuple[Array, Array, Array],
+) -> W.CheckedWeights:
+    """The call's weights, checked against the inputs' widths, the inputs checked first.
+
+    A :class:`~attention_core.weights.CheckedWeights` mapping comes from a layer that checked
+    its inputs too: only the widths are left to check.
+    """
+    queries, keys, values = inputs
+    if not isinstance(weights, W.CheckedWeights):
+        check_projected_inputs(ops, queries, keys, values)
+    widths = {"queries": (queries, "W_q.kernel"), "keys": (keys, "W_k.kernel"),
+              "values": (values, "W_v.kernel")}  # each input, and the kernel it must fit
+    return W.check_call_weights(ops, name, weights, spec_of, widths)
 
 
 def multi_head_attention(
@@ -91,20 +105,17 @@ def multi_head_attention(
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
-    if not isinstance(weights, W.CheckedWeights):  # else the caller checked its inputs too
-        check_projected_inputs(ops, queries, keys, values)
-    weights = W.check_call_weights(
-        ops, "multi_head_attention", weights,
-        lambda size: W.multi_head_call_spec(size, weights, num_heads), _widths(queries, keys, values),
-    )
+    weights = _checked(ops, "multi_head_attention", weights,
+                       lambda size: W.multi_head_call_spec(size, weights, num_heads),
+                       (queries, keys, values))
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, h/H)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, h/H)
-    pooled = attend_checked(  # heads of checked inputs
-        ops, q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
-        return_weights=return_weights, implementation=implementation,
+    pooled = dot_product_attention(
+        q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
+        return_weights=return_weights, implementation=implementation, ops=ops, _heads=True,
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
@@ -175,12 +186,9 @@ def relative_multi_head_attention(
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
-    if not isinstance(weights, W.CheckedWeights):  # else the caller checked its inputs too
-        check_projected_inputs(ops, queries, keys, values)
-    weights = W.check_call_weights(
-        ops, "relative_multi_head_attention", weights,
-        lambda size: W.relative_call_spec(size, weights, num_heads), _widths(queries, keys, values),
-    )
+    weights = _checked(ops, "relative_multi_head_attention", weights,
+                       lambda size: W.relative_call_spec(size, weights, num_heads),
+                       (queries, keys, values))
     dropout = checks.check_dropout(dropout)
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)

@@ -256,6 +256,34 @@ def test_masked_scores_get_no_gradient() -> None:
     assert np.all(np.abs(grad[0, :2]) > 0)
 
 
+@pytest.mark.parametrize("wanted", ["q", "k", "v", "qv", "same"])
+def test_recomputed_gradients_reach_the_inputs_that_ask(wanted: str) -> None:
+    """The recomputed blockwise backward (an ``autograd.Function``) gives each input that has a
+    gradient the direct path's, whichever others are plain arrays (MXNet routes a Function's
+    gradients wrongly to inputs outside the recorded graph unless they are tied into it), and
+    when one array is the queries, keys and values at once."""
+    q, k, v = draw((2, 2, 7, 4), (2, 2, 9, 4), (2, 2, 9, 3), seed=3)
+    if wanted == "same":
+        q = k = v = draw((2, 2, 7, 4), seed=4)[0]
+    ct = arr(np.random.default_rng(5).standard_normal((2, 2, 7, v.shape[-1])), "float64")
+    grads = {}
+    for impl in ("direct", "blockwise"):
+        arrays = [arr(x, "float64") for x in (q, k, v)]
+        if wanted == "same":
+            arrays = [arrays[0]] * 3
+        asking = [arrays[0]] if wanted == "same" else [arrays["qkv".index(c)] for c in wanted]
+        for x in asking:
+            x.attach_grad()
+        with autograd.record():
+            out = ac.dot_product_attention(*arrays, mx.np.array([5, 7], dtype="int32"),
+                                           implementation=impl)
+        out.backward(ct)
+        grads[impl] = [x.grad.asnumpy() for x in asking]
+    for got, want in zip(grads["blockwise"], grads["direct"], strict=True):
+        assert np.abs(want).max() > 0
+        assert max_diff(got, want) <= TOLERANCE["float64"]
+
+
 # -- RelativeMultiHeadAttention and TransformerEncoder: the Gluon habits ----------------------
 
 ENCODER = {"vocab_size": 9, "num_hiddens": 8, "ffn_num_hiddens": 10, "num_heads": 2, "num_blks": 2}

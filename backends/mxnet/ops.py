@@ -18,6 +18,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from attention_core.attention import BLOCKWISE_MIN_SCORES
 from attention_core.ops import NamespaceOps
 
 Symbol = mx.sym.Symbol
@@ -37,9 +38,18 @@ class MXNetOps(NamespaceOps):
 
     name = "mxnet"
 
-    #: As on NumPy, the blockwise path is the faster one from n = 128 (8 heads: 8 against
-    #: 4 GFLOP/s; 24 against 9 at n = 512), so it is taken whenever the weights are not wanted.
-    blockwise_min_scores = 0
+    @property
+    def blockwise_min_scores(self) -> int:
+        """Scores from which the automatic choice takes the blockwise path.
+
+        Inference: from any size, since as on NumPy it is the faster path from n = 128 (8
+        heads: 8 against 4 GFLOP/s; 24 against 9 at n = 512). Training (imperative calls under
+        ``autograd.record()`` in training mode): the core's default, since the blockwise
+        backward recomputes each block in Python (``recompute_blocks``).
+        """
+        if not self.symbolic and mx.autograd.is_recording() and mx.autograd.is_training():
+            return BLOCKWISE_MIN_SCORES
+        return 0
 
     def __init__(self, symbols: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
         self.symbolic = symbols is not None
@@ -124,12 +134,22 @@ class MXNetOps(NamespaceOps):
         # and calls outside record() are left to the blockwise loops.
         if self.symbolic or not mx.autograd.is_recording():
             return None  # nothing kept: the loops as they are
-        # MXNet routes an autograd.Function's gradients wrongly unless every input is in the
-        # recorded graph: each input is tied to a throwaway variable (x + 0 * anchor)
+        # MXNet routes an autograd.Function's gradients wrongly (zeros, or memory never
+        # written) to an input that is not in the recorded graph (keys that need no
+        # gradient, say): such an input is tied to a throwaway variable (x + 0 * anchor).
+        # Inputs already in the graph go as they are, with no copy.
         anchor = mx.np.zeros((), dtype=queries.dtype, ctx=queries.ctx)
         anchor.attach_grad()
-        tied = [x + 0 * anchor for x in (queries, keys, values)]
+        tied = [x if _recorded(x) else x + 0 * anchor for x in (queries, keys, values)]
         return _Recomputed(fn, blocks, k_block)(*tied)
+
+    def layer_norm(self, x: Any, gamma: Any, beta: Any, eps: float) -> Any:
+        # Gluon's LayerNorm operator: one forward and one backward instead of a chain of
+        # elementwise ops; float32 and float64 alike only (the core takes narrow dtypes)
+        dtypes = {self.dtype_name(a) for a in (x, gamma, beta)}
+        if dtypes not in ({"float32"}, {"float64"}):
+            return None
+        return self.npx.layer_norm(x, gamma, beta, axis=-1, eps=eps)
 
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.
@@ -158,31 +178,61 @@ class _Recomputed(mx.autograd.Function):
 
     def forward(self, queries: Any, keys: Any, values: Any) -> Any:
         self.save_for_backward(queries, keys, values)
-        return mx.np.concatenate([self.fn(b, queries[:, :, q0 : q0 + qn], keys, values)
-                                  for b, (q0, qn) in enumerate(self.blocks)], axis=2)
+        out = mx.np.empty(queries.shape[:3] + values.shape[3:], dtype=values.dtype,
+                          ctx=values.ctx)
+        for b, (q0, qn) in enumerate(self.blocks):
+            out[:, :, q0 : q0 + qn] = self.fn(b, queries[:, :, q0 : q0 + qn], keys, values)
+            _settle(out)
+        return out
 
     def backward(self, d_out: Any) -> Any:
         queries, keys, values = self.saved_tensors
         d_out = d_out.as_np_ndarray()  # MXNet hands gradients over as legacy NDArrays
-        starts = range(0, keys.shape[2], self.k_block)
-        k_blocks, v_blocks = ([x[:, :, k0 : k0 + self.k_block].detach() for k0 in starts]
+        k_blocks, v_blocks = ([x[:, :, k0 : k0 + self.k_block].detach()
+                               for k0 in range(0, keys.shape[2], self.k_block)]
                               for x in (keys, values))
-        d_q: list[Any] = []
-        d_k: list[Any] = [None] * len(k_blocks)  # each key block's sum, once it has one
-        d_v: list[Any] = [None] * len(v_blocks)
+        for x in (*k_blocks, *v_blocks):  # each query block's gradient adds to the last's
+            x.attach_grad(grad_req="add")  # (zeros first: a block all skip gets nothing)
+        d_q = mx.np.empty_like(queries)
         for b, (q0, qn) in enumerate(self.blocks):
             q = queries[:, :, q0 : q0 + qn].detach()
-            for x in (q, *k_blocks, *v_blocks):  # zeros: a block this one skips adds nothing
-                x.attach_grad()
+            q.attach_grad()
             with mx.autograd.record(train_mode=False):
                 out = self.fn(b, q, k_blocks, v_blocks)
             out.backward(d_out[:, :, q0 : q0 + qn])
-            d_q.append(q.grad)
-            for sums, parts in ((d_k, k_blocks), (d_v, v_blocks)):
-                for i, x in enumerate(parts):
-                    sums[i] = x.grad.copy() if sums[i] is None else sums[i] + x.grad
-            d_v[-1].wait_to_read()  # one block's recomputation in memory at a time
-        return tuple(mx.np.concatenate(x, axis=2).as_nd_ndarray() for x in (d_q, d_k, d_v))
+            d_q[:, :, q0 : q0 + qn] = q.grad
+            _settle(d_q)
+        del out  # its graph holds the key blocks
+        return (d_q.as_nd_ndarray(), _joined(k_blocks), _joined(v_blocks))
+
+
+def _joined(blocks: list[Any]) -> Any:
+    """The gradients of ``blocks`` concatenated along the keys.
+
+    ``blocks`` is emptied first, so that the blocks are freed before the whole gradient is made.
+    """
+    grads = [x.grad for x in blocks]
+    blocks.clear()
+    return mx.np.concatenate(grads, axis=2).as_nd_ndarray()
+
+
+def _recorded(x: Any) -> bool:
+    """Whether ``x`` is in the graph being recorded (a variable, or an operator's output)."""
+    try:
+        mx.autograd.get_symbol(x)
+    except mx.base.MXNetError:
+        return False
+    return True
+
+
+def _settle(x: Any) -> None:
+    """Waits for ``x``'s pending writes.
+
+    The engine runs asynchronously: a Python loop that does not wait queues every block's
+    operators, each with its output's memory, at once. At (1, 4, 16384, 64) the forward's
+    blocks held 380 MiB that way.
+    """
+    x.wait_to_read()
 
 
 #: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).
