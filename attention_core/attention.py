@@ -20,7 +20,7 @@ from attention_core import weights as W
 from attention_core.blockwise import blockwise_attention
 from attention_core.linear import dense
 from attention_core.masks import FILL_VALUE
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, matmul_transposed
 from attention_core.registry import ops_for
 
 
@@ -681,7 +681,7 @@ def _direct_weights(
 
 def _direct_scores(ops: Ops, q: Array, k: Array, factor: Any) -> Array:
     """The scores of the direct path, ``(B, H, Q, K)``."""
-    return ops.matmul(q * factor, ops.transpose(k, (0, 1, 3, 2)))
+    return matmul_transposed(ops, q * factor, k)
 
 
 def additive_attention(

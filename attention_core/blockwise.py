@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attention_core.masks import FILL_VALUE, Visibility
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, matmul_transposed
 
 #: Largest number of scores in one tile, ``B * H * q_block * k_block``: 2**21 floats is 8 MiB
 #: in float32, small enough to stay near the caches and to keep peak memory flat in n.
@@ -107,21 +107,22 @@ def blockwise_attention(
         return block if ops.shape(block)[2] == kn else ops.slice(block, 2, 0, kn)
 
     def scores(q: Array, keys: Array | list[Array], q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        k_t = ops.transpose(part(keys, k0, kn), (0, 1, 3, 2))  # (B, H, D, kn)
-        s = ops.matmul(q, k_t)  # (B, H, qn, kn)
+        s = matmul_transposed(ops, q, part(keys, k0, kn))  # (B, H, qn, kn)
         mask = visible.tile(q0, qn, k0, kn)
         # the fill of the scores' dtype, which is not the queries' under torch.autocast
         return s if mask is None else ops.where(mask, s, FILL_VALUE[ops.dtype_name(s)])
 
     exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
+    constant = getattr(ops, "stop_gradient", None) or (lambda x: x)  # StopGradientOps
 
     def row_max(s: Array) -> Array:
-        """The rows' largest scores, at least the fill.
+        """The rows' largest scores, at least the fill; no gradient flows through them.
 
         A row of ``-inf`` scores (unmasked) must not give ``m = -inf``, whose rescale
-        ``exp(m - m_new)`` would be NaN.
+        ``exp(m - m_new)`` would be NaN. The output does not depend on ``m`` (it cancels
+        between ``acc`` and ``l``), so its gradient through ``m`` is zero.
         """
-        m = ops.max(s, -1)
+        m = ops.max(constant(s), -1)
         fill = FILL_VALUE[ops.dtype_name(m)]
         return ops.where(m > fill, m, fill)  # a NaN row stays NaN through its weights
 

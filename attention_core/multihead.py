@@ -21,7 +21,7 @@ from attention_core.attention import (
     values_onto_keys,
 )
 from attention_core.linear import dense
-from attention_core.ops import Array, Ops, fixed_shape
+from attention_core.ops import Array, Ops, fixed_shape, matmul_transposed
 from attention_core.positional import relative_offsets
 from attention_core.registry import ops_for
 
@@ -203,7 +203,7 @@ def relative_multi_head_attention(
     K = ops.shape(k)[2]
     offsets = relative_offsets(ops, Q, K, (fixed_shape(ops, table_k)[0] - 1) // 2, like=q)  # (Q,K,R)
     q = q * (1.0 / math.sqrt(num_hiddens // num_heads))  # the heads' depth
-    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))  # (B, H, Q, K)
+    scores = matmul_transposed(ops, q, k)  # (B, H, Q, K)
     by_offset = ops.matmul(q, ops.transpose(table_k, (1, 0)))  # (B, H, Q, R)
     scores = scores + per_query(ops, by_offset, ops.transpose(offsets, (0, 2, 1)))
     visible = masks.Visibility(ops, (B, H, Q, K), valid_lens, mask, causal).full()

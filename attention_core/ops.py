@@ -375,6 +375,41 @@ class InPlaceOps(Ops, Protocol):
         ...
 
 
+class StopGradientOps(Ops, Protocol):
+    """Optional: ops with autodiff, whose ``stop_gradient`` keeps an array out of it.
+
+    The blockwise path's running maximum only keeps the exponentials in range: the output does
+    not depend on it, so no gradient flows through it in exact arithmetic. Taking it from
+    ``stop_gradient(scores)`` saves the maximum's backward, and under a recording autodiff
+    the score tile kept for it.
+    """
+
+    def stop_gradient(self, x: Array) -> Array:
+        """Returns ``x``'s values, with no gradient flowing back to ``x``."""
+        ...
+
+
+class ProductOps(Ops, Protocol):
+    """Optional: ops with a product against a transposed operand that copies nothing (MXNet).
+
+    Scores are ``q @ k^T``. Where ``transpose`` makes a copy, :func:`matmul_transposed` calls
+    ``matmul_transposed`` instead, which saves that copy and, under a recording autodiff, the
+    copy kept for the backward pass.
+    """
+
+    def matmul_transposed(self, a: Array, b: Array) -> Array:
+        """Returns ``a @ b^T`` for ``a (B, H, M, D)`` and ``b (B, H, N, D)``: ``(B, H, M, N)``."""
+        ...
+
+
+def matmul_transposed(ops: Ops, a: Array, b: Array) -> Array:
+    """``a @ b^T`` for ``a (B, H, M, D)`` and ``b (B, H, N, D)``, by the ops' own where they have it."""
+    method = getattr(ops, "matmul_transposed", None)  # ProductOps
+    if method is not None:
+        return method(a, b)
+    return ops.matmul(a, ops.transpose(b, (0, 1, 3, 2)))
+
+
 class LinearOps(Ops, Protocol):
     """Optional: ops with one kernel each for a dense layer and a layer normalisation (torch).
 

@@ -212,6 +212,9 @@ class JaxOps(NamespaceOps):
         shape = moved.shape
         return jnp.reshape(moved, (*shape[:axis], n * shape[axis + 1], *shape[axis + 2 :]))
 
+    def stop_gradient(self, x: jax.Array) -> jax.Array:
+        return jax.lax.stop_gradient(x)
+
     def dropout(self, x: jax.Array, rate: float) -> jax.Array:
         if self.rng is None:
             raise ValueError(

@@ -143,6 +143,10 @@ class MXNetOps(NamespaceOps):
         tied = [x if _recorded(x) else x + 0 * anchor for x in (queries, keys, values)]
         return _Recomputed(fn, blocks, k_block)(*tied)
 
+    def matmul_transposed(self, a: Any, b: Any) -> Any:
+        # batch_dot reads b transposed; np.transpose would copy it (and autograd keep the copy)
+        return self.npx.batch_dot(a, b, transpose_b=True)
+
     def layer_norm(self, x: Any, gamma: Any, beta: Any, eps: float) -> Any:
         # Gluon's LayerNorm operator: one forward and one backward instead of a chain of
         # elementwise ops; float32 and float64 alike only (the core takes narrow dtypes)
@@ -150,6 +154,9 @@ class MXNetOps(NamespaceOps):
         if dtypes not in ({"float32"}, {"float64"}):
             return None
         return self.npx.layer_norm(x, gamma, beta, axis=-1, eps=eps)
+
+    def stop_gradient(self, x: Any) -> Any:
+        return x if self.symbolic else x.detach()  # a graph (Symbol) is differentiated whole
 
     def dropout(self, x: Any, rate: float) -> Any:
         # Active only while recording in training mode (autograd.record()), as Gluon does.

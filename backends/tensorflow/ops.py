@@ -250,6 +250,9 @@ class TensorFlowOps:
 
         return attend(queries, keys, values)
 
+    def stop_gradient(self, x: Any) -> tf.Tensor:
+        return tf.stop_gradient(x)
+
     def dropout(self, x: Any, rate: float) -> tf.Tensor:
         if self.seed_generator is None:
             return tf.nn.dropout(x, rate)

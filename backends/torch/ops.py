@@ -135,6 +135,9 @@ class TorchOps(NamespaceOps):
     def take(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return F.embedding(indices, table)
 
+    def stop_gradient(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
         return F.dropout(x, rate, training=True)
 
