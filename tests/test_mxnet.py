@@ -6,6 +6,10 @@ already run on this backend, imperatively and hybridized; these tests cover what
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from tests.reference.generate import RETURNS_ATTENTION, record
 from tests.reference.gradients import case_data, gradient_cases, key
 
 ATTENTION = RETURNS_ATTENTION
+REPO = Path(__file__).resolve().parents[1]
 reference = record
 
 
@@ -361,3 +366,58 @@ def test_integer_dtypes_mxnet_lacks_are_taken(dtype: str) -> None:
     got = layer(tokens.astype(dtype), np.array([4, 2], dtype))
     np.testing.assert_array_equal(got.asnumpy(), expected)
     assert layer([[1, 2, 3]]).shape == (1, 3, 12)  # a Python list of ids is fine
+
+
+_TRAINING_MEMORY = """
+import gc, json
+from pathlib import Path
+import numpy as np
+import mxnet as mx
+import attention_core as ac
+import backends.mxnet
+
+def status(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+def step(n, d):
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((1, 1, n, d)).astype(np.float32) for _ in range(3)]
+    def run():
+        arrays = [mx.np.array(x) for x in data]
+        for x in arrays:
+            x.attach_grad()
+        with mx.autograd.record():
+            out = ac.dot_product_attention(*arrays, implementation="blockwise")
+        out.backward()
+        mx.nd.waitall()
+        return [x.grad for x in arrays]
+    return run
+
+step(16, 16)()
+run = step(8192, 256)
+gc.collect()
+Path("/proc/self/clear_refs").write_text("5")
+base = status("VmRSS")
+grads = run()
+print(json.dumps({"extra": status("VmHWM") - base}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_recomputed_training_memory() -> None:
+    """Forward + backward of the blockwise path under ``autograd.record()`` at (1, 1, 8192, 256)
+    fp32 (A = 8 MiB, the size of each input; 32 query blocks of 8 key blocks) holds the inputs,
+    their gradients, the output, its incoming gradient, key and value blocks and their
+    gradients, the queries' gradient and one query block's tiles. Measured by this code: 52.3 A
+    with the recomputation of commit a061946 (the inputs tied into the graph by copies, sums
+    beside the new gradients, and the forward queueing every block's operators at once), 19.6 A
+    with only the forward's queueing left, 16.0-16.6 A now."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _TRAINING_MEMORY], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    extra = json.loads(out.stdout.strip().splitlines()[-1])["extra"]
+    array = 8192 * 256 * 4
+    assert extra <= 18.5 * array, f"{extra / array:.1f} arrays of extra memory"
