@@ -32,7 +32,8 @@ import backends.tensorflow as keras_layers
 from attention_core import attention, blockwise
 from backends.tensorflow.ops import OPS
 from tests import naive
-from tests.harness import TOLERANCE, max_diff
+from tests.harness import TOLERANCE, max_diff, tolerance
+from tests.reference.cases import MASK_KINDS, mask_arguments
 from tests.reference.generate import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -373,6 +374,60 @@ def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None
     tokens = rng.integers(0, 10, (2, 7))
     np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_recomputed_blocks_in_a_tf_function_give_the_direct_gradients(
+    kind: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a ``tf.function`` (as Keras' ``train_step`` runs it), the blockwise path under a tape
+    is recomputed one query block at a time (``recompute_blocks`` returns its output, blocks of
+    4 queries in a ``tf.while_loop`` and a tail of 1, ragged key blocks of 5), and the gradients
+    of q, k and v equal the direct path's eager ones. A tape outside the function is seen too."""
+    B, H, Q, K = 2, 3, 13, 19
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
+    monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * K)
+    calls: list[tuple[list[tuple[int, int]], bool]] = []
+    hook = OPS.recompute_blocks
+
+    def counting(fn: Any, blocks: list[tuple[int, int]], *arrays: Any) -> Any:
+        out = hook(fn, blocks, *arrays)
+        calls.append((blocks, out is not None))
+        return out
+
+    monkeypatch.setattr(OPS, "recompute_blocks", counting)
+    rng = np.random.default_rng(len(kind))
+    arrays = [tf.constant(rng.standard_normal((B, H, n, d)), tf.float32)
+              for n, d in ((Q, 8), (K, 8), (K, 5))]
+    masks = {name: x if name == "causal" else tf.constant(x)
+             for name, x in mask_arguments(kind, rng, H, Q, K, B).items()}
+    cotangent = tf.constant(rng.standard_normal((B, H, Q, 5)), tf.float32)
+
+    def pooled(implementation: str, *xs: Any) -> Any:
+        return ac.dot_product_attention(*xs, implementation=implementation, **masks)
+
+    def gradients(implementation: str, *xs: Any) -> list[Any]:
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            out = pooled(implementation, *xs)
+        return list(tape.gradient(out, list(xs), cotangent))
+
+    want = [g.numpy() for g in gradients("direct", *arrays)]
+    got = [g.numpy() for g in tf.function(lambda *xs: gradients("blockwise", *xs))(*arrays)]
+    with tf.GradientTape() as tape:  # the tape outside, the function differentiated as one op
+        tape.watch(arrays)
+        out = tf.function(lambda *xs: pooled("blockwise", *xs))(*arrays)
+    outside = [g.numpy() for g in tape.gradient(out, arrays, cotangent)]
+    assert calls == [([(0, 4), (4, 4), (8, 4), (12, 1)], True)] * 2
+    for i, w in enumerate(want):
+        bound = tolerance(f"grad.{i}", "float32", w)
+        for g in (got[i], outside[i]):
+            assert np.isfinite(g).all(), i
+            assert max_diff(g, w) <= bound, i
+    calls.clear()
+    tf.function(lambda *xs: pooled("blockwise", *xs))(*arrays)  # no tape: the loops as before
+    assert calls == [([(0, 4), (4, 4), (8, 4), (12, 1)], False)]
 
 
 #: The measurement of :func:`test_recomputed_backward_memory`, run in a fresh process.
