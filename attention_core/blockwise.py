@@ -13,11 +13,11 @@ exponential is exactly 0; a row with no visible key keeps ``l = 0`` and ``acc = 
 out as zeros. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
 state ``(B, H, q_block, Dv)``, whatever the sequence length.
 
-Under an eager tape (TensorFlow, MXNet) the ops' ``recompute_blocks`` keeps the path's inputs
-only and recomputes one query block at a time in the backward pass (Rabe & Staats'
-checkpointing; see :class:`~attention_core.ops.RecomputeOps`), so training holds one block's
-tiles, not every tile. JAX's loop ops recompute their bodies the same way under
-``jax.grad`` (``jax.checkpoint``).
+Under a tape (TensorFlow's, eager or in ``tf.function``, and MXNet's) the ops'
+``recompute_blocks`` keeps the path's inputs only and recomputes one query block at a time in
+the backward pass (Rabe & Staats' checkpointing; see :class:`~attention_core.ops.RecomputeOps`),
+so training holds one block's tiles, not every tile. JAX's loop ops recompute their bodies
+the same way under ``jax.grad`` (``jax.checkpoint``).
 
 Shape legend: B batch, H heads, Q queries, K keys, D depth, Dv value depth.
 """
@@ -166,9 +166,14 @@ def blockwise_attention(
         # a block's recomputation records all its tiles: q_block * K scores, within the budget
         size = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
         blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
+
+        def block(b: Any, q: Array, k: Array | list[Array], v: Array | list[Array]) -> Array:
+            """Block ``b``'s output; a run-time ``b`` stands for a full block of ``size``."""
+            q0, qn = blocks[b] if isinstance(b, int) else (b * size, size)
+            return pooled(q, k, v, q0, qn)
+
         # the masks, the block's place and the scale reach it by closure: they get no gradient
-        out = recompute(lambda b, q, k, v: pooled(q, k, v, *blocks[b]), blocks, k_block,
-                        queries, keys, values)
+        out = recompute(block, blocks, k_block, queries, keys, values)
         if out is not None:
             return out
 

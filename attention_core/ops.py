@@ -318,22 +318,23 @@ class LoopOps(Ops, Protocol):
 
 
 class RecomputeOps(Ops, Protocol):
-    """Optional: ops whose autodiff records eagerly, and that recompute the blockwise path.
+    """Optional: ops whose autodiff would keep every tile, and that recompute the blockwise path.
 
     A tape that records every op (TensorFlow's ``tf.GradientTape``, MXNet's
-    ``autograd.record()``) would keep every tile of the blockwise loops for the backward
-    pass: O(Q * K) memory. With this hook the path keeps only its inputs and recomputes its
-    query blocks one at a time in the backward pass (the checkpointing of Rabe & Staats,
-    2021), so the backward holds one block's tiles, ``q_block * K * B * H`` scores, within
-    :data:`~attention_core.blockwise.TILE_SCORES`. It is not used under dropout, whose
-    recomputation would draw another mask. JAX needs no hook: its loop ops (``fold``,
-    ``map_concat``) rematerialise their bodies with ``jax.checkpoint``, which recomputes the
-    tiles under its compiled gradient. Nor does torch: it trains on SDPA by default, whose
-    backward recomputes the weights itself.
+    ``autograd.record()``), or the gradient of a traced loop that keeps every iteration's
+    intermediates (TensorFlow's ``tf.while_loop`` in ``tf.function``), would keep every tile
+    of the blockwise loops for the backward pass: O(Q * K) memory. With this hook the path
+    keeps only its inputs and recomputes its query blocks one at a time in the backward pass
+    (the checkpointing of Rabe & Staats, 2021), so the backward holds one block's tiles,
+    ``q_block * K * B * H`` scores, within :data:`~attention_core.blockwise.TILE_SCORES`.
+    It is not used under dropout, whose recomputation would draw another mask. JAX needs no
+    hook: its loop ops (``fold``, ``map_concat``) rematerialise their bodies with
+    ``jax.checkpoint``, which recomputes the tiles under its compiled gradient. Nor does
+    torch: it trains on SDPA by default, whose backward recomputes the weights itself.
     """
 
     def recompute_blocks(
-        self, fn: Callable[[int, Array, list[Array], list[Array]], Array],
+        self, fn: Callable[[Any, Array, list[Array], list[Array]], Array],
         blocks: list[tuple[int, int]], k_block: int, queries: Array, keys: Array, values: Array,
     ) -> Array | None:
         """Returns the blocks' outputs concatenated along the queries, or None where it does not apply.
@@ -341,9 +342,12 @@ class RecomputeOps(Ops, Protocol):
         Args:
             fn: ``fn(b, q_b, key_blocks, value_blocks)`` is block ``b``'s output
                 ``(B, H, qn, Dv)``, where ``q_b`` is ``queries[:, :, q0 : q0 + qn]`` with
-                ``(q0, qn) = blocks[b]``, and ``key_blocks`` lists the keys split along axis 2
-                into blocks of ``k_block`` (the last one shorter), ``value_blocks`` the values
-                alike; or the whole keys and values, as arrays, if the ops prefer them. The
+                ``(q0, qn) = blocks[b]``; ``b`` may be a run-time scalar (in a traced loop)
+                for a block of the first block's size ``n``, then ``(q0, qn) = (b * n, n)``.
+                ``key_blocks`` lists the keys split along axis 2 into blocks of ``k_block``
+                (the last one shorter), ``value_blocks`` the values alike; or the whole keys
+                and values, as arrays, if the ops prefer them. Given lists, the ops' ``fold``
+                (if any) must run the key blocks with Python indices while ``fn`` runs. The
                 masks and the scale reach it by closure and get no gradient.
             blocks: ``(q0, qn)`` of each block, in order, covering the queries.
             k_block: Keys per block of ``key_blocks``. The ops differentiate with respect to
@@ -356,9 +360,9 @@ class RecomputeOps(Ops, Protocol):
         Returns:
             ``(B, H, Q, Dv)``, whose gradients with respect to ``queries``, ``keys`` and
             ``values`` are those of the query blocks recomputed one at a time, the key and
-            value blocks' gradients summed over the query blocks as they come. None when the
-            arrays are not eager (a traced graph): the blockwise path then loops as without
-            the hook.
+            value blocks' gradients summed over the query blocks as they come. None where the
+            ops do not recompute (e.g. no gradient can be recorded): the blockwise path then
+            loops as without the hook.
         """
         ...
 

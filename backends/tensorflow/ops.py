@@ -7,7 +7,9 @@ to tensors when read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -20,6 +22,10 @@ if keras.backend.backend() != "tensorflow":
         f"{keras.backend.backend()!r}; set the environment variable KERAS_BACKEND=tensorflow "
         "(or \"backend\" in ~/.keras/keras.json) before keras is first imported"
     )
+
+
+#: ``depth > 0`` while a traced recomputation runs its blocks: ``fold`` then loops in Python.
+_UNROLL = threading.local()
 
 
 def _could_record() -> bool:
@@ -160,7 +166,8 @@ class TensorFlowOps:
         return tf.gather(table, indices)
 
     def fold(self, body: Callable[[Any, Any], Any], init: Any, n: int) -> Any:
-        if tf.executing_eagerly():  # eager: a Python loop is what tf.while_loop would run
+        # eager: a Python loop is what tf.while_loop would run; a traced recomputation unrolls
+        if tf.executing_eagerly() or getattr(_UNROLL, "depth", 0):
             carry = init
             for i in range(n):
                 carry = body(i, carry)
@@ -202,15 +209,17 @@ class TensorFlowOps:
         self, fn: Callable[..., Any], blocks: list[tuple[int, int]], k_block: int, queries: Any,
         keys: Any, values: Any,
     ) -> tf.Tensor | None:
-        # An eager tf.GradientTape records every op, so the blockwise loops would keep every
-        # tile for the backward pass. One custom gradient instead keeps the inputs and
-        # recomputes one query block at a time, summing the key blocks' gradients as it goes.
-        if not tf.executing_eagerly():
-            return None  # a traced graph loops over the blocks in tf.while_loop (map_concat)
+        # An eager tf.GradientTape records every op, and the gradient of a traced
+        # tf.while_loop keeps every iteration's intermediates, so the blockwise loops would
+        # keep every tile for the backward pass. One custom gradient instead keeps the inputs
+        # and recomputes one query block at a time, summing the key blocks' gradients as it
+        # goes. Traced, it needs a tape when the graph is traced (as in Keras' train_step).
         if not _could_record():
             return None  # no tape keeps anything: smaller query blocks would only cost time
         num_keys = int(keys.shape[2])
         sizes = [min(k_block, num_keys - k0) for k0 in range(0, num_keys, k_block)]
+        if not tf.executing_eagerly():
+            return self._recompute_traced(fn, blocks, sizes, queries, keys, values)
 
         @tf.custom_gradient  # type: ignore[untyped-decorator]
         def attend(q: Any, k: Any, v: Any) -> Any:
@@ -252,6 +261,86 @@ class TensorFlowOps:
 
     def stop_gradient(self, x: Any) -> tf.Tensor:
         return tf.stop_gradient(x)
+
+    def _recompute_traced(
+        self, fn: Callable[..., Any], blocks: list[tuple[int, int]], sizes: list[int],
+        queries: Any, keys: Any, values: Any,
+    ) -> tf.Tensor:
+        """``recompute_blocks`` in a traced graph: the blocks of the first one's size in a loop.
+
+        The forward pass runs the blocks in ``map_concat``'s ``tf.while_loop`` on the whole
+        keys and values; nothing of it is kept for the gradient. The backward pass loops over
+        the same blocks, recomputing each under a tape on the key blocks (with the key fold
+        unrolled, so that each key block is a separate array) and summing their gradients in
+        the loop's state; the last, shorter block (if any) runs after the loop.
+        """
+        size = blocks[0][1]
+        full = sum(1 for _, qn in blocks if qn == size)
+        tail = blocks[full:]
+
+        def block_grads(b: Any, q_b: Any, k_parts: list[Any], v_parts: list[Any],
+                        d_out_b: Any) -> list[Any]:
+            """The gradients of block ``b`` w.r.t. ``q_b`` and the key and value blocks."""
+            inputs = [tf.identity(x) for x in (q_b, *k_parts, *v_parts)]  # the loop's own
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                with self._unrolled_folds():
+                    out_b = fn(b, inputs[0], inputs[1 : 1 + len(sizes)], inputs[1 + len(sizes) :])
+            return list(tape.gradient(out_b, inputs, d_out_b,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+
+        @tf.custom_gradient  # type: ignore[untyped-decorator]
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            q, k, v = (tf.stop_gradient(x) for x in (q, k, v))
+            parts = [self.map_concat(lambda b: fn(b, self.slice(q, 2, b * size, size), k, v),
+                                     full, 2) if full > 1 else fn(0, q[:, :, :size], k, v)]
+            parts += [fn(full + i, q[:, :, q0 : q0 + qn], k, v) for i, (q0, qn) in enumerate(tail)]
+            out = parts[0] if len(parts) == 1 else tf.concat(parts, 2)
+
+            def backward(d_out: Any) -> tuple[Any, Any, Any]:
+                k_parts = tf.split(k, sizes, axis=2)
+                v_parts = tf.split(v, sizes, axis=2)
+
+                def step(b: Any, d_q: tf.TensorArray, d_kv: tuple[Any, ...]) -> tuple[Any, ...]:
+                    q0 = b * size
+                    grads = block_grads(b, self.slice(q, 2, q0, size), k_parts, v_parts,
+                                        self.slice(d_out, 2, q0, size))
+                    return b + 1, d_q.write(b, grads[0]), tuple(
+                        s + g for s, g in zip(d_kv, grads[1:], strict=True))
+
+                d_q_blocks = tf.TensorArray(q.dtype, size=full,
+                                            element_shape=[*q.shape[:2], size, q.shape[3]])
+                _, d_q_blocks, d_kv = tf.while_loop(
+                    lambda b, *_: b < full, step,
+                    (tf.constant(0), d_q_blocks, tuple(tf.zeros_like(x) for x in
+                                                       (*k_parts, *v_parts))),
+                    maximum_iterations=full, parallel_iterations=1,
+                )
+                stacked = d_q_blocks.stack()  # (full, B, H, size, D)
+                dims = self.shape(q)
+                d_q = [tf.reshape(tf.transpose(stacked, [1, 2, 0, 3, 4]),
+                                  [dims[0], dims[1], full * size, dims[3]])]
+                d_kv = list(d_kv)
+                for i, (q0, qn) in enumerate(tail):
+                    grads = block_grads(full + i, q[:, :, q0 : q0 + qn], k_parts, v_parts,
+                                        d_out[:, :, q0 : q0 + qn])
+                    d_q.append(grads[0])
+                    d_kv = [s + g for s, g in zip(d_kv, grads[1:], strict=True)]
+                return (_joined(d_q, 2), _joined(d_kv[: len(sizes)], 2),
+                        _joined(d_kv[len(sizes) :], 2))
+
+            return out, backward
+
+        return attend(queries, keys, values)
+
+    @contextlib.contextmanager
+    def _unrolled_folds(self) -> Iterator[None]:
+        """While it is open, ``fold`` loops in Python (the key blocks get Python indices)."""
+        _UNROLL.depth = getattr(_UNROLL, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _UNROLL.depth -= 1
 
     def dropout(self, x: Any, rate: float) -> tf.Tensor:
         if self.seed_generator is None:
