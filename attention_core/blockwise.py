@@ -35,6 +35,12 @@ from attention_core.ops import Array, Ops, matmul_transposed
 #: in float32, small enough to stay near the caches and to keep peak memory flat in n.
 TILE_SCORES = 2**21
 
+#: Scores in the tiles of one query block's recomputed backward (:func:`recompute_sizes`). Its
+#: backward holds about six arrays of that size at once (scores, weights and their gradients),
+#: so it gets half the forward's budget: at (1, 4, 16384, 64) the whole budget took MXNet's
+#: step from 250 to 275 MiB of extra memory.
+RECOMPUTE_SCORES = TILE_SCORES // 2
+
 #: Keys per block when the tile budget allows; a multiple of the SIMD widths of every backend.
 KEY_BLOCK = 1024
 
@@ -58,6 +64,30 @@ def block_sizes(batch_heads: int, num_queries: int, num_keys: int) -> tuple[int,
     k_block = max(1, min(num_keys, KEY_BLOCK))
     q_block = TILE_SCORES // max(1, batch_heads * k_block)
     return max(1, min(num_queries, max(q_block, MIN_QUERY_BLOCK))), k_block
+
+
+def recompute_sizes(batch_heads: int, num_queries: int, num_keys: int) -> tuple[int, int]:
+    """``(q_block, k_block)`` of a recomputed backward (``ops.recompute_blocks``).
+
+    The backward of one query block records every tile of it, ``B * H * q_block * K`` scores,
+    so ``q_block`` takes the budget :data:`RECOMPUTE_SCORES` over all the keys, but no fewer than
+    :data:`MIN_QUERY_BLOCK` queries: thinner blocks read all the keys and values once per few
+    rows, and the pass is bound by that traffic and by per-op overhead. The keys are then cut
+    into as few tiles as the budget allows (all of them when the block's row fits), since each
+    tile costs the backend a handful of ops.
+
+    Args:
+        batch_heads: ``B * H``.
+        num_queries: Q.
+        num_keys: K.
+
+    Returns:
+        Block sizes, each at least 1 and at most the length it divides.
+    """
+    q_block = max(MIN_QUERY_BLOCK, RECOMPUTE_SCORES // max(1, batch_heads * num_keys))
+    q_block = max(1, min(num_queries, q_block))
+    k_block = max(1, min(num_keys, RECOMPUTE_SCORES // max(1, batch_heads * q_block)))
+    return q_block, k_block
 
 
 def blockwise_attention(
@@ -98,12 +128,12 @@ def blockwise_attention(
     def part(x: Array | list[Array], k0: Any, kn: int) -> Array:
         """Keys or values ``k0 .. k0 + kn``, from the array or from a recomputation's blocks.
 
-        A recomputation passes the keys and values as lists of key blocks; ``k0`` is then a
-        multiple of ``k_block``.
+        A recomputation passes the keys and values as lists of key blocks of ``kn`` keys (the
+        last may be shorter); ``k0`` is then a multiple of ``kn``.
         """
         if not isinstance(x, list):
             return ops.slice(x, 2, k0, kn)
-        block = x[k0 // k_block]
+        block = x[k0 // ops.shape(x[0])[2]]
         return block if ops.shape(block)[2] == kn else ops.slice(block, 2, 0, kn)
 
     def scores(q: Array, keys: Array | list[Array], q0: Any, qn: int, k0: Any, kn: int) -> Array:
@@ -135,7 +165,7 @@ def blockwise_attention(
         return ops.matmul(p, part(values, k0, kn))  # (B, H, qn, Dv)
 
     def pooled(q: Array, keys: Array | list[Array], values: Array | list[Array], q0: Any,
-               qn: int) -> Array:
+               qn: int, k_block: int = k_block) -> Array:
         """The block of queries ``q`` (``(B, H, qn, D)``, from row ``q0``) pooled over the keys."""
         q = q * scale
         limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
@@ -163,17 +193,16 @@ def blockwise_attention(
     # dropout, whose recomputation would draw another mask (every tile is then kept).
     recompute = getattr(ops, "recompute_blocks", None) if dropout == 0 else None
     if recompute is not None:
-        # a block's recomputation records all its tiles: q_block * K scores, within the budget
-        size = max(1, min(Q, TILE_SCORES // max(1, batch_heads * K)))
+        size, key_size = recompute_sizes(batch_heads, Q, K)
         blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
 
         def block(b: Any, q: Array, k: Array | list[Array], v: Array | list[Array]) -> Array:
             """Block ``b``'s output; a run-time ``b`` stands for a full block of ``size``."""
             q0, qn = blocks[b] if isinstance(b, int) else (b * size, size)
-            return pooled(q, k, v, q0, qn)
+            return pooled(q, k, v, q0, qn, key_size)
 
         # the masks, the block's place and the scale reach it by closure: they get no gradient
-        out = recompute(block, blocks, k_block, queries, keys, values)
+        out = recompute(block, blocks, key_size, queries, keys, values)
         if out is not None:
             return out
 

@@ -187,6 +187,21 @@ def test_block_sizes_respect_the_tile_budget() -> None:
         assert bh * qb * kb <= max(blockwise.TILE_SCORES, bh * blockwise.MIN_QUERY_BLOCK * kb)
 
 
+def test_recomputed_blocks_respect_their_budget() -> None:
+    """A recomputed query block's tiles hold at most ``RECOMPUTE_SCORES`` scores, and it has
+    at least ``MIN_QUERY_BLOCK`` queries; when its whole row of keys fits, it is one tile."""
+    budget, fewest = blockwise.RECOMPUTE_SCORES, blockwise.MIN_QUERY_BLOCK
+    for bh, q, k in [(1, 128, 128), (4, 16384, 16384), (8, 65536, 65536), (64, 10, 100000),
+                     (2, 3, 5)]:
+        qb, kb = blockwise.recompute_sizes(bh, q, k)
+        assert min(q, fewest) <= qb <= q and 1 <= kb <= k
+        assert bh * qb * kb <= max(budget, bh * qb)
+        if bh * qb * k <= budget:
+            assert kb == k
+    assert blockwise.recompute_sizes(4, 16384, 16384) == (16, 16384)
+    assert blockwise.recompute_sizes(8, 65536, 65536) == (16, 8192)
+
+
 def test_layers_without_kept_weights_pool_blockwise(backend: str) -> None:
     """A layer told not to keep its weights gives the same output and keeps None."""
     h = Harness(backend)
@@ -227,9 +242,9 @@ def test_recomputed_blocks_give_the_direct_gradients(backend: str, kind: str,
     if not hasattr(h.ops, "recompute_blocks"):
         pytest.skip(NO_CHECKPOINT.get(backend, f"{backend} has no recompute_blocks hook"))
     B, H, Q, K = 2, 3, 13, 19
-    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)  # ragged key blocks
-    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
-    monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * K)  # 4 queries a block: 4, 4, 4, 1
+    # 4 queries a block (4, 4, 4, 1), the fewest allowed, each over ragged key blocks (5, 5, 5, 4)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 4)
+    monkeypatch.setattr(blockwise, "RECOMPUTE_SCORES", B * H * 4 * 5)
     calls: list[tuple[list[tuple[int, int]], bool]] = []
     hook = h.ops.recompute_blocks
 

@@ -198,9 +198,7 @@ class _Recomputed(mx.autograd.Function):
     def backward(self, d_out: Any) -> Any:
         queries, keys, values = self.saved_tensors
         d_out = d_out.as_np_ndarray()  # MXNet hands gradients over as legacy NDArrays
-        k_blocks, v_blocks = ([x[:, :, k0 : k0 + self.k_block].detach()
-                               for k0 in range(0, keys.shape[2], self.k_block)]
-                              for x in (keys, values))
+        k_blocks, v_blocks = (_split(x, self.k_block) for x in (keys, values))
         for x in (*k_blocks, *v_blocks):  # each query block's gradient adds to the last's
             x.attach_grad(grad_req="add")  # (zeros first: a block all skip gets nothing)
         d_q = mx.np.empty_like(queries)
@@ -223,7 +221,14 @@ def _joined(blocks: list[Any]) -> Any:
     """
     grads = [x.grad for x in blocks]
     blocks.clear()
-    return mx.np.concatenate(grads, axis=2).as_nd_ndarray()
+    return (grads[0] if len(grads) == 1 else mx.np.concatenate(grads, axis=2)).as_nd_ndarray()
+
+
+def _split(x: Any, size: int) -> list[Any]:
+    """``x`` cut along the keys into blocks of ``size``, each its own array with no history."""
+    if size >= x.shape[2]:
+        return [x.detach()]  # one block: the array itself, not a copy
+    return [x[:, :, k0 : k0 + size].detach() for k0 in range(0, x.shape[2], size)]
 
 
 def _recorded(x: Any) -> bool:
