@@ -31,6 +31,9 @@ from attention_core.registry import (
 from attention_core.transformer import (
     add_norm,
     position_wise_ffn,
+    transformer,
+    transformer_decoder,
+    transformer_decoder_block,
     transformer_encoder,
     transformer_encoder_block,
 )
@@ -75,6 +78,9 @@ __all__ = [
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",
+    "transformer",
+    "transformer_decoder",
+    "transformer_decoder_block",
     "transformer_encoder",
     "transformer_encoder_block",
     "use_backend",

@@ -1,6 +1,7 @@
-"""The Transformer encoder: position-wise FFN, add & norm, the block, and the stack of blocks.
+"""The Transformer: position-wise FFN, add & norm, the encoder and decoder blocks and stacks.
 
-Shape legend: B batch, T positions, h = num_hiddens.
+Shape legend: B batch, T positions (of the decoder's input when both sides appear), S the
+encoder's positions, h = num_hiddens, V the vocabulary.
 """
 
 from __future__ import annotations
@@ -177,6 +178,42 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     return ops.take(table, tokens)
 
 
+def embed_with_positions(
+    tokens: Array, table: Array, dropout: float, positions: Array | None, max_len: int | None,
+    *, ops: Ops,
+) -> Array:
+    """``dropout(E[tokens] * sqrt(h) + P)``: a stack's input, as the encoder and decoder make it.
+
+    The scale brings the embeddings to the size of the table's entries, which lie in [-1, 1].
+
+    Args:
+        tokens: Integer ids ``(B, T)``.
+        table: The embedding ``(V, h)``.
+        dropout: Dropout rate of the sum.
+        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``, sliced to its first T
+            rows; made here when None, of ``max_len`` rows (T when None and T is known, else
+            1000).
+        max_len: See ``positions``.
+        ops: The backend's ops.
+
+    Returns:
+        ``(B, T, h)``.
+    """
+    X = embed_tokens(tokens, table, ops=ops) * math.sqrt(fixed_shape(ops, table)[1])
+    if positions is None:
+        return positional_encoding(X, dropout, max_len=max_len, ops=ops)
+    steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]
+    if isinstance(steps, int) and steps > rows:
+        raise ValueError(f"tokens have {steps} positions, more than max_len ({rows})")
+    return add_positions(X, positions, dropout, ops=ops)
+
+
+def count_blocks(weights: Mapping[str, Any], prefix: str = "") -> int:
+    """How many blocks ``<prefix>blks.<i>.*`` a stack's mapping holds (numbered from 0)."""
+    start = f"{prefix}blks."
+    return len({name[len(start):].split(".")[0] for name in weights if name.startswith(start)})
+
+
 def transformer_encoder(
     tokens: Array,
     weights: Mapping[str, Array],
@@ -222,20 +259,10 @@ def transformer_encoder(
     ops = ops or ops_for(tokens)
     weights = W.check_call_weights(ops, "transformer_encoder", weights,
                                    lambda size: W.encoder_call_spec(size, weights, num_heads))
-    table = weights["token.embedding"]
-    num_hiddens = fixed_shape(ops, table)[1]
-    X = embed_tokens(tokens, table, ops=ops) * math.sqrt(num_hiddens)  # (B, T, h)
-    if positions is not None:
-        steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]
-        if isinstance(steps, int) and steps > rows:
-            raise ValueError(f"tokens have {steps} positions, more than max_len ({rows})")
-    if positions is None:
-        X = positional_encoding(X, dropout, max_len=max_len, ops=ops)
-    else:
-        X = add_positions(X, positions, dropout, ops=ops)
-    num_blks = len({name.split(".")[1] for name in weights if name.startswith("blks.")})
+    X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
+                             ops=ops)
     attention_weights = []
-    for i in range(num_blks):
+    for i in range(count_blocks(weights)):
         result = transformer_encoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, valid_lens, mask=mask, dropout=dropout,
             return_weights=return_weights, implementation=implementation, ops=ops,
@@ -243,3 +270,216 @@ def transformer_encoder(
         X, attn = result if return_weights else (result, None)
         attention_weights.append(attn)
     return (X, attention_weights) if return_weights else X
+
+
+def transformer_decoder_block(
+    X: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    enc_outputs: Array | None = None,
+    enc_valid_lens: Any = None,
+    *,
+    valid_lens: Any = None,
+    mask: Any = None,
+    enc_mask: Any = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    ops: Ops | None = None,
+) -> Array | tuple[Array, list[Array | None]]:
+    """One post-norm Transformer decoder block, with or without cross-attention.
+
+    ``Y = AddNorm1(X, MHA_self(X, X, X, causal))``; with cross-attention (the mapping holds
+    ``cross_attention.*``) ``Z = AddNorm2(Y, MHA_cross(Y, E, E))`` over the encoder outputs
+    ``E``, then ``AddNorm3(Z, FFN(Z))``; without it (decoder-only, GPT-style)
+    ``AddNorm2(Y, FFN(Y))``. Each add & norm is numbered by the sublayer it follows.
+
+    Args:
+        X: ``(B, T, h)``.
+        weights: ``self_attention.*``, ``addnorm1.*``, then ``cross_attention.*`` and
+            ``addnorm2.*`` when the block has cross-attention, then ``ffn.*`` and the last add &
+            norm (DESIGN section 5); all of width h = the output size of
+            ``self_attention.W_q.kernel``, except ``cross_attention.W_k``/``W_v``, whose input
+            size is the encoder outputs' width; checked like ``set_weights`` checks a layer's.
+        num_heads: Heads of both attentions.
+        enc_outputs: The encoder's outputs ``(B, S, h_enc)``; required with cross-attention,
+            refused without it.
+        enc_valid_lens: Integer lengths of the encoder outputs, ``(B,)`` or ``(B, T)``.
+        valid_lens: Integer lengths of ``X`` as keys, ``(B,)`` or ``(B, T)``; the self-attention
+            is causal whatever they are.
+        mask: Boolean self-attention mask, True = may attend, combined with the causal one.
+        enc_mask: Boolean cross-attention mask ``(T, S)``, ``(B, T, S)`` or ``(B, H, T, S)``.
+        dropout: Dropout rate of the attention weights and of every residual branch.
+        return_weights: Also return ``[self, cross]`` weights, ``(B, H, T, T)`` and
+            ``(B, H, T, S)`` (None for a block without cross-attention); see
+            :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
+        implementation: How the heads pool; see
+            :func:`~attention_core.attention.dot_product_attention`.
+        ops: The backend's ops; found from ``X`` when omitted.
+
+    Returns:
+        ``(B, T, h)``, and the list of weights if asked.
+    """
+    ops = ops or ops_for(X)
+    checks.check_floating(ops, "X", X)
+    crossed = "cross_attention.W_q.kernel" in weights
+    check_encoder_outputs(ops, enc_outputs, crossed)
+    inputs = {"X": (X, "self_attention.W_q.kernel")}
+    if enc_outputs is not None:
+        inputs["enc_outputs"] = (enc_outputs, "cross_attention.W_k.kernel")
+    weights = W.check_call_weights(
+        ops, "transformer_decoder_block", weights,
+        lambda size: W.decoder_block_call_spec(size, weights, num_heads), inputs,
+    )
+    result = multi_head_attention(
+        X, X, X, subset(weights, "self_attention"), num_heads, valid_lens, mask=mask,
+        causal=True, dropout=dropout, return_weights=return_weights,
+        implementation=implementation, ops=ops,
+    )
+    attended, self_weights = result if return_weights else (result, None)
+    Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
+    cross_weights, last = None, "addnorm2"
+    if crossed:
+        result = multi_head_attention(
+            Y, enc_outputs, enc_outputs, subset(weights, "cross_attention"), num_heads,
+            enc_valid_lens, mask=enc_mask, dropout=dropout, return_weights=return_weights,
+            implementation=implementation, ops=ops,
+        )
+        attended, cross_weights = result if return_weights else (result, None)
+        Y, last = add_norm(Y, attended, subset(weights, "addnorm2"), dropout, ops=ops), "addnorm3"
+    out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
+                   subset(weights, last), dropout, ops=ops)
+    return (out, [self_weights, cross_weights]) if return_weights else out
+
+
+def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool) -> None:
+    """Checks that ``enc_outputs`` are given exactly when the block attends to them."""
+    if crossed and enc_outputs is None:
+        raise ValueError("enc_outputs is required: this decoder has cross-attention "
+                         "(cross_attention.* weights); got None")
+    if not crossed and enc_outputs is not None:
+        raise ValueError("enc_outputs must be None for a decoder-only block (no "
+                         "cross_attention.* weights), got an array of shape "
+                         f"{checks.fmt_shape(ops.shape(enc_outputs))}")
+    if enc_outputs is not None:
+        checks.check_rank(ops, "enc_outputs", enc_outputs, (3,), "(B, S, h)")
+        checks.check_floating(ops, "enc_outputs", enc_outputs)
+
+
+def transformer_decoder(
+    tokens: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    enc_outputs: Array | None = None,
+    enc_valid_lens: Any = None,
+    *,
+    valid_lens: Any = None,
+    mask: Any = None,
+    enc_mask: Any = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    positions: Array | None = None,
+    max_len: int | None = None,
+    ops: Ops | None = None,
+) -> Array | tuple[Array, list[list[Array | None]]]:
+    """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
+
+    ``X = dropout(E[tokens] * sqrt(h) + P)``, ``X = block_i(X, enc_outputs)`` for each block,
+    and the logits ``X @ dense.kernel + dense.bias``.
+
+    Args:
+        tokens: Integer ids ``(B, T)``.
+        weights: ``token.embedding (V, h)``, ``blks.<i>.*`` for each block
+            (:func:`transformer_decoder_block`'s names, every block with cross-attention or
+            none), ``dense.kernel (h, V_out)`` and ``dense.bias (V_out,)``.
+        num_heads: Heads of every attention.
+        enc_outputs: ``(B, S, h_enc)``; required when the blocks have cross-attention.
+        enc_valid_lens: Integer lengths of the encoder outputs.
+        valid_lens: Integer lengths of the tokens as keys (the self-attention is causal).
+        mask: Boolean self-attention mask, combined with the causal one.
+        enc_mask: Boolean cross-attention mask.
+        dropout: Dropout rate of the positional encoding's sum and inside every block.
+        return_weights: Also return ``[self, cross]``: the blocks' self-attention weights, and
+            their cross-attention weights (Nones without cross-attention), as the d2l book's
+            decoder keeps them.
+        implementation: How the heads pool.
+        positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``; made here when None.
+        max_len: Rows of the table made here when ``positions`` is None.
+        ops: The backend's ops; found from ``tokens`` when omitted.
+
+    Returns:
+        The logits ``(B, T, V_out)``, and the weights if asked.
+    """
+    ops = ops or ops_for(tokens)
+    weights = W.check_call_weights(ops, "transformer_decoder", weights,
+                                   lambda size: W.decoder_call_spec(size, weights, num_heads))
+    X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
+                             ops=ops)
+    kept: list[list[Array | None]] = [[], []]
+    for i in range(count_blocks(weights)):
+        result = transformer_decoder_block(
+            X, subset(weights, f"blks.{i}"), num_heads, enc_outputs, enc_valid_lens,
+            valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=dropout,
+            return_weights=return_weights, implementation=implementation, ops=ops,
+        )
+        X, both = result if return_weights else (result, [None, None])
+        kept[0].append(both[0])
+        kept[1].append(both[1])
+    logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
+    return (logits, kept) if return_weights else logits
+
+
+def transformer(
+    src_tokens: Array,
+    tgt_tokens: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    src_valid_lens: Any = None,
+    *,
+    tgt_valid_lens: Any = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    max_len: int | None = None,
+    ops: Ops | None = None,
+) -> Array | tuple[Array, list[list[Array | None]]]:
+    """The encoder-decoder Transformer: the decoder's logits over the encoded source.
+
+    Args:
+        src_tokens: Source ids ``(B, S)``.
+        tgt_tokens: Target ids ``(B, T)``, the decoder's input (shifted right by the caller).
+        weights: ``encoder.*`` (:func:`transformer_encoder`'s names) and ``decoder.*``
+            (:func:`transformer_decoder`'s, with cross-attention).
+        num_heads: Heads of every attention.
+        src_valid_lens: Integer lengths of the sources: padding the encoder and the
+            cross-attention skip.
+        tgt_valid_lens: Integer lengths of the targets as keys of the causal self-attention.
+        dropout: Dropout rate everywhere the encoder and decoder apply it.
+        return_weights: Also return ``[encoder, decoder self, decoder cross]``, one list of
+            per-block weights each.
+        implementation: How the heads pool.
+        max_len: Rows of the sinusoidal tables; by default the inputs' lengths.
+        ops: The backend's ops; found from ``src_tokens`` when omitted.
+
+    Returns:
+        The logits ``(B, T, V_out)``, and the weights if asked.
+    """
+    ops = ops or ops_for(src_tokens)
+    checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
+    W.check_call_weights(ops, "transformer", weights,
+                         lambda size: W.transformer_call_spec(size, weights, num_heads))
+    encoded = transformer_encoder(
+        src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
+        return_weights=return_weights, implementation=implementation, max_len=max_len, ops=ops,
+    )
+    enc_outputs, enc_weights = encoded if return_weights else (encoded, None)
+    decoded = transformer_decoder(
+        tgt_tokens, subset(weights, "decoder"), num_heads, enc_outputs, src_valid_lens,
+        valid_lens=tgt_valid_lens, dropout=dropout, return_weights=return_weights,
+        implementation=implementation, max_len=max_len, ops=ops,
+    )
+    if not return_weights:
+        return decoded
+    logits, (self_weights, cross_weights) = decoded
+    return logits, [list(enc_weights or []), self_weights, cross_weights]

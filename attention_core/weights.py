@@ -532,18 +532,80 @@ def block_call_spec(
     }
 
 
-def encoder_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
-    """The spec of ``transformer_encoder``'s mapping.
+def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "") -> Spec:
+    """The spec of ``transformer_encoder``'s mapping (under ``prefix``).
 
     ``token.embedding (V, h)`` and one block of width h per distinct ``blks.<i>`` prefix in
     the mapping, numbered from 0.
     """
-    h = size("token.embedding", 1, 2)
-    spec: Spec = {"token.embedding": (size("token.embedding", 0, 2), h)}
-    blocks = {name.split(".")[1] for name in names if name.startswith("blks.")}
+    h = size(f"{prefix}token.embedding", 1, 2)
+    spec: Spec = {f"{prefix}token.embedding": (size(f"{prefix}token.embedding", 0, 2), h)}
+    start = f"{prefix}blks."
+    blocks = {name[len(start):].split(".")[0] for name in names if name.startswith(start)}
     for i in range(len(blocks)):
-        spec.update(block_call_spec(size, names, num_heads, f"blks.{i}.", h))
+        spec.update(block_call_spec(size, names, num_heads, f"{start}{i}.", h))
     return spec
+
+
+def decoder_block_call_spec(
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None,
+    crossed: bool | None = None,
+) -> Spec:
+    """The spec of ``transformer_decoder_block``'s mapping (under ``prefix``).
+
+    Every part has the width h (``width`` if given, else the output size of
+    ``self_attention.W_q.kernel``), but the cross-attention's keys and values, whose input
+    size is the encoder outputs' width. The block has cross-attention if ``crossed``, or when
+    None, if the mapping holds ``cross_attention.W_q.kernel``. Its add & norms are numbered by
+    the sublayer they follow.
+    """
+    h = width if width is not None else size(f"{prefix}self_attention.W_q.kernel", 1, 2)
+    spec: Spec = {
+        **multi_head_call_spec(size, names, num_heads, f"{prefix}self_attention.", h),
+        **add_norm_call_spec(size, f"{prefix}addnorm1.", h),
+    }
+    if crossed is None:
+        crossed = f"{prefix}cross_attention.W_q.kernel" in names
+    if crossed:
+        cross = f"{prefix}cross_attention."
+        bias = any(f"{cross}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o"))
+        for name in ("W_q", "W_k", "W_v", "W_o"):
+            d_in = size(f"{cross}{name}.kernel", 0, 2) if name in ("W_k", "W_v") else h
+            spec.update(dense_spec(f"{cross}{name}", d_in, h, bias))
+        spec.update(add_norm_call_spec(size, f"{prefix}addnorm2.", h))
+    spec.update(ffn_call_spec(size, f"{prefix}ffn.", h))
+    spec.update(add_norm_call_spec(size, f"{prefix}addnorm{3 if crossed else 2}.", h))
+    return spec
+
+
+def decoder_call_spec(
+    size: Size, names: Any, num_heads: int, prefix: str = "", crossed: bool | None = None
+) -> Spec:
+    """The spec of ``transformer_decoder``'s mapping (under ``prefix``).
+
+    ``token.embedding (V, h)``, one block of width h per distinct ``blks.<i>`` prefix, each
+    with cross-attention if ``crossed`` (when None: if block 0 has it), and
+    ``dense.kernel (h, V_out)``, ``dense.bias (V_out,)``.
+    """
+    h = size(f"{prefix}token.embedding", 1, 2)
+    spec: Spec = {f"{prefix}token.embedding": (size(f"{prefix}token.embedding", 0, 2), h)}
+    start = f"{prefix}blks."
+    blocks = {name[len(start):].split(".")[0] for name in names if name.startswith(start)}
+    if crossed is None:
+        crossed = f"{start}0.cross_attention.W_q.kernel" in names
+    for i in range(len(blocks)):
+        spec.update(decoder_block_call_spec(size, names, num_heads, f"{start}{i}.", h, crossed))
+    spec.update(dense_spec(f"{prefix}dense", h, size(f"{prefix}dense.kernel", 1, 2), True))
+    return spec
+
+
+def transformer_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
+    """The spec of ``transformer``'s mapping: ``encoder.*`` and ``decoder.*``.
+
+    The decoder's blocks have cross-attention, from the encoder's width to the decoder's.
+    """
+    return {**encoder_call_spec(size, names, num_heads, "encoder."),
+            **decoder_call_spec(size, names, num_heads, "decoder.", crossed=True)}
 
 
 # -- safetensors files ----------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""The decoder side of the Transformer in the core (issue 18): the decoder block, with and
+without cross-attention, the decoder stack and the encoder-decoder, on each backend's own
+arrays, against the independent float64 implementation of tests/naive.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import attention_core as ac
+from attention_core import weights as W
+from tests import naive
+from tests.harness import TOLERANCE, Harness, max_diff
+
+B, T, S, h, H, F, V = 2, 5, 6, 8, 2, 12, 11
+
+
+def spec_weights(spec: dict[str, tuple[int, ...]], rng: np.random.Generator
+                 ) -> dict[str, np.ndarray]:
+    """Float64 weights of the spec's shapes; layer-norm scales near 1."""
+    out = {}
+    for name, shape in spec.items():
+        scale = 0.1 if name.endswith("ln.beta") else 0.5
+        base = 1.0 if name.endswith("ln.gamma") else 0.0
+        out[name] = base + scale * rng.standard_normal(shape)
+    return out
+
+
+def block_weights(rng: np.random.Generator, crossed: bool, prefix: str = "",
+                  enc_width: int = h) -> dict[str, np.ndarray]:
+    spec = {
+        **W.multi_head_call_spec(lambda *a: None, set(), H, f"{prefix}self_attention.", h),
+        **W.add_norm_call_spec(lambda *a: None, f"{prefix}addnorm1.", h),
+        **W.ffn_call_spec(lambda n, axis, nd: F if axis == 1 else None, f"{prefix}ffn.", h),
+        **W.add_norm_call_spec(lambda *a: None, f"{prefix}addnorm{3 if crossed else 2}.", h),
+    }
+    if crossed:
+        for name in ("W_q", "W_k", "W_v", "W_o"):
+            d_in = enc_width if name in ("W_k", "W_v") else h
+            spec[f"{prefix}cross_attention.{name}.kernel"] = (d_in, h)
+        spec.update(W.add_norm_call_spec(lambda *a: None, f"{prefix}addnorm2.", h))
+    return spec_weights(spec, rng)
+
+
+def stack_weights(rng: np.random.Generator, crossed: bool, blocks: int = 2,
+                  prefix: str = "") -> dict[str, np.ndarray]:
+    w = {f"{prefix}token.embedding": rng.standard_normal((V, h)),
+         f"{prefix}dense.kernel": 0.5 * rng.standard_normal((h, V)),
+         f"{prefix}dense.bias": 0.1 * rng.standard_normal(V)}
+    for i in range(blocks):
+        w.update(block_weights(rng, crossed, f"{prefix}blks.{i}."))
+    return w
+
+
+def self_visibility(valid_lens: Any = None) -> np.ndarray:
+    return naive.visible(B, H, T, T, valid_lens, causal=True)
+
+
+def on(h_: Harness, w: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {k: h_.array(v, "float32") for k, v in w.items()}
+
+
+MASKS = ["none", "valid_lens", "enc_valid_lens", "enc_mask", "all"]
+
+
+def masks_of(kind: str, rng: np.random.Generator) -> dict[str, Any]:
+    """The call's masks: the decoder's key lengths, the encoder outputs' lengths (one 0: a
+    row of the cross-attention that sees nothing) and a random cross-attention mask."""
+    out: dict[str, Any] = {}
+    if kind in ("valid_lens", "all"):
+        out["valid_lens"] = np.array([T, 3])
+    if kind in ("enc_valid_lens", "all"):
+        out["enc_valid_lens"] = np.array([S, 0]) if kind == "all" else np.array([4, 2])
+    if kind in ("enc_mask", "all"):
+        out["enc_mask"] = rng.random((B, T, S)) < 0.6
+    return out
+
+
+@pytest.mark.parametrize(("crossed", "kind"), [
+    *[pytest.param(True, kind, id=f"cross-{kind}") for kind in MASKS],
+    *[pytest.param(False, kind, id=f"decoder-only-{kind}") for kind in ("none", "valid_lens")],
+])
+def test_decoder_block_matches_naive(backend: str, crossed: bool, kind: str) -> None:
+    rng = np.random.default_rng(len(kind) + 10 * crossed)
+    hb = Harness(backend)
+    w = block_weights(rng, crossed)
+    X = rng.standard_normal((B, T, h))
+    enc = rng.standard_normal((B, S, h)) if crossed else None
+    masks = masks_of(kind, rng)
+    want, want_weights = naive.decoder_block(
+        X, w, H, self_visibility(masks.get("valid_lens")), enc,
+        naive.visible(B, H, T, S, masks.get("enc_valid_lens"), masks.get("enc_mask"))
+        if crossed else None)
+    call = {k: hb.array(v) for k, v in masks.items()}
+    enc_valid_lens = call.pop("enc_valid_lens", None)
+    out, kept = ac.transformer_decoder_block(
+        hb.array(X, "float32"), on(hb, w), H,
+        None if enc is None else hb.array(enc, "float32"), enc_valid_lens,
+        return_weights=True, **call)
+    assert max_diff(hb.numpy(out), want) <= TOLERANCE["float32"]
+    assert max_diff(hb.numpy(kept[0]), want_weights[0]) <= TOLERANCE["float32"]
+    if crossed:
+        assert max_diff(hb.numpy(kept[1]), want_weights[1]) <= TOLERANCE["float32"]
+        if kind == "all":  # example 1 sees no encoder output: its cross-attention rows are 0
+            assert not hb.numpy(kept[1])[1].any()
+    else:
+        assert kept[1] is None
+
+
+@pytest.mark.parametrize("crossed", [True, False], ids=["cross", "decoder-only"])
+def test_decoder_matches_naive(backend: str, crossed: bool) -> None:
+    rng = np.random.default_rng(3)
+    hb = Harness(backend)
+    w = stack_weights(rng, crossed)
+    tokens = rng.integers(0, V, (B, T))
+    enc = rng.standard_normal((B, S, h)) if crossed else None
+    enc_lens = np.array([S, 2])
+    cross_vis = naive.visible(B, H, T, S, enc_lens) if crossed else None
+    want, want_weights = naive.transformer_decoder(tokens, w, H, self_visibility(), enc, cross_vis)
+    logits, kept = ac.transformer_decoder(
+        hb.array(tokens.astype(np.int32)), on(hb, w), H,
+        None if enc is None else hb.array(enc, "float32"),
+        hb.array(enc_lens) if crossed else None, return_weights=True)
+    assert hb.numpy(logits).shape == (B, T, V)
+    assert max_diff(hb.numpy(logits), want) <= TOLERANCE["float32"]
+    for got, expected in zip(kept[0] + kept[1], want_weights[0] + want_weights[1], strict=True):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert max_diff(hb.numpy(got), expected) <= TOLERANCE["float32"]
+
+
+def test_transformer_matches_naive(backend: str) -> None:
+    """The encoder-decoder: the encoder's outputs, padded by the sources' lengths, feed every
+    decoder block's cross-attention."""
+    rng = np.random.default_rng(4)
+    hb = Harness(backend)
+    enc_w = {"token.embedding": rng.standard_normal((V, h))}
+    for i in range(2):
+        spec = W.block_call_spec(lambda n, axis, nd: F if n.endswith("dense1.kernel") and axis == 1
+                                 else None, set(), H, f"blks.{i}.", h)
+        enc_w.update(spec_weights(spec, rng))
+    dec_w = stack_weights(rng, True)
+    src = rng.integers(0, V, (B, S))
+    tgt = rng.integers(0, V, (B, T))
+    src_lens = np.array([S, 3])
+    enc_vis = naive.visible(B, H, S, S, src_lens)
+    enc_out, enc_weights = naive.transformer_encoder(src, enc_w, H, enc_vis)
+    want, dec_weights = naive.transformer_decoder(tgt, dec_w, H, self_visibility(), enc_out,
+                                                  naive.visible(B, H, T, S, src_lens))
+    weights = {**W.prefixed(enc_w, "encoder"), **W.prefixed(dec_w, "decoder")}
+    logits, kept = ac.transformer(hb.array(src.astype(np.int32)), hb.array(tgt.astype(np.int32)),
+                                  on(hb, weights), H, hb.array(src_lens), return_weights=True)
+    assert max_diff(hb.numpy(logits), want) <= TOLERANCE["float32"]
+    assert [len(x) for x in kept] == [2, 2, 2]
+    for got, expected in zip(kept[0] + kept[1] + kept[2],
+                             enc_weights + dec_weights[0] + dec_weights[1], strict=True):
+        assert max_diff(hb.numpy(got), expected) <= TOLERANCE["float32"]
+
+
+def test_later_tokens_do_not_change_earlier_logits() -> None:
+    """Causality: the logits at positions < t do not depend on the tokens from t on, and a
+    prefix decoded alone gives the full pass's first rows (what cached decoding relies on)."""
+    rng = np.random.default_rng(5)
+    w = {k: v.astype(np.float32) for k, v in stack_weights(rng, True).items()}
+    enc = rng.standard_normal((B, S, h)).astype(np.float32)
+    tokens = rng.integers(0, V, (B, T))
+    full = ac.transformer_decoder(tokens, w, H, enc, max_len=T)
+    changed = tokens.copy()
+    changed[:, 3:] = (changed[:, 3:] + 1) % V
+    other = ac.transformer_decoder(changed, w, H, enc, max_len=T)
+    assert np.array_equal(full[:, :3], other[:, :3])
+    assert not np.allclose(full[:, 3:], other[:, 3:])
+    prefix = ac.transformer_decoder(tokens[:, :3], w, H, enc, max_len=T)
+    assert max_diff(prefix, full[:, :3]) <= TOLERANCE["float32"]
+
+
+def test_decoder_errors_name_the_argument() -> None:
+    rng = np.random.default_rng(6)
+    X = rng.standard_normal((B, T, h)).astype(np.float32)
+    enc = rng.standard_normal((B, S, h)).astype(np.float32)
+    crossed = {k: v.astype(np.float32) for k, v in block_weights(rng, True).items()}
+    alone = {k: v.astype(np.float32) for k, v in block_weights(rng, False).items()}
+    with pytest.raises(ValueError, match="enc_outputs is required"):
+        ac.transformer_decoder_block(X, crossed, H)
+    with pytest.raises(ValueError, match=r"enc_outputs must be None .* \(2, 6, 8\)"):
+        ac.transformer_decoder_block(X, alone, H, enc)
+    with pytest.raises(ValueError, match="enc_outputs last dimension"):
+        ac.transformer_decoder_block(X, crossed, H, enc[..., :5])
+    with pytest.raises(ValueError, match=r"enc_outputs must have shape \(B, S, h\), got \(6, 8\)"):
+        ac.transformer_decoder_block(X, crossed, H, enc[0])
+    # a block without its cross-attention's add & norm is refused by name
+    broken = {k: v for k, v in crossed.items() if not k.startswith("addnorm3.")}
+    with pytest.raises(ValueError, match=r"addnorm3\.ln\.gamma"):
+        ac.transformer_decoder_block(X, broken, H, enc)
+    # every block of a stack has the first block's form
+    mixed = {**{k: v.astype(np.float32) for k, v in stack_weights(rng, True).items()}}
+    mixed = {k: v for k, v in mixed.items() if not k.startswith("blks.1.cross_attention.")}
+    with pytest.raises(ValueError, match=r"blks\.1\.cross_attention"):
+        ac.transformer_decoder(rng.integers(0, V, (B, T)), mixed, H, enc)
+    # the encoder-decoder's decoder must attend to the encoder
+    dec = {k: v.astype(np.float32) for k, v in stack_weights(rng, False).items()}
+    enc_w = {"token.embedding": rng.standard_normal((V, h)).astype(np.float32)}
+    with pytest.raises(ValueError, match=r"decoder\.blks\.0\.cross_attention"):
+        ac.transformer(rng.integers(0, V, (B, S)), rng.integers(0, V, (B, T)),
+                       {**W.prefixed(enc_w, "encoder"), **W.prefixed(dec, "decoder")}, H)
