@@ -31,11 +31,11 @@ from attention_core.registry import (
 from attention_core.transformer import (
     add_norm,
     position_wise_ffn,
-    transformer,
     transformer_decoder,
     transformer_decoder_block,
     transformer_encoder,
     transformer_encoder_block,
+    transformer_encoder_decoder,
 )
 from attention_core.weights import load_weights, save_weights
 
@@ -78,10 +78,10 @@ __all__ = [
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",
-    "transformer",
     "transformer_decoder",
     "transformer_decoder_block",
     "transformer_encoder",
+    "transformer_encoder_decoder",
     "transformer_encoder_block",
     "use_backend",
     *LAYER_NAMES,

@@ -430,7 +430,7 @@ def transformer_decoder(
     return (logits, kept) if return_weights else logits
 
 
-def transformer(
+def transformer_encoder_decoder(
     src_tokens: Array,
     tgt_tokens: Array,
     weights: Mapping[str, Array],
@@ -467,7 +467,7 @@ def transformer(
     """
     ops = ops or ops_for(src_tokens)
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
-    W.check_call_weights(ops, "transformer", weights,
+    W.check_call_weights(ops, "transformer_encoder_decoder", weights,
                          lambda size: W.transformer_call_spec(size, weights, num_heads))
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,

@@ -150,8 +150,9 @@ def test_transformer_matches_naive(backend: str) -> None:
     want, dec_weights = naive.transformer_decoder(tgt, dec_w, H, self_visibility(), enc_out,
                                                   naive.visible(B, H, T, S, src_lens))
     weights = {**W.prefixed(enc_w, "encoder"), **W.prefixed(dec_w, "decoder")}
-    logits, kept = ac.transformer(hb.array(src.astype(np.int32)), hb.array(tgt.astype(np.int32)),
-                                  on(hb, weights), H, hb.array(src_lens), return_weights=True)
+    logits, kept = ac.transformer_encoder_decoder(
+        hb.array(src.astype(np.int32)), hb.array(tgt.astype(np.int32)), on(hb, weights), H,
+        hb.array(src_lens), return_weights=True)
     assert max_diff(hb.numpy(logits), want) <= TOLERANCE["float32"]
     assert [len(x) for x in kept] == [2, 2, 2]
     for got, expected in zip(kept[0] + kept[1] + kept[2],
@@ -203,5 +204,5 @@ def test_decoder_errors_name_the_argument() -> None:
     dec = {k: v.astype(np.float32) for k, v in stack_weights(rng, False).items()}
     enc_w = {"token.embedding": rng.standard_normal((V, h)).astype(np.float32)}
     with pytest.raises(ValueError, match=r"decoder\.blks\.0\.cross_attention"):
-        ac.transformer(rng.integers(0, V, (B, S)), rng.integers(0, V, (B, T)),
+        ac.transformer_encoder_decoder(rng.integers(0, V, (B, S)), rng.integers(0, V, (B, T)),
                        {**W.prefixed(enc_w, "encoder"), **W.prefixed(dec, "decoder")}, H)
