@@ -286,7 +286,7 @@ def transformer_decoder_block(
     return_weights: bool | str = False,
     implementation: str | None = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, list[Array | None]]:
+) -> Array | tuple[Array, list[Array]]:
     """One post-norm Transformer decoder block, with or without cross-attention.
 
     ``Y = AddNorm1(X, MHA_self(X, X, X, causal))``; with cross-attention (the mapping holds
@@ -310,9 +310,10 @@ def transformer_decoder_block(
         mask: Boolean self-attention mask, True = may attend, combined with the causal one.
         enc_mask: Boolean cross-attention mask ``(T, S)``, ``(B, T, S)`` or ``(B, H, T, S)``.
         dropout: Dropout rate of the attention weights and of every residual branch.
-        return_weights: Also return ``[self, cross]`` weights, ``(B, H, T, T)`` and
-            ``(B, H, T, S)`` (None for a block without cross-attention); see
-            :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
+        return_weights: Also return the list of the block's attention weights: the
+            self-attention's ``(B, H, T, T)``, then the cross-attention's ``(B, H, T, S)`` when
+            the block has one; see :func:`attention_core.attention.dot_product_attention` for
+            ``ON_READ``.
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``X`` when omitted.
@@ -337,8 +338,9 @@ def transformer_decoder_block(
         implementation=implementation, ops=ops,
     )
     attended, self_weights = result if return_weights else (result, None)
+    kept = [self_weights]
     Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
-    cross_weights, last = None, "addnorm2"
+    last = "addnorm2"
     if crossed:
         result = multi_head_attention(
             Y, enc_outputs, enc_outputs, subset(weights, "cross_attention"), num_heads,
@@ -346,10 +348,11 @@ def transformer_decoder_block(
             implementation=implementation, ops=ops,
         )
         attended, cross_weights = result if return_weights else (result, None)
+        kept.append(cross_weights)
         Y, last = add_norm(Y, attended, subset(weights, "addnorm2"), dropout, ops=ops), "addnorm3"
     out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
                    subset(weights, last), dropout, ops=ops)
-    return (out, [self_weights, cross_weights]) if return_weights else out
+    return (out, kept) if return_weights else out
 
 
 def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool) -> None:
@@ -382,7 +385,7 @@ def transformer_decoder(
     positions: Array | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, list[list[Array | None]]]:
+) -> Array | tuple[Array, list[list[Array]]]:
     """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
 
     ``X = dropout(E[tokens] * sqrt(h) + P)``, ``X = block_i(X, enc_outputs)`` for each block,
@@ -400,9 +403,9 @@ def transformer_decoder(
         mask: Boolean self-attention mask, combined with the causal one.
         enc_mask: Boolean cross-attention mask.
         dropout: Dropout rate of the positional encoding's sum and inside every block.
-        return_weights: Also return ``[self, cross]``: the blocks' self-attention weights, and
-            their cross-attention weights (Nones without cross-attention), as the d2l book's
-            decoder keeps them.
+        return_weights: Also return the blocks' self-attention weights, one per block, and
+            with cross-attention their cross-attention weights: ``[self, cross]`` as the d2l
+            book's decoder keeps them (``[self]`` for a decoder-only stack).
         implementation: How the heads pool.
         positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``; made here when None.
         max_len: Rows of the table made here when ``positions`` is None.
@@ -416,16 +419,17 @@ def transformer_decoder(
                                    lambda size: W.decoder_call_spec(size, weights, num_heads))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
                              ops=ops)
-    kept: list[list[Array | None]] = [[], []]
+    kept: list[list[Array]] = []
     for i in range(count_blocks(weights)):
         result = transformer_decoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, enc_outputs, enc_valid_lens,
             valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=dropout,
             return_weights=return_weights, implementation=implementation, ops=ops,
         )
-        X, both = result if return_weights else (result, [None, None])
-        kept[0].append(both[0])
-        kept[1].append(both[1])
+        X, formed = result if return_weights else (result, [])
+        kept = kept or [[] for _ in formed]
+        for per_kind, weights_i in zip(kept, formed, strict=True):
+            per_kind.append(weights_i)
     logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
     return (logits, kept) if return_weights else logits
 
@@ -443,7 +447,7 @@ def transformer_encoder_decoder(
     implementation: str | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, list[list[Array | None]]]:
+) -> Array | tuple[Array, list[list[Array]]]:
     """The encoder-decoder Transformer: the decoder's logits over the encoded source.
 
     Args:

@@ -217,23 +217,24 @@ def encoder_of(layer: Any, tokens: np.ndarray) -> np.ndarray:
 
 def decoder_block(x: np.ndarray, w: dict[str, np.ndarray], H: int, self_vis: np.ndarray,
                   enc: np.ndarray | None = None, cross_vis: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, list[np.ndarray | None]]:
+                  ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Causal self-attention (``self_vis`` already holds the causal rule), then cross-attention
     over ``enc`` when given, then the FFN, each followed by its add & norm."""
     att, self_weights = multi_head(x, x, x, sub(w, "self_attention"), H, self_vis)
     y = add_norm(x, att, sub(w, "addnorm1"))
-    cross_weights, last = None, "addnorm2"
+    kept, last = [self_weights], "addnorm2"
     if enc is not None:
         assert cross_vis is not None
         att, cross_weights = multi_head(y, enc, enc, sub(w, "cross_attention"), H, cross_vis)
         y, last = add_norm(y, att, sub(w, "addnorm2")), "addnorm3"
-    return add_norm(y, ffn(y, sub(w, "ffn")), sub(w, last)), [self_weights, cross_weights]
+        kept.append(cross_weights)
+    return add_norm(y, ffn(y, sub(w, "ffn")), sub(w, last)), kept
 
 
 def transformer_decoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
                         self_vis: np.ndarray, enc: np.ndarray | None = None,
                         cross_vis: np.ndarray | None = None
-                        ) -> tuple[np.ndarray, list[list[np.ndarray | None]]]:
+                        ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     """Embedding times sqrt(h) plus the sinusoidal table, the blocks, then ``dense``."""
     table = w["token.embedding"]
     B, T = tokens.shape
@@ -242,9 +243,9 @@ def transformer_decoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
     x = np.array([[table[tokens[b, t]] * math.sqrt(h) + P[t] for t in range(T)]
                   for b in range(B)])
     blocks = sorted({int(name.split(".")[1]) for name in w if name.startswith("blks.")})
-    kept: list[list[np.ndarray | None]] = [[], []]
+    kept: list[list[np.ndarray]] = [[], []] if enc is not None else [[]]
     for i in blocks:
-        x, both = decoder_block(x, sub(w, f"blks.{i}"), H, self_vis, enc, cross_vis)
-        kept[0].append(both[0])
-        kept[1].append(both[1])
+        x, formed = decoder_block(x, sub(w, f"blks.{i}"), H, self_vis, enc, cross_vis)
+        for per_kind, weights in zip(kept, formed, strict=True):
+            per_kind.append(weights)
     return linear(x, w, "dense"), kept
