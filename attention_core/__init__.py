@@ -54,6 +54,9 @@ LAYER_NAMES = (
     "AddNorm",
     "TransformerEncoderBlock",
     "TransformerEncoder",
+    "TransformerDecoderBlock",
+    "TransformerDecoder",
+    "Transformer",
     "NadarayaWatson",
 )
 

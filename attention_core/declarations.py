@@ -178,7 +178,9 @@ class Declaration:
             and the weight that hold it (:class:`Size`).
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
         attention_kind: The attention weights a call forms: None, ``"single"`` (one array
-            ``(B, H, Q, K)``, kept in ``attention_weights``), or ``"blocks"`` (one per block).
+            ``(B, H, Q, K)``, kept in ``attention_weights``), ``"blocks"`` (a list, one per
+            block), or ``"nested"`` (lists of lists, e.g. a decoder's ``[self, cross]``, one
+            list of per-block weights for each kind of attention; see :meth:`unkept`).
             Not named ``attention``: that is the encoder block's sublayer.
         returns_attention: Whether the call takes ``return_attention``.
         always_keeps: Whether the attention weights are kept whatever
@@ -358,6 +360,16 @@ class Declaration:
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         """Checks the inputs before any weight is made for them (ranks, widths)."""
 
+    def padding_masks(self, ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+        """The mask arguments that take a call's padding masks (Keras' ``_keras_mask``).
+
+        ``paddings`` holds a ``(B, T)`` mask (True = a real position) per
+        :attr:`sequences` input that has one. By default they all go into ``mask``
+        (:func:`with_padding_masks`); a layer with more attentions says where each goes.
+        """
+        return {"mask": with_padding_masks(self, ops, arguments, paddings)}
+
     def dims_from_weights(self, weights: Mapping[str, Any]) -> dict[str, int]:
         """The input sizes read off the weights that hold them (those present in ``weights``)."""
         return {dim: int(np.shape(weights[size.weight])[0])
@@ -388,17 +400,33 @@ class Declaration:
             return attention.ON_READ if on_read else True
         return False
 
+    def unkept(self) -> Any:
+        """What a call that forms no attention weights keeps.
+
+        The structure a call that forms them keeps, with None for each array: None, or a list
+        of None per block.
+        """
+        return [None] * len(self.sublayers()) if self.attention_kind == "blocks" else None
+
+    def kept_parts(self, kept: Any) -> dict[str, Any]:
+        """The kept weights of each sublayer that keeps its own (a stack's blocks), by name.
+
+        For adapters whose sublayers are layers of their own (torch).
+        """
+        if self.attention_kind != "blocks":
+            return {}
+        return dict(zip(self.sublayers(), kept, strict=True))
+
     def finish(self, result: Any, need: bool | str, return_attention: bool) -> tuple[Any, Any]:
         """Splits a forward's result: ``(what the call returns, the attention weights to keep)``.
 
-        The weights to keep are None when not formed (a list of None for ``"blocks"``).
+        The weights to keep are :meth:`unkept` when not formed; lists (a framework's output
+        tree may give tuples) otherwise.
         """
         if not need:
-            kept: Any = [None] * len(self.sublayers()) if self.attention_kind == "blocks" else None
-            return result, kept
+            return result, self.unkept()
         out, kept = result
-        if self.attention_kind == "blocks":
-            kept = list(kept)
+        kept = as_lists(kept)
         return (result if return_attention else out), kept
 
     def compute(self, run: Run, *args: Any, **kwargs: Any) -> Any:
@@ -413,6 +441,18 @@ class Declaration:
         leave the call its own path.
         """
         return None if run.need is True else getattr(self, "implementation", None)
+
+
+def as_lists(kept: Any) -> Any:
+    """``kept`` with every tuple in it made a list (the leaves are left as they are)."""
+    return [as_lists(k) for k in kept] if isinstance(kept, (list, tuple)) else kept
+
+
+def leaves(kept: Any) -> list[Any]:
+    """The arrays of a kept structure (:meth:`Declaration.unkept`'s shape), in order."""
+    if isinstance(kept, (list, tuple)):
+        return [leaf for k in kept for leaf in leaves(k)]
+    return [] if kept is None else [kept]
 
 
 #: The input sizes of the layers with query, key and value projections.
@@ -801,6 +841,282 @@ class TransformerEncoder(Declaration):
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
             return_weights=run.need, implementation=self.pooling(run),
             positions=run.constants["P"], ops=run.ops,
+        )
+
+
+# -- the Transformer decoder and the encoder-decoder -----------------------------------------
+
+
+@dataclass(eq=False)
+class TransformerDecoderBlock(Declaration):
+    """A post-norm decoder block: causal self-attention, cross-attention, position-wise FFN.
+
+    Each sublayer is followed by add & norm. The cross-attention attends to the encoder
+    outputs; a ``decoder_only`` block has none.
+
+    Args:
+        num_hiddens: h, the model width (also the encoder outputs' width).
+        ffn_num_hiddens: Width of the FFN's hidden layer.
+        num_heads: H; must divide ``num_hiddens``.
+        dropout: Dropout rate of the attention weights and every residual branch, in training.
+        bias: Whether the attention projections have biases.
+        decoder_only: No cross-attention (a GPT-style block); calls then take no
+            ``enc_outputs``. Its add & norms are ``addnorm1`` and ``addnorm2``.
+        keep_attention_weights: Keep each call's attention weights, ``[self, cross]``
+            (``[self]`` when ``decoder_only``); False lets the core pool without forming them.
+        implementation: See :class:`DotProductAttention`.
+    """
+
+    num_hiddens: int
+    ffn_num_hiddens: int
+    num_heads: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    decoder_only: bool = False
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
+    sequences: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
+    attention_kind: ClassVar[str | None] = "nested"
+
+    def check(self) -> None:
+        self.normalise("decoder_only", bool)
+        super().check()
+
+    def sublayers(self) -> dict[str, Sublayer]:
+        h, dropout = self.num_hiddens, self.dropout
+        dims = {"q_in": h, "k_in": h, "v_in": h}
+        parts = {"self_attention": Sublayer(MultiHeadAttention(h, self.num_heads, dropout,
+                                                               self.bias), dims),
+                 "addnorm1": Sublayer(AddNorm(h, dropout))}
+        if not self.decoder_only:
+            parts["cross_attention"] = Sublayer(
+                MultiHeadAttention(h, self.num_heads, dropout, self.bias), dims)
+            parts["addnorm2"] = Sublayer(AddNorm(h, dropout))
+        parts["ffn"] = Sublayer(PositionWiseFFN(self.ffn_num_hiddens, h), {"d_in": h})
+        parts[f"addnorm{2 if self.decoder_only else 3}"] = Sublayer(AddNorm(h, dropout))
+        return parts
+
+    def unkept(self) -> list[None]:
+        return [None] * (1 if self.decoder_only else 2)
+
+    def kept_parts(self, kept: Any) -> dict[str, Any]:
+        return dict(zip(("self_attention", "cross_attention"), kept, strict=False))
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        checks.check_rank(ops, "X", arguments["X"], (3,), "(B, T, num_hiddens)")
+        checks.check_last_dim(ops, "X", arguments["X"], self.num_hiddens)
+        _check_encoder_outputs(self, ops, arguments.get("enc_outputs"))
+
+    def padding_masks(self, ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+        return _decoder_padding_masks(ops, arguments, paddings, "X")
+
+    def compute(
+        self, run: Run, X: Array, enc_outputs: Array | None = None, enc_valid_lens: Any = None,
+        *, valid_lens: Any = None, mask: Any = None, enc_mask: Any = None,
+    ) -> Any:
+        """One block over ``X (B, T, h)``, attending to ``enc_outputs (B, S, h)``."""
+        return transformer.transformer_decoder_block(
+            X, run.weights, self.num_heads, enc_outputs, enc_valid_lens, valid_lens=valid_lens,
+            mask=mask, enc_mask=enc_mask, dropout=run.dropout, return_weights=run.need,
+            implementation=self.pooling(run), ops=run.ops,
+        )
+
+
+def _check_encoder_outputs(layer: Any, ops: Ops, enc_outputs: Array | None) -> None:
+    """``enc_outputs``: given unless the layer is ``decoder_only``, of width ``num_hiddens``."""
+    transformer.check_encoder_outputs(ops, enc_outputs, not layer.decoder_only)
+    if enc_outputs is not None:
+        checks.check_last_dim(ops, "enc_outputs", enc_outputs, layer.num_hiddens)
+
+
+def _decoder_padding_masks(ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any],
+                           first: str) -> dict[str, Any]:
+    """Keras padding masks of a decoder's input (``first``) and of the encoder outputs.
+
+    The input's padding hides rows and keys of the self-attention (``mask``) and rows of the
+    cross-attention; the encoder outputs' padding hides their keys (``enc_mask``).
+    """
+    out = {}
+    pad, enc_pad = paddings.get(first), paddings.get("enc_outputs")
+    shape = ops.shape(arguments[first])
+    if pad is not None:
+        scores = (shape[0], None, shape[1], shape[1])
+        out["mask"] = masks.with_padding(ops, arguments.get("mask"), scores, pad, pad)
+    enc = arguments.get("enc_outputs")
+    if enc is not None and (pad is not None or enc_pad is not None):
+        scores = (shape[0], None, shape[1], ops.shape(enc)[1])
+        out["enc_mask"] = masks.with_padding(ops, arguments.get("enc_mask"), scores, pad, enc_pad)
+    return out
+
+
+@dataclass(eq=False)
+class TransformerDecoder(Declaration):
+    """The Transformer decoder: embedding, positions, ``num_blks`` blocks, and the logits.
+
+    The token embedding is scaled by sqrt(h) and the sinusoidal encoding added; a dense layer
+    maps the last block's output to the vocabulary.
+
+    Args:
+        vocab_size: V, the number of token ids (in and out).
+        num_hiddens: h, the model width (also the encoder outputs' width).
+        ffn_num_hiddens: Width of the blocks' FFN hidden layers.
+        num_heads: H; must divide ``num_hiddens``.
+        num_blks: Number of blocks.
+        dropout: Dropout rate of the encoding's sum and inside every block, in training.
+        bias: Whether the attention projections have biases.
+        decoder_only: Blocks without cross-attention (a GPT-style model); calls then take no
+            ``enc_outputs``.
+        keep_attention_weights: Keep each call's attention weights: ``[self, cross]``, one
+            list of per-block weights each, as the d2l book's decoder keeps them (``[self]``
+            when ``decoder_only``).
+        implementation: See :class:`DotProductAttention`.
+        max_len: Rows of the sinusoidal table ``P`` ``(1, max_len, h)``, the longest sequence
+            the decoder takes.
+    """
+
+    vocab_size: int
+    num_hiddens: int
+    ffn_num_hiddens: int
+    num_heads: int
+    num_blks: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    decoder_only: bool = False
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+    max_len: int = positional.DEFAULT_MAX_LEN
+    cast_inputs: ClassVar[tuple[str, ...]] = ("enc_outputs",)
+    sequences: ClassVar[tuple[str, ...]] = ("tokens", "enc_outputs")
+    attention_kind: ClassVar[str | None] = "nested"
+
+    def check(self) -> None:
+        for name in ("vocab_size", "num_blks", "max_len"):
+            self.normalise(name, functools.partial(checks.check_positive_int, name))
+        self.normalise("decoder_only", bool)
+        super().check()
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
+        _check_encoder_outputs(self, ops, arguments.get("enc_outputs"))
+
+    def own_weight_shapes(self, **dims: int | None) -> W.Spec:
+        h = checks.check_positive_int("num_hiddens", self.num_hiddens)
+        return {"token.embedding": (self.vocab_size, h), "dense.kernel": (h, self.vocab_size),
+                "dense.bias": (self.vocab_size,)}
+
+    def sublayers(self) -> dict[str, Sublayer]:
+        block = TransformerDecoderBlock(
+            self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
+            decoder_only=self.decoder_only, keep_attention_weights=self.keep_attention_weights,
+            implementation=self.implementation,
+        )
+        return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
+
+    def unkept(self) -> list[list[None]]:
+        return [[None] * self.num_blks for _ in range(1 if self.decoder_only else 2)]
+
+    def kept_parts(self, kept: Any) -> dict[str, Any]:
+        return {f"blks.{i}": [per_kind[i] for per_kind in kept] for i in range(self.num_blks)}
+
+    def constants(self, dtype: str) -> dict[str, np.ndarray]:
+        return PositionalEncoding(self.num_hiddens, max_len=self.max_len).constants(dtype)
+
+    def padding_masks(self, ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+        return _decoder_padding_masks(ops, arguments, paddings, "tokens")
+
+    def compute(
+        self, run: Run, tokens: Array, enc_outputs: Array | None = None,
+        enc_valid_lens: Any = None, *, valid_lens: Any = None, mask: Any = None,
+        enc_mask: Any = None,
+    ) -> Any:
+        """The logits ``(B, T, V)`` of ``tokens (B, T)``, attending to ``enc_outputs``."""
+        return transformer.transformer_decoder(
+            tokens, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
+            valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=run.dropout,
+            return_weights=run.need, implementation=self.pooling(run),
+            positions=run.constants["P"], ops=run.ops,
+        )
+
+
+@dataclass(eq=False)
+class Transformer(Declaration):
+    """The encoder-decoder Transformer, returning the target's logits.
+
+    A :class:`TransformerEncoder` over the source and a :class:`TransformerDecoder` over the
+    target whose cross-attention attends to the encoder's outputs.
+
+    Args:
+        src_vocab_size: Token ids of the source.
+        tgt_vocab_size: Token ids of the target (in and out).
+        num_hiddens: h, the model width.
+        ffn_num_hiddens: Width of the FFN hidden layers.
+        num_heads: H; must divide ``num_hiddens``.
+        num_blks: Blocks of the encoder and of the decoder.
+        dropout: Dropout rate everywhere, in training.
+        bias: Whether the attention projections have biases.
+        keep_attention_weights: Keep each call's attention weights: ``[encoder, decoder self,
+            decoder cross]``, one list of per-block weights each.
+        implementation: See :class:`DotProductAttention`.
+        max_len: Rows of the sinusoidal table, the longest source or target.
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    num_hiddens: int
+    ffn_num_hiddens: int
+    num_heads: int
+    num_blks: int
+    dropout: float = 0.0
+    bias: bool = False
+    _: KW_ONLY
+    keep_attention_weights: bool = True
+    implementation: str | None = None
+    max_len: int = positional.DEFAULT_MAX_LEN
+    attention_kind: ClassVar[str | None] = "nested"
+
+    def check(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "num_blks", "max_len"):
+            self.normalise(name, functools.partial(checks.check_positive_int, name))
+        super().check()
+
+    def check_inputs(self, ops: Ops, **arguments: Any) -> None:
+        for side in ("src", "tgt"):
+            transformer.check_token_ids(arguments[f"{side}_tokens"],
+                                        getattr(self, f"{side}_vocab_size"), ops=ops, side=side)
+
+    def sublayers(self) -> dict[str, Sublayer]:
+        sizes = (self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.num_blks,
+                 self.dropout, self.bias)
+        keep, implementation = self.keep_attention_weights, self.implementation
+        encoder = TransformerEncoder(self.src_vocab_size, *sizes, keep_attention_weights=keep,
+                                     implementation=implementation, max_len=self.max_len)
+        decoder = TransformerDecoder(self.tgt_vocab_size, *sizes, keep_attention_weights=keep,
+                                     implementation=implementation, max_len=self.max_len)
+        return {"encoder": Sublayer(encoder), "decoder": Sublayer(decoder)}
+
+    def unkept(self) -> list[list[None]]:
+        return [[None] * self.num_blks for _ in range(3)]
+
+    def kept_parts(self, kept: Any) -> dict[str, Any]:
+        return {"encoder": kept[0], "decoder": kept[1:]}
+
+    def constants(self, dtype: str) -> dict[str, np.ndarray]:
+        return PositionalEncoding(self.num_hiddens, max_len=self.max_len).constants(dtype)
+
+    def compute(
+        self, run: Run, src_tokens: Array, tgt_tokens: Array, src_valid_lens: Any = None, *,
+        tgt_valid_lens: Any = None,
+    ) -> Any:
+        """The logits ``(B, T, V_tgt)`` of ``tgt_tokens (B, T)`` given ``src_tokens (B, S)``."""
+        return transformer.transformer_encoder_decoder(
+            src_tokens, tgt_tokens, run.weights, self.num_heads, src_valid_lens,
+            tgt_valid_lens=tgt_valid_lens, dropout=run.dropout, return_weights=run.need,
+            implementation=self.pooling(run), positions=run.constants["P"], ops=run.ops,
         )
 
 

@@ -141,20 +141,28 @@ def transformer_encoder_block(
     return (out, attn) if return_weights else out
 
 
-def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops) -> str:
+def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "") -> str:
     """Checks token ids ``(B, T)``: integers, each in ``[0, vocab_size)`` when the values are known.
+
+    Args:
+        tokens: The ids.
+        vocab_size: V.
+        ops: The backend's ops.
+        side: ``"src"`` or ``"tgt"`` for an encoder-decoder's inputs (the messages then name
+            ``src_tokens`` and ``src_vocab_size``, ...); empty for a single stack's.
 
     Returns:
         The ids' dtype name.
     """
-    checks.check_rank(ops, "tokens", tokens, (2,), "(B, T) token ids")
+    name, vocab = (f"{side}_tokens", f"{side}_vocab_size") if side else ("tokens", "vocab_size")
+    checks.check_rank(ops, name, tokens, (2,), "(B, T) token ids")
     dtype = ops.dtype_name(tokens)
     if not dtype.startswith(("int", "uint")):
-        raise TypeError(f"tokens must be integer token ids, got dtype {dtype}")
+        raise TypeError(f"{name} must be integer token ids, got dtype {dtype}")
     values = ops.concrete(tokens)
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
-        raise ValueError(f"tokens must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+        raise ValueError(f"{name} must be in [0, {vocab}) = [0, {vocab_size}), got {bad}")
     return dtype
 
 
@@ -445,6 +453,7 @@ def transformer_encoder_decoder(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    positions: Array | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[list[Array]]]:
@@ -463,7 +472,10 @@ def transformer_encoder_decoder(
         return_weights: Also return ``[encoder, decoder self, decoder cross]``, one list of
             per-block weights each.
         implementation: How the heads pool.
-        max_len: Rows of the sinusoidal tables; by default the inputs' lengths.
+        positions: The sinusoidal table ``(1, T', h)``, as long as the longer of the source
+            and the target; made here when None.
+        max_len: Rows of the tables made here when ``positions`` is None; by default each
+            input's length.
         ops: The backend's ops; found from ``src_tokens`` when omitted.
 
     Returns:
@@ -471,17 +483,21 @@ def transformer_encoder_decoder(
     """
     ops = ops or ops_for(src_tokens)
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
-    W.check_call_weights(ops, "transformer_encoder_decoder", weights,
-                         lambda size: W.transformer_call_spec(size, weights, num_heads))
+    weights = W.check_call_weights(ops, "transformer_encoder_decoder", weights,
+                                   lambda size: W.transformer_call_spec(size, weights, num_heads))
+    for side, tokens in (("src", src_tokens), ("tgt", tgt_tokens)):
+        table = weights[("encoder." if side == "src" else "decoder.") + "token.embedding"]
+        check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side)
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
-        return_weights=return_weights, implementation=implementation, max_len=max_len, ops=ops,
+        return_weights=return_weights, implementation=implementation, positions=positions,
+        max_len=max_len, ops=ops,
     )
     enc_outputs, enc_weights = encoded if return_weights else (encoded, None)
     decoded = transformer_decoder(
         tgt_tokens, subset(weights, "decoder"), num_heads, enc_outputs, src_valid_lens,
         valid_lens=tgt_valid_lens, dropout=dropout, return_weights=return_weights,
-        implementation=implementation, max_len=max_len, ops=ops,
+        implementation=implementation, positions=positions, max_len=max_len, ops=ops,
     )
     if not return_weights:
         return decoded

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+import attention_core as ac
 from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
@@ -160,7 +161,8 @@ def test_every_declared_layer_is_exported(backend: str) -> None:
     h = Harness(backend)
     Layer = importlib.import_module(f"backends.{backend}.layers").Layer
     core = {name: cls for name, cls in D.LAYERS.items() if cls.__module__ == D.__name__}
-    assert len(core) == 11 and set(core) <= set(h.module.__all__)
+    assert len(core) == len(ac.LAYER_NAMES) == 14 and set(core) == set(ac.LAYER_NAMES)
+    assert set(core) <= set(h.module.__all__)
     for name, declaration in core.items():
         assert issubclass(getattr(h.module, name), Layer), name
         assert issubclass(getattr(h.module, name), declaration), name

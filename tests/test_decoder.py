@@ -206,3 +206,70 @@ def test_decoder_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match=r"decoder\.blks\.0\.cross_attention"):
         ac.transformer_encoder_decoder(rng.integers(0, V, (B, S)), rng.integers(0, V, (B, T)),
                        {**W.prefixed(enc_w, "encoder"), **W.prefixed(dec, "decoder")}, H)
+
+
+# -- the layers ------------------------------------------------------------------------------
+
+LAYERS = {
+    "TransformerDecoderBlock": {"num_hiddens": h, "ffn_num_hiddens": F, "num_heads": H},
+    "TransformerDecoder": {"vocab_size": V, "num_hiddens": h, "ffn_num_hiddens": F,
+                           "num_heads": H, "num_blks": 2},
+    "Transformer": {"src_vocab_size": V, "tgt_vocab_size": V + 2, "num_hiddens": h,
+                    "ffn_num_hiddens": F, "num_heads": H, "num_blks": 2},
+}
+
+
+def flat(kept: Any) -> list[Any]:
+    if isinstance(kept, (list, tuple)):
+        return [leaf for k in kept for leaf in flat(k)]
+    return [kept]
+
+
+@pytest.mark.parametrize(("name", "decoder_only"), [
+    ("TransformerDecoderBlock", False), ("TransformerDecoderBlock", True),
+    ("TransformerDecoder", False), ("TransformerDecoder", True), ("Transformer", False),
+])
+def test_decoder_layers_match_naive(backend: str, name: str, decoder_only: bool) -> None:
+    """Each layer, built by its first call with its own initial weights, equals the float64
+    decoder on those weights, and keeps its attention weights in the documented structure."""
+    rng = np.random.default_rng(7)
+    hb = Harness(backend)
+    config = dict(LAYERS[name], **({"decoder_only": True} if decoder_only else {}))
+    layer = hb.make(name, config)
+    enc = rng.standard_normal((B, S, h))
+    enc_lens = np.array([S, 2])
+    tokens = rng.integers(0, V, (B, T))
+    if name == "TransformerDecoderBlock":
+        X = rng.standard_normal((B, T, h))
+        args = [hb.array(X, "float32")] + ([] if decoder_only else
+                                           [hb.array(enc, "float32"), hb.array(enc_lens)])
+    elif name == "TransformerDecoder":
+        args = [hb.array(tokens.astype(np.int32))] + (
+            [] if decoder_only else [hb.array(enc, "float32"), hb.array(enc_lens)])
+    else:
+        src = rng.integers(0, V, (B, S))
+        args = [hb.array(src.astype(np.int32)), hb.array(tokens.astype(np.int32)),
+                hb.array(enc_lens)]
+    out = hb.numpy(hb.call(layer, *args))
+    w = {k: np.asarray(v, np.float64) for k, v in layer.get_weights().items()}
+    cross_vis = None if decoder_only else naive.visible(B, H, T, S, enc_lens)
+    if name == "TransformerDecoderBlock":
+        want, kept = naive.decoder_block(X, w, H, self_visibility(), None if decoder_only else enc,
+                                         cross_vis)
+    elif name == "TransformerDecoder":
+        want, kept = naive.transformer_decoder(tokens, w, H, self_visibility(),
+                                               None if decoder_only else enc, cross_vis)
+    else:
+        enc_out, enc_kept = naive.transformer_encoder(src, naive.sub(w, "encoder"), H,
+                                                      naive.visible(B, H, S, S, enc_lens))
+        want, dec_kept = naive.transformer_decoder(tokens, naive.sub(w, "decoder"), H,
+                                                   self_visibility(), enc_out, cross_vis)
+        kept = [enc_kept, *dec_kept]
+    assert out.shape == want.shape
+    assert max_diff(out, want) <= TOLERANCE["float32"]
+    got = hb.attention_weights(layer)
+    if backend != "jax":  # Flax sows the arrays one by one, in this order
+        assert len(got) == len(kept)
+    assert len(flat(got)) == len(flat(kept))
+    for a, b in zip(flat(got), flat(kept), strict=True):
+        assert max_diff(hb.numpy(a), b) <= TOLERANCE["float32"]

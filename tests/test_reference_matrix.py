@@ -70,10 +70,16 @@ def test_cell_matches_reference(cell: Cell) -> None:
 # -- the table itself --------------------------------------------------------------------------
 
 
+#: Layers not in the reference files yet: the decoder side (issue 18) is checked on every
+#: backend against tests/naive.py's float64 decoder in tests/test_decoder.py until its cases
+#: (nested attention weights, the cross-attention's masks) join the matrix.
+NOT_YET_IN_THE_MATRIX = {"TransformerDecoderBlock", "TransformerDecoder", "Transformer"}
+
+
 def test_every_layer_has_reference_cases() -> None:
     from attention_core import LAYER_NAMES
 
-    assert {c.layer for c in CASES} == set(LAYER_NAMES)
+    assert {c.layer for c in CASES} == set(LAYER_NAMES) - NOT_YET_IN_THE_MATRIX
 
 
 def test_every_attention_layer_has_every_mask_kind() -> None:

@@ -162,8 +162,11 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         run = D.Run(ops, weights, self._tables(), rate, need)
         result = self.compute(run, **prepared.arguments)
         returned, kept = self.finish(result, need, prepared.return_attention)
-        for attn in (kept if self.attention_kind == "blocks" else [kept]) if need else []:
-            self.sow("intermediates", "attention_weights", attn)
+        if need and self.attention_kind == "nested":  # one entry per call: [self, cross], ...
+            self.sow("intermediates", "attention_weights", kept)
+        elif need:  # one entry per array: an encoder's blocks one by one
+            for attn in D.leaves(kept):
+                self.sow("intermediates", "attention_weights", attn)
         return returned
 
 
@@ -273,10 +276,14 @@ class PositionWiseFFN(Layer, D.PositionWiseFFN): ...
 class AddNorm(Layer, D.AddNorm): ...
 class TransformerEncoderBlock(Layer, D.TransformerEncoderBlock): ...
 class TransformerEncoder(Layer, D.TransformerEncoder): ...
+class TransformerDecoderBlock(Layer, D.TransformerDecoderBlock): ...
+class TransformerDecoder(Layer, D.TransformerDecoder): ...
+class Transformer(Layer, D.Transformer): ...
 class NadarayaWatson(Layer, D.NadarayaWatson): ...
 
 __all__ = [  # the declared layers (attention_core.declarations.LAYERS), one class each
     "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock",
+    "RelativeMultiHeadAttention", "Transformer", "TransformerDecoder",
+    "TransformerDecoderBlock", "TransformerEncoder", "TransformerEncoderBlock",
 ]

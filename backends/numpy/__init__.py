@@ -7,5 +7,6 @@ from backends.numpy.ops import NumpyOps as NumpyOps
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "NumpyOps", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock"
+    "RelativeMultiHeadAttention", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
+    "TransformerEncoder", "TransformerEncoderBlock"
 ]

@@ -119,7 +119,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
             dtype = factory["dtype"] or torch.get_default_dtype()
             self.register_buffer(name, torch.from_numpy(table).to(factory["device"], dtype),
                                  persistent=False)
-        self._tables, self._parts = tuple(tables), tuple(self.sublayers())
+        self._tables = tuple(tables)
         self._attention_kept = self.finish(None, False, False)[1]
         self._init([name for name, shape in spec.items() if None not in shape])
 
@@ -231,12 +231,18 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
                 kernel.data = torch.empty(0, device=kernel.device, dtype=kernel.dtype)
                 kernel.__class__ = UninitializedParameter
             raise
-        if self.attention_kind == "blocks":
-            for name, weights in zip(self._parts, kept, strict=True):
-                self.get_submodule(name)._attention_kept = weights
         if self.attention_kind:
-            self._attention_kept = kept
+            self._keep(kept)
         return returned
+
+    def _keep(self, kept: Any) -> None:
+        """Keeps a call's attention weights, and each part in the sublayer it belongs to.
+
+        A stack's blocks keep theirs: ``decoder.blks[0].attention_weights``.
+        """
+        self._attention_kept = kept
+        for name, part in self.kept_parts(kept).items():
+            cast(Layer, self.get_submodule(name))._keep(part)
 
     def _compute_dtype(self) -> str | None:
         """The parameters' dtype (the dtype rule), or None.
@@ -300,10 +306,14 @@ class PositionWiseFFN(Layer, D.PositionWiseFFN): ...
 class AddNorm(Layer, D.AddNorm): ...
 class TransformerEncoderBlock(Layer, D.TransformerEncoderBlock): ...
 class TransformerEncoder(Layer, D.TransformerEncoder): ...
+class TransformerDecoderBlock(Layer, D.TransformerDecoderBlock): ...
+class TransformerDecoder(Layer, D.TransformerDecoder): ...
+class Transformer(Layer, D.Transformer): ...
 class NadarayaWatson(Layer, D.NadarayaWatson): ...
 
 __all__ = [  # the declared layers (attention_core.declarations.LAYERS), one class each
     "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "TransformerEncoder", "TransformerEncoderBlock",
+    "RelativeMultiHeadAttention", "Transformer", "TransformerDecoder",
+    "TransformerDecoderBlock", "TransformerEncoder", "TransformerEncoderBlock",
 ]
