@@ -273,3 +273,29 @@ def test_decoder_layers_match_naive(backend: str, name: str, decoder_only: bool)
     assert len(flat(got)) == len(flat(kept))
     for a, b in zip(flat(got), flat(kept), strict=True):
         assert max_diff(hb.numpy(a), b) <= TOLERANCE["float32"]
+
+
+def test_keras_padding_masks_of_a_decoder(backend: str) -> None:
+    """Keras: the decoder input's padding mask hides padded positions of the self-attention
+    (rows and keys), the encoder outputs' hides their padded keys in the cross-attention: the
+    same as the equivalent ``mask`` and ``enc_mask``."""
+    if backend != "tensorflow":
+        pytest.skip("Keras padding masks are a Keras convention")
+    rng = np.random.default_rng(8)
+    hb = Harness(backend)
+    layer = hb.make("TransformerDecoderBlock", LAYERS["TransformerDecoderBlock"])
+    X = hb.array(rng.standard_normal((B, T, h)), "float32")
+    enc = hb.array(rng.standard_normal((B, S, h)), "float32")
+    pad = np.arange(T)[None] < np.array([[T], [3]])
+    enc_pad = np.arange(S)[None] < np.array([[4], [S]])
+    got = hb.numpy(layer(X, enc, X_mask=hb.array(pad), enc_outputs_mask=hb.array(enc_pad)))
+    got_weights = [hb.numpy(a) for a in layer.attention_weights]
+    mask = pad[:, :, None] & pad[:, None, :]
+    enc_mask = pad[:, :, None] & enc_pad[:, None, :]
+    want = hb.numpy(layer(X, enc, mask=hb.array(mask), enc_mask=hb.array(enc_mask)))
+    want_weights = [hb.numpy(a) for a in layer.attention_weights]
+    assert max_diff(got, want) <= TOLERANCE["float32"]
+    for a, b in zip(got_weights, want_weights, strict=True):
+        assert max_diff(a, b) <= TOLERANCE["float32"]
+    assert not got_weights[1][0, :, :, 4:].any()  # example 0's padded encoder outputs: hidden
+    assert not got_weights[0][1, :, 3:].any()  # example 1's padded rows see nothing
