@@ -385,9 +385,9 @@ def test_recomputed_blocks_in_a_tf_function_give_the_direct_gradients(
     4 queries in a ``tf.while_loop`` and a tail of 1, ragged key blocks of 5), and the gradients
     of q, k and v equal the direct path's eager ones. A tape outside the function is seen too."""
     B, H, Q, K = 2, 3, 13, 19
-    monkeypatch.setattr(blockwise, "KEY_BLOCK", 5)
-    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 1)
-    monkeypatch.setattr(blockwise, "TILE_SCORES", B * H * 4 * K)
+    # 4 queries a block (4, 4, 4, 1), the fewest allowed, each over ragged key blocks (5, 5, 5, 4)
+    monkeypatch.setattr(blockwise, "MIN_QUERY_BLOCK", 4)
+    monkeypatch.setattr(blockwise, "RECOMPUTE_SCORES", B * H * 4 * 5)
     calls: list[tuple[list[tuple[int, int]], bool]] = []
     hook = OPS.recompute_blocks
 
