@@ -299,3 +299,75 @@ def test_keras_padding_masks_of_a_decoder(backend: str) -> None:
         assert max_diff(a, b) <= TOLERANCE["float32"]
     assert not got_weights[1][0, :, :, 4:].any()  # example 0's padded encoder outputs: hidden
     assert not got_weights[0][1, :, 3:].any()  # example 1's padded rows see nothing
+
+
+def _torch_reference_call(module: Any, X: Any, enc: Any, enc_lens: np.ndarray) -> Any:
+    import torch
+
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True = blocked, torch's convention
+    padding = torch.as_tensor(np.arange(S)[None] >= enc_lens[:, None])
+    return module(X, enc, tgt_mask=causal, memory_key_padding_mask=padding)
+
+
+def test_torch_decoder_layer_converts_both_ways(backend: str) -> None:
+    """``torch.nn.TransformerDecoderLayer`` (post-norm, ReLU) and our block give the same
+    output from the same weights, converted either way; a converted block converts back."""
+    if backend != "torch":
+        pytest.skip("torch's own layer")
+    import torch
+    from torch import nn
+
+    from backends.torch import convert
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(9)
+    X = torch.as_tensor(rng.standard_normal((B, T, h)), dtype=torch.float32)
+    enc = torch.as_tensor(rng.standard_normal((B, S, h)), dtype=torch.float32)
+    enc_lens = np.array([S, 2])
+    native = nn.TransformerDecoderLayer(h, H, F, dropout=0.0, batch_first=True).eval()
+    for p in native.parameters():  # no zero bias or unit gamma hides a term
+        torch.nn.init.normal_(p, std=0.3)
+    hb = Harness(backend)
+    ours = hb.make("TransformerDecoderBlock", convert.decoder_layer_config(native))
+    ours.set_weights(convert.from_torch_decoder_layer(native))
+    with torch.no_grad():
+        want = _torch_reference_call(native, X, enc, enc_lens)
+        got = ours(X, enc, torch.as_tensor(enc_lens))
+    assert max_diff(hb.numpy(got), hb.numpy(want)) <= TOLERANCE["float32"]
+    # ours -> torch: a fresh block's weights, randomised
+    fresh = hb.make("TransformerDecoderBlock", {**LAYERS["TransformerDecoderBlock"], "bias": True})
+    weights = {k: v + 0.1 * rng.standard_normal(v.shape).astype(v.dtype)
+               for k, v in block_weights(rng, True).items()}
+    bias = {f"{p}.{n}.bias": 0.1 * rng.standard_normal(h)
+            for p in ("self_attention", "cross_attention") for n in ("W_q", "W_k", "W_v", "W_o")}
+    fresh.set_weights({**weights, **bias})
+    module = convert.to_torch_decoder_layer(fresh.get_weights(), H).eval()
+    with torch.no_grad():
+        want = _torch_reference_call(module, X, enc, enc_lens)
+        got = fresh(X, enc, torch.as_tensor(enc_lens))
+    assert max_diff(hb.numpy(got), hb.numpy(want)) <= TOLERANCE["float32"]
+    back = convert.from_torch_decoder_layer(module)
+    assert set(back) == set(fresh.get_weights())
+    for name, value in fresh.get_weights().items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+def test_torch_decoder_layer_refusals(backend: str) -> None:
+    if backend != "torch":
+        pytest.skip("torch's own layer")
+    from torch import nn
+
+    from backends.torch import convert
+
+    with pytest.raises(ValueError, match="norm_first=True is not supported"):
+        convert.from_torch_decoder_layer(nn.TransformerDecoderLayer(h, H, F, norm_first=True))
+    with pytest.raises(ValueError, match="the activation must be ReLU"):
+        convert.from_torch_decoder_layer(nn.TransformerDecoderLayer(h, H, F, activation="gelu"))
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.TransformerDecoderLayer"):
+        convert.from_torch_decoder_layer(nn.Linear(2, 2))
+    rng = np.random.default_rng(10)
+    alone = block_weights(rng, False)
+    with pytest.raises(ValueError, match="no decoder-only form"):
+        convert.to_torch_decoder_layer(alone, H)
+    with pytest.raises(ValueError, match="must have biases"):
+        convert.to_torch_decoder_layer(block_weights(rng, True), H)

@@ -26,9 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention_core import convert as C
+from attention_core import weights as W
+from backends.numpy.ops import OPS as NUMPY_OPS
 from backends.torch.ops import OPS
 
 
@@ -140,3 +143,129 @@ def _copy(param: torch.Tensor, value: np.ndarray) -> None:
     if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch cannot read
         value = value.astype(np.float32)
     param.copy_(torch.as_tensor(np.ascontiguousarray(value)).to(param.dtype))
+
+
+# -- torch.nn.TransformerDecoderLayer <-> canonical TransformerDecoderBlock weights ----------
+
+#: Sublayers of ``nn.TransformerDecoderLayer`` and the canonical names they map to.
+_DECODER_NORMS = {"norm1": "addnorm1", "norm2": "addnorm2", "norm3": "addnorm3"}
+_DECODER_LINEARS = {"linear1": "ffn.dense1", "linear2": "ffn.dense2"}
+
+
+def _check_decoder_layer(layer: Any, where: str) -> nn.TransformerDecoderLayer:
+    if not isinstance(layer, nn.TransformerDecoderLayer):
+        raise TypeError(f"{where}: expected a torch.nn.TransformerDecoderLayer, got "
+                        f"{type(layer).__name__}")
+    if layer.norm_first:
+        raise ValueError(f"{where}: norm_first=True is not supported: this library's "
+                         "TransformerDecoderBlock is post-norm (norm_first=False)")
+    if layer.activation is not F.relu and not isinstance(layer.activation, nn.ReLU):
+        raise ValueError(f"{where}: the activation must be ReLU, got {layer.activation!r}")
+    for name in _DECODER_NORMS:
+        norm = getattr(layer, name)
+        if norm.bias is None or norm.weight is None or norm.eps != 1e-5:
+            raise ValueError(f"{where}: {name} must be a LayerNorm with a weight, a bias and "
+                             f"eps=1e-5, as this library's AddNorm, got {norm!r}")
+    for name in _DECODER_LINEARS:
+        if getattr(layer, name).bias is None:
+            raise ValueError(f"{where}: {name} must have a bias (bias=True), as this "
+                             "library's PositionWiseFFN has")
+    return layer
+
+
+def decoder_layer_config(layer: nn.TransformerDecoderLayer) -> dict[str, Any]:
+    """Constructor arguments of this library's TransformerDecoderBlock equal to ``layer``.
+
+    Returns:
+        ``{"num_hiddens": d_model, "ffn_num_hiddens": dim_feedforward, "num_heads", "dropout",
+        "bias"}``.
+    """
+    layer = _check_decoder_layer(layer, "decoder_layer_config")
+    attention = torch_config(layer.self_attn)
+    return {"num_hiddens": attention["num_hiddens"],
+            "ffn_num_hiddens": int(layer.linear1.out_features),
+            "num_heads": attention["num_heads"], "dropout": float(layer.dropout.p),
+            "bias": attention["bias"]}
+
+
+def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> dict[str, np.ndarray]:
+    """The canonical ``TransformerDecoderBlock`` weights of a ``torch.nn.TransformerDecoderLayer``.
+
+    torch's post-norm layer (``norm_first=False``, ReLU) computes what the block computes:
+    ``norm1(x + self_attn(x))``, ``norm2(x + multihead_attn(x, memory))``,
+    ``norm3(x + linear2(relu(linear1(x))))``. Call it with a causal ``tgt_mask`` to match the
+    block's causal self-attention. Build the block with
+    ``TransformerDecoderBlock(**decoder_layer_config(layer))``.
+
+    Raises:
+        TypeError: ``layer`` is not a ``torch.nn.TransformerDecoderLayer``.
+        ValueError: ``norm_first=True``, another activation than ReLU, ``bias=False``, or a
+            layer norm whose eps is not 1e-5.
+    """
+    layer = _check_decoder_layer(layer, "from_torch_decoder_layer")
+    weights = {**W.prefixed(from_torch(layer.self_attn), "self_attention"),
+               **W.prefixed(from_torch(layer.multihead_attn), "cross_attention")}
+    for name, canonical in _DECODER_LINEARS.items():
+        linear = getattr(layer, name)
+        weights[f"{canonical}.kernel"] = _host(linear.weight).T.copy()
+        weights[f"{canonical}.bias"] = _host(linear.bias)
+    for name, canonical in _DECODER_NORMS.items():
+        norm = getattr(layer, name)
+        weights[f"{canonical}.ln.gamma"] = _host(norm.weight)
+        weights[f"{canonical}.ln.beta"] = _host(norm.bias)
+    return weights
+
+
+def to_torch_decoder_layer(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    dropout: float = 0.0,
+    batch_first: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.TransformerDecoderLayer:
+    """A post-norm ``torch.nn.TransformerDecoderLayer`` holding canonical block weights.
+
+    Args:
+        weights: Canonical ``TransformerDecoderBlock`` weights with cross-attention, whose
+            attention projections all have biases (torch's ``bias=True``).
+        num_heads: H.
+        dropout: torch's ``dropout``.
+        batch_first: torch's ``batch_first``; True takes ``(B, T, D)`` as this library does.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters (torch's default dtype when None).
+
+    Raises:
+        ValueError: The weights are not those of a block with cross-attention and biased
+            projections (torch's layer has no decoder-only form, and its ``bias`` covers
+            the attention projections, the FFN and the layer norms alike).
+    """
+    if "cross_attention.W_q.kernel" not in weights:
+        raise ValueError("to_torch_decoder_layer: weights must have cross-attention "
+                         "(cross_attention.*): torch.nn.TransformerDecoderLayer has no "
+                         "decoder-only form")
+    if "self_attention.W_q.bias" not in weights:
+        raise ValueError("to_torch_decoder_layer: the attention projections must have biases "
+                         "(bias=True): torch.nn.TransformerDecoderLayer's bias covers them, "
+                         "the FFN and the layer norms alike")
+    host = {name: np.asarray(value) for name, value in weights.items()}
+    W.check_call_weights(NUMPY_OPS, "to_torch_decoder_layer", host,
+                         lambda size: W.decoder_block_call_spec(size, host, num_heads))
+    parts = {prefix: to_torch(W.subset(host, prefix), num_heads, dropout=dropout,
+                              batch_first=batch_first, device=device, dtype=dtype)
+             for prefix in ("self_attention", "cross_attention")}
+    h, ffn = host["ffn.dense1.kernel"].shape
+    layer = nn.TransformerDecoderLayer(h, num_heads, ffn, dropout, batch_first=batch_first,
+                                       device=device, dtype=dtype)
+    layer.self_attn, layer.multihead_attn = parts["self_attention"], parts["cross_attention"]
+    with torch.no_grad():
+        for name, canonical in _DECODER_LINEARS.items():
+            linear = getattr(layer, name)
+            _copy(linear.weight, host[f"{canonical}.kernel"].T)
+            _copy(linear.bias, host[f"{canonical}.bias"])
+        for name, canonical in _DECODER_NORMS.items():
+            norm = getattr(layer, name)
+            _copy(norm.weight, host[f"{canonical}.ln.gamma"])
+            _copy(norm.bias, host[f"{canonical}.ln.beta"])
+    return layer
