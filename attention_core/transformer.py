@@ -216,12 +216,6 @@ def embed_with_positions(
     return add_positions(X, positions, dropout, ops=ops)
 
 
-def count_blocks(weights: Mapping[str, Any], prefix: str = "") -> int:
-    """How many blocks ``<prefix>blks.<i>.*`` a stack's mapping holds (numbered from 0)."""
-    start = f"{prefix}blks."
-    return len({name[len(start):].split(".")[0] for name in weights if name.startswith(start)})
-
-
 def transformer_encoder(
     tokens: Array,
     weights: Mapping[str, Array],
@@ -270,7 +264,7 @@ def transformer_encoder(
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
                              ops=ops)
     attention_weights = []
-    for i in range(count_blocks(weights)):
+    for i in range(W.count_blocks(weights)):
         result = transformer_encoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, valid_lens, mask=mask, dropout=dropout,
             return_weights=return_weights, implementation=implementation, ops=ops,
@@ -428,7 +422,7 @@ def transformer_decoder(
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
                              ops=ops)
     kept: list[list[Array]] = []
-    for i in range(count_blocks(weights)):
+    for i in range(W.count_blocks(weights)):
         result = transformer_decoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, enc_outputs, enc_valid_lens,
             valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=dropout,

@@ -532,6 +532,12 @@ def block_call_spec(
     }
 
 
+def count_blocks(names: Any, prefix: str = "") -> int:
+    """How many blocks ``<prefix>blks.<i>.*`` a stack's names hold (numbered from 0)."""
+    start = f"{prefix}blks."
+    return len({name[len(start):].split(".")[0] for name in names if name.startswith(start)})
+
+
 def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "") -> Spec:
     """The spec of ``transformer_encoder``'s mapping (under ``prefix``).
 
@@ -540,10 +546,8 @@ def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "") 
     """
     h = size(f"{prefix}token.embedding", 1, 2)
     spec: Spec = {f"{prefix}token.embedding": (size(f"{prefix}token.embedding", 0, 2), h)}
-    start = f"{prefix}blks."
-    blocks = {name[len(start):].split(".")[0] for name in names if name.startswith(start)}
-    for i in range(len(blocks)):
-        spec.update(block_call_spec(size, names, num_heads, f"{start}{i}.", h))
+    for i in range(count_blocks(names, prefix)):
+        spec.update(block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h))
     return spec
 
 
@@ -589,12 +593,11 @@ def decoder_call_spec(
     """
     h = size(f"{prefix}token.embedding", 1, 2)
     spec: Spec = {f"{prefix}token.embedding": (size(f"{prefix}token.embedding", 0, 2), h)}
-    start = f"{prefix}blks."
-    blocks = {name[len(start):].split(".")[0] for name in names if name.startswith(start)}
     if crossed is None:
-        crossed = f"{start}0.cross_attention.W_q.kernel" in names
-    for i in range(len(blocks)):
-        spec.update(decoder_block_call_spec(size, names, num_heads, f"{start}{i}.", h, crossed))
+        crossed = f"{prefix}blks.0.cross_attention.W_q.kernel" in names
+    for i in range(count_blocks(names, prefix)):
+        spec.update(decoder_block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h,
+                                            crossed))
     spec.update(dense_spec(f"{prefix}dense", h, size(f"{prefix}dense.kernel", 1, 2), True))
     return spec
 

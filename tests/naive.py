@@ -190,15 +190,19 @@ def relative_multi_head(queries: np.ndarray, keys: np.ndarray, values: np.ndarra
     return linear(out, w, "W_o"), weights
 
 
-def transformer_encoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
-                        vis: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Embedding row per token times sqrt(h), plus the sinusoidal table, then each block."""
-    table = w["token.embedding"]
+def embedded(tokens: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Embedding row per token times sqrt(h), plus the sinusoidal table's row."""
     B, T = tokens.shape
     h = table.shape[1]
     P = pe_table(T, h)
-    x = np.array([[table[tokens[b, t]] * math.sqrt(h) + P[t] for t in range(T)]
-                  for b in range(B)])
+    return np.array([[table[tokens[b, t]] * math.sqrt(h) + P[t] for t in range(T)]
+                     for b in range(B)])
+
+
+def transformer_encoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
+                        vis: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Embedding row per token times sqrt(h), plus the sinusoidal table, then each block."""
+    x = embedded(tokens, w["token.embedding"])
     blocks = sorted({int(name.split(".")[1]) for name in w if name.startswith("blks.")})
     all_weights = []
     for i in blocks:
@@ -236,12 +240,7 @@ def transformer_decoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
                         cross_vis: np.ndarray | None = None
                         ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     """Embedding times sqrt(h) plus the sinusoidal table, the blocks, then ``dense``."""
-    table = w["token.embedding"]
-    B, T = tokens.shape
-    h = table.shape[1]
-    P = pe_table(T, h)
-    x = np.array([[table[tokens[b, t]] * math.sqrt(h) + P[t] for t in range(T)]
-                  for b in range(B)])
+    x = embedded(tokens, w["token.embedding"])
     blocks = sorted({int(name.split(".")[1]) for name in w if name.startswith("blks.")})
     kept: list[list[np.ndarray]] = [[], []] if enc is not None else [[]]
     for i in blocks:
