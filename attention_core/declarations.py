@@ -185,6 +185,9 @@ class Declaration:
         returns_attention: Whether the call takes ``return_attention``.
         always_keeps: Whether the attention weights are kept whatever
             ``keep_attention_weights`` says (layers without that argument).
+        cache_arguments: The call arguments of a cached call (a nested key/value cache, its
+            position and capacity): not array inputs of a graph; a call that gives one runs
+            imperatively where a framework builds graphs of array inputs (Gluon).
     """
 
     cast_inputs: ClassVar[tuple[str, ...]] = ()
@@ -193,6 +196,7 @@ class Declaration:
     attention_kind: ClassVar[str | None] = None
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
+    cache_arguments: ClassVar[tuple[str, ...]] = ()
 
     #: A backend's own keyword-only constructor arguments, after the declared ones.
     extras: ClassVar[tuple[inspect.Parameter, ...]] = ()
@@ -847,6 +851,10 @@ class TransformerEncoder(Declaration):
 # -- the Transformer decoder and the encoder-decoder -----------------------------------------
 
 
+#: The call arguments of a cached decoder call (:attr:`Declaration.cache_arguments`).
+CACHE_ARGUMENTS = ("cache", "start", "capacity")
+
+
 @dataclass(eq=False)
 class TransformerDecoderBlock(Declaration):
     """A post-norm decoder block: causal self-attention, cross-attention, position-wise FFN.
@@ -879,6 +887,7 @@ class TransformerDecoderBlock(Declaration):
     cast_inputs: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     sequences: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
+    cache_arguments: ClassVar[tuple[str, ...]] = CACHE_ARGUMENTS
 
     def check(self) -> None:
         self.normalise("decoder_only", bool)
@@ -907,7 +916,7 @@ class TransformerDecoderBlock(Declaration):
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         checks.check_rank(ops, "X", arguments["X"], (3,), "(B, T, num_hiddens)")
         checks.check_last_dim(ops, "X", arguments["X"], self.num_hiddens)
-        _check_encoder_outputs(self, ops, arguments.get("enc_outputs"))
+        _check_encoder_outputs(self, ops, arguments)
 
     def padding_masks(self, ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any]
                       ) -> dict[str, Any]:
@@ -915,18 +924,59 @@ class TransformerDecoderBlock(Declaration):
 
     def compute(
         self, run: Run, X: Array, enc_outputs: Array | None = None, enc_valid_lens: Any = None,
-        *, valid_lens: Any = None, mask: Any = None, enc_mask: Any = None,
+        *, valid_lens: Any = None, mask: Any = None, enc_mask: Any = None, past: Any = None,
+        cache: Any = None, start: Any = 0, capacity: int | None = None,
     ) -> Any:
-        """One block over ``X (B, T, h)``, attending to ``enc_outputs (B, S, h)``."""
-        return transformer.transformer_decoder_block(
-            X, run.weights, self.num_heads, enc_outputs, enc_valid_lens, valid_lens=valid_lens,
-            mask=mask, enc_mask=enc_mask, dropout=run.dropout, return_weights=run.need,
+        """One block over ``X (B, T, h)``, attending to ``enc_outputs (B, S, h)``.
+
+        With ``cache`` or ``capacity``, ``X`` holds positions ``start .. start + T - 1`` and
+        the call returns ``(output, cache)`` (:func:`attention_core.transformer.cached_decoder_block`);
+        with ``past``, the block's earlier inputs are the self-attention's first keys, as in the
+        d2l book's prediction loop.
+        """
+        if cache is None and capacity is None:
+            return transformer.transformer_decoder_block(
+                X, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
+                valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, past=past,
+                dropout=run.dropout, return_weights=run.need, implementation=self.pooling(run),
+                ops=run.ops,
+            )
+        _check_cached_call(valid_lens=valid_lens, mask=mask, past=past)
+        return _with_cache(run, transformer.cached_decoder_block(
+            X, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
+            enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
             implementation=self.pooling(run), ops=run.ops,
-        )
+        ))
 
 
-def _check_encoder_outputs(layer: Any, ops: Ops, enc_outputs: Array | None) -> None:
-    """``enc_outputs``: given unless the layer is ``decoder_only``, of width ``num_hiddens``."""
+def _check_cached_call(**arguments: Any) -> None:
+    """Refuses the arguments a cached call does not take (its keys are the cache's rows)."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name} must be None in a cached call (cache or capacity given): "
+                             "the cache's rows up to each query's position are its keys")
+
+
+def _with_cache(run: Run, cached: tuple[Any, Any]) -> Any:
+    """A cached forward's ``(result, cache)`` as :meth:`Declaration.finish` takes it.
+
+    The call returns ``(output, cache)``; the attention weights, when formed, stay beside it.
+    """
+    result, cache = cached
+    if not run.need:
+        return result, cache
+    out, kept = result
+    return (out, cache), kept
+
+
+def _check_encoder_outputs(layer: Any, ops: Ops, arguments: Mapping[str, Any]) -> None:
+    """Checks ``enc_outputs``: of width ``num_hiddens``, given unless the layer is decoder-only.
+
+    A cached call whose cache holds their projections may leave them out.
+    """
+    enc_outputs = arguments.get("enc_outputs")
+    if enc_outputs is None and arguments.get("cache") is not None:
+        return  # the cache's cross pairs are checked by the core
     transformer.check_encoder_outputs(ops, enc_outputs, not layer.decoder_only)
     if enc_outputs is not None:
         checks.check_last_dim(ops, "enc_outputs", enc_outputs, layer.num_hiddens)
@@ -992,6 +1042,7 @@ class TransformerDecoder(Declaration):
     cast_inputs: ClassVar[tuple[str, ...]] = ("enc_outputs",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
+    cache_arguments: ClassVar[tuple[str, ...]] = CACHE_ARGUMENTS
 
     def check(self) -> None:
         for name in ("vocab_size", "num_blks", "max_len"):
@@ -1001,7 +1052,7 @@ class TransformerDecoder(Declaration):
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
-        _check_encoder_outputs(self, ops, arguments.get("enc_outputs"))
+        _check_encoder_outputs(self, ops, arguments)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         h = checks.check_positive_int("num_hiddens", self.num_hiddens)
@@ -1032,15 +1083,27 @@ class TransformerDecoder(Declaration):
     def compute(
         self, run: Run, tokens: Array, enc_outputs: Array | None = None,
         enc_valid_lens: Any = None, *, valid_lens: Any = None, mask: Any = None,
-        enc_mask: Any = None,
+        enc_mask: Any = None, cache: Any = None, start: Any = 0, capacity: int | None = None,
     ) -> Any:
-        """The logits ``(B, T, V)`` of ``tokens (B, T)``, attending to ``enc_outputs``."""
-        return transformer.transformer_decoder(
-            tokens, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
-            valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=run.dropout,
-            return_weights=run.need, implementation=self.pooling(run),
-            positions=run.constants["P"], ops=run.ops,
-        )
+        """The logits ``(B, T, V)`` of ``tokens (B, T)``, attending to ``enc_outputs``.
+
+        With ``cache`` or ``capacity``, ``tokens`` are positions ``start .. start + T - 1``
+        and the call returns ``(logits, cache)``
+        (:func:`attention_core.transformer.cached_decoder`).
+        """
+        if cache is None and capacity is None:
+            return transformer.transformer_decoder(
+                tokens, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
+                valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=run.dropout,
+                return_weights=run.need, implementation=self.pooling(run),
+                positions=run.constants["P"], ops=run.ops,
+            )
+        _check_cached_call(valid_lens=valid_lens, mask=mask)
+        return _with_cache(run, transformer.cached_decoder(
+            tokens, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
+            enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
+            implementation=self.pooling(run), positions=run.constants["P"], ops=run.ops,
+        ))
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from attention_core import cache as kv_cache
 from attention_core import checks, masks
 from attention_core import weights as W
 from attention_core.attention import (
@@ -110,16 +111,120 @@ def multi_head_attention(
                        (queries, keys, values))
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
-    q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, h/H)
-    k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, h/H)
-    v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, h/H)
+    k = heads(ops, keys, weights, "W_k", num_heads)  # (B, H, K, h/H)
+    v = heads(ops, values, weights, "W_v", num_heads)  # (B, H, K, h/H)
+    return pool_heads(ops, queries, (k, v), weights, num_heads, valid_lens, mask=mask,
+                      causal=causal, dropout=dropout, return_weights=return_weights,
+                      implementation=implementation)
+
+
+def heads(ops: Ops, x: Array, weights: Mapping[str, Array], name: str, num_heads: int) -> Array:
+    """``x (B, N, d)`` through the projection ``name``, split into heads ``(B, H, N, h/H)``."""
+    return split_heads(ops, project(ops, x, weights, name), num_heads)
+
+
+def pool_heads(
+    ops: Ops,
+    queries: Array,
+    pair: tuple[Array, Array],
+    weights: Mapping[str, Array],
+    num_heads: int,
+    valid_lens: Any = None,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+) -> Array | tuple[Array, Array]:
+    """Projects the queries, pools them over projected keys and values, projects the output.
+
+    Args:
+        ops: The backend's ops.
+        queries: ``(B, Q, Dq)``, not projected yet.
+        pair: The keys and values, projected and split into heads, ``(B, H, K, h/H)`` each
+            (a cache's).
+        weights: Checked weights of :func:`multi_head_attention` (``W_q``, ``W_o``).
+        num_heads: H.
+        valid_lens: See :func:`multi_head_attention`.
+        mask: See :func:`multi_head_attention`.
+        causal: See :func:`multi_head_attention`.
+        dropout: See :func:`multi_head_attention`.
+        return_weights: See :func:`multi_head_attention`.
+        implementation: See :func:`multi_head_attention`.
+    """
+    q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     pooled = dot_product_attention(
-        q, k, v, valid_lens, mask=mask, causal=causal, dropout=dropout,
+        q, *pair, valid_lens, mask=mask, causal=causal, dropout=dropout,
         return_weights=return_weights, implementation=implementation, ops=ops, _heads=True,
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
     return (out, attn) if return_weights else out
+
+
+def cached_multi_head_attention(
+    queries: Array,
+    keys: Array,
+    values: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    cache: Any = None,
+    start: Any = 0,
+    *,
+    capacity: int | None = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    ops: Ops | None = None,
+) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
+    """Causal multi-head attention of ``t`` new positions against a key/value cache.
+
+    The new keys and values are projected and written into the cache at rows
+    ``[start, start + t)``; query ``i`` (position ``start + i``) then attends to rows
+    ``j <= start + i``. Calling it on positions ``0..T-1``, in one call or in several chunks,
+    gives the causal self-attention of the whole sequence (:mod:`attention_core.cache`).
+
+    Args:
+        queries: ``(B, t, Dq)``.
+        keys: ``(B, t, Dk)``, the new positions' keys.
+        values: ``(B, t, Dv)``.
+        weights: Those of :func:`multi_head_attention`.
+        num_heads: H; must divide h.
+        cache: ``(keys, values)`` ``(B, H, C, h/H)`` each from an earlier call, or None to
+            make one of ``capacity`` rows (zero beyond the written ones).
+        start: The position of the first new token: an int or an integer scalar array.
+        capacity: C of a cache made now; checked against the given cache's otherwise.
+        dropout: Dropout rate on the attention weights.
+        return_weights: Also return the weights ``(B, H, t, C)`` (zero on unwritten rows).
+        implementation: How the heads pool; see
+            :func:`~attention_core.attention.dot_product_attention`.
+        ops: The backend's ops; found from ``queries`` when omitted.
+
+    Returns:
+        ``(output, cache)``: the output ``(B, t, h)`` (with the weights, as
+        ``(output, weights)``, if asked) and the updated cache.
+    """
+    ops = ops or ops_for(queries)
+    weights = _checked(ops, "cached_multi_head_attention", weights,
+                       lambda size: W.multi_head_call_spec(size, weights, num_heads),
+                       (queries, keys, values))
+    num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
+    num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
+    k = heads(ops, keys, weights, "W_k", num_heads)  # (B, H, t, h/H)
+    v = heads(ops, values, weights, "W_v", num_heads)
+    B, H, _, D = ops.shape(k)
+    pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, H, D),
+                                                          ops.dtype_name(k))
+    size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
+    steps = ops.shape(k)[2]
+    start = kv_cache.check_start(ops, start, steps, size)
+    written = tuple(kv_cache.written(ops, None if pair is None else old, new, start, size)
+                    for old, new in zip(pair or (None, None), (k, v), strict=True))
+    result = pool_heads(ops, queries, written, weights, num_heads,
+                        mask=kv_cache.visible(ops, start, steps, size), dropout=dropout,
+                        return_weights=return_weights, implementation=implementation)
+    return result, (written[0], written[1])
 
 
 def per_query(ops: Ops, x: Array, table: Array) -> Array:

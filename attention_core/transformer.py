@@ -7,15 +7,21 @@ encoder's positions, h = num_hiddens, V the vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from attention_core import cache as kv_cache
 from attention_core import checks
 from attention_core import weights as W
 from attention_core.linear import dense, layer_norm
-from attention_core.multihead import multi_head_attention
+from attention_core.multihead import (
+    cached_multi_head_attention,
+    heads,
+    multi_head_attention,
+    pool_heads,
+)
 from attention_core.ops import Array, Ops, fixed_shape
-from attention_core.positional import add_positions, positional_encoding
+from attention_core.positional import add_positions, positional_encoding, sinusoidal_encoding
 from attention_core.registry import ops_for
 from attention_core.weights import subset
 
@@ -188,7 +194,7 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
 
 def embed_with_positions(
     tokens: Array, table: Array, dropout: float, positions: Array | None, max_len: int | None,
-    *, ops: Ops,
+    *, ops: Ops, start: Any = 0,
 ) -> Array:
     """``dropout(E[tokens] * sqrt(h) + P)``: a stack's input, as the encoder and decoder make it.
 
@@ -203,16 +209,30 @@ def embed_with_positions(
             1000).
         max_len: See ``positions``.
         ops: The backend's ops.
+        start: The position of the first token (a cached decoder's step): rows
+            ``start .. start + T - 1`` of ``positions`` are added. An int or an integer scalar
+            array, checked by the caller.
 
     Returns:
         ``(B, T, h)``.
     """
     X = embed_tokens(tokens, table, ops=ops) * math.sqrt(fixed_shape(ops, table)[1])
-    if positions is None:
+    at_zero = isinstance(start, int) and start == 0
+    if positions is None and at_zero:
         return positional_encoding(X, dropout, max_len=max_len, ops=ops)
+    if positions is None:  # a step at a later position: the table's first rows up to it
+        if max_len is None:
+            raise ValueError("positions or max_len is required when start is not 0")
+        table = sinusoidal_encoding(max_len, fixed_shape(ops, table)[1], ops.dtype_name(X))
+        positions = ops.from_numpy(table[None], like=X)
     steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]
-    if isinstance(steps, int) and steps > rows:
-        raise ValueError(f"tokens have {steps} positions, more than max_len ({rows})")
+    known = start if isinstance(start, int) else ops.concrete(start)
+    if isinstance(steps, int) and known is not None and int(known) + steps > rows:
+        raise ValueError(f"tokens have {steps} positions, more than max_len ({rows})" if at_zero
+                         else f"tokens have positions up to {int(known) + steps - 1}, beyond "
+                         f"max_len ({rows})")
+    if not at_zero:  # rows start .. start + T - 1, looked up: start may be a run-time scalar
+        positions = ops.expand_dims(ops.take(positions[0], ops.arange(steps) + start), 0)
     return add_positions(X, positions, dropout, ops=ops)
 
 
@@ -284,6 +304,7 @@ def transformer_decoder_block(
     valid_lens: Any = None,
     mask: Any = None,
     enc_mask: Any = None,
+    past: Array | None = None,
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
@@ -311,6 +332,10 @@ def transformer_decoder_block(
             is causal whatever they are.
         mask: Boolean self-attention mask, True = may attend, combined with the causal one.
         enc_mask: Boolean cross-attention mask ``(T, S)``, ``(B, T, S)`` or ``(B, H, T, S)``.
+        past: The block's earlier inputs ``(B, P, h)``, as the d2l book's prediction loop
+            keeps them: the self-attention's keys and values are then ``concat(past, X)`` and
+            ``X``'s rows are positions ``P .. P + T - 1`` (the causal rule aligns them at the
+            end). ``valid_lens`` and ``mask`` then describe those ``P + T`` keys.
         dropout: Dropout rate of the attention weights and of every residual branch.
         return_weights: Also return the list of the block's attention weights: the
             self-attention's ``(B, H, T, T)``, then the cross-attention's ``(B, H, T, S)`` when
@@ -324,37 +349,156 @@ def transformer_decoder_block(
         ``(B, T, h)``, and the list of weights if asked.
     """
     ops = ops or ops_for(X)
-    checks.check_floating(ops, "X", X)
-    crossed = "cross_attention.W_q.kernel" in weights
-    check_encoder_outputs(ops, enc_outputs, crossed)
-    inputs = {"X": (X, "self_attention.W_q.kernel")}
-    if enc_outputs is not None:
-        inputs["enc_outputs"] = (enc_outputs, "cross_attention.W_k.kernel")
-    weights = W.check_call_weights(
-        ops, "transformer_decoder_block", weights,
-        lambda size: W.decoder_block_call_spec(size, weights, num_heads), inputs,
-    )
-    result = multi_head_attention(
-        X, X, X, subset(weights, "self_attention"), num_heads, valid_lens, mask=mask,
-        causal=True, dropout=dropout, return_weights=return_weights,
-        implementation=implementation, ops=ops,
-    )
-    attended, self_weights = result if return_weights else (result, None)
-    kept = [self_weights]
-    Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
-    last = "addnorm2"
-    if crossed:
-        result = multi_head_attention(
+    weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False)
+    if past is not None:
+        checks.check_framework("X", X, past=past)
+        checks.check_same_dtype(ops, "X", X, past=past)
+        checks.check_rank(ops, "past", past, (3,), "(B, P, h)")
+        checks.check_last_dim(ops, "past", past, ops.shape(X)[-1])
+    keys = X if past is None else ops.concatenate([past, X], 1)  # (B, P + T, h)
+
+    def attend_self(Y: Array) -> Any:
+        return multi_head_attention(
+            Y, keys, keys, subset(weights, "self_attention"), num_heads, valid_lens, mask=mask,
+            causal=True, dropout=dropout, return_weights=return_weights,
+            implementation=implementation, ops=ops,
+        )
+
+    def attend_cross(Y: Array) -> Any:
+        return multi_head_attention(
             Y, enc_outputs, enc_outputs, subset(weights, "cross_attention"), num_heads,
             enc_valid_lens, mask=enc_mask, dropout=dropout, return_weights=return_weights,
             implementation=implementation, ops=ops,
         )
-        attended, cross_weights = result if return_weights else (result, None)
+
+    out, kept = _decoder_sublayers(ops, X, weights, attend_self, attend_cross, dropout,
+                                   bool(return_weights))
+    return (out, kept) if return_weights else out
+
+
+def cached_decoder_block(
+    X: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    cache: Any = None,
+    start: Any = 0,
+    enc_outputs: Array | None = None,
+    enc_valid_lens: Any = None,
+    *,
+    enc_mask: Any = None,
+    capacity: int | None = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    ops: Ops | None = None,
+) -> tuple[Array | tuple[Array, list[Array]], tuple[Any, ...]]:
+    """A decoder block over ``t`` new positions, against its key/value cache.
+
+    Equal to :func:`transformer_decoder_block` on the whole sequence, row for row: the
+    self-attention is :func:`~attention_core.multihead.cached_multi_head_attention`, and the
+    cross-attention's keys and values, projected from ``enc_outputs`` by the call that makes
+    the cache, are kept in it.
+
+    Args:
+        X: ``(B, t, h)``, positions ``start .. start + t - 1``.
+        weights: Those of :func:`transformer_decoder_block`.
+        num_heads: Heads of both attentions.
+        cache: The block's cache from an earlier call: ``(self_pair,)``, or
+            ``(self_pair, cross_pair)`` with cross-attention, each pair ``(keys, values)``
+            ``(B, H, C or S, h/H)``; None to make one of ``capacity`` rows.
+        start: The position of ``X``'s first row: an int or an integer scalar array.
+        enc_outputs: ``(B, S, h_enc)``: required when the block has cross-attention and the
+            cache is made now; when the cache holds their projections it is not read.
+        enc_valid_lens: See :func:`transformer_decoder_block`; given at every call.
+        enc_mask: See :func:`transformer_decoder_block`, ``(t, S)``, ``(B, t, S)`` or
+            ``(B, H, t, S)`` for these rows.
+        capacity: C of a cache made now.
+        dropout: See :func:`transformer_decoder_block`.
+        return_weights: Also return ``[self (B, H, t, C), cross (B, H, t, S)]``.
+        implementation: How the heads pool.
+        ops: The backend's ops; found from ``X`` when omitted.
+
+    Returns:
+        ``(output, cache)``: as :func:`transformer_decoder_block` returns, and the new cache.
+    """
+    ops = ops or ops_for(X)
+    if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) not in (1, 2)):
+        raise TypeError("cache must be a block's cache, (self_pair,) or (self_pair, "
+                        f"cross_pair), got {type(cache).__name__}")
+    cached_cross = cache is not None and len(cache) == 2
+    crossed = "cross_attention.W_q.kernel" in weights
+    weights = _checked_block(ops, X, weights, num_heads,
+                             None if cached_cross else enc_outputs, cached_cross=cached_cross)
+    if cache is not None and crossed != cached_cross:
+        raise ValueError(f"cache must hold {'2 pairs (self, cross)' if crossed else '1 pair'} "
+                         f"for this block, got {len(cache)}")
+    new_cache: list[Any] = []
+
+    def attend_self(Y: Array) -> Any:
+        result, pair = cached_multi_head_attention(
+            Y, Y, Y, subset(weights, "self_attention"), num_heads,
+            None if cache is None else cache[0], start, capacity=capacity, dropout=dropout,
+            return_weights=return_weights, implementation=implementation, ops=ops,
+        )
+        new_cache.append(pair)
+        return result
+
+    def attend_cross(Y: Array) -> Any:
+        cross = subset(weights, "cross_attention")
+        if cache is not None and cached_cross:
+            depth = fixed_shape(ops, cross["W_q.kernel"])[-1] // num_heads
+            pair = kv_cache.check_pair(ops, "cache cross pair", cache[1],
+                                       (ops.shape(Y)[0], num_heads, depth), ops.dtype_name(Y))
+        else:
+            pair = (heads(ops, enc_outputs, cross, "W_k", num_heads),
+                    heads(ops, enc_outputs, cross, "W_v", num_heads))
+        new_cache.append(pair)
+        return pool_heads(ops, Y, pair, cross, num_heads, enc_valid_lens, mask=enc_mask,
+                          dropout=dropout, return_weights=return_weights,
+                          implementation=implementation)
+
+    out, kept = _decoder_sublayers(ops, X, weights, attend_self, attend_cross, dropout,
+                                   bool(return_weights))
+    return ((out, kept) if return_weights else out), tuple(new_cache)
+
+
+def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: int,
+                   enc_outputs: Array | None, *, cached_cross: bool) -> W.CheckedWeights:
+    """A decoder block's weights checked against ``X`` and the encoder outputs (if read)."""
+    checks.check_floating(ops, "X", X)
+    crossed = "cross_attention.W_q.kernel" in weights
+    check_encoder_outputs(ops, enc_outputs, crossed and not cached_cross)
+    inputs = {"X": (X, "self_attention.W_q.kernel")}
+    if enc_outputs is not None:
+        inputs["enc_outputs"] = (enc_outputs, "cross_attention.W_k.kernel")
+    return W.check_call_weights(
+        ops, "transformer_decoder_block", weights,
+        lambda size: W.decoder_block_call_spec(size, weights, num_heads), inputs,
+    )
+
+
+def _decoder_sublayers(
+    ops: Ops, X: Array, weights: Mapping[str, Array], attend_self: Callable[[Array], Any],
+    attend_cross: Callable[[Array], Any], dropout: float, with_weights: bool,
+) -> tuple[Array, list[Array]]:
+    """A decoder block's sublayers in order, given its two attentions (full or cached).
+
+    Returns:
+        The output, and the attention weights the attentions returned (when ``with_weights``).
+    """
+    result = attend_self(X)
+    attended, self_weights = result if with_weights else (result, None)
+    kept = [self_weights]
+    Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
+    last = "addnorm2"
+    if "cross_attention.W_q.kernel" in weights:
+        result = attend_cross(Y)
+        attended, cross_weights = result if with_weights else (result, None)
         kept.append(cross_weights)
         Y, last = add_norm(Y, attended, subset(weights, "addnorm2"), dropout, ops=ops), "addnorm3"
     out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
                    subset(weights, last), dropout, ops=ops)
-    return (out, kept) if return_weights else out
+    return out, kept
 
 
 def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool) -> None:
@@ -434,6 +578,83 @@ def transformer_decoder(
             per_kind.append(weights_i)
     logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
     return (logits, kept) if return_weights else logits
+
+
+def cached_decoder(
+    tokens: Array,
+    weights: Mapping[str, Array],
+    num_heads: int,
+    cache: Any = None,
+    start: Any = 0,
+    enc_outputs: Array | None = None,
+    enc_valid_lens: Any = None,
+    *,
+    enc_mask: Any = None,
+    capacity: int | None = None,
+    dropout: float = 0.0,
+    return_weights: bool | str = False,
+    implementation: str | None = None,
+    positions: Array | None = None,
+    max_len: int | None = None,
+    ops: Ops | None = None,
+) -> tuple[Array | tuple[Array, list[list[Array]]], list[Any]]:
+    """The decoder over ``t`` new positions, each block against its key/value cache.
+
+    Equal to :func:`transformer_decoder` on the whole sequence, row for row (see
+    :func:`cached_decoder_block`). A first call (``cache`` None) on the first ``t`` tokens
+    (a prompt, or the start token) makes the caches of ``capacity`` rows; each later call
+    passes the cache it returned and the position of its first token.
+
+    Args:
+        tokens: Integer ids ``(B, t)``, positions ``start .. start + t - 1``.
+        weights: Those of :func:`transformer_decoder`.
+        num_heads: Heads of every attention.
+        cache: One block cache per block (:func:`cached_decoder_block`), or None.
+        start: The position of the first token: an int or an integer scalar array.
+        enc_outputs: ``(B, S, h_enc)``, required when the cache is made with cross-attention.
+        enc_valid_lens: Integer lengths of the encoder outputs, given at every call.
+        enc_mask: Boolean cross-attention mask of these rows.
+        capacity: C of the caches made now: the longest sequence the calls will reach.
+        dropout: See :func:`transformer_decoder`.
+        return_weights: Also return ``[self, cross]``, one list of per-block weights each.
+        implementation: How the heads pool.
+        positions: The sinusoidal table ``(1, T', h)``, ``T' >= start + t``; made here when
+            None (``start`` must then be 0).
+        max_len: Rows of the table made here when ``positions`` is None.
+        ops: The backend's ops; found from ``tokens`` when omitted.
+
+    Returns:
+        ``(logits, cache)``: the logits ``(B, t, V_out)`` (with the weights if asked) and
+        the new cache, one block cache per block.
+    """
+    ops = ops or ops_for(tokens)
+    weights = W.check_call_weights(ops, "transformer_decoder", weights,
+                                   lambda size: W.decoder_call_spec(size, weights, num_heads))
+    blocks = W.count_blocks(weights)
+    if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) != blocks):
+        raise ValueError(f"cache must hold one block cache per block ({blocks}), got "
+                         f"{len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__}")
+    held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
+    start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
+                                 kv_cache.capacity_of(ops, held, capacity))
+    X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
+                             ops=ops, start=start)
+    kept: list[list[Array]] = []
+    new_cache = []
+    for i in range(blocks):
+        result, block_cache = cached_decoder_block(
+            X, subset(weights, f"blks.{i}"), num_heads, None if cache is None else cache[i],
+            start, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
+            dropout=dropout, return_weights=return_weights, implementation=implementation,
+            ops=ops,
+        )
+        new_cache.append(block_cache)
+        X, formed = result if return_weights else (result, [])
+        kept = kept or [[] for _ in formed]
+        for per_kind, weights_i in zip(kept, formed, strict=True):
+            per_kind.append(weights_i)
+    logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
+    return ((logits, kept) if return_weights else logits), new_cache
 
 
 def transformer_encoder_decoder(

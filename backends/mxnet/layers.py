@@ -116,7 +116,8 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
             self._reg_params[name] = self.params.get_constant(name, mx.np.array(table, dtype="float64"))
             self._reg_params[name].cast(dtype)
         signature = self.call_signature().parameters.items()
-        self._arrays = tuple(n for n, p in signature if not isinstance(p.default, bool))
+        self._arrays = tuple(n for n, p in signature if not isinstance(p.default, bool)
+                             and n not in self.cache_arguments)
         self._call: tuple[dict[str, Any], bool | str, list[Any]] = ({}, False, [])
         self._graph_key: Any = None
         self._attention_kept = self.finish(None, False, False)[1]
@@ -222,6 +223,8 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         options = {n: v for n, v in prepared.arguments.items() if n not in self._arrays}
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
+        if any(options.get(n) is not None for n in self.cache_arguments):  # state in, state out
+            return self._cached_call(arrays, options, need, prepared.return_attention, ctx)
         with autograd.pause():  # a first call runs on new weights, kept once it succeeded
             new = self._new_weights(prepared.dims, ctx)
             if new:
@@ -241,6 +244,22 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
             self._call = ({}, False, [])
         out = tuple(out) if isinstance(out, (list, tuple)) else out
         returned, kept = self.finish(out, need, prepared.return_attention)
+        if self.attention_kind:
+            self._attention_kept = kept
+        return returned
+
+    def _cached_call(self, arrays: list[Any], options: Mapping[str, Any], need: bool | str,
+                     return_attention: bool, ctx: Any) -> Any:
+        """A cached call, run imperatively: its cache is a tree of arrays, not graph inputs.
+
+        The layer must be built (a first call without a cache, or ``set_weights``).
+        """
+        if not self.built:
+            raise ValueError(f"{type(self).__name__} must be built (called once without a cache, "
+                             "or given set_weights) before a cached call")
+        params = {n: p.data(ctx) for n, p in self._reg_params.items()}
+        out = self._forward(OPS, arrays, options, need, params)
+        returned, kept = self.finish(out, need, return_attention)
         if self.attention_kind:
             self._attention_kept = kept
         return returned

@@ -205,3 +205,12 @@ def adam_steps(make_layer: Callable[[], Any], args: Sequence[Any], target: np.nd
         moved = moved and all(not torch.equal(p, before[n]) for n, p in layer.named_parameters())
         losses.append(loss.item())
     return losses, first, moved
+
+
+def compiled_step(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[], int]]:
+    """A decoding step as one graph, ``torch.compile(fn, fullgraph=True)`` (Dynamo's caches
+    reset first), and the number of graphs Dynamo has compiled since (a counter in ``fn``
+    would itself be guarded on, and force a recompilation per call)."""
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(fn, fullgraph=True), lambda: int(counters["stats"]["unique_graphs"])

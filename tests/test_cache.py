@@ -1,0 +1,164 @@
+"""Cached incremental decoding (issue 18): a decoder run a chunk or a token at a time against
+its key/value cache equals one full causal pass, on each backend, eager and compiled; the d2l
+book's loop, which passes a block its earlier inputs, does too; bad caches and positions are
+refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import attention_core as ac
+from attention_core import transformer as T
+from tests.harness import Harness, max_diff
+from tests.test_decoder import H, S, V, block_weights, h, on, stack_weights
+
+B, STEPS = 2, 7
+#: The target of issue 18: step by step equals the full pass within 1e-5 in float32.
+BOUND = 1e-5
+#: How the positions are fed: a prompt of 3, then 1, 1, a chunk of 2, and 1.
+CHUNKS = ((0, 3), (3, 1), (4, 1), (5, 2))
+
+
+def _inputs(rng: np.random.Generator, crossed: bool) -> tuple[np.ndarray, Any, Any]:
+    tokens = rng.integers(0, V, (B, STEPS))
+    enc = rng.standard_normal((B, S, h)) if crossed else None
+    lens = np.array([S, 2]) if crossed else None
+    return tokens, enc, lens
+
+
+@pytest.mark.parametrize("crossed", [True, False], ids=["cross", "decoder_only"])
+def test_cached_decoder_layer_equals_the_full_pass(backend: str, crossed: bool) -> None:
+    """The layer's cached calls (a prompt, single tokens, a chunk) give the full pass's logits,
+    with ``start`` an int or an integer scalar array."""
+    rng = np.random.default_rng(11)
+    hb = Harness(backend)
+    layer = hb.make("TransformerDecoder", {"vocab_size": V, "num_hiddens": h,
+                                           "ffn_num_hiddens": 12, "num_heads": H, "num_blks": 2,
+                                           "decoder_only": not crossed, "max_len": 16})
+    tokens, enc, lens = _inputs(rng, crossed)
+    ids = hb.array(tokens.astype(np.int32))
+    cross = [] if enc is None else [hb.array(enc, "float32"), hb.array(lens)]
+    full = hb.numpy(hb.call(layer, ids, *cross))
+    pieces, cache = [], None
+    for start, n in CHUNKS:
+        chunk = hb.array(tokens[:, start:start + n].astype(np.int32))
+        at: Any = start if start % 2 else hb.array(np.array(start, np.int32))
+        extra = {"capacity": STEPS} if cache is None else {"cache": cache, "start": at}
+        logits, cache = hb.call(layer, chunk, *cross, **extra)
+        pieces.append(hb.numpy(logits))
+    assert max_diff(np.concatenate(pieces, axis=1), full) <= BOUND
+
+
+@pytest.mark.parametrize("way", ["cache", "past"])
+def test_cached_block_and_the_d2l_loop_equal_the_full_pass(backend: str, way: str) -> None:
+    """A block one position at a time: against its cache, or given its earlier inputs as the
+    d2l book's prediction loop keeps them (``past``)."""
+    rng = np.random.default_rng(12)
+    hb = Harness(backend)
+    w = on(hb, block_weights(rng, True))
+    X = rng.standard_normal((B, STEPS, h))
+    enc, lens = hb.array(rng.standard_normal((B, S, h)), "float32"), hb.array(np.array([3, S]))
+    full = hb.numpy(ac.transformer_decoder_block(hb.array(X, "float32"), w, H, enc, lens))
+    rows, cache = [], None
+    for t in range(STEPS):
+        x = hb.array(X[:, t:t + 1], "float32")
+        if way == "past":
+            past = None if t == 0 else hb.array(X[:, :t], "float32")
+            rows.append(hb.numpy(ac.transformer_decoder_block(x, w, H, enc, lens, past=past)))
+        else:  # the encoder outputs are read once, by the call that makes the cache
+            out, cache = T.cached_decoder_block(x, w, H, cache, t, enc if t == 0 else None, lens,
+                                                capacity=STEPS)
+            rows.append(hb.numpy(out))
+    assert max_diff(np.concatenate(rows, axis=1), full) <= BOUND
+
+
+@pytest.mark.parametrize("crossed", [True, False], ids=["cross", "decoder_only"])
+def test_cached_steps_compile_once(backend: str, crossed: bool) -> None:
+    """One compiled step (``jax.jit``, ``tf.function(jit_compile=True)``, ``torch.compile``),
+    traced once, serves every position: the cache has a fixed capacity and the position is an
+    array. Its logits equal the eager full pass."""
+    hb = Harness(backend)
+    if not hasattr(hb.hooks, "compiled_step") and not hasattr(hb.hooks, "compiled_function"):
+        pytest.skip(f"{backend} compiles no plain function")
+    rng = np.random.default_rng(13)
+    w = on(hb, stack_weights(rng, crossed))
+    tokens, enc, lens = _inputs(rng, crossed)
+    P = hb.array(ac.sinusoidal_encoding(16, h)[None], "float32")
+    cross = [] if enc is None else [hb.array(enc, "float32"), hb.array(lens)]
+    full = hb.numpy(ac.transformer_decoder(hb.array(tokens.astype(np.int32)), w, H, *cross,
+                                           positions=P))
+    def step(ids: Any, start: Any, cache: Any, *lens_: Any) -> Any:
+        return T.cached_decoder(ids, w, H, cache, start, None, *lens_, positions=P)
+
+    compiled, traces = _compiled(hb, step)
+    first, cache = T.cached_decoder(hb.array(tokens[:, :1].astype(np.int32)), w, H, None, 0,
+                                    *cross, capacity=STEPS, positions=P)
+    rows = [hb.numpy(first)]
+    for t in range(1, STEPS):
+        ids = hb.array(tokens[:, t:t + 1].astype(np.int32))
+        logits, cache = compiled(ids, hb.array(np.array(t, np.int32)), cache, *cross[1:])
+        rows.append(hb.numpy(logits))
+    assert max_diff(np.concatenate(rows, axis=1), full) <= BOUND
+    assert traces() == 1, f"the step was traced {traces()} times"
+
+
+def _compiled(hb: Harness, fn: Any) -> tuple[Any, Any]:
+    """``fn`` compiled by the backend's hook, and the number of times it has been traced."""
+    if hasattr(hb.hooks, "compiled_step"):
+        return hb.hooks.compiled_step(fn)
+    traces = []
+
+    def counted(*args: Any) -> Any:
+        traces.append(1)  # runs when the function is traced, not when the program runs
+        return fn(*args)
+
+    return hb.hooks.compiled_function(counted), lambda: len(traces)
+
+
+def test_cache_errors_name_the_argument() -> None:
+    rng = np.random.default_rng(14)
+    w = {k: v.astype(np.float32) for k, v in stack_weights(rng, True).items()}
+    enc = rng.standard_normal((B, S, h)).astype(np.float32)
+    ids = rng.integers(0, V, (B, 2))
+    _, cache = T.cached_decoder(ids, w, H, None, 0, enc, capacity=4, max_len=8)
+    with pytest.raises(ValueError, match=r"capacity is required"):
+        T.cached_decoder(ids, w, H, None, 0, enc)
+    with pytest.raises(ValueError, match=r"start \+ positions must be <= the cache's capacity "
+                                         r"\(4\), got start 3 \+ 2 positions = 5"):
+        T.cached_decoder(ids, w, H, cache, 3, max_len=8)
+    with pytest.raises(ValueError, match="start must be >= 0, got -1"):
+        T.cached_decoder(ids, w, H, cache, -1, max_len=8)
+    with pytest.raises(TypeError, match="start must be an integer position"):
+        T.cached_decoder(ids, w, H, cache, 1.0, max_len=8)
+    with pytest.raises(ValueError, match=r"capacity \(5\) must equal the given cache's \(4\)"):
+        T.cached_decoder(ids, w, H, cache, 0, capacity=5, max_len=8)
+    with pytest.raises(ValueError, match=r"one block cache per block \(2\), got 1"):
+        T.cached_decoder(ids, w, H, cache[:1], 0, max_len=8)
+    with pytest.raises(ValueError, match=r"cache keys must have shape \(B, H, C, D\) = "
+                                         r"\(2, 2, C, 4\), got \(2, 2, 4, 3\)"):
+        broken = [((k[..., :3], v), cross) for (k, v), cross in cache]
+        T.cached_decoder(ids, w, H, broken, 0, max_len=8)
+    with pytest.raises(TypeError, match="cache keys must have dtype float32, got float64"):
+        wide = [((k.astype(np.float64), v), cross) for (k, v), cross in cache]
+        T.cached_decoder(ids, w, H, wide, 0, max_len=8)
+    with pytest.raises(ValueError, match=r"beyond max_len \(3\)"):
+        T.cached_decoder(ids, w, H, cache, 2, max_len=3)
+
+
+def test_cached_layer_refuses_masks_of_its_keys() -> None:
+    """A cached call's keys are the cache's rows: ``valid_lens``, ``mask`` and ``past`` are
+    refused by name; the layer's weights are unchanged by the failed call."""
+    import backends.numpy as L
+
+    layer = L.TransformerDecoderBlock(h, 12, H, decoder_only=True)
+    X = np.random.default_rng(15).standard_normal((B, 3, h)).astype(np.float32)
+    layer(X)
+    before = layer.get_weights()
+    for name, value in (("valid_lens", np.array([1, 2])), ("mask", np.ones((3, 3), bool)),
+                        ("past", X)):
+        with pytest.raises(ValueError, match=f"{name} must be None in a cached call"):
+            layer(X, capacity=4, **{name: value})
+    assert all(np.array_equal(before[k], v) for k, v in layer.get_weights().items())
