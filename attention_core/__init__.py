@@ -17,7 +17,12 @@ from attention_core.attention import (
     masked_softmax,
     nadaraya_watson,
 )
-from attention_core.multihead import multi_head_attention, relative_multi_head_attention
+from attention_core.generation import Generated, beam_search, greedy_search, repeat_rows
+from attention_core.multihead import (
+    cached_multi_head_attention,
+    multi_head_attention,
+    relative_multi_head_attention,
+)
 from attention_core.positional import positional_encoding, relative_rotation, sinusoidal_encoding
 from attention_core.registry import (
     BACKENDS,
@@ -30,6 +35,8 @@ from attention_core.registry import (
 )
 from attention_core.transformer import (
     add_norm,
+    cached_decoder,
+    cached_decoder_block,
     position_wise_ffn,
     transformer_decoder,
     transformer_decoder_block,
@@ -65,11 +72,17 @@ __all__ = [
     "ENV_VAR",
     "LAYER_NAMES",
     "BackendNotInstalledError",
+    "Generated",
     "add_norm",
     "additive_attention",
     "available_backends",
     "backend",
+    "beam_search",
+    "cached_decoder",
+    "cached_decoder_block",
+    "cached_multi_head_attention",
     "dot_product_attention",
+    "greedy_search",
     "load_weights",
     "masked_softmax",
     "multi_head_attention",
@@ -78,6 +91,7 @@ __all__ = [
     "positional_encoding",
     "relative_multi_head_attention",
     "relative_rotation",
+    "repeat_rows",
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",

@@ -573,11 +573,17 @@ def transformer_decoder(
             return_weights=return_weights, implementation=implementation, ops=ops,
         )
         X, formed = result if return_weights else (result, [])
-        kept = kept or [[] for _ in formed]
-        for per_kind, weights_i in zip(kept, formed, strict=True):
-            per_kind.append(weights_i)
+        kept = _collected(kept, formed)
     logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
     return (logits, kept) if return_weights else logits
+
+
+def _collected(kept: list[list[Array]], formed: list[Array]) -> list[list[Array]]:
+    """A stack's kept weights, one list per kind of attention, with one more block's added."""
+    kept = kept or [[] for _ in formed]
+    for per_kind, weights_i in zip(kept, formed, strict=True):
+        per_kind.append(weights_i)
+    return kept
 
 
 def cached_decoder(
@@ -650,9 +656,7 @@ def cached_decoder(
         )
         new_cache.append(block_cache)
         X, formed = result if return_weights else (result, [])
-        kept = kept or [[] for _ in formed]
-        for per_kind, weights_i in zip(kept, formed, strict=True):
-            per_kind.append(weights_i)
+        kept = _collected(kept, formed)
     logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
     return ((logits, kept) if return_weights else logits), new_cache
 

@@ -52,6 +52,28 @@ def test_cached_decoder_layer_equals_the_full_pass(backend: str, crossed: bool) 
     assert max_diff(np.concatenate(pieces, axis=1), full) <= BOUND
 
 
+def test_cached_multi_head_attention_equals_causal_attention(backend: str) -> None:
+    """Self-attention in chunks against the cache: the causal attention of the whole sequence,
+    and the returned weights its rows, zero on the rows not written yet."""
+    rng = np.random.default_rng(16)
+    hb = Harness(backend)
+    w = {f"{n}.{leaf}": hb.array(rng.standard_normal((h, h) if leaf == "kernel" else (h,)),
+                                 "float32")
+         for n in ("W_q", "W_k", "W_v", "W_o") for leaf in ("kernel", "bias")}
+    X = rng.standard_normal((B, STEPS, h))
+    full, attn = ac.multi_head_attention(*[hb.array(X, "float32")] * 3, w, H, causal=True,
+                                         return_weights=True)
+    rows, weights, cache = [], [], None
+    for start, n in CHUNKS:
+        x = hb.array(X[:, start:start + n], "float32")
+        (out, a), cache = ac.cached_multi_head_attention(x, x, x, w, H, cache, start,
+                                                         capacity=STEPS, return_weights=True)
+        rows.append(hb.numpy(out))
+        weights.append(hb.numpy(a))
+    assert max_diff(np.concatenate(rows, axis=1), hb.numpy(full)) <= BOUND
+    assert max_diff(np.concatenate(weights, axis=2), hb.numpy(attn)) <= BOUND
+
+
 @pytest.mark.parametrize("way", ["cache", "past"])
 def test_cached_block_and_the_d2l_loop_equal_the_full_pass(backend: str, way: str) -> None:
     """A block one position at a time: against its cache, or given its earlier inputs as the

@@ -1,0 +1,228 @@
+"""Greedy and beam search over any backend's decoding step, one implementation for all.
+
+A step is a function ``step(tokens, cache, start) -> (logits, cache)``: the logits
+``(N, t, V)`` of the tokens ``(N, t)`` at positions ``start .. start + t - 1``, given the cache
+its previous call returned (None at the first call, which makes it). A cached decoder layer
+makes one in a line (``lambda ids, c, s: dec(ids, enc, lens, cache=c, start=s)`` with
+``capacity=`` when ``c`` is None); so does a full recomputation that ignores the cache. The
+search itself (argmax, log-softmax, top-k, the beams' bookkeeping) runs on the host in float64,
+reading one row of logits per sequence and step; the step runs where the framework runs it.
+
+Beam search keeps ``beam_size`` hypotheses per example. Rows are example-major: row
+``b * beam_size + k`` is beam k of example b, so the step's other inputs (encoder outputs,
+lengths) are repeated ``beam_size`` times per example (:func:`repeat_rows`). A hypothesis ends
+at ``eos``; it is ranked by ``log P / L ** length_penalty``, L its length counting ``eos``
+(the d2l book's rule, with 0.75 its usual exponent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attention_core import checks
+from attention_core.host import host_array, plain
+from attention_core.ops import Array
+from attention_core.registry import ops_for
+
+#: A decoding step: ``(tokens (N, t), cache or None, start) -> (logits (N, t, V), cache)``.
+Step = Callable[[Array, Any, int], tuple[Array, Any]]
+
+
+class Generated(NamedTuple):
+    """What a search returns.
+
+    Attributes:
+        tokens: ``(B, L)`` int64 ids after the start token, ``eos`` where a sequence ended
+            and after it.
+        lengths: ``(B,)`` tokens up to and including the first ``eos`` (L when none).
+        scores: ``(B,)`` the sum of the tokens' log-probabilities (beam search: divided by
+            ``length ** length_penalty``).
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    scores: np.ndarray
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``log softmax`` over the last axis, in float64."""
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _check_search(bos: Any, max_steps: Any, eos: Any) -> tuple[np.ndarray, int, int | None]:
+    """The start tokens as an int64 ``(B,)`` array, and the checked ``max_steps`` and ``eos``."""
+    first = np.asarray(host_array(bos))
+    if first.ndim != 1 or first.dtype.kind not in "iu":
+        raise ValueError(f"bos must be integer start tokens of shape (B,), got dtype "
+                         f"{first.dtype} and shape {first.shape}")
+    steps = checks.check_positive_int("max_steps", max_steps)
+    eos = plain(eos)
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
+        raise ValueError(f"eos must be None or a token id >= 0, got {eos!r}")
+    return first.astype(np.int64), steps, eos
+
+
+def _last_row(logits: Any, rows: int) -> np.ndarray:
+    """The last position's logits ``(N, V)`` of a step's ``(N, t, V)`` output, on the host."""
+    values = np.asarray(host_array(logits))
+    if values.ndim != 3 or values.shape[0] != rows:
+        raise ValueError(f"the step must return logits of shape (N, t, V) with N = {rows}, got "
+                         f"shape {values.shape}")
+    return values[:, -1]
+
+
+def _ids_like(logits: Any, ids: np.ndarray) -> Array:
+    """Next tokens ``(N, 1)`` as int32 arrays of the logits' backend."""
+    return ops_for(logits).from_numpy(ids.astype(np.int32)[:, None])
+
+
+def greedy_search(step: Step, bos: Any, max_steps: int, *, eos: int | None = None) -> Generated:
+    """Decodes by taking the most likely token at each step.
+
+    Args:
+        step: The decoding step (see the module's docstring).
+        bos: The start token of each sequence, ``(B,)`` integers (any framework).
+        max_steps: The most tokens to generate.
+        eos: The end token: a sequence that emits it is finished (its later tokens are
+            ``eos``); the search stops when all are. None to always generate ``max_steps``.
+
+    Returns:
+        A :class:`Generated`; ``scores`` holds each sequence's log-probability up to its end.
+    """
+    first, steps, eos = _check_search(bos, max_steps, eos)
+    rows = first.shape[0]
+    logits, cache = step(ops_for_ids(bos, first), None, 0)
+    tokens = np.zeros((rows, 0), np.int64)
+    done = np.zeros(rows, bool)
+    lengths = np.full(rows, steps, np.int64)
+    scores = np.zeros(rows)
+    for t in range(steps):
+        logp = log_softmax(_last_row(logits, rows))
+        chosen = logp.argmax(axis=-1)
+        scores += np.where(done, 0.0, logp[np.arange(rows), chosen])
+        if eos is not None:
+            chosen = np.where(done, eos, chosen)
+            ended = ~done & (chosen == eos)
+            lengths[ended] = t + 1
+            done |= ended
+        tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
+        if done.all() or t + 1 == steps:
+            break
+        logits, cache = step(_ids_like(logits, chosen), cache, t + 1)
+    return Generated(tokens, np.minimum(lengths, tokens.shape[1]), scores)
+
+
+def ops_for_ids(bos: Any, first: np.ndarray) -> Any:
+    """The start tokens ``(B, 1)`` as int32, in ``bos``'s framework (NumPy for host values)."""
+    try:
+        ops = ops_for(bos)
+    except TypeError:  # a list, or NumPy: the NumPy backend
+        return first.astype(np.int32)[:, None]
+    return ops.from_numpy(first.astype(np.int32)[:, None])
+
+
+def repeat_rows(x: Any, times: int) -> Any:
+    """Each row (axis 0) of ``x`` repeated ``times`` times in a row, in ``x``'s framework.
+
+    For the step's inputs in beam search (encoder outputs, their lengths): row ``b`` becomes
+    rows ``b * times .. b * times + times - 1``.
+    """
+    times = checks.check_positive_int("times", times)
+    values = np.asarray(host_array(x))
+    try:
+        ops = ops_for(x)
+    except TypeError:
+        return np.repeat(values, times, axis=0)
+    return ops.from_numpy(np.repeat(values, times, axis=0))
+
+
+def reorder_cache(cache: Any, rows: np.ndarray) -> Any:
+    """The cache with its rows (axis 0 of every array) taken in the order ``rows``.
+
+    Works on any nesting of lists and tuples; each array is gathered by the backend's own
+    lookup (flattened to ``(N, -1)``), so the cache stays where it is.
+    """
+    if cache is None:
+        return None
+    if isinstance(cache, (list, tuple)):
+        return type(cache)(reorder_cache(part, rows) for part in cache)
+    ops = ops_for(cache)
+    shape = ops.shape(cache)
+    flat = ops.reshape(cache, (shape[0], -1))
+    taken = ops.take(flat, ops.from_numpy(rows.astype(np.int32)))
+    return ops.reshape(taken, (len(rows), *shape[1:]))
+
+
+def beam_search(
+    step: Step,
+    bos: Any,
+    max_steps: int,
+    *,
+    beam_size: int = 4,
+    eos: int | None = None,
+    length_penalty: float = 0.75,
+) -> Generated:
+    """Decodes by keeping the ``beam_size`` most likely hypotheses of each example.
+
+    At each step every live hypothesis is extended by every token; the ``beam_size`` best
+    extensions of each example (by summed log-probability) are kept, and the cache's rows are
+    reordered to follow them. A hypothesis that emits ``eos`` is finished: it keeps its score
+    and extends only by ``eos``, at no cost. The search stops when every hypothesis has
+    finished or after ``max_steps`` tokens; each example's result is the hypothesis with the
+    best ``score / length ** length_penalty``.
+
+    Args:
+        step: The decoding step, called on ``B * beam_size`` rows, example-major (see the
+            module's docstring; :func:`repeat_rows` for its other inputs).
+        bos: The start token of each example, ``(B,)``.
+        max_steps: The most tokens to generate.
+        beam_size: Hypotheses per example; 1 is greedy search.
+        eos: The end token, or None.
+        length_penalty: The exponent of the length that divides a finished score; 0 ranks by
+            log-probability alone.
+
+    Returns:
+        A :class:`Generated` of the best hypothesis of each example.
+    """
+    first, steps, eos = _check_search(bos, max_steps, eos)
+    size = checks.check_positive_int("beam_size", beam_size)
+    alpha = float(plain(length_penalty))
+    if not np.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty!r}")
+    batch = first.shape[0]
+    rows = batch * size
+    logits, cache = step(ops_for_ids(bos, np.repeat(first, size)), None, 0)
+    scores = np.tile(np.r_[0.0, np.full(size - 1, -np.inf)], batch)  # one live beam at first
+    tokens = np.zeros((rows, 0), np.int64)
+    done = np.zeros(rows, bool)
+    lengths = np.full(rows, steps, np.int64)
+    for t in range(steps):
+        logp = log_softmax(_last_row(logits, rows))
+        if eos is not None:  # a finished hypothesis extends by eos alone, at no cost
+            logp[done] = -np.inf
+            logp[done, eos] = 0.0
+        vocab = logp.shape[1]
+        total = (scores[:, None] + logp).reshape(batch, size * vocab)
+        best = np.argsort(-total, axis=1, kind="stable")[:, :size]  # (B, K)
+        parent = (best // vocab + np.arange(batch)[:, None] * size).reshape(rows)
+        chosen = (best % vocab).reshape(rows)
+        scores = np.take_along_axis(total, best, axis=1).reshape(rows)
+        tokens = np.concatenate([tokens[parent], chosen[:, None]], axis=1)
+        done, lengths = done[parent], lengths[parent]
+        if eos is not None:
+            ended = ~done & (chosen == eos)
+            lengths[ended] = t + 1
+            done |= ended
+        if (eos is not None and done.all()) or t + 1 == steps:
+            break
+        cache = reorder_cache(cache, parent)
+        logits, cache = step(_ids_like(logits, chosen), cache, t + 1)
+    lengths = np.minimum(lengths, tokens.shape[1])
+    ranked = (scores / lengths.astype(np.float64) ** alpha).reshape(batch, size)
+    pick = np.arange(batch) * size + ranked.argmax(axis=1)
+    return Generated(tokens[pick], lengths[pick], ranked.max(axis=1))
