@@ -184,3 +184,48 @@ def test_cached_layer_refuses_masks_of_its_keys() -> None:
         with pytest.raises(ValueError, match=f"{name} must be None in a cached call"):
             layer(X, capacity=4, **{name: value})
     assert all(np.array_equal(before[k], v) for k, v in layer.get_weights().items())
+
+
+def test_flax_decode_keeps_the_cache_in_its_collection(backend: str) -> None:
+    """Flax's convention: a first ``apply(..., decode=True, mutable=["cache"])`` on inputs as
+    long as the decoding makes the ``'cache'`` collection (with the trained params: it holds
+    the encoder outputs' projections); each jitted ``apply`` with it feeds the next position,
+    and the outputs are the full pass's."""
+    if backend != "jax":
+        pytest.skip("the 'cache' collection is Flax's convention")
+    import jax
+    import jax.numpy as jnp
+
+    from backends.jax import TransformerDecoder
+
+    rng = np.random.default_rng(17)
+    layer = TransformerDecoder(V, h, 12, H, 2, max_len=16)
+    tokens, enc, lens = _inputs(rng, True)
+    ids, enc, lens = jnp.asarray(tokens, jnp.int32), jnp.asarray(enc, jnp.float32), jnp.asarray(lens)
+    params = layer.init(jax.random.PRNGKey(0), ids, enc, lens)["params"]
+    full = np.asarray(layer.apply({"params": params}, ids, enc, lens))
+    _, made = layer.apply({"params": params}, jnp.zeros_like(ids), enc, lens, decode=True,
+                          mutable=["cache"])
+    cache = made["cache"]
+    traces = []
+
+    def step(cache: Any, ids: Any) -> Any:
+        traces.append(1)
+        return layer.apply({"params": params, "cache": cache}, ids, None, lens, decode=True,
+                           mutable=["cache"])
+
+    compiled = jax.jit(step)
+    rows = []
+    for t in range(STEPS):
+        out, mutated = compiled(cache, ids[:, t:t + 1])
+        cache = mutated["cache"]
+        rows.append(np.asarray(out))
+    assert max_diff(np.concatenate(rows, axis=1), full) <= BOUND
+    assert int(cache["index"]) == STEPS and len(traces) == 1
+    with pytest.raises(ValueError, match=r"decode=True keeps the cache .*: capacity must not"):
+        layer.apply({"params": params, "cache": cache}, ids, enc, lens, decode=True, capacity=4,
+                    mutable=["cache"])
+    from backends.jax import MultiHeadAttention
+
+    with pytest.raises(TypeError, match="MultiHeadAttention has no key/value cache"):
+        MultiHeadAttention(8, 2).init(jax.random.PRNGKey(0), enc, enc, enc, decode=True)

@@ -150,10 +150,24 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         return weights
 
     @nn.compact
-    def __call__(self, *args: Any, training: bool = False, **kwargs: Any) -> Any:
-        """Calls the declared forward (see the layer's ``compute``); ``training`` is static."""
+    def __call__(self, *args: Any, training: bool = False, decode: bool = False,
+                 **kwargs: Any) -> Any:
+        """Calls the declared forward (see the layer's ``compute``).
+
+        ``training`` and ``decode`` are static. ``decode=True`` (layers with a key/value
+        cache) keeps the cache in the ``'cache'`` collection, as Flax's own attention does. A
+        call without a cache in it, ``apply({"params": p}, x, enc, ..., decode=True,
+        mutable=["cache"])`` on inputs as long as the longest decoding, makes it (of that
+        capacity, at position 0; it holds the encoder outputs' projections, so it is made with
+        the trained params); each ``apply({"params": p, "cache": c}, x_t, ..., decode=True,
+        mutable=["cache"])`` then feeds the next positions and returns their output alone.
+        """
+        bound = self.bind_call(args, kwargs)
+        if decode:
+            self._check_decode(bound)
+            bound = self._decoding(bound)
         dtype = np.dtype(self.param_dtype).name
-        prepared = self.prepare(OPS, dtype, self.bind_call(args, kwargs))
+        prepared = self.prepare(OPS, dtype, bound)
         weights = self._params(**prepared.dims)
         need = self.needs_attention(prepared.return_attention,
                                     self.is_mutable_collection("intermediates"), on_read=False)
@@ -162,12 +176,51 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         run = D.Run(ops, weights, self._tables(), rate, need)
         result = self.compute(run, **prepared.arguments)
         returned, kept = self.finish(result, need, prepared.return_attention)
+        if decode:
+            returned = self._keep_cache(returned, prepared.arguments)
         if need and self.attention_kind == "nested":  # one entry per call: [self, cross], ...
             self.sow("intermediates", "attention_weights", kept)
         elif need:  # one entry per array: an encoder's blocks one by one
             for attn in D.leaves(kept):
                 self.sow("intermediates", "attention_weights", attn)
         return returned
+
+
+    def _check_decode(self, bound: Mapping[str, Any]) -> None:
+        """``decode=True``: only for a layer with a cache, which the collection then holds."""
+        if not self.cache_arguments:
+            raise TypeError(f"{type(self).__name__} has no key/value cache: decode must be False")
+        given = [n for n in self.cache_arguments if bound.get(n) not in (None, 0)]
+        if given:
+            raise ValueError(f"decode=True keeps the cache in the 'cache' collection: {given[0]} "
+                             "must not be given")
+
+    def _decoding(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The cached call's arguments, from the ``'cache'`` collection.
+
+        Its cache and position; when it holds none yet, a cache made now, as long as the input.
+        """
+        if self.has_variable("cache", "state"):
+            return {**arguments, "cache": self.get_variable("cache", "state"),
+                    "start": self.get_variable("cache", "index")}
+        first = arguments[self.sequences[0]]
+        return {**arguments, "capacity": int(np.shape(first)[1])}
+
+    def _keep_cache(self, returned: Any, arguments: Mapping[str, Any]) -> Any:
+        """Stores a cached call's new cache and position; returns its output alone.
+
+        A cache made now starts at position 0: the rows the making call wrote are hidden
+        until later calls write them again.
+        """
+        out, cache = returned
+        steps = np.shape(arguments[self.sequences[0]])[1]
+        made = arguments.get("capacity") is not None
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        state = self.variable("cache", "state", lambda: cache)
+        if self.is_mutable_collection("cache"):
+            state.value = cache
+            index.value = jnp.zeros((), jnp.int32) if made else index.value + steps
+        return out
 
 
 def _params_of(variables: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, bool]:
