@@ -98,11 +98,13 @@ def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int
     """``cache`` with rows ``[start, start + t)`` replaced by ``new (B, H, t, D)``.
 
     The rows are placed by a product with a one-hot ``(C, t)`` matrix, exact (each row is one
-    entry times 1 plus zeros), so the position may be a run-time scalar. A cache made now
-    (``cache`` None) is zero elsewhere.
+    entry times 1 plus zeros), or for one row by broadcasting it, so the position may be a
+    run-time scalar. A cache made now (``cache`` None) is zero elsewhere.
     """
     steps = ops.shape(new)[2]
     offset = ops.arange(capacity) - start  # (C,): row c holds new row c - start
+    if cache is not None and steps == 1:  # one row: broadcast it, no product needed
+        return ops.where(ops.expand_dims(offset == 0, -1), new, cache)
     onehot = ops.expand_dims(offset, -1) == ops.expand_dims(ops.arange(steps), 0)  # (C, t)
     onehot = ops.astype(onehot, ops.dtype_name(new))
     placed = ops.matmul(ops.expand_dims(ops.expand_dims(onehot, 0), 0), new)  # (B, H, C, D)
