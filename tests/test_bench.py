@@ -246,3 +246,24 @@ def test_training_suites_only_when_asked() -> None:
     config = cli.config_from(parser.parse_args(["--train-large-point", "none"]))
     assert config.train_large_point is None
     assert Config.from_dict(json.loads(json.dumps(config.as_dict()))) == config
+
+
+def test_decoding_benchmark_small(backend: str, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks.decoding`` on a tiny model: both ways generate the same tokens, the JSON
+    has its fields, and ``--merge`` writes the table between the page's markers."""
+    from benchmarks import decoding
+
+    monkeypatch.setattr(decoding, "MODEL", {"vocab_size": 13, "num_hiddens": 8,
+                                            "ffn_num_hiddens": 12, "num_heads": 2, "num_blks": 1})
+    monkeypatch.setattr(decoding, "TOKENS", 6)
+    assert decoding.main(["--backend", backend, "--rounds", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / f"decode-{backend}.json").read_text())
+    assert result["same_tokens"] is True and result["tokens"] == 6
+    assert [len(result["seconds"][w]) for w in ("cached", "uncached")] == [2, 2]
+    assert result["speedup"]["rounds"] == 2 and result["speedup"]["median"] > 0
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{decoding.START}\nold\n{decoding.END}\nafter\n")
+    assert decoding.main(["--merge", str(tmp_path), "--page", str(page)]) == 0
+    text = page.read_text()
+    assert "old" not in text and f"| {backend} |" in text and text.endswith("after\n")
