@@ -110,7 +110,19 @@ def generate(step: Callable[..., Any], backend: str) -> tuple[float, np.ndarray]
 
 
 def measure(backend: str, rounds: int) -> dict[str, Any]:
-    """Interleaved rounds of both ways (the order alternating), after one warm-up each."""
+    """Interleaved rounds of both ways (the order alternating), after one warm-up each.
+
+    torch runs without autograd (``torch.no_grad()``), as inference does.
+    """
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            return _measure(backend, rounds)
+    return _measure(backend, rounds)
+
+
+def _measure(backend: str, rounds: int) -> dict[str, Any]:
     ways = steps(backend)
     firsts = {name: generate(step, backend)[1] for name, step in ways.items()}  # warm-up
     same = bool(np.array_equal(firsts["cached"], firsts["uncached"]))
@@ -200,10 +212,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.backend is None:
         parser.error("--backend is required unless --merge is given")
-    if args.backend == "torch":
-        import torch
-
-        torch.set_grad_enabled(False)
     result = measure(args.backend, args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"decode-{args.backend}.json").write_text(json.dumps(result, indent=1) + "\n")

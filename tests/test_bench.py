@@ -267,3 +267,7 @@ def test_decoding_benchmark_small(backend: str, tmp_path: Path,
     assert decoding.main(["--merge", str(tmp_path), "--page", str(page)]) == 0
     text = page.read_text()
     assert "old" not in text and f"| {backend} |" in text and text.endswith("after\n")
+    if backend == "torch":  # the benchmark's no_grad() does not outlive it
+        import torch
+
+        assert torch.is_grad_enabled()
