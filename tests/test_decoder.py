@@ -371,3 +371,7 @@ def test_torch_decoder_layer_refusals(backend: str) -> None:
         convert.to_torch_decoder_layer(alone, H)
     with pytest.raises(ValueError, match="must have biases"):
         convert.to_torch_decoder_layer(block_weights(rng, True), H)
+    self_biased = {**block_weights(rng, True), **{f"self_attention.{n}.bias": np.zeros(h)
+                                                  for n in ("W_q", "W_k", "W_v", "W_o")}}
+    with pytest.raises(ValueError, match="must have biases"):  # the cross-attention's too
+        convert.to_torch_decoder_layer(self_biased, H)

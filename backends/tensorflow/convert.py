@@ -17,7 +17,22 @@ Keras calls are ``layer(query, value, key)``: values before keys. Masks mean the
 ``use_causal_mask`` is aligned at the first key, ``causal=True`` here at the last: they agree
 when Q == K.
 
-The converter is part of the TensorFlow backend, so Keras must run on TensorFlow.
+KerasHub's ``keras_hub.layers.TransformerDecoder`` converts to and from the canonical
+``TransformerDecoderBlock`` weights: :func:`from_kerashub`, :func:`to_kerashub` and
+:func:`kerashub_decoder_config`. Its post-norm form (``normalize_first=False``, the default)
+with ReLU and ``layer_norm_epsilon=1e-5`` (both defaults) computes what the block computes;
+built by a call with an ``encoder_sequence`` it has cross-attention, built by a call without
+one it is the ``decoder_only`` block. Its attention projections always have biases, so the
+block has ``bias=True``. Called with ``use_causal_mask=True`` (its default), its
+``decoder_padding_mask`` ``(B, T)`` is ``valid_lens`` here and its ``encoder_padding_mask``
+``(B, S)`` is ``enc_valid_lens`` (both hide keys only)::
+
+    decoder_padding_mask = arange(T)[None, :] < valid_lens[:, None]
+    encoder_padding_mask = arange(S)[None, :] < enc_valid_lens[:, None]
+
+KerasHub is imported by these three functions only, when called.
+
+The converters are part of the TensorFlow backend, so Keras must run on TensorFlow.
 """
 
 from __future__ import annotations
@@ -29,6 +44,9 @@ import keras
 import numpy as np
 
 from attention_core import convert as C
+from attention_core import weights as W
+from attention_core.linear import LAYER_NORM_EPS
+from backends._convert import ATTENTIONS, check_biased_decoder_block, last_addnorm
 
 _SUBLAYERS = {"query": "query_dense", "key": "key_dense", "value": "value_dense",
               "out": "output_dense"}
@@ -61,9 +79,13 @@ def _check_layer(layer: Any, where: str) -> dict[str, Any]:
             f"({config['key_dim']}): this library's MultiHeadAttention projects queries, keys "
             "and values to one width num_hiddens = num_heads * key_dim"
         )
+    _check_built(layer, where)
+    return dict(config)
+
+
+def _check_built(layer: Any, where: str) -> None:
     if not layer.built:
         raise ValueError(f"{where}: the Keras layer has no weights yet; call or build it first")
-    return dict(config)
 
 
 def keras_config(layer: keras.layers.MultiHeadAttention) -> dict[str, Any]:
@@ -89,14 +111,22 @@ def from_keras(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarray]:
             other than ``key_dim``, an output width other than ``num_heads * key_dim``,
             ``use_gate``, ``sliding_window``, other ``attention_axes``).
     """
-    config = _check_layer(layer, "from_keras")
+    return _read_attention(layer, "from_keras")
+
+
+def _read_attention(layer: Any, where: str) -> dict[str, np.ndarray]:
+    config = _check_layer(layer, where)
     params: dict[str, dict[str, np.ndarray]] = {}
     for name in _SUBLAYERS:
         dense = _sublayer(layer, name)
-        params[name] = {"kernel": np.array(dense.kernel.numpy())}
+        params[name] = {"kernel": _host(dense.kernel)}
         if config["use_bias"]:
-            params[name]["bias"] = np.array(dense.bias.numpy())
-    return C.from_einsum(params, "from_keras")
+            params[name]["bias"] = _host(dense.bias)
+    return C.from_einsum(params, where)
+
+
+def _host(variable: Any) -> np.ndarray:
+    return np.array(variable.numpy())
 
 
 def to_keras(
@@ -129,9 +159,179 @@ def to_keras(
     layer.build(query_shape=(None, None, tree["query"]["kernel"].shape[0]),
                 value_shape=(None, None, tree["value"]["kernel"].shape[0]),
                 key_shape=(None, None, tree["key"]["kernel"].shape[0]))
+    _write_attention(layer, tree)
+    return layer
+
+
+def _write_attention(layer: Any, tree: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    """Assigns per-head kernels (:func:`attention_core.convert.to_einsum`) to a built layer."""
     for part, values in tree.items():
         dense = _sublayer(layer, part)
         for leaf, value in values.items():
-            variable = getattr(dense, leaf)
-            variable.assign(keras.ops.cast(keras.ops.convert_to_tensor(value), variable.dtype))
+            _assign(getattr(dense, leaf), value)
+
+
+def _assign(variable: Any, value: np.ndarray) -> None:
+    variable.assign(keras.ops.cast(keras.ops.convert_to_tensor(value), variable.dtype))
+
+
+# -- keras_hub.layers.TransformerDecoder <-> canonical TransformerDecoderBlock weights --------
+
+#: KerasHub's attention sublayers (attributes of a built TransformerDecoder), in the order of
+#: ``backends._convert.ATTENTIONS``.
+_KERASHUB_ATTENTIONS = ("_self_attention_layer", "_cross_attention_layer")
+
+
+def _kerashub_leaves(crossed: bool) -> dict[str, dict[str, str]]:
+    """KerasHub's dense and layer-norm sublayers: attribute -> {variable: canonical name}."""
+    norms = {"_self_attention_layer_norm": "addnorm1"}
+    if crossed:
+        norms["_cross_attention_layer_norm"] = "addnorm2"
+    norms["_feedforward_layer_norm"] = last_addnorm(crossed)
+    leaves = {attr: {"kernel": f"{name}.kernel", "bias": f"{name}.bias"} for attr, name in
+              (("_feedforward_intermediate_dense", "ffn.dense1"),
+               ("_feedforward_output_dense", "ffn.dense2"))}
+    leaves.update({attr: {"gamma": f"{name}.ln.gamma", "beta": f"{name}.ln.beta"}
+                   for attr, name in norms.items()})
+    return leaves
+
+
+def _check_kerashub_decoder(layer: Any, where: str) -> bool:
+    """Checks that a KerasHub TransformerDecoder is a block here; whether it has cross-attention."""
+    import keras_hub
+
+    if not isinstance(layer, keras_hub.layers.TransformerDecoder):
+        raise TypeError(f"{where}: expected a keras_hub.layers.TransformerDecoder, got "
+                        f"{type(layer).__name__}")
+    if layer.normalize_first:
+        raise ValueError(f"{where}: normalize_first=True is not supported: this library's "
+                         "TransformerDecoderBlock is post-norm (normalize_first=False)")
+    if layer.activation is not keras.activations.relu:
+        name = getattr(layer.activation, "__name__", repr(layer.activation))
+        raise ValueError(f"{where}: the activation must be relu, as this library's "
+                         f"PositionWiseFFN's, got {name}")
+    if layer.layer_norm_epsilon != LAYER_NORM_EPS:
+        raise ValueError(f"{where}: layer_norm_epsilon must be {LAYER_NORM_EPS}, the epsilon "
+                         f"of this library's AddNorm, got {layer.layer_norm_epsilon}")
+    _check_built(layer, where)
+    width = layer._decoder_sequence_shape[-1]
+    if width % layer.num_heads:
+        raise ValueError(f"{where}: the decoder's width ({width}) must be divisible by "
+                         f"num_heads ({layer.num_heads}): KerasHub's heads are width // "
+                         "num_heads wide, and this library's together make the whole width")
+    return layer._cross_attention_layer is not None
+
+
+def kerashub_decoder_config(layer: Any) -> dict[str, Any]:
+    """Constructor arguments of this library's TransformerDecoderBlock equal to ``layer``.
+
+    Args:
+        layer: A built ``keras_hub.layers.TransformerDecoder``.
+
+    Returns:
+        ``{"num_hiddens", "ffn_num_hiddens": intermediate_dim, "num_heads", "dropout",
+        "bias": True, "decoder_only"}``; ``decoder_only`` when the layer has no cross-attention.
+
+    Raises:
+        ValueError: What :func:`from_kerashub` refuses, or cross-attention over encoder outputs
+            of another width than the decoder's: the layer takes the block's own width (the
+            functional ``attention_core.transformer_decoder_block`` takes either).
+    """
+    where = "kerashub_decoder_config"
+    crossed = _check_kerashub_decoder(layer, where)
+    attention = keras_config(layer._self_attention_layer)
+    h = attention["num_hiddens"]
+    if crossed and layer._encoder_sequence_shape[-1] != h:
+        raise ValueError(
+            f"{where}: the encoder outputs are {layer._encoder_sequence_shape[-1]} wide, the "
+            f"decoder {h}: this library's TransformerDecoderBlock takes encoder outputs of its "
+            "own width (from_kerashub's weights serve attention_core.transformer_decoder_block)"
+        )
+    return {"num_hiddens": h, "ffn_num_hiddens": int(layer.intermediate_dim),
+            "num_heads": attention["num_heads"], "dropout": float(layer.dropout),
+            "bias": True, "decoder_only": not crossed}
+
+
+def from_kerashub(layer: Any) -> dict[str, np.ndarray]:
+    """The canonical ``TransformerDecoderBlock`` weights of a KerasHub ``TransformerDecoder``.
+
+    KerasHub's post-norm layer computes what the block computes:
+    ``self_attention_layer_norm(x + self_attention(x))``, then (with cross-attention)
+    ``cross_attention_layer_norm(x + cross_attention(x, encoder_sequence))``, then
+    ``feedforward_layer_norm(x + output_dense(relu(intermediate_dense(x))))``. Call it with
+    ``use_causal_mask=True`` (its default) to match the block's causal self-attention. Build
+    the block with ``TransformerDecoderBlock(**kerashub_decoder_config(layer))``.
+
+    Args:
+        layer: A built ``keras_hub.layers.TransformerDecoder`` (called once, or built with
+            ``layer.build(decoder_shape, encoder_shape_or_None)``).
+
+    Returns:
+        Canonical name -> NumPy copy: ``self_attention.*``, ``addnorm1.*``, then
+        ``cross_attention.*`` and ``addnorm2.*`` when it has cross-attention, ``ffn.*`` and
+        the last add & norm (``addnorm3``, or ``addnorm2`` without cross-attention).
+
+    Raises:
+        TypeError: ``layer`` is not a KerasHub TransformerDecoder.
+        ValueError: Not built yet, ``normalize_first=True``, another activation than relu,
+            a ``layer_norm_epsilon`` other than this library's (1e-5), or a width that
+            ``num_heads`` does not divide.
+    """
+    crossed = _check_kerashub_decoder(layer, "from_kerashub")
+    weights: dict[str, np.ndarray] = {}
+    for attr, prefix in zip(_KERASHUB_ATTENTIONS, ATTENTIONS[:1 + crossed], strict=False):
+        weights.update(W.prefixed(_read_attention(getattr(layer, attr), "from_kerashub"), prefix))
+    for attr, leaves in _kerashub_leaves(crossed).items():
+        for leaf, name in leaves.items():
+            weights[name] = _host(getattr(getattr(layer, attr), leaf))
+    return weights
+
+
+def to_kerashub(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    dropout: float = 0.0,
+    dtype: Any = None,
+    name: str | None = None,
+) -> Any:
+    """A built KerasHub ``TransformerDecoder`` holding canonical ``TransformerDecoderBlock`` weights.
+
+    Args:
+        weights: Canonical block weights, with or without cross-attention, whose attention
+            projections all have biases (``bias=True``).
+        num_heads: H.
+        dropout: KerasHub's ``dropout`` (the attention weights' and the residual branches').
+        dtype: KerasHub's ``dtype`` (a dtype policy name); Keras' default when None.
+        name: The layer's name.
+
+    Returns:
+        The post-norm ReLU layer (``normalize_first=False``, ``layer_norm_epsilon=1e-5``),
+        built for ``(B, T, h)`` inputs and, with cross-attention, encoder outputs of the width
+        of ``cross_attention.W_k.kernel``. Call it as ``layer(X, encoder_sequence)``, or
+        ``layer(X)`` without cross-attention.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping.
+        ValueError: An attention projection without a bias (KerasHub has no unbiased
+            attention), or the weights are not a block's.
+    """
+    import keras_hub
+
+    host, crossed = check_biased_decoder_block(
+        weights, num_heads, "to_kerashub",
+        "keras_hub.layers.TransformerDecoder's attention layers always have biases")
+    h, ffn = host["ffn.dense1.kernel"].shape
+    layer = keras_hub.layers.TransformerDecoder(
+        intermediate_dim=ffn, num_heads=num_heads, dropout=dropout, activation="relu",
+        layer_norm_epsilon=LAYER_NORM_EPS, normalize_first=False, dtype=dtype, name=name,
+    )
+    encoder = (None, None, host["cross_attention.W_k.kernel"].shape[0]) if crossed else None
+    layer.build((None, None, h), encoder)
+    for attr, prefix in zip(_KERASHUB_ATTENTIONS, ATTENTIONS[:1 + crossed], strict=False):
+        _write_attention(getattr(layer, attr),
+                         C.to_einsum(W.subset(host, prefix), num_heads, "to_kerashub"))
+    for attr, leaves in _kerashub_leaves(crossed).items():
+        for leaf, canonical in leaves.items():
+            _assign(getattr(getattr(layer, attr), leaf), host[canonical])
     return layer

@@ -31,7 +31,8 @@ from torch import nn
 
 from attention_core import convert as C
 from attention_core import weights as W
-from backends.numpy.ops import OPS as NUMPY_OPS
+from attention_core.linear import LAYER_NORM_EPS
+from backends._convert import ATTENTIONS, check_biased_decoder_block
 from backends.torch.ops import OPS
 
 
@@ -163,9 +164,9 @@ def _check_decoder_layer(layer: Any, where: str) -> nn.TransformerDecoderLayer:
         raise ValueError(f"{where}: the activation must be ReLU, got {layer.activation!r}")
     for name in _DECODER_NORMS:
         norm = getattr(layer, name)
-        if norm.bias is None or norm.weight is None or norm.eps != 1e-5:
+        if norm.bias is None or norm.weight is None or norm.eps != LAYER_NORM_EPS:
             raise ValueError(f"{where}: {name} must be a LayerNorm with a weight, a bias and "
-                             f"eps=1e-5, as this library's AddNorm, got {norm!r}")
+                             f"eps={LAYER_NORM_EPS}, as this library's AddNorm, got {norm!r}")
     for name in _DECODER_LINEARS:
         if getattr(layer, name).bias is None:
             raise ValueError(f"{where}: {name} must have a bias (bias=True), as this "
@@ -245,16 +246,12 @@ def to_torch_decoder_layer(
         raise ValueError("to_torch_decoder_layer: weights must have cross-attention "
                          "(cross_attention.*): torch.nn.TransformerDecoderLayer has no "
                          "decoder-only form")
-    if "self_attention.W_q.bias" not in weights:
-        raise ValueError("to_torch_decoder_layer: the attention projections must have biases "
-                         "(bias=True): torch.nn.TransformerDecoderLayer's bias covers them, "
-                         "the FFN and the layer norms alike")
-    host = {name: np.asarray(value) for name, value in weights.items()}
-    W.check_call_weights(NUMPY_OPS, "to_torch_decoder_layer", host,
-                         lambda size: W.decoder_block_call_spec(size, host, num_heads))
+    host, _ = check_biased_decoder_block(
+        weights, num_heads, "to_torch_decoder_layer",
+        "torch.nn.TransformerDecoderLayer's bias covers them, the FFN and the layer norms alike")
     parts = {prefix: to_torch(W.subset(host, prefix), num_heads, dropout=dropout,
                               batch_first=batch_first, device=device, dtype=dtype)
-             for prefix in ("self_attention", "cross_attention")}
+             for prefix in ATTENTIONS}
     h, ffn = host["ffn.dense1.kernel"].shape
     layer = nn.TransformerDecoderLayer(h, num_heads, ffn, dropout, batch_first=batch_first,
                                        device=device, dtype=dtype)
