@@ -11,7 +11,10 @@ native layer                              functions
 ``flax.linen.MultiHeadDotProductAttention``  ``backends.jax.convert``: ``from_flax``, ``to_flax``
 ========================================  ==========================================
 
-This module holds what they share, with NumPy alone: the layout translations (torch's
+The converters of native Transformer decoder layers (``torch.nn.TransformerDecoderLayer`` in
+``backends.torch.convert``, KerasHub's ``TransformerDecoder`` in ``backends.tensorflow.convert``)
+share :func:`check_biased_decoder_block` here. This module holds what they share, with NumPy
+alone: the layout translations (torch's
 ``(out, in)`` matrices, and the per-head "einsum" kernels of Keras and Flax), and
 :func:`from_native` / :func:`native_config`, which pick the converter from the object's type
 without importing any framework.
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_core import checks
+from attention_core import checks, registry
 from attention_core import weights as W
 
 #: Canonical projection names, in order, and the einsum-layout (Flax) names of the same.
@@ -280,3 +283,47 @@ def native_config(native: Any) -> dict[str, Any]:
         return {**multi_head_config(weights, heads), "dropout": 0.0}
     result: dict[str, Any] = _converter(native, 1)(native)
     return result
+
+
+# -- native Transformer decoder layers (torch's TransformerDecoderLayer, KerasHub's) --------
+
+
+#: The block's attention sublayers, in order (the second only with cross-attention).
+ATTENTIONS = ("self_attention", "cross_attention")
+
+
+def last_addnorm(crossed: bool) -> str:
+    """The add & norm after the FFN: ``addnorm3``, or ``addnorm2`` without cross-attention."""
+    return "addnorm3" if crossed else "addnorm2"
+
+
+def check_biased_decoder_block(
+    weights: Mapping[str, Any], num_heads: int, where: str, why: str
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Checks canonical ``TransformerDecoderBlock`` weights for a native layer with biases.
+
+    Args:
+        weights: Canonical name -> array.
+        num_heads: H.
+        where: The caller's name, for the messages.
+        why: Why the native layer needs the biases, the end of that message.
+
+    Returns:
+        The weights as NumPy arrays, and whether the block has cross-attention.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: An attention projection without a bias, or not a block's mapping
+            (missing, unexpected or wrongly shaped weights).
+    """
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"
+        )
+    host = {name: np.asarray(value) for name, value in weights.items()}
+    crossed = f"{ATTENTIONS[1]}.W_q.kernel" in host
+    if any(f"{prefix}.W_q.bias" not in host for prefix in ATTENTIONS[:1 + crossed]):
+        raise ValueError(f"{where}: the attention projections must have biases (bias=True): {why}")
+    W.check_call_weights(registry.get_ops("numpy"), where, host,
+                         lambda size: W.decoder_block_call_spec(size, host, num_heads))
+    return host, crossed

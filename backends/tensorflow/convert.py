@@ -46,7 +46,6 @@ import numpy as np
 from attention_core import convert as C
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
-from backends._convert import ATTENTIONS, check_biased_decoder_block, last_addnorm
 
 _SUBLAYERS = {"query": "query_dense", "key": "key_dense", "value": "value_dense",
               "out": "output_dense"}
@@ -178,7 +177,7 @@ def _assign(variable: Any, value: np.ndarray) -> None:
 # -- keras_hub.layers.TransformerDecoder <-> canonical TransformerDecoderBlock weights --------
 
 #: KerasHub's attention sublayers (attributes of a built TransformerDecoder), in the order of
-#: ``backends._convert.ATTENTIONS``.
+#: ``attention_core.convert.ATTENTIONS``.
 _KERASHUB_ATTENTIONS = ("_self_attention_layer", "_cross_attention_layer")
 
 
@@ -187,7 +186,7 @@ def _kerashub_leaves(crossed: bool) -> dict[str, dict[str, str]]:
     norms = {"_self_attention_layer_norm": "addnorm1"}
     if crossed:
         norms["_cross_attention_layer_norm"] = "addnorm2"
-    norms["_feedforward_layer_norm"] = last_addnorm(crossed)
+    norms["_feedforward_layer_norm"] = C.last_addnorm(crossed)
     leaves = {attr: {"kernel": f"{name}.kernel", "bias": f"{name}.bias"} for attr, name in
               (("_feedforward_intermediate_dense", "ffn.dense1"),
                ("_feedforward_output_dense", "ffn.dense2"))}
@@ -279,7 +278,7 @@ def from_kerashub(layer: Any) -> dict[str, np.ndarray]:
     """
     crossed = _check_kerashub_decoder(layer, "from_kerashub")
     weights: dict[str, np.ndarray] = {}
-    for attr, prefix in zip(_KERASHUB_ATTENTIONS, ATTENTIONS[:1 + crossed], strict=False):
+    for attr, prefix in zip(_KERASHUB_ATTENTIONS, C.ATTENTIONS[:1 + crossed], strict=False):
         weights.update(W.prefixed(_read_attention(getattr(layer, attr), "from_kerashub"), prefix))
     for attr, leaves in _kerashub_leaves(crossed).items():
         for leaf, name in leaves.items():
@@ -318,7 +317,7 @@ def to_kerashub(
     """
     import keras_hub
 
-    host, crossed = check_biased_decoder_block(
+    host, crossed = C.check_biased_decoder_block(
         weights, num_heads, "to_kerashub",
         "keras_hub.layers.TransformerDecoder's attention layers always have biases")
     h, ffn = host["ffn.dense1.kernel"].shape
@@ -328,7 +327,7 @@ def to_kerashub(
     )
     encoder = (None, None, host["cross_attention.W_k.kernel"].shape[0]) if crossed else None
     layer.build((None, None, h), encoder)
-    for attr, prefix in zip(_KERASHUB_ATTENTIONS, ATTENTIONS[:1 + crossed], strict=False):
+    for attr, prefix in zip(_KERASHUB_ATTENTIONS, C.ATTENTIONS[:1 + crossed], strict=False):
         _write_attention(getattr(layer, attr),
                          C.to_einsum(W.subset(host, prefix), num_heads, "to_kerashub"))
     for attr, leaves in _kerashub_leaves(crossed).items():

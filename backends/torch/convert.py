@@ -32,7 +32,6 @@ from torch import nn
 from attention_core import convert as C
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
-from backends._convert import ATTENTIONS, check_biased_decoder_block
 from backends.torch.ops import OPS
 
 
@@ -246,12 +245,12 @@ def to_torch_decoder_layer(
         raise ValueError("to_torch_decoder_layer: weights must have cross-attention "
                          "(cross_attention.*): torch.nn.TransformerDecoderLayer has no "
                          "decoder-only form")
-    host, _ = check_biased_decoder_block(
+    host, _ = C.check_biased_decoder_block(
         weights, num_heads, "to_torch_decoder_layer",
         "torch.nn.TransformerDecoderLayer's bias covers them, the FFN and the layer norms alike")
     parts = {prefix: to_torch(W.subset(host, prefix), num_heads, dropout=dropout,
                               batch_first=batch_first, device=device, dtype=dtype)
-             for prefix in ATTENTIONS}
+             for prefix in C.ATTENTIONS}
     h, ffn = host["ffn.dense1.kernel"].shape
     layer = nn.TransformerDecoderLayer(h, num_heads, ffn, dropout, batch_first=batch_first,
                                        device=device, dtype=dtype)
