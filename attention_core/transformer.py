@@ -147,6 +147,15 @@ def transformer_encoder_block(
     return (out, attn) if return_weights else out
 
 
+def _ids_side(weights: Mapping[str, Array], side: str) -> str | None:
+    """The side a stack's token ids are named by in messages; None when they are checked.
+
+    A layer checks its ids before making its weights, then calls with
+    :class:`~attention_core.weights.CheckedWeights`.
+    """
+    return None if isinstance(weights, W.CheckedWeights) else side
+
+
 def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "") -> str:
     """Checks token ids ``(B, T)``: integers, each in ``[0, vocab_size)`` when the values are known.
 
@@ -172,13 +181,15 @@ def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "")
     return dtype
 
 
-def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
+def embed_tokens(tokens: Array, table: Array, *, ops: Ops, side: str | None = "") -> Array:
     """Looks up token ids in an embedding table, checking them first.
 
     Args:
         tokens: Integer ids ``(B, T)``, each in ``[0, V)``.
         table: ``(V, h)``.
         ops: The backend's ops.
+        side: The ids' side in the messages (:func:`check_token_ids`); None when the caller
+            has checked them (a layer, before making its weights).
 
     Returns:
         ``(B, T, h)``.
@@ -186,7 +197,8 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
     Ids of any integer dtype are taken (int8 to uint64); those other than int32 and int64 are
     cast to int32 for the lookup, after the range check.
     """
-    dtype = check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops)
+    dtype = (ops.dtype_name(tokens) if side is None
+             else check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side))
     if dtype not in ("int32", "int64"):  # every framework's lookup takes these two
         tokens = ops.astype(tokens, "int32")  # ids < vocab_size, which int32 holds
     return ops.take(table, tokens)
@@ -194,7 +206,7 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops) -> Array:
 
 def embed_with_positions(
     tokens: Array, table: Array, dropout: float, positions: Array | None, max_len: int | None,
-    *, ops: Ops, start: Any = 0,
+    *, ops: Ops, start: Any = 0, side: str | None = "",
 ) -> Array:
     """``dropout(E[tokens] * sqrt(h) + P)``: a stack's input, as the encoder and decoder make it.
 
@@ -212,11 +224,12 @@ def embed_with_positions(
         start: The position of the first token (a cached decoder's step): rows
             ``start .. start + T - 1`` of ``positions`` are added. An int or an integer scalar
             array, checked by the caller.
+        side: See :func:`embed_tokens`.
 
     Returns:
         ``(B, T, h)``.
     """
-    X = embed_tokens(tokens, table, ops=ops) * math.sqrt(fixed_shape(ops, table)[1])
+    X = embed_tokens(tokens, table, ops=ops, side=side) * math.sqrt(fixed_shape(ops, table)[1])
     at_zero = isinstance(start, int) and start == 0
     if positions is None and at_zero:
         return positional_encoding(X, dropout, max_len=max_len, ops=ops)
@@ -249,6 +262,7 @@ def transformer_encoder(
     positions: Array | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
+    _side: str = "",
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
 
@@ -279,10 +293,11 @@ def transformer_encoder(
         ``(B, T, h)``, and the list of the blocks' attention weights if asked.
     """
     ops = ops or ops_for(tokens)
+    side = _ids_side(weights, _side)
     weights = W.check_call_weights(ops, "transformer_encoder", weights,
                                    lambda size: W.encoder_call_spec(size, weights, num_heads))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
-                             ops=ops)
+                             ops=ops, side=side)
     attention_weights = []
     for i in range(W.count_blocks(weights)):
         result = transformer_encoder_block(
@@ -531,6 +546,7 @@ def transformer_decoder(
     positions: Array | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
+    _side: str = "",
 ) -> Array | tuple[Array, list[list[Array]]]:
     """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
 
@@ -561,10 +577,11 @@ def transformer_decoder(
         The logits ``(B, T, V_out)``, and the weights if asked.
     """
     ops = ops or ops_for(tokens)
+    side = _ids_side(weights, _side)
     weights = W.check_call_weights(ops, "transformer_decoder", weights,
                                    lambda size: W.decoder_call_spec(size, weights, num_heads))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
-                             ops=ops)
+                             ops=ops, side=side)
     kept: list[list[Array]] = []
     for i in range(W.count_blocks(weights)):
         result = transformer_decoder_block(
@@ -634,6 +651,7 @@ def cached_decoder(
         the new cache, one block cache per block.
     """
     ops = ops or ops_for(tokens)
+    side = _ids_side(weights, "")
     weights = W.check_call_weights(ops, "transformer_decoder", weights,
                                    lambda size: W.decoder_call_spec(size, weights, num_heads))
     blocks = W.count_blocks(weights)
@@ -644,7 +662,7 @@ def cached_decoder(
     start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
                                  kv_cache.capacity_of(ops, held, capacity))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
-                             ops=ops, start=start)
+                             ops=ops, start=start, side=side)
     kept: list[list[Array]] = []
     new_cache = []
     for i in range(blocks):
@@ -704,19 +722,16 @@ def transformer_encoder_decoder(
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
     weights = W.check_call_weights(ops, "transformer_encoder_decoder", weights,
                                    lambda size: W.transformer_call_spec(size, weights, num_heads))
-    for side, tokens in (("src", src_tokens), ("tgt", tgt_tokens)):
-        table = weights[("encoder." if side == "src" else "decoder.") + "token.embedding"]
-        check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side)
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
         return_weights=return_weights, implementation=implementation, positions=positions,
-        max_len=max_len, ops=ops,
+        max_len=max_len, ops=ops, _side="src",
     )
     enc_outputs, enc_weights = encoded if return_weights else (encoded, None)
     decoded = transformer_decoder(
         tgt_tokens, subset(weights, "decoder"), num_heads, enc_outputs, src_valid_lens,
         valid_lens=tgt_valid_lens, dropout=dropout, return_weights=return_weights,
-        implementation=implementation, positions=positions, max_len=max_len, ops=ops,
+        implementation=implementation, positions=positions, max_len=max_len, ops=ops, _side="tgt",
     )
     if not return_weights:
         return decoded
