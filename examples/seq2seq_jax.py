@@ -9,7 +9,7 @@ root: ``python -m examples.seq2seq_jax`` (trains 200 steps and decodes held-out 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -196,6 +196,35 @@ def translate(model: Seq2Seq, params: Params, source: Any, source_lens: Any,
     return seq2seq.greedy_decode(step, int(np.shape(source)[0]), num_steps)
 
 
+#: A jitted train step: ``(params, opt_state, batch, key) -> (params, opt_state, loss)``.
+TrainStep = Callable[[Params, Any, tuple[Any, ...], jax.Array], tuple[Params, Any, jax.Array]]
+
+
+def masked_train_step(model: nn.Module, optimizer: Any) -> TrainStep:
+    """The jitted train step of ``model`` with an optax ``optimizer``.
+
+    ``batch`` is the model's inputs, then the targets ``(B, T)`` and the loss weights
+    ``(B, T)`` (0 on padding). The loss is the softmax cross-entropy of the logits
+    ``model.apply(params, *inputs, training=True)`` averaged with the weights; ``key`` is the
+    ``'dropout'`` rng.
+    """
+
+    def loss_fn(params: Params, batch: tuple[Any, ...], key: jax.Array) -> jax.Array:
+        *inputs, targets, weights = batch
+        logits = model.apply({"params": params}, *inputs, training=True, rngs={"dropout": key})
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # (B, T)
+        return (per_token * weights).sum() / weights.sum()
+
+    @jax.jit
+    def train_step(params: Params, opt_state: Any, batch: tuple[Any, ...],
+                   key: jax.Array) -> tuple[Params, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
 def train_seq2seq(
     model: Seq2Seq | None = None,
     data: seq2seq.Seq2SeqData | None = None,
@@ -217,21 +246,7 @@ def train_seq2seq(
     first = data.take(np.arange(batch_size))
     params = jax.jit(model.init)(init_key, first.source, first.source_lens, first.decoder_inputs)["params"]
     optimizer = optax.chain(optax.clip_by_global_norm(clip), optax.adam(lr))
-
-    def loss_fn(params: Params, batch: tuple[jax.Array, ...], key: jax.Array) -> jax.Array:
-        source, source_lens, decoder_inputs, targets, weights = batch
-        logits = model.apply({"params": params}, source, source_lens, decoder_inputs, training=True,
-                             rngs={"dropout": key})
-        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # (B, T)
-        return (per_token * weights).sum() / weights.sum()
-
-    @jax.jit
-    def train_step(params: Params, opt_state: Any, batch: tuple[jax.Array, ...],
-                   key: jax.Array) -> tuple[Params, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, key)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    train_step = masked_train_step(model, optimizer)
     opt_state = optimizer.init(params)
     losses = []
     for i, index in enumerate(seq2seq.minibatches(len(data), batch_size, steps, seed)):

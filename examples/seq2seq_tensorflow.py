@@ -9,7 +9,7 @@ of :mod:`examples.seq2seq`. Run from the repository root: ``python -m examples.s
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -194,6 +194,29 @@ def make_seq2seq(vocab_size: int, embed_size: int = 32, num_hiddens: int = 64, n
                    Seq2SeqAttentionDecoder(vocab_size, embed_size, num_hiddens, num_layers, dropout))
 
 
+def masked_train_step(model: keras.Layer, optimizer: keras.optimizers.Optimizer,
+                      forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``tf.function`` train step: ``step(*inputs, targets, weights)`` returns the loss.
+
+    The loss is the softmax cross-entropy of the logits ``forward(*inputs)`` ``(B, T, V)``
+    against ``targets`` ``(B, T)``, averaged with ``weights`` ``(B, T)`` (0 on padding); the
+    optimizer applies its gradients to ``model.trainable_variables``, read when the step is
+    traced (call the model once eagerly before, to create them).
+    """
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+    def train_step(*batch: Any) -> Any:
+        *inputs, targets, weights = batch
+        with tf.GradientTape() as tape:
+            logits = forward(*inputs)
+            loss = cross_entropy(targets, logits, sample_weight=weights) / tf.reduce_sum(weights)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    return tf.function(train_step)
+
+
 def train_seq2seq(
     model: Seq2Seq | None = None,
     data: seq2seq.Seq2SeqData | None = None,
@@ -213,18 +236,7 @@ def train_seq2seq(
     data = data or seq2seq.toy_task(2000, seed=seed)
     model = model or make_seq2seq(data.vocab_size)
     optimizer = keras.optimizers.Adam(learning_rate=lr, global_clipnorm=clip)
-    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-
-    def train_step(source: Any, source_lens: Any, decoder_inputs: Any, targets: Any,
-                   weights: Any) -> Any:
-        with tf.GradientTape() as tape:
-            logits = model((source, source_lens, decoder_inputs), training=True)
-            loss = cross_entropy(targets, logits, sample_weight=weights) / tf.reduce_sum(weights)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
-    compiled_step = tf.function(train_step)
+    compiled_step = masked_train_step(model, optimizer, lambda *inputs: model(inputs, training=True))
     losses = []
     for i, index in enumerate(seq2seq.minibatches(len(data), batch_size, steps, seed)):
         batch = data.take(index)

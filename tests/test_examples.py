@@ -1,4 +1,5 @@
-"""The worked examples of issue 7: the Nadaraya-Watson fit and the Bahdanau seq2seq.
+"""The worked examples: the Nadaraya-Watson fit and the Bahdanau seq2seq (issue 7), and the
+encoder-decoder Transformer (issue 18).
 
 The examples live in the repository's ``examples/`` (run from its root, not installed). The
 framework-free helpers (``examples.seq2seq``, ``examples.nadaraya_watson``) are tested in every
@@ -11,22 +12,38 @@ env. On the backend under test, ``examples/<example>_<backend>.py`` is trained f
   reversal task (200 steps, the default); the loss falls, held-out sequences are reversed well
   above chance, and the attention on padded source positions is exactly 0.
 
+* The Transformer (torch, tensorflow, jax): trained once per backend (400 steps, seed 0) in
+  one test; at least 95 % of the held-out sequences come back exact with greedy search, beam
+  search is no more than 1 % below, the cross-attention on padded source positions is exactly
+  0, and the weights saved as safetensors decode on NumPy to the trainer's tokens. Every env
+  (Gluon and NumPy too) decodes the torch-trained ``tests/fixtures/transformer_reverse.safetensors``
+  the same way, to NumPy's tokens.
+
 The seq2seq bounds hold with a margin on seeds 0-4 of every backend (token accuracy measured
-0.94-0.996 against the bound 0.8; last-10 loss at most 0.07 against 0.5 x about 2.3).
+0.94-0.996 against the bound 0.8; last-10 loss at most 0.07 against 0.5 x about 2.3). The
+Transformer's too: exact match measured 0.998-1.000 greedy and by beam search on seeds 0-4 of
+torch, Keras and Flax, against the bound 0.95.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import attention_core as ac
 from attention_core.demo import leave_one_out_loss
 from examples import nadaraya_watson as nw
 from examples import seq2seq
+from examples import transformer as tx
+from examples import transformer_decode as decode_script
 
 #: Backends with a trainable Nadaraya-Watson example, and those with the seq2seq example.
 NW_BACKENDS = ("torch", "tensorflow", "jax", "mxnet")
@@ -37,6 +54,22 @@ def example_module(backend: str, which: tuple[str, ...], example: str) -> Any:
     if backend not in which:
         pytest.skip(f"no such example on {backend}")
     return importlib.import_module(f"examples.{example}_{backend}")
+
+
+@contextlib.contextmanager
+def one_torch_thread(backend: str) -> Iterator[None]:
+    """On torch, one thread inside: for tiny ops, OpenMP's thread sync costs more than it gains."""
+    if backend != "torch":
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- framework-free helpers -----------------------------------------------------------------------
@@ -210,15 +243,9 @@ def trained(backend: str) -> tuple[list[float], np.ndarray, np.ndarray, seq2seq.
     test = seq2seq.toy_task(200, seed=1000)
     num_steps = test.targets.shape[1]
     if backend == "torch":
-        import torch
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny ops: OpenMP's thread sync costs more than it gains
-        try:
+        with one_torch_thread(backend):
             model, losses = module.train_seq2seq(steps=STEPS)
             tokens, attention = model.predict(test.source, test.source_lens, num_steps)
-        finally:
-            torch.set_num_threads(threads)
     elif backend == "tensorflow":
         model, losses = module.train_seq2seq(steps=STEPS)
         tokens, attention = model.translate(test.source, test.source_lens, num_steps)
@@ -273,3 +300,135 @@ def test_seq2seq_report_counts_what_it_says() -> None:
     assert f"held-out token accuracy {(scored - 4) / scored:.3f} (4 sequences)" in text
     assert "first 10 steps 4.0000, of the last 10 1.0000" in text
     assert "in X, 20 training steps" in text
+
+
+# -- the encoder-decoder Transformer (issue 18) ---------------------------------------------------
+
+#: Backends with a training script; every backend decodes (examples.transformer.from_weights).
+TRANSFORMER_BACKENDS = ("torch", "tensorflow", "jax")
+#: Weights trained once by torch (seed 0, 400 steps): every env decodes the held-out set with
+#: them, Gluon and NumPy included.
+FIXTURE = tx.TRAINED_WEIGHTS
+
+
+def test_learning_rates_warm_up_then_decay() -> None:
+    rates = tx.learning_rates(400, peak=0.01, warmup=50)
+    assert rates.shape == (400,) and rates.dtype == np.float32
+    assert rates[0] == pytest.approx(0.01 / 50) and rates[9] == pytest.approx(0.01 * 10 / 50)
+    assert rates[49] == pytest.approx(0.01) and (np.diff(rates[:50]) > 0).all()
+    assert (np.diff(rates[49:]) < 0).all()
+    # a cosine from the peak to 0 (one step after the last) is symmetric about its middle
+    k = np.arange(1, 351)
+    np.testing.assert_allclose(rates[49 + k] + rates[400 - k], 0.01, rtol=1e-5)
+    assert 0 < rates[-1] < 0.01 * 1e-4
+
+
+def test_held_out_leaves_the_training_sources_out() -> None:
+    train = tx.training_data(seed=3)
+    test = tx.held_out(train)
+    seen = {row.tobytes() for row in train.source}
+    assert 0 < len(test) < tx.HELD_OUT_SIZE  # short sequences repeat: some are dropped
+    assert not any(row.tobytes() in seen for row in test.source)
+    assert len(tx.held_out(seq2seq.toy_task(1, seed=99))) == tx.HELD_OUT_SIZE
+
+
+def test_exact_match_counts_whole_sequences() -> None:
+    E = seq2seq.EOS
+    targets = np.array([[5, 6, E, 0], [7, E, 0, 0], [8, 9, E, 0]], np.int32)
+    lens = np.array([3, 2, 3], np.int32)
+    data = seq2seq.Seq2SeqData(targets, lens, targets, targets, lens, vocab_size=13)
+    # row 0 right (eos repeated after its end), row 1 goes on past the target, row 2 wrong
+    tokens = np.array([[5, 6, E, E], [7, 4, E, E], [8, 5, E, E]])
+    generated = ac.Generated(tokens, np.array([3, 3, 3]), np.zeros(3))
+    np.testing.assert_array_equal(tx.padded(generated, 4), [[5, 6, E, 0], [7, 4, E, 0], [8, 5, E, 0]])
+    np.testing.assert_array_equal(tx.exact_match(generated, data), [True, False, False])
+    never_ends = ac.Generated(np.array([[5, 6]] * 3), np.array([2, 2, 2]), np.zeros(3))
+    assert not tx.exact_match(never_ends, data).any()
+
+
+def test_token_names() -> None:
+    assert tx.token_names([0, 1, 2, 3, 12]) == ["<pad>", "<bos>", "<eos>", "0", "9"]
+
+
+def check_decoding(decoding: tx.Decoding, test: seq2seq.Seq2SeqData) -> ac.Generated:
+    """Greedy and beam search on the held-out set: at least 95 % exact, beam no worse than
+    greedy by more than 1 %; the cross-attention weights are 0 over padded source positions."""
+    greedy = tx.search(decoding, test.source, test.source_lens)
+    beam = tx.search(decoding, test.source, test.source_lens, beam_size=tx.BEAM_SIZE)
+    exact = tx.exact_match(greedy, test).mean()
+    assert exact >= 0.95, exact
+    assert tx.exact_match(beam, test).mean() >= exact - 0.01
+    weights = tx.cross_attention(decoding, test.source, test.source_lens, greedy)
+    S = test.source.shape[1]
+    padded = np.arange(S)[None, None, None, :] >= test.source_lens[:, None, None, None]
+    assert len(weights) == tx.CONFIG.num_blks
+    for block in weights:
+        assert block.shape == (len(test), tx.CONFIG.num_heads, S, S)
+        assert (block[np.broadcast_to(padded, block.shape)] == 0).all()
+        np.testing.assert_allclose(block.sum(-1), 1.0, rtol=1e-5)
+    return greedy
+
+
+def test_transformer_fixture_decodes_on_every_backend(backend: str) -> None:
+    """Weights trained by torch, read from safetensors by the backend's layers (Flax: params),
+    decode as well as the trainer did, and to the tokens NumPy decodes."""
+    weights = ac.load_weights(FIXTURE)
+    test = tx.held_out(tx.training_data(seed=0))
+    with one_torch_thread(backend):
+        greedy = check_decoding(tx.from_weights(backend, weights), test)
+    if backend != "numpy":
+        on_numpy = tx.search(tx.from_weights("numpy", weights), test.source, test.source_lens)
+        np.testing.assert_array_equal(greedy.tokens, on_numpy.tokens)
+
+
+def test_transformer_trains_and_exchanges(backend: str, tmp_path: Path) -> None:
+    """The backend's script trains the Transformer (400 steps): the loss falls, held-out
+    sequences are reversed exactly, and its weights, saved as safetensors, decode on NumPy to
+    the trainer's own tokens. One test, so that one worker trains (pytest-xdist)."""
+    module = example_module(backend, TRANSFORMER_BACKENDS, "transformer")
+    with one_torch_thread(backend):
+        *_, trained, losses = module.train_transformer()
+        assert len(losses) == tx.STEPS and np.isfinite(losses).all()
+        # measured on seeds 0-4 of each backend: first 10 steps' mean 2.61-3.39, last 10's 0.0016-0.0031
+        assert np.mean(losses[-10:]) < 0.02 < 2.0 < np.mean(losses[:10])
+        test = tx.held_out(tx.training_data(seed=0))
+        greedy = check_decoding(module.decoding(trained), test)
+    ac.save_weights(tmp_path / "trained.safetensors", trained)
+    on_numpy = tx.from_weights("numpy", ac.load_weights(tmp_path / "trained.safetensors"))
+    np.testing.assert_array_equal(tx.search(on_numpy, test.source, test.source_lens).tokens,
+                                  greedy.tokens)
+
+
+def test_transformer_script(backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m examples.transformer_<backend> --steps 3 --save FILE`` trains, decodes,
+    reports and saves weights that every backend's layers take."""
+    module = example_module(backend, TRANSFORMER_BACKENDS, "transformer")
+    path = tmp_path / "w.safetensors"
+    with one_torch_thread(backend):
+        assert module.main(["--steps", "3", "--save", str(path), "--beam", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Transformer (encoder-decoder) in ") and ": 3 training steps in " in lines[0]
+    count = len(tx.held_out(tx.training_data(seed=0)))
+    assert f"held-out exact match ({count} sequences): greedy " in lines[2]
+    assert "beam search (2 beams)" in lines[2] and lines[3].startswith("  source ")
+    saved = ac.load_weights(path)
+    assert saved.keys() == ac.load_weights(FIXTURE).keys()
+    tx.from_weights("numpy", saved)  # names and shapes fit the NumPy layers
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="needs matplotlib (the plot extra)")
+def test_transformer_decode_script_plots(backend: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m examples.transformer_decode FIXTURE --backend numpy --plot out.png``, in the
+    numpy env (which has matplotlib; the other backends decode the fixture above)."""
+    if backend != "numpy":
+        pytest.skip("the decoding script is run in the numpy env")
+    png = tmp_path / "cross.png"
+    assert decode_script.main(["--backend", backend, "--plot", str(png), "--example", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"Transformer (encoder-decoder) weights {FIXTURE}"
+    assert lines[1].startswith(f"  {decode_script.FRAMEWORKS[backend]}, held-out exact match (")
+    greedy = float(lines[1].split("greedy ")[1].split(",")[0])
+    assert greedy >= 0.95
+    assert png.read_bytes().startswith(b"\x89PNG")
