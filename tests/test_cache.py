@@ -231,3 +231,24 @@ def test_flax_decode_keeps_the_cache_in_its_collection(backend: str) -> None:
 
     with pytest.raises(TypeError, match="MultiHeadAttention has no key/value cache"):
         MultiHeadAttention(8, 2).init(jax.random.PRNGKey(0), enc, enc, enc, decode=True)
+
+
+def test_cached_call_of_a_gluon_layer_given_weights_only(backend: str) -> None:
+    """A Gluon decoder given ``set_weights`` but never ``initialize()``d serves a cached call
+    (its fixed table ``P`` gets its values then, as in an uncached first call)."""
+    if backend != "mxnet":
+        pytest.skip("Gluon's initialize() convention")
+    import mxnet as mx
+
+    from backends.mxnet import TransformerDecoder
+    from backends.numpy import TransformerDecoder as NumpyDecoder
+
+    rng = np.random.default_rng(18)
+    tokens, enc, lens = _inputs(rng, True)
+    reference = NumpyDecoder(V, h, 12, H, 1, max_len=8, seed=0)
+    full = reference(tokens, enc.astype(np.float32), lens)
+    layer = TransformerDecoder(V, h, 12, H, 1, max_len=8)
+    layer.set_weights(reference.get_weights())
+    logits, _ = layer(mx.np.array(tokens[:, :3], dtype="int32"),
+                      mx.np.array(enc, dtype="float32"), mx.np.array(lens), capacity=STEPS)
+    assert max_diff(logits.asnumpy(), full[:, :3]) <= BOUND

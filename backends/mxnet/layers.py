@@ -181,11 +181,18 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
             params.pop(f"{prefix}.{name}" if prefix else name, None)
         return params
 
+    def _init_tables(self, ctx: Any) -> None:
+        """Gives the fixed tables (``P``) their values if they have none.
+
+        E.g. a layer given ``set_weights`` or ``load_parameters`` but never ``initialize()``.
+        """
+        for table in (self._reg_params[name] for name in self._tables):
+            if not _has_data(table) and not table._deferred_init:
+                table.initialize(ctx=ctx)
+
     def _new_weights(self, dims: Mapping[str, int], ctx: Any) -> dict[str, Any]:
         """Values for the deferred weights a first call needs (not stored); {} when built."""
-        for table in (self._reg_params[name] for name in self._tables):
-            if not _has_data(table) and not table._deferred_init:  # e.g. after load_parameters
-                table.initialize(ctx=ctx)
+        self._init_tables(ctx)
         if self.built:
             known = self._dims()
             for name, size in dims.items():
@@ -257,6 +264,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         if not self.built:
             raise ValueError(f"{type(self).__name__} must be built (called once without a cache, "
                              "or given set_weights) before a cached call")
+        self._init_tables(ctx)
         params = {n: p.data(ctx) for n, p in self._reg_params.items()}
         out = self._forward(OPS, arrays, options, need, params)
         returned, kept = self.finish(out, need, return_attention)
