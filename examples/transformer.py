@@ -181,8 +181,6 @@ def from_weights(backend: str, weights: Mapping[str, np.ndarray]) -> Decoding:
     encoder = module.TransformerEncoder(**CONFIG.stack())
     decoder = module.TransformerDecoder(**CONFIG.stack())
     for layer, prefix in ((encoder, "encoder"), (decoder, "decoder")):
-        if backend == "mxnet":  # Gluon's habit; a first call with a cache needs it (the table P)
-            layer.initialize()
         layer.set_weights(subset(weights, prefix))
     return Decoding(backend, encoder, decoder)
 
