@@ -73,8 +73,13 @@ TOLERANCE = {
 #: TensorFlow its failing low-precision cells each had one or two FFN pre-activations (as small
 #: as 9e-5 in float64) whose sign flipped, the gradient of the first dense layer and what lies
 #: before it then off by up to 11x the bound in float16 and 4.4x in bfloat16; the cells without
-#: a flip passed, and the outputs stayed within 0.44 of the bound.
-LOW_PRECISION_UNBOUNDED_GRADIENTS = ("TransformerEncoderBlock", "TransformerEncoder")
+#: a flip passed, and the outputs stayed within 0.44 of the bound. The decoder layers have the
+#: same FFN: on torch, the failing low-precision cells of the decoder block each had one FFN
+#: pre-activation whose sign flipped (3e-4 in float64, against a float16 forward error of
+#: 2.5e-3; 5e-3 against 2.5e-2 in bfloat16), the gradients of ``ffn.dense1`` then off by up to
+#: 21x the bound; a cell without a flip passed.
+LOW_PRECISION_UNBOUNDED_GRADIENTS = ("TransformerEncoderBlock", "TransformerEncoder",
+                                     "TransformerDecoderBlock", "TransformerDecoder", "Transformer")
 
 
 def tolerance(quantity: str, dtype: str, reference: np.ndarray) -> float:

@@ -1,13 +1,15 @@
 """The cross-backend matrix, generated from one table: cases x dtypes x modes, per backend.
 
-* cases: :data:`tests.reference.cases.CASES` (every layer, every mask kind, the edge shapes);
+* cases: :data:`tests.reference.cases.CASES` (every layer, every mask kind, the edge shapes;
+  the decoder layers with the masks of their self- and cross-attention, on the base shapes);
 * dtypes: :data:`tests.harness.DTYPES` (tolerances in :data:`tests.harness.TOLERANCE`);
 * modes: :data:`tests.harness.MODES`, run by the ``MODES`` hook of each backend.
 
 Every cell builds the layer in its dtype, sets the reference weights, calls it on the reference
 inputs (in the cell's mode) and compares, with the float64 reference files, the output, the
-returned attention weights, the kept ones (attribute or sown), and, on a backend with autodiff,
-the gradients of ``sum(output * cotangent)`` by every input and every weight.
+returned attention weights, the kept ones (attribute or sown; a decoder layer's nested list
+array by array), and, on a backend with autodiff, the gradients of ``sum(output * cotangent)``
+by every input and every weight.
 
 Which cells run (:func:`cells`):
 
@@ -24,7 +26,10 @@ Which cells run (:func:`cells`):
   cores), so they run :data:`COMPILED_CASES` in float32: every layer, the attention layers
   with three mask kinds each, chosen so that together they cover 1-D and 2-D lengths, 2-D,
   3-D and per-head boolean masks, causal alone and with lengths, fully masked rows, and the
-  causal end alignment with fewer keys than queries (its first queries see no key).
+  causal end alignment with fewer keys than queries (its first queries see no key); the
+  decoder layers with one or two cases each that mask both attentions (fully masked rows in
+  the cross-attention among them), a decoder-only block, and the encoder-decoder with source
+  and target lengths.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from attention_core.declarations import leaves
 from tests.harness import AUTODIFF, DTYPES, MODES, Harness, max_diff
 from tests.reference.cases import CASES, Case
 from tests.reference.generate import RETURNS_ATTENTION, record
@@ -53,6 +59,9 @@ COMPILED_CASES = {
     "TransformerEncoderBlock": ("valid_lens_1d", "mask_3d", "fully_masked_row"),
     "RelativeMultiHeadAttention": ("valid_lens_2d", "causal", "keys_only-fully_masked_row"),
     "TransformerEncoder": ("mask_2d",),
+    "TransformerDecoderBlock": ("mask_3d+enc_valid_lens_2d_bias", "decoder_only-fully_masked_row"),
+    "TransformerDecoder": ("valid_lens_2d+enc_fully_masked_row",),
+    "Transformer": ("src_valid_lens_1d+tgt_valid_lens_2d",),
     "PositionalEncoding": ("width_7",),
     "LearnedPositionalEncoding": ("basic",),
     "PositionWiseFFN": ("basic",),
@@ -113,8 +122,9 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
             gradients: bool | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Runs one cell; returns what it computed and what the reference files say, by quantity.
 
-    Quantities: ``out``, ``attention`` (returned), ``attention_attr`` (kept or sown), ``P``
-    (the positional table), and ``grad.input.<i>`` / ``grad.weight.<name>``.
+    Quantities: ``out``, ``attention`` (returned), ``attention_attr`` (kept or sown; a
+    decoder layer's nested list as ``attention_attr.<i>``, one per array), ``P`` (the
+    positional table), and ``grad.input.<i>`` / ``grad.weight.<name>``.
     """
     ref = reference(case)
     if gradients is None:
@@ -130,7 +140,8 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
     names = sorted(call)  # valid_lens, mask: arrays, passed to the mode like the inputs
     arrays = [*inputs, *(h.array(call[n]) for n in names)]
     n_inputs = len(inputs)
-    keeps = "output.attention" in ref
+    kept = kept_references(ref)
+    keeps = bool(kept)
     cotangent = reference_gradients(case)["cotangent"] if gradients else None
 
     def fn(layer: Any, *arrays: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -152,13 +163,15 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
         return forward(layer, *xs), {}
 
     result, grads = h.run(mode, layer, fn, arrays)
-    got = {name: _stacked(h, value) for name, value in result.items()}
+    nested = keeps and "attention_attr" not in kept
+    got = {}
+    for name, value in result.items():
+        got.update(_leaves(h, name, value) if nested and name == "attention_attr"
+                   else {name: _stacked(h, value)})
     got.update({f"grad.{name}": h.numpy(value) for name, value in grads.items()})
-    expected = {"out": ref["output.out"]}
-    if keeps:
-        expected["attention_attr"] = ref["output.attention"]
-        if case.layer in RETURNS_ATTENTION:
-            expected["attention"] = ref["output.attention"]
+    expected = {"out": ref["output.out"], **kept}
+    if keeps and case.layer in RETURNS_ATTENTION:
+        expected["attention"] = ref["output.attention"]
     if "output.P" in ref:
         got["P"] = h.numpy(layer.P)[:, : ref["output.P"].shape[1]]
         expected["P"] = ref["output.P"]
@@ -166,6 +179,23 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
         expected.update({f"grad.{k}": v for k, v in reference_gradients(case).items()
                          if k != "cotangent"})
     return got, expected
+
+
+def kept_references(ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The kept attention weights a record holds, by quantity: ``attention_attr`` (one array,
+    or the encoder's blocks stacked), or ``attention_attr.<i>`` per array of a nested list (the
+    decoder layers'); none if the layer keeps none."""
+    if "output.attention" in ref:
+        return {"attention_attr": ref["output.attention"]}
+    prefix = "output.attention."
+    return {f"attention_attr.{key[len(prefix):]}": value for key, value in ref.items()
+            if key.startswith(prefix)}
+
+
+def _leaves(h: Harness, name: str, value: Any) -> dict[str, np.ndarray]:
+    """A nested list of computed arrays as float64 NumPy, ``<name>.<i>`` in the order of
+    :func:`attention_core.declarations.leaves` (Flax may give tuples for lists)."""
+    return {f"{name}.{i}": h.numpy(leaf) for i, leaf in enumerate(leaves(value))}
 
 
 def _stacked(h: Harness, value: Any) -> np.ndarray:

@@ -37,6 +37,9 @@ def naive_outputs(case: Case, ref: dict[str, np.ndarray]) -> dict[str, np.ndarra
     call = {k[5:]: v for k, v in ref.items() if k.startswith("call.")}
     masks = {"valid_lens": call.get("valid_lens"), "mask": call.get("mask"),
              "causal": bool(call.get("causal", False))}
+    if case.layer in DECODER_LAYERS:
+        out, kept = naive_decoder(case, x, w, call)
+        return {"output.out": out, **{f"output.attention.{i}": a for i, a in enumerate(kept)}}
     if case.layer == "DotProductAttention":
         q, k, v = x["queries"], x["keys"], x["values"]
         vis = naive.visible(q.shape[0], 1, q.shape[1], k.shape[1], **masks)
@@ -87,6 +90,38 @@ def naive_outputs(case: Case, ref: dict[str, np.ndarray]) -> dict[str, np.ndarra
         out, att = naive.nadaraya_watson(x["queries"], x["keys"], x["values"], width)
         return {"output.out": out, "output.attention": att}
     raise AssertionError(case.layer)
+
+
+DECODER_LAYERS = ("TransformerDecoderBlock", "TransformerDecoder", "Transformer")
+
+
+def naive_decoder(case: Case, x: dict[str, np.ndarray], w: dict[str, np.ndarray],
+                  call: dict[str, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A decoder case recomputed by tests/naive.py: its output and its kept attention weights,
+    flattened in order (``[self, cross]``; a stack's per kind, block by block)."""
+    H = case.config["num_heads"]
+    if case.layer == "Transformer":
+        src, tgt = x["src_tokens"], x["tgt_tokens"]
+        (B, S), T = src.shape, tgt.shape[1]
+        lens = call.get("src_valid_lens")
+        enc, enc_kept = naive.transformer_encoder(src, naive.sub(w, "encoder"), H,
+                                                  naive.visible(B, H, S, S, lens))
+        out, kept = naive.transformer_decoder(
+            tgt, naive.sub(w, "decoder"), H,
+            naive.visible(B, H, T, T, call.get("tgt_valid_lens"), causal=True), enc,
+            naive.visible(B, H, T, S, lens))
+        return out, [*enc_kept, *(a for per_kind in kept for a in per_kind)]
+    first = x["X"] if case.layer == "TransformerDecoderBlock" else x["tokens"]
+    B, T = first.shape[:2]
+    enc = x.get("enc_outputs")
+    self_vis = naive.visible(B, H, T, T, call.get("valid_lens"), call.get("mask"), causal=True)
+    cross_vis = None if enc is None else naive.visible(B, H, T, enc.shape[1],
+                                                       call.get("enc_valid_lens"),
+                                                       call.get("enc_mask"))
+    if case.layer == "TransformerDecoderBlock":
+        return naive.decoder_block(first, w, H, self_vis, enc, cross_vis)
+    out, kept = naive.transformer_decoder(first, w, H, self_vis, enc, cross_vis)
+    return out, [a for per_kind in kept for a in per_kind]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.layer}-{c.name}")

@@ -25,7 +25,7 @@ from tests.harness import (
     tolerance,
 )
 from tests.matrix import COMPILED_CASES, Cell, cells, differences, measure
-from tests.reference.cases import CASES, MASK_KINDS, Case
+from tests.reference.cases import CASES, MASK_KINDS, Case, mask_parts
 
 
 def matrix_params() -> list[Any]:
@@ -70,16 +70,10 @@ def test_cell_matches_reference(cell: Cell) -> None:
 # -- the table itself --------------------------------------------------------------------------
 
 
-#: Layers not in the reference files yet: the decoder side (issue 18) is checked on every
-#: backend against tests/naive.py's float64 decoder in tests/test_decoder.py until its cases
-#: (nested attention weights, the cross-attention's masks) join the matrix.
-NOT_YET_IN_THE_MATRIX = {"TransformerDecoderBlock", "TransformerDecoder", "Transformer"}
-
-
 def test_every_layer_has_reference_cases() -> None:
     from attention_core import LAYER_NAMES
 
-    assert {c.layer for c in CASES} == set(LAYER_NAMES) - NOT_YET_IN_THE_MATRIX
+    assert {c.layer for c in CASES} == set(LAYER_NAMES)
 
 
 def test_every_attention_layer_has_every_mask_kind() -> None:
@@ -87,6 +81,21 @@ def test_every_attention_layer_has_every_mask_kind() -> None:
         assert {c.mask_kind for c in CASES if c.layer == layer and c.edge is None} == set(MASK_KINDS)
     encoder = {c.mask_kind for c in CASES if c.layer == "TransformerEncoderBlock"}
     assert encoder == {k for k in MASK_KINDS if not k.startswith("causal")}  # no causal argument
+
+
+def test_the_decoder_block_has_every_mask_kind_on_both_attentions() -> None:
+    """The block's self-attention (causal: no causal argument) and its cross-attention each
+    have every mask kind alone; decoder-only blocks mask their self-attention only; the decoder
+    masks both attentions, the encoder-decoder its sources and its targets."""
+    block = [c for c in CASES if c.layer == "TransformerDecoderBlock"]
+    crossed = {c.mask_kind for c in block if "enc_outputs" in c.inputs}
+    kinds = {k for k in MASK_KINDS if not k.startswith("causal")}
+    assert crossed >= kinds | {f"enc_{k}" for k in kinds - {"none"}}
+    alone = [c.mask_kind or "none" for c in block if "enc_outputs" not in c.inputs]
+    assert {p for kind in alone for p, _ in mask_parts(kind)} == {""}
+    for layer, prefixes in (("TransformerDecoder", {"", "enc_"}), ("Transformer", {"src_", "tgt_"})):
+        used = {p for c in CASES if c.layer == layer for p, _ in mask_parts(c.mask_kind or "none")}
+        assert used >= prefixes, layer
 
 
 def test_compiled_subset_names_real_cases_of_every_layer() -> None:

@@ -25,7 +25,7 @@ _DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
 _LAYER_ORDER = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention",
                 "RelativeMultiHeadAttention", "PositionalEncoding", "LearnedPositionalEncoding",
                 "PositionWiseFFN", "AddNorm", "TransformerEncoderBlock", "TransformerEncoder",
-                "NadarayaWatson")
+                "TransformerDecoderBlock", "TransformerDecoder", "Transformer", "NadarayaWatson")
 
 
 def load_reports(directory: str | Path) -> list[dict[str, Any]]:
@@ -169,7 +169,7 @@ def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = 
         "and attention weights / gradients** (by every input and weight; no gradients on "
         f"NumPy). Bounds: {bounds}; for gradients, times the gradient's largest entry when "
         "that is above 1. **✗** marks a group with a cell over its bound. (x †): the "
-        "float16/bfloat16 gradients of the encoder block and the encoder, which must be finite but are not "
+        "float16/bfloat16 gradients of the encoder and decoder layers, which must be finite but are not "
         "bounded: a ReLU follows rounded stages and flips (see `tests/harness.py`). "
         "`numpy` float64 is the reference itself, which `tests/naive.py` checks. "
         f"Compiled modes: {compiled or 'none'}.",

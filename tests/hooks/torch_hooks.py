@@ -23,7 +23,7 @@ def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], in
     """``forward(layer, *inputs)`` (a dict with ``"out"``) and, by torch autograd, the gradients
     of ``sum(out * cotangent)`` by floating input (``input.<i>``; integer inputs such as token
     ids have none) and weight (``weight.<name>``). A result entry may be a list of tensors (the
-    encoder's weights, one per block)."""
+    encoder's weights, one per block) or a nested list (a decoder's)."""
     leaves = [x.detach().clone().requires_grad_(True) if x.is_floating_point() else x
               for x in inputs]
     module = getattr(layer, "_orig_mod", layer)  # torch.compile wraps the layer
@@ -40,10 +40,11 @@ def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], in
 
 
 def _detached(value: Any) -> Any:
-    """A tensor, or a list of tensors (None where a block kept none), out of the autograd graph."""
+    """A tensor, or a (nested) list of tensors (None where a block kept none), out of the
+    autograd graph."""
     if isinstance(value, (list, tuple)):
-        return [None if v is None else v.detach() for v in value]
-    return value.detach()
+        return [_detached(v) for v in value]
+    return None if value is None else value.detach()
 
 
 def gradients(layer: Any, inputs: list[Any], kwargs: dict[str, Any], cotangent: Any) -> dict[str, np.ndarray]:

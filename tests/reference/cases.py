@@ -3,6 +3,11 @@
 The generator (``python -m tests.reference.generate``) draws inputs and weights for each case
 from a seeded generator, computes outputs in float64 with the NumPy core, and writes one
 ``.npz`` per layer. Every backend's tests read the same files.
+
+The decoder layers attend more than once per call. Their mask kinds name the attention they
+restrict by a prefix (:data:`MASK_SIDES`): ``enc_mask_3d`` is ``mask_3d`` drawn for the
+cross-attention (queries the decoder's input, keys the encoder outputs) and passed as
+``enc_mask``; a kind joins several with ``+`` (``valid_lens_2d+enc_fully_masked_row``).
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ def mask_arguments(kind: str, rng: np.random.Generator, heads: int, q: int = Q,
     if kind == "causal_valid_lens":
         return {"causal": True,
                 "valid_lens": np.array(([k - 1, min(2, k)] + [k] * b)[:b], dtype=np.int64)}
+    if kind == "valid_lens_1d_zero":  # example 0 sees no key at all (not in MASK_KINDS)
+        return {"valid_lens": np.array(([0, min(3, k)] + [k] * b)[:b], dtype=np.int64)}
     if kind == "fully_masked_row":
         lens = rng.integers(1, k + 1, size=(b, q)).astype(np.int64)
         lens[0, min(1, q - 1)] = 0  # example 0, query 1 sees nothing
@@ -81,6 +88,43 @@ def mask_arguments(kind: str, rng: np.random.Generator, heads: int, q: int = Q,
         mask[b - 1, min(2, q - 1)] = False  # the last example, query 2 sees nothing
         return {"valid_lens": lens, "mask": mask}
     raise ValueError(kind)
+
+
+#: Prefixes of a decoder layer's mask kinds: the attention they restrict, as the inputs whose
+#: lengths its queries and keys have (None: the case's first input for the queries; for the keys
+#: its ``keys`` input, else the queries). The prefix is also that of the call's arguments
+#: (``enc_`` + ``valid_lens``: ``enc_valid_lens``).
+MASK_SIDES: dict[str, tuple[str | None, str | None]] = {
+    "": (None, None),  # the self-attention (or the attention layer's only one)
+    "enc_": (None, "enc_outputs"),  # a decoder's cross-attention over the encoder outputs
+    "src_": ("src_tokens", "src_tokens"),  # the encoder-decoder's source lengths
+    "tgt_": ("tgt_tokens", "tgt_tokens"),  # the encoder-decoder's target lengths
+}
+
+
+def mask_parts(kind: str) -> list[tuple[str, str]]:
+    """The ``(prefix, kind)`` parts of a mask kind: ``"mask_2d+enc_valid_lens_1d"`` ->
+    ``[("", "mask_2d"), ("enc_", "valid_lens_1d")]``."""
+    parts = []
+    for part in kind.split("+"):
+        prefix = next((p for p in MASK_SIDES if p and part.startswith(p)), "")
+        parts.append((prefix, part[len(prefix):]))
+    return parts
+
+
+def case_masks(kind: str, inputs: dict[str, tuple[int, ...]], rng: np.random.Generator,
+               heads: int) -> dict[str, Any]:
+    """Draws the call's masking arguments of a mask kind (see :func:`mask_parts`), each part
+    for the lengths of its attention's queries and keys in ``inputs`` (name -> shape)."""
+    first = next(iter(inputs.values()))
+    out: dict[str, Any] = {}
+    for prefix, part in mask_parts(kind):
+        queries, keys = MASK_SIDES[prefix]
+        q = inputs[queries][1] if queries else first[1]
+        k = inputs[keys][1] if keys else inputs["keys"][1] if "keys" in inputs else q
+        drawn = mask_arguments(part, rng, heads, q=q, k=k, b=first[0])
+        out.update({prefix + name: value for name, value in drawn.items()})
+    return out
 
 
 @dataclass(frozen=True)
@@ -97,8 +141,10 @@ class Case:
     edge: str | None = None  # the edge shape or head layout (EDGE_SHAPES, EDGE_HEADS), if any
 
 
-#: Inputs holding integer token ids (drawn in ``[0, vocab_size)``; they have no gradient).
-INTEGER_INPUTS = ("tokens",)
+#: Inputs holding integer token ids, by the constructor argument giving their number of ids
+#: (drawn in ``[0, that)``; they have no gradient).
+INTEGER_INPUTS = {"tokens": "vocab_size", "src_tokens": "src_vocab_size",
+                  "tgt_tokens": "tgt_vocab_size"}
 
 #: Constructor arguments of the relative-position attention cases: with 6 keys and 4 queries,
 #: offsets run from -5 to 2, so m = 2 clips on both sides.
@@ -109,6 +155,38 @@ ENCODER = {"vocab_size": 11, "num_hiddens": 12, "ffn_num_hiddens": 16, "num_head
            "num_blks": 2, "dropout": 0.0}
 
 
+#: Constructor arguments of the decoder block cases (width 12, so the encoder outputs' too).
+DECODER_BLOCK = {"num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3, "dropout": 0.0}
+
+#: Constructor arguments of the decoder cases: two blocks, as the encoder's.
+DECODER = ENCODER
+
+#: Constructor arguments of the encoder-decoder cases: two blocks each side, target ids other
+#: than the source's (13 and 11), so that each embedding is checked against its own tokens.
+TRANSFORMER = {"src_vocab_size": 11, "tgt_vocab_size": 13, "num_hiddens": 12,
+               "ffn_num_hiddens": 16, "num_heads": 3, "num_blks": 2, "dropout": 0.0}
+
+#: The mask kinds of the decoder cases (base shapes only: the decoder's inputs are Q = 4 long,
+#: the encoder outputs' and the source K = 6, so the cross-attention's keys are the longer).
+#: The block's self-attention (always causal) and cross-attention each with every kind their
+#: call takes (a 1-D length of 0 too: an example that sees no encoder output), both at once,
+#: two with biases; then the decoder-only block, the decoder stack with and without
+#: cross-attention, and the encoder-decoder with source and target lengths. Names:
+#: ``<mask kind>[_bias]``, decoder-only ones ``decoder_only-<mask kind>``.
+SELF_KINDS = tuple(k for k in MASK_KINDS if not k.startswith("causal"))
+DECODER_BLOCK_KINDS = (
+    *SELF_KINDS,
+    *(f"enc_{k}" for k in ("valid_lens_1d", "valid_lens_1d_zero", *SELF_KINDS[2:])),
+)
+DECODER_BLOCK_BIAS_KINDS = ("mask_3d+enc_valid_lens_2d", "fully_masked_row+enc_fully_masked_row")
+DECODER_ONLY_BLOCK_KINDS = {"none": False, "mask_4d": True, "fully_masked_row": False}
+DECODER_KINDS = ("none", "enc_valid_lens_1d", "valid_lens_2d+enc_fully_masked_row",
+                 "mask_3d+enc_mask_4d")
+DECODER_ONLY_KINDS = ("valid_lens_1d", "mask_2d")
+TRANSFORMER_KINDS = ("none", "src_valid_lens_1d", "src_valid_lens_1d+tgt_valid_lens_2d",
+                     "src_valid_lens_1d_zero+tgt_valid_lens_1d")
+
+
 def _attention_inputs(layer: str, b: int, q: int, k: int) -> dict[str, tuple[int, ...]]:
     """Input shapes of an attention layer for ``b`` examples, ``q`` queries and ``k`` keys."""
     if layer == "DotProductAttention":
@@ -116,6 +194,26 @@ def _attention_inputs(layer: str, b: int, q: int, k: int) -> dict[str, tuple[int
     multihead = layer in ("MultiHeadAttention", "RelativeMultiHeadAttention")
     return {"queries": (b, q, 10), "keys": (b, k, 7 if multihead else 6),
             "values": (b, k, 9 if multihead else 5)}
+
+
+def _decoder_cases() -> list[Case]:
+    """The cases of the decoder block, the decoder and the encoder-decoder (base shapes)."""
+    X, enc = (B, Q, 12), (B, K, 12)
+    block, decoder, heads = "TransformerDecoderBlock", "TransformerDecoder", 3
+    cases = [Case(block, kind, DECODER_BLOCK, {"X": X, "enc_outputs": enc}, kind, heads)
+             for kind in DECODER_BLOCK_KINDS]
+    cases += [Case(block, f"{kind}_bias", {**DECODER_BLOCK, "bias": True},
+                   {"X": X, "enc_outputs": enc}, kind, heads) for kind in DECODER_BLOCK_BIAS_KINDS]
+    cases += [Case(block, f"decoder_only-{kind}{'_bias' if bias else ''}",
+                   {**DECODER_BLOCK, "bias": bias, "decoder_only": True}, {"X": X}, kind, heads)
+              for kind, bias in DECODER_ONLY_BLOCK_KINDS.items()]
+    cases += [Case(decoder, kind, DECODER, {"tokens": (B, Q), "enc_outputs": enc}, kind, heads)
+              for kind in DECODER_KINDS]
+    cases += [Case(decoder, f"decoder_only-{kind}", {**DECODER, "decoder_only": True},
+                   {"tokens": (B, Q)}, kind, heads) for kind in DECODER_ONLY_KINDS]
+    cases += [Case("Transformer", kind, TRANSFORMER, {"src_tokens": (B, K), "tgt_tokens": (B, Q)},
+                   kind, heads) for kind in TRANSFORMER_KINDS]
+    return cases
 
 
 def build_cases() -> list[Case]:
@@ -227,7 +325,7 @@ def build_cases() -> list[Case]:
         cases.append(Case("NadarayaWatson", f"{tag}_batch_1-one_key", {"parametric": parametric},
                           {"queries": (1, 3), "keys": (1, 1), "values": (1, 1)},
                           edge="batch_1-one_key"))
-    return cases
+    return cases + _decoder_cases()
 
 
 CASES = build_cases()

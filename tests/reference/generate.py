@@ -4,7 +4,11 @@ For each case of :mod:`tests.reference.cases`, inputs and weights are drawn from
 seeded by the case's name, and outputs are computed in float64 by the NumPy layers. Biases,
 ``gamma`` and ``beta`` are drawn at random too, so that no term of the computation is hidden
 by a zero or a one. One ``.npz`` per layer is written under ``tests/reference/data``; keys are
-``"<case>::<group>.<name>"`` with group ``input``, ``call``, ``weight`` or ``output``.
+``"<case>::<group>.<name>"`` with group ``input``, ``call``, ``weight`` or ``output``. The
+attention weights a layer keeps are ``output.attention``: one array, or the blocks' stacked
+(the encoder's); a layer that keeps a nested list (the decoder layers: ``[self, cross]`` ...)
+has one ``output.attention.<i>`` per array instead, in the order of
+:func:`attention_core.declarations.leaves`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any
 import numpy as np
 
 import backends.numpy as np_layers
-from tests.reference.cases import CASES, INTEGER_INPUTS, Case, mask_arguments
+from attention_core.declarations import leaves
+from tests.reference.cases import CASES, INTEGER_INPUTS, Case, case_masks
 
 DATA = Path(__file__).parent / "data"
 
@@ -34,15 +39,12 @@ def call_arguments(
     case: Case, rng: np.random.Generator
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Draws a case's inputs (float64, or int64 token ids) and masking arguments."""
-    inputs = {name: (rng.integers(0, case.config["vocab_size"], shape) if name in INTEGER_INPUTS
-                     else rng.standard_normal(shape))
+    inputs = {name: (rng.integers(0, case.config[INTEGER_INPUTS[name]], shape)
+                     if name in INTEGER_INPUTS else rng.standard_normal(shape))
               for name, shape in case.inputs.items()}
     extra: dict[str, Any] = {}
     if case.mask_kind is not None:
-        first = next(iter(case.inputs.values()))
-        b, q = first[0], first[1]
-        k = case.inputs["keys"][1] if "keys" in case.inputs else q
-        extra = mask_arguments(case.mask_kind, rng, case.heads, q=q, k=k, b=b)
+        extra = case_masks(case.mask_kind, case.inputs, rng, case.heads)
     return inputs, extra
 
 
@@ -71,10 +73,13 @@ def run(
         return {"out": out, "attention": attn}
     out = layer(*args, **extra)
     result = {"out": out}
-    if isinstance(layer.attention_weights, list):  # one array per block: (blocks, B, H, T, T)
-        result["attention"] = np.stack(layer.attention_weights)
-    elif layer.attention_weights is not None:
-        result["attention"] = layer.attention_weights
+    kept = layer.attention_weights
+    if layer.attention_kind == "nested":  # arrays of several shapes: one key each, in order
+        result.update({f"attention.{i}": leaf for i, leaf in enumerate(leaves(kept))})
+    elif isinstance(kept, list):  # one array per block: (blocks, B, H, T, T)
+        result["attention"] = np.stack(kept)
+    elif kept is not None:
+        result["attention"] = kept
     return result
 
 

@@ -39,6 +39,10 @@ FULL_CHECK_CASES = {
     "TransformerEncoderBlock": ("none", "valid_lens_1d", "mask_3d", "fully_masked_row"),
     "RelativeMultiHeadAttention": ("valid_lens_2d", "mask_4d", "causal", "keys_only-fully_masked_row"),
     "TransformerEncoder": ("valid_lens_1d", "fully_masked_row"),
+    "TransformerDecoderBlock": ("fully_masked_row+enc_fully_masked_row_bias",
+                                "decoder_only-mask_4d_bias"),
+    "TransformerDecoder": ("valid_lens_2d+enc_fully_masked_row",),
+    "Transformer": ("src_valid_lens_1d_zero+tgt_valid_lens_1d",),
     "PositionalEncoding": ("width_7",),
     "LearnedPositionalEncoding": ("basic",),
     "PositionWiseFFN": ("basic",),
@@ -95,6 +99,15 @@ def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[s
     if case.layer == "TransformerEncoder":
         (tokens,) = inputs
         return ac.transformer_encoder(tokens, weights, heads, **call)
+    if case.layer == "TransformerDecoderBlock":
+        X, *enc_outputs = inputs  # no encoder outputs: decoder-only
+        return ac.transformer_decoder_block(X, weights, heads, *enc_outputs, **call)
+    if case.layer == "TransformerDecoder":
+        tokens, *enc_outputs = inputs
+        return ac.transformer_decoder(tokens, weights, heads, *enc_outputs, **call)
+    if case.layer == "Transformer":
+        src_tokens, tgt_tokens = inputs
+        return ac.transformer_encoder_decoder(src_tokens, tgt_tokens, weights, heads, **call)
     if case.layer == "AdditiveAttention":
         queries, keys, values = inputs
         return ac.additive_attention(queries, keys, values, weights, **call)
