@@ -34,6 +34,7 @@ import numpy as np
 
 import attention_core as ac
 from attention_core import registry
+from benchmarks.run import machine_info
 from benchmarks.timing import median_interval
 
 #: The model: a decoder-only stack of 2 blocks, h = 256, 4 heads, FFN 1024, vocabulary 1000.
@@ -136,7 +137,7 @@ def _measure(backend: str, rounds: int) -> dict[str, Any]:
         "same_tokens": same,
         "tokens_per_second": {name: TOKENS / float(np.median(s)) for name, s in seconds.items()},
         "seconds": seconds, "speedup": median_interval(ratios).as_dict(),
-        "versions": _versions(backend), "machine": _machine(),
+        "versions": _versions(backend), "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -147,20 +148,6 @@ def _versions(backend: str) -> dict[str, str]:
     module = __import__(names[backend])
     return {"python": platform.python_version(), backend: str(module.__version__),
             "numpy": np.__version__}
-
-
-def _machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return {"cpu": model, "cores": os.cpu_count()}
 
 
 def render(results: Sequence[dict[str, Any]]) -> str:
