@@ -364,6 +364,15 @@ class Declaration:
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         """Checks the inputs before any weight is made for them (ranks, widths)."""
 
+    def is_cached(self, arguments: Mapping[str, Any]) -> bool:
+        """Whether a bound call runs against a key/value cache.
+
+        It does when it gives a cache, or a capacity to make one; ``start`` alone (default 0)
+        does not make a call cached.
+        """
+        return bool(self.cache_arguments) and any(
+            arguments.get(name) is not None for name in ("cache", "capacity"))
+
     def padding_masks(self, ops: Ops, arguments: Mapping[str, Any], paddings: Mapping[str, Any]
                       ) -> dict[str, Any]:
         """The mask arguments that take a call's padding masks (Keras' ``_keras_mask``).

@@ -230,7 +230,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         options = {n: v for n, v in prepared.arguments.items() if n not in self._arrays}
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
-        if any(options.get(n) is not None for n in self.cache_arguments):  # state in, state out
+        if self.is_cached(options):  # state in, state out
             return self._cached_call(arrays, options, need, prepared.return_attention, ctx)
         with autograd.pause():  # a first call runs on new weights, kept once it succeeded
             new = self._new_weights(prepared.dims, ctx)
