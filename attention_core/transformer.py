@@ -147,13 +147,14 @@ def transformer_encoder_block(
     return (out, attn) if return_weights else out
 
 
-def _ids_side(weights: Mapping[str, Array], side: str) -> str | None:
-    """The side a stack's token ids are named by in messages; None when they are checked.
+def _ids_side(weights: Mapping[str, Array]) -> str | None:
+    """How a stack names its token ids in messages; None when they are checked already.
 
-    A layer checks its ids before making its weights, then calls with
-    :class:`~attention_core.weights.CheckedWeights`.
+    ``""`` names them ``tokens``. A call given :class:`~attention_core.weights.CheckedWeights`
+    comes from a caller that checked its inputs: a layer, before making its weights, or the
+    encoder-decoder.
     """
-    return None if isinstance(weights, W.CheckedWeights) else side
+    return None if isinstance(weights, W.CheckedWeights) else ""
 
 
 def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "") -> str:
@@ -262,7 +263,6 @@ def transformer_encoder(
     positions: Array | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
-    _side: str = "",
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
 
@@ -293,7 +293,7 @@ def transformer_encoder(
         ``(B, T, h)``, and the list of the blocks' attention weights if asked.
     """
     ops = ops or ops_for(tokens)
-    side = _ids_side(weights, _side)
+    side = _ids_side(weights)
     weights = W.check_call_weights(ops, "transformer_encoder", weights,
                                    lambda size: W.encoder_call_spec(size, weights, num_heads))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
@@ -546,7 +546,6 @@ def transformer_decoder(
     positions: Array | None = None,
     max_len: int | None = None,
     ops: Ops | None = None,
-    _side: str = "",
 ) -> Array | tuple[Array, list[list[Array]]]:
     """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
 
@@ -577,7 +576,7 @@ def transformer_decoder(
         The logits ``(B, T, V_out)``, and the weights if asked.
     """
     ops = ops or ops_for(tokens)
-    side = _ids_side(weights, _side)
+    side = _ids_side(weights)
     weights = W.check_call_weights(ops, "transformer_decoder", weights,
                                    lambda size: W.decoder_call_spec(size, weights, num_heads))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
@@ -651,7 +650,7 @@ def cached_decoder(
         the new cache, one block cache per block.
     """
     ops = ops or ops_for(tokens)
-    side = _ids_side(weights, "")
+    side = _ids_side(weights)
     weights = W.check_call_weights(ops, "transformer_decoder", weights,
                                    lambda size: W.decoder_call_spec(size, weights, num_heads))
     blocks = W.count_blocks(weights)
@@ -720,18 +719,22 @@ def transformer_encoder_decoder(
     """
     ops = ops or ops_for(src_tokens)
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
+    ids_checked = isinstance(weights, W.CheckedWeights)  # by the layer that calls
     weights = W.check_call_weights(ops, "transformer_encoder_decoder", weights,
                                    lambda size: W.transformer_call_spec(size, weights, num_heads))
+    for side, tokens in (() if ids_checked else (("src", src_tokens), ("tgt", tgt_tokens))):
+        table = weights[("encoder." if side == "src" else "decoder.") + "token.embedding"]
+        check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side)
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
         return_weights=return_weights, implementation=implementation, positions=positions,
-        max_len=max_len, ops=ops, _side="src",
+        max_len=max_len, ops=ops,
     )
     enc_outputs, enc_weights = encoded if return_weights else (encoded, None)
     decoded = transformer_decoder(
         tgt_tokens, subset(weights, "decoder"), num_heads, enc_outputs, src_valid_lens,
         valid_lens=tgt_valid_lens, dropout=dropout, return_weights=return_weights,
-        implementation=implementation, positions=positions, max_len=max_len, ops=ops, _side="tgt",
+        implementation=implementation, positions=positions, max_len=max_len, ops=ops,
     )
     if not return_weights:
         return decoded
