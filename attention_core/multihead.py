@@ -106,16 +106,28 @@ def multi_head_attention(
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
-    weights = _checked(ops, "multi_head_attention", weights,
+    weights, num_heads, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
+                                            weights, num_heads)
+    return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
+                      causal=causal, dropout=dropout, return_weights=return_weights,
+                      implementation=implementation)
+
+
+def _keys_values(
+    ops: Ops, name: str, queries: Array, keys: Array, values: Array,
+    weights: Mapping[str, Array], num_heads: int,
+) -> tuple[W.CheckedWeights, int, tuple[Array, Array]]:
+    """The call's checked weights and heads, and its keys and values projected into heads.
+
+    The keys and values are ``(B, H, K, h/H)`` each; ``name`` is the function the messages name.
+    """
+    weights = _checked(ops, name, weights,
                        lambda size: W.multi_head_call_spec(size, weights, num_heads),
                        (queries, keys, values))
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
-    num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
-    k = heads(ops, keys, weights, "W_k", num_heads)  # (B, H, K, h/H)
-    v = heads(ops, values, weights, "W_v", num_heads)  # (B, H, K, h/H)
-    return pool_heads(ops, queries, (k, v), weights, num_heads, valid_lens, mask=mask,
-                      causal=causal, dropout=dropout, return_weights=return_weights,
-                      implementation=implementation)
+    _, num_heads = checks.check_heads(num_hiddens, num_heads)
+    return weights, num_heads, (heads(ops, keys, weights, "W_k", num_heads),
+                                heads(ops, values, weights, "W_v", num_heads))
 
 
 def heads(ops: Ops, x: Array, weights: Mapping[str, Array], name: str, num_heads: int) -> Array:
@@ -206,21 +218,15 @@ def cached_multi_head_attention(
         ``(output, weights)``, if asked) and the updated cache.
     """
     ops = ops or ops_for(queries)
-    weights = _checked(ops, "cached_multi_head_attention", weights,
-                       lambda size: W.multi_head_call_spec(size, weights, num_heads),
-                       (queries, keys, values))
-    num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
-    num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
-    k = heads(ops, keys, weights, "W_k", num_heads)  # (B, H, t, h/H)
-    v = heads(ops, values, weights, "W_v", num_heads)
-    B, H, _, D = ops.shape(k)
+    weights, num_heads, new = _keys_values(ops, "cached_multi_head_attention", queries, keys,
+                                           values, weights, num_heads)
+    B, H, steps, D = ops.shape(new[0])  # (B, H, t, h/H)
     pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, H, D),
-                                                          ops.dtype_name(k))
+                                                          ops.dtype_name(new[0]))
     size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
-    steps = ops.shape(k)[2]
     start = kv_cache.check_start(ops, start, steps, size)
-    written = tuple(kv_cache.written(ops, None if pair is None else old, new, start, size)
-                    for old, new in zip(pair or (None, None), (k, v), strict=True))
+    written = tuple(kv_cache.written(ops, old, rows, start, size)
+                    for old, rows in zip(pair or (None, None), new, strict=True))
     result = pool_heads(ops, queries, written, weights, num_heads,
                         mask=kv_cache.visible(ops, start, steps, size), dropout=dropout,
                         return_weights=return_weights, implementation=implementation)
