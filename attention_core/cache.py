@@ -24,7 +24,11 @@ Pair = tuple[Array, Array]
 
 
 def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
-    """Checks the position of a call's first token; returns it as an int or int32 scalar.
+    """Checks the position of a call's first token; returns it as an int when known now.
+
+    Else as an int32 scalar array (a run-time position, under tracing). Known values are
+    returned as ints so that the calls a decoder makes for its blocks, which check ``start``
+    again, do not read an array back each time.
 
     Args:
         ops: The backend's ops.
@@ -54,7 +58,7 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
     if value is not None and isinstance(steps, int) and value + steps > capacity:
         raise ValueError(f"start + positions must be <= the cache's capacity ({capacity}), got "
                          f"start {value} + {steps} positions = {value + steps}")
-    return start
+    return start if value is None else value
 
 
 def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtype: str) -> Pair:
