@@ -76,13 +76,22 @@ def _last_row(logits: Any, rows: int) -> np.ndarray:
     return values[:, -1]
 
 
-def _ids_like(logits: Any, ids: np.ndarray) -> Array:
-    """Next tokens ``(N, 1)`` as int32 arrays of the logits' backend."""
-    return ops_for(logits).from_numpy(ids.astype(np.int32)[:, None])
+def _like(x: Any, values: np.ndarray) -> Any:
+    """``values`` as an array of ``x``'s framework (NumPy for a list or a NumPy array)."""
+    try:
+        ops = ops_for(x)
+    except TypeError:  # not a backend's array: the NumPy backend takes NumPy
+        return values
+    return ops.from_numpy(values)
+
+
+def _ids_like(x: Any, ids: np.ndarray) -> Any:
+    """Token ids ``(N,)`` as the int32 ``(N, 1)`` input of a step, in ``x``'s framework."""
+    return _like(x, ids.astype(np.int32)[:, None])
 
 
 def greedy_search(step: Step, bos: Any, max_steps: int, *, eos: int | None = None) -> Generated:
-    """Decodes by taking the most likely token at each step.
+    """Decodes by taking the most likely token at each step: a beam search of one beam.
 
     Args:
         step: The decoding step (see the module's docstring).
@@ -94,36 +103,7 @@ def greedy_search(step: Step, bos: Any, max_steps: int, *, eos: int | None = Non
     Returns:
         A :class:`Generated`; ``scores`` holds each sequence's log-probability up to its end.
     """
-    first, steps, eos = _check_search(bos, max_steps, eos)
-    rows = first.shape[0]
-    logits, cache = step(ops_for_ids(bos, first), None, 0)
-    tokens = np.zeros((rows, 0), np.int64)
-    done = np.zeros(rows, bool)
-    lengths = np.full(rows, steps, np.int64)
-    scores = np.zeros(rows)
-    for t in range(steps):
-        logp = log_softmax(_last_row(logits, rows))
-        chosen = logp.argmax(axis=-1)
-        scores += np.where(done, 0.0, logp[np.arange(rows), chosen])
-        if eos is not None:
-            chosen = np.where(done, eos, chosen)
-            ended = ~done & (chosen == eos)
-            lengths[ended] = t + 1
-            done |= ended
-        tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
-        if done.all() or t + 1 == steps:
-            break
-        logits, cache = step(_ids_like(logits, chosen), cache, t + 1)
-    return Generated(tokens, np.minimum(lengths, tokens.shape[1]), scores)
-
-
-def ops_for_ids(bos: Any, first: np.ndarray) -> Any:
-    """The start tokens ``(B, 1)`` as int32, in ``bos``'s framework (NumPy for host values)."""
-    try:
-        ops = ops_for(bos)
-    except TypeError:  # a list, or NumPy: the NumPy backend
-        return first.astype(np.int32)[:, None]
-    return ops.from_numpy(first.astype(np.int32)[:, None])
+    return beam_search(step, bos, max_steps, beam_size=1, eos=eos, length_penalty=0.0)
 
 
 def repeat_rows(x: Any, times: int) -> Any:
@@ -133,12 +113,7 @@ def repeat_rows(x: Any, times: int) -> Any:
     rows ``b * times .. b * times + times - 1``.
     """
     times = checks.check_positive_int("times", times)
-    values = np.asarray(host_array(x))
-    try:
-        ops = ops_for(x)
-    except TypeError:
-        return np.repeat(values, times, axis=0)
-    return ops.from_numpy(np.repeat(values, times, axis=0))
+    return _like(x, np.repeat(np.asarray(host_array(x)), times, axis=0))
 
 
 def reorder_cache(cache: Any, rows: np.ndarray) -> Any:
@@ -196,7 +171,7 @@ def beam_search(
         raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty!r}")
     batch = first.shape[0]
     rows = batch * size
-    logits, cache = step(ops_for_ids(bos, np.repeat(first, size)), None, 0)
+    logits, cache = step(_ids_like(bos, np.repeat(first, size)), None, 0)
     scores = np.tile(np.r_[0.0, np.full(size - 1, -np.inf)], batch)  # one live beam at first
     tokens = np.zeros((rows, 0), np.int64)
     done = np.zeros(rows, bool)
@@ -220,7 +195,8 @@ def beam_search(
             done |= ended
         if (eos is not None and done.all()) or t + 1 == steps:
             break
-        cache = reorder_cache(cache, parent)
+        if not np.array_equal(parent, np.arange(rows)):  # never with one beam: rows stay put
+            cache = reorder_cache(cache, parent)
         logits, cache = step(_ids_like(logits, chosen), cache, t + 1)
     lengths = np.minimum(lengths, tokens.shape[1])
     ranked = (scores / lengths.astype(np.float64) ** alpha).reshape(batch, size)
