@@ -250,7 +250,11 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         finally:
             self._call = ({}, False, [])
         out = tuple(out) if isinstance(out, (list, tuple)) else out
-        returned, kept = self.finish(out, need, prepared.return_attention)
+        return self._finished(out, need, prepared.return_attention)
+
+    def _finished(self, out: Any, need: bool | str, return_attention: bool) -> Any:
+        """What a call returns (:meth:`finish`), its attention weights kept."""
+        returned, kept = self.finish(out, need, return_attention)
         if self.attention_kind:
             self._attention_kept = kept
         return returned
@@ -266,11 +270,8 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
                              "or given set_weights) before a cached call")
         self._init_tables(ctx)
         params = {n: p.data(ctx) for n, p in self._reg_params.items()}
-        out = self._forward(OPS, arrays, options, need, params)
-        returned, kept = self.finish(out, need, return_attention)
-        if self.attention_kind:
-            self._attention_kept = kept
-        return returned
+        return self._finished(self._forward(OPS, arrays, options, need, params), need,
+                              return_attention)
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Runs the forward on arrays (imperative) or Symbols (building the hybridized graph)."""
