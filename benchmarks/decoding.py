@@ -59,6 +59,8 @@ def weights(backend: str) -> tuple[dict[str, Any], Any]:
 def steps(backend: str) -> dict[str, Callable[..., Any]]:
     """The cached and the uncached decoding step of :mod:`attention_core.generation`."""
     w, P = weights(backend)
+    if backend == "jax":
+        return _jitted(w, P)
     heads, capacity = MODEL["num_heads"], TOKENS + 1
     ops = registry.get_ops(backend)
 
@@ -70,8 +72,6 @@ def steps(backend: str) -> dict[str, Callable[..., Any]]:
         rows = ids if prefix is None else ops.concatenate([prefix, ids], 1)
         return ac.transformer_decoder(rows, w, heads, positions=P), rows
 
-    if backend == "jax":
-        return _jitted(w, P)
     return {"cached": cached, "uncached": uncached}
 
 
