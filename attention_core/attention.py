@@ -20,8 +20,10 @@ from attention_core import weights as W
 from attention_core.blockwise import blockwise_attention
 from attention_core.linear import dense
 from attention_core.masks import FILL_VALUE
-from attention_core.ops import Array, Ops, matmul_transposed
+from attention_core.ops import Array, Ops
+from attention_core.positional import check_rotary, rotary_angles, rotate
 from attention_core.registry import ops_for
+from attention_core.scores import ScoreTerms, pooled, products, repeat_heads
 
 
 def softmax_visible(ops: Ops, scores: Array, visible: Array | None) -> Array:
@@ -185,7 +187,7 @@ def pool_visible(
     """
     raw, seen = _softmax_rows(ops, scores, visible, finite)
     dropped = ops.dropout(raw, dropout) if dropout > 0 else raw
-    out = ops.matmul(dropped, values)
+    out = pooled(ops, dropped, values)  # (grouped-query heads pool their group's values)
     if seen is None:
         return out, raw
     return ops.where(seen, out, 0.0), (ops.where(seen, raw, 0.0) if want_weights else None)
@@ -425,7 +427,8 @@ def _fused_nan_rows(
     out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
     dtype = ops.dtype_name(out)  # not the queries' under torch.autocast
     q_bad = 1.0 - ops.astype(q_ok, dtype)  # (B, H, Q, 1): 1 for a non-finite query
-    k_bad = 1.0 - ops.astype(ops.transpose(k_ok, (0, 1, 3, 2)), dtype)  # (B, H, 1, K)
+    k_bad = 1.0 - ops.astype(ops.transpose(k_ok, (0, 1, 3, 2)), dtype)  # (B, Hkv, 1, K)
+    k_bad = repeat_heads(ops, k_bad, ops.shape(q)[1])  # (B, H, 1, K)
     if visible is None:  # every row sees every key
         count = ops.sum(k_bad, -1) + q_bad
     else:  # visible may broadcast along any axis, the keys' too
@@ -523,15 +526,27 @@ def dot_product_attention(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    score_bias: Any = None,
+    positional: str | None = None,
+    rotary_base: float = 10000.0,
     ops: Ops | None = None,
     _heads: bool = False,
+    _offset: Any = None,
 ) -> Array | tuple[Array, Any]:
     """Scaled dot-product attention: ``softmax(Q K^T * scale) V`` over the visible keys.
 
+    Query ``i`` stands at position ``p_i = i + (K - Q)``, key ``j`` at ``j`` (the positions
+    ``causal``, ``window``, ALiBi and rotary positions use). Before masking, the scores may be
+    soft-capped, given ALiBi biases and ``score_bias``, in that order
+    (:mod:`attention_core.scores`); masks win over all of them.
+
     Args:
         queries: ``(B, Q, D)`` or ``(B, H, Q, D)``.
-        keys: ``(B, K, D)`` or ``(B, H, K, D)``, the rank of ``queries``.
-        values: ``(B, K, Dv)`` or ``(B, H, K, Dv)``.
+        keys: ``(B, K, D)`` or ``(B, Hkv, K, D)``, the rank of ``queries``; Hkv divides H
+            (grouped-query attention: query head ``h`` uses key/value head ``h // (H / Hkv)``).
+        values: ``(B, K, Dv)`` or ``(B, Hkv, K, Dv)``.
         valid_lens: Integer lengths, ``(B,)`` or ``(B, Q)``, shared by every head.
         mask: Boolean, True = may attend: ``(Q, K)``, ``(B, Q, K)`` or ``(B, H, Q, K)``.
         causal: Query ``i`` sees keys ``j <= i + (K - Q)``.
@@ -545,12 +560,24 @@ def dot_product_attention(
             K (:mod:`attention_core.blockwise`); ``"fused"`` calls the backend's own fused
             kernel (torch's ``scaled_dot_product_attention``, ...). None picks one by the rule
             of :func:`choose_implementation`. All three give the same numbers within the
-            dtype's rounding.
+            dtype's rounding. Soft-capping, ALiBi and ``score_bias`` are not given to a fused
+            kernel: None then picks another path, and ``"fused"`` is refused.
+        window: Query ``i`` sees only the keys ``j`` with ``|p_i - j| < window`` (with
+            ``causal``, the ``window`` keys ending at its own position); ANDed with the other
+            masks. The blockwise path skips the key blocks outside it: O(Q * window) work.
+        softcap: c: the scaled scores become ``c * tanh(s / c)`` (Gemma 2); None for none.
+        score_bias: Float, broadcastable to ``(B, H, Q, K)`` (``(Q, K)``, ``(B, Q, K)`` or
+            ``(B, H, Q, K)``), added to the scores before masking.
+        positional: ``"rotary"`` rotates the queries and keys by their positions (RoPE,
+            :func:`~attention_core.positional.rotate`, ``rotary_base``); ``"alibi"`` adds
+            ``-slope_h * |p_i - j|`` with the standard slopes of the H heads; None for neither.
+        rotary_base: The base of the rotary frequencies ``base^(-2t/D)``.
         ops: The backend's ops; found from ``queries`` when omitted.
         _heads: Internal (:mod:`attention_core.multihead`): the inputs are heads this call
             projected from checked inputs. They are not checked again, and weights formed on
             read keep them as they are; otherwise they keep copies, which a change in place to
             the caller's arrays does not reach.
+        _offset: Internal (cached calls): ``p_i - i``, in place of ``K - Q``.
 
     Returns:
         The output, shape of ``queries`` with depth Dv; with ``return_weights``, also the
@@ -564,7 +591,14 @@ def dot_product_attention(
     factor = _scale_factor(ops, queries, scale)
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
     B, H, Q, _ = ops.shape(q)
-    shape = (B, H, Q, ops.shape(k)[2])
+    K = ops.shape(k)[2]
+    shape = (B, H, Q, K)
+    offset = K - Q if _offset is None else _offset
+    positional = checks.check_positional(positional)
+    if positional == "rotary":  # the positions' rotations, kept by weights formed on read too
+        q, k = _rotated(ops, q, offset, rotary_base), _rotated(ops, k, 0, rotary_base)
+    terms = ScoreTerms(ops, shape, offset, softcap, positional == "alibi", score_bias)
+    terms_or_none = None if terms.empty else terms
     checks.check_return_weights(return_weights)
     # nothing to mend when the inputs are known finite (eager calls: one sum, one host sync);
     # a fused kernel is given only inputs whose scores cannot overflow (see _may_overflow)
@@ -573,16 +607,23 @@ def dot_product_attention(
     if return_weights == ON_READ and not norms:  # traced: formed in the program, as asked
         return_weights, implementation = True, None
     want = bool(return_weights) and not on_read
+    if terms_or_none is not None and implementation == "fused":
+        raise ValueError("implementation='fused': soft-capping, ALiBi and score_bias are not "
+                         "given to a fused kernel; use None, 'direct' or 'blockwise'")
+    visible = masks.Visibility(ops, shape, valid_lens, mask, causal, window, offset)
     path = choose_implementation(ops, implementation, want, shape)
-    overflow = _may_overflow(ops, q, factor, norms)
-    if path == "fused" and overflow and norms:  # known now to risk it: not the kernel
+    # the terms may push a score past the bound of the queries and keys (a bias of -inf, a
+    # slope times a long distance): the rows are then always found from the scores
+    overflow = _may_overflow(ops, q, factor, norms) or terms_or_none is not None
+    fused_fits = terms_or_none is None and (visible.window is None or implementation == "fused")
+    if path == "fused" and ((overflow and norms) or not fused_fits):  # not the kernel
         path = _unfused_path(ops, shape)
-    visible = masks.Visibility(ops, shape, valid_lens, mask, causal)
+    bounded = terms_or_none is None  # the scores are bounded by the queries and keys alone
 
     def pool(path: str, finite: bool, overflow: bool) -> Any:
         """The output on ``path``, and the weights when asked; inputs mended unless ``finite``."""
         out, weights = _pooled(ops, (q, k, v), visible, factor, dropout, path, want,
-                               finite, overflow)
+                               finite, overflow or not bounded, terms_or_none)
         return (out, weights) if want else out
 
     cond = getattr(ops, "cond", None)
@@ -604,7 +645,7 @@ def dot_product_attention(
         out_of_range, slow = outside(q, k, v, visible.full(), factor, dropout)
         in_range = [ops.where(out_of_range, 0.0, x) for x in (q, k, v)]
         fast, _ = _pooled(ops, (in_range[0], in_range[1], in_range[2]), visible, factor,
-                          dropout, path, False, True, False)
+                          dropout, path, False, True, False, None)
         # in the kernel's dtype (torch.autocast runs the kernel, not the operator, in its own)
         result = ops.where(out_of_range, ops.astype(slow, ops.dtype_name(fast)), fast)
     else:
@@ -614,8 +655,15 @@ def dot_product_attention(
     if on_read:  # the direct path's weights, from the inputs as this call had them
         kept = (q, k, v) if _heads else tuple(_snapshot(x) for x in (q, k, v))
         weights = WeightsOnRead(lambda: _direct_weights(ops, kept, visible, factor, finite,
-                                                        overflow))
+                                                        overflow, terms_or_none))
     return (out, weights) if return_weights else out
+
+
+def _rotated(ops: Ops, x: Array, start: Any, base: float) -> Array:
+    """Heads ``(B, H, N, D)`` rotated by the angles of positions ``start .. start + N - 1``."""
+    depth, base = check_rotary(ops.shape(x)[-1], base)
+    cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)
+    return rotate(ops, x, cos, sin)
 
 
 def _snapshot(x: Array) -> Array:
@@ -629,6 +677,7 @@ def _snapshot(x: Array) -> Array:
 def _pooled(
     ops: Ops, qkv: tuple[Array, Array, Array], visible: masks.Visibility, factor: Any,
     dropout: float, path: str, want_weights: bool, finite: bool, overflow: bool,
+    terms: ScoreTerms | None,
 ) -> tuple[Array, Array | None]:
     """``(output, weights or None)`` of :func:`dot_product_attention` pooled on ``path``.
 
@@ -646,15 +695,16 @@ def _pooled(
             mended by :func:`_fused_nan_rows` instead.
         overflow: A score may overflow (the direct path then finds the rows to zero from the
             scores themselves).
+        terms: What is added to the scores before masking (not on the fused path), or None.
     """
     q, k, v = _mended(ops, qkv, path, finite)
     if path == "fused":  # the backend's fused kernel: the weights are never formed
         return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
     if path == "blockwise":
-        return blockwise_attention(ops, q, k, v, visible, dropout, scale=factor), None
-    return pool_visible(ops, _direct_scores(ops, q, k, factor), v, visible.full(), dropout,
-                        want_weights,
-                        finite and not overflow)
+        return blockwise_attention(ops, q, k, v, visible, dropout, scale=factor,
+                                   terms=terms), None
+    return pool_visible(ops, _direct_scores(ops, q, k, factor, terms), v, visible.full(),
+                        dropout, want_weights, finite and not overflow)
 
 
 def _mended(
@@ -671,17 +721,21 @@ def _mended(
 
 def _direct_weights(
     ops: Ops, qkv: tuple[Array, Array, Array], visible: masks.Visibility, factor: Any,
-    finite: bool, overflow: bool,
+    finite: bool, overflow: bool, terms: ScoreTerms | None,
 ) -> Array:
     """The weights :func:`_pooled` gives on the direct path, without pooling the values."""
     q, k, _ = _mended(ops, qkv, "direct", finite)
-    return visible_weights(ops, _direct_scores(ops, q, k, factor), visible.full(),
+    return visible_weights(ops, _direct_scores(ops, q, k, factor, terms), visible.full(),
                            finite and not overflow)
 
 
-def _direct_scores(ops: Ops, q: Array, k: Array, factor: Any) -> Array:
-    """The scores of the direct path, ``(B, H, Q, K)``."""
-    return matmul_transposed(ops, q * factor, k)
+def _direct_scores(ops: Ops, q: Array, k: Array, factor: Any, terms: ScoreTerms | None) -> Array:
+    """The scores of the direct path, ``(B, H, Q, K)``, with the call's terms added."""
+    s = products(ops, q * factor, k)
+    if terms is None:
+        return s
+    _, _, Q, K = ops.shape(s)
+    return terms.apply(s, 0, Q, 0, K)
 
 
 def additive_attention(

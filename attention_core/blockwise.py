@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from attention_core.masks import FILL_VALUE, Visibility
-from attention_core.ops import Array, Ops, matmul_transposed
+from attention_core.ops import Array, Ops
+from attention_core.scores import ScoreTerms, pooled, products
 
 #: Largest number of scores in one tile, ``B * H * q_block * k_block``: 2**21 floats is 8 MiB
 #: in float32, small enough to stay near the caches and to keep peak memory flat in n.
@@ -101,20 +102,27 @@ def blockwise_attention(
     k_block: int | None = None,
     *,
     scale: Any = 1.0,
+    terms: ScoreTerms | None = None,
 ) -> Array:
     """``softmax_visible(queries @ keys^T) @ values``, one tile of scores at a time.
+
+    Key blocks hidden from a whole query block are not visited: those past the longest valid
+    length, the causal edge or the window, and, with a window, those before it, so that a
+    window of w keys costs O(Q w), not O(Q K).
 
     Args:
         ops: The backend's ops.
         queries: ``(B, H, Q, D)``.
-        keys: ``(B, H, K, D)``.
-        values: ``(B, H, K, Dv)``.
+        keys: ``(B, Hkv, K, D)``; Hkv divides H (grouped-query heads).
+        values: ``(B, Hkv, K, Dv)``.
         visible: The call's masks (see :class:`~attention_core.masks.Visibility`).
         dropout: Rate of inverted dropout on the weights (0 for none).
         q_block: Queries per block; chosen by :func:`block_sizes` when None.
         k_block: Keys per block; chosen by :func:`block_sizes` when None.
         scale: Multiplies the scores; folded into each block of queries, so no scaled copy
             of all the queries is made.
+        terms: What is added to each tile of scores before masking (soft-capping, ALiBi,
+            ``score_bias``), or None.
 
     Returns:
         ``(B, H, Q, Dv)``; rows with no visible key are zeros.
@@ -137,7 +145,9 @@ def blockwise_attention(
         return block if ops.shape(block)[2] == kn else ops.slice(block, 2, 0, kn)
 
     def scores(q: Array, keys: Array | list[Array], q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        s = matmul_transposed(ops, q, part(keys, k0, kn))  # (B, H, qn, kn)
+        s = products(ops, q, part(keys, k0, kn))  # (B, H, qn, kn)
+        if terms is not None:
+            s = terms.apply(s, q0, qn, k0, kn)
         mask = visible.tile(q0, qn, k0, kn)
         # the fill of the scores' dtype, which is not the queries' under torch.autocast
         return s if mask is None else ops.where(mask, s, FILL_VALUE[ops.dtype_name(s)])
@@ -162,18 +172,20 @@ def blockwise_attention(
 
     def pool(p: Array, values: Array | list[Array], k0: Any, kn: int) -> Array:
         p = ops.dropout(p, dropout) if dropout > 0 else p
-        return ops.matmul(p, part(values, k0, kn))  # (B, H, qn, Dv)
+        return pooled(ops, p, part(values, k0, kn))  # (B, H, qn, Dv)
 
-    def pooled(q: Array, keys: Array | list[Array], values: Array | list[Array], q0: Any,
+    def pooled_block(q: Array, keys: Array | list[Array], values: Array | list[Array], q0: Any,
                qn: int, k_block: int = k_block) -> Array:
         """The block of queries ``q`` (``(B, H, qn, D)``, from row ``q0``) pooled over the keys."""
         q = q * scale
-        limit = visible.key_limit(q0, qn)  # keys from here on are hidden from the whole block
+        span = visible.key_span(q0, qn)  # a window's keys: the others are hidden from the block
+        # keys from base + limit on are hidden from the whole block
+        base, limit = (0, visible.key_limit(q0, qn)) if span is None else span
         kn = min(k_block, limit)
-        s = scores(q, keys, q0, qn, 0, kn)  # the first key block starts the running state
+        s = scores(q, keys, q0, qn, base, kn)  # the first key block starts the running state
         m = row_max(s)  # (B, H, qn, 1)
         p = weigh(s, m)
-        start: Carry = (m, ops.sum(p, -1), pool(p, values, 0, kn))
+        start: Carry = (m, ops.sum(p, -1), pool(p, values, base, kn))
 
         def step(carry: Carry, k0: Any, kn: int) -> Carry:
             m, total, acc = carry
@@ -183,15 +195,17 @@ def blockwise_attention(
             p = weigh(s, m_new)
             return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, values, k0, kn)
 
-        _, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block)
+        _, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block, base)
         return acc / ops.where(total > 0, total, 1.0)
 
     def query_block(q0: Any, qn: int) -> Array:
-        return pooled(ops.slice(queries, 2, q0, qn), keys, values, q0, qn)
+        return pooled_block(ops.slice(queries, 2, q0, qn), keys, values, q0, qn)
 
     # Recomputed in the backward pass, one query block at a time, where the ops can; not under
-    # dropout, whose recomputation would draw another mask (every tile is then kept).
-    recompute = getattr(ops, "recompute_blocks", None) if dropout == 0 else None
+    # dropout, whose recomputation would draw another mask (every tile is then kept), nor with
+    # a window, whose tiles are O(Q w) in all and whose key blocks start anywhere.
+    plain = dropout == 0 and visible.window is None
+    recompute = getattr(ops, "recompute_blocks", None) if plain else None
     if recompute is not None:
         size, key_size = recompute_sizes(batch_heads, Q, K)
         blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
@@ -199,7 +213,7 @@ def blockwise_attention(
         def block(b: Any, q: Array, k: Array | list[Array], v: Array | list[Array]) -> Array:
             """Block ``b``'s output; a run-time ``b`` stands for a full block of ``size``."""
             q0, qn = blocks[b] if isinstance(b, int) else (b * size, size)
-            return pooled(q, k, v, q0, qn, key_size)
+            return pooled_block(q, k, v, q0, qn, key_size)
 
         # the masks, the block's place and the scale reach it by closure: they get no gradient
         out = recompute(block, blocks, key_size, queries, keys, values)
@@ -211,20 +225,22 @@ def blockwise_attention(
 
 def _fold_blocks(
     ops: Ops, step: Callable[[Carry, Any, int], Carry], carry: Carry, start: int, total: int,
-    size: int,
+    size: int, base: Any = 0,
 ) -> Carry:
-    """Applies ``step(carry, k0, kn)`` to the key blocks from ``start`` up to ``total``.
+    """Applies ``step(carry, k0, kn)`` to the key blocks from ``base + start`` to ``base + total``.
 
-    Full blocks run in the backend's loop (``ops.fold``) when it has one; the tail in Python.
+    ``base`` may be a run-time scalar. Full blocks run in the backend's loop (``ops.fold``)
+    when it has one; the tail in Python.
     """
     full, tail = (total - start) // size, (total - start) % size  # (divmod: not on SymInts)
+    first = start if isinstance(base, int) and base == 0 else base + start
     fold = getattr(ops, "fold", None)
     if fold is not None and full > 1:
-        carry = fold(lambda i, c: step(c, start + i * size, size), carry, full)
+        carry = fold(lambda i, c: step(c, first + i * size, size), carry, full)
     else:
         for i in range(full):
-            carry = step(carry, start + i * size, size)
-    return step(carry, start + full * size, tail) if tail else carry
+            carry = step(carry, first + i * size, size)
+    return step(carry, first + full * size, tail) if tail else carry
 
 
 def _map_blocks(ops: Ops, fn: Callable[[Any, int], Array], total: int, size: int, axis: int) -> Array:

@@ -258,16 +258,19 @@ def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
         k[-2],
         v[-2],
     )
-    for i, axis in enumerate(("batch", "heads")[: len(q) - 2]):
-        for name, s in (("keys", k), ("values", v)):
-            check_equal(
-                functools.partial(
-                    "{0} {1} size ({2}) must equal queries {1} size ({3})".format,
-                    name, axis, s[i], q[i],
-                ),
-                s[i],
-                q[i],
-            )
+    for name, s in (("keys", k), ("values", v)):
+        check_equal(
+            functools.partial("{0} batch size ({1}) must equal queries batch size ({2})".format,
+                              name, s[0], q[0]),
+            s[0],
+            q[0],
+        )
+    if len(q) == 4:  # grouped-query heads: the keys' heads divide the queries'
+        check_equal(lambda: f"values heads size ({v[1]}) must equal keys heads size ({k[1]})",
+                    v[1], k[1])
+        if _known(k[1]) and _known(q[1]) and q[1] % k[1]:
+            raise ValueError(f"keys heads size ({k[1]}) must divide queries heads size ({q[1]}): "
+                             "each key/value head serves an equal group of query heads")
 
 
 def check_last_dim(ops: Ops, name: str, x: Array, expected: int) -> None:
@@ -289,3 +292,41 @@ def not_built(layer: str) -> ValueError:
     return ValueError(
         f"{layer}: weights are created on the first call; call the layer or set_weights first"
     )
+
+
+#: The values of the attention layers' ``positional`` argument (None: no positions added).
+POSITIONAL = ("rotary", "alibi")
+
+
+def check_positional(positional: Any) -> str | None:
+    """Checks a ``positional`` argument: None, ``"rotary"`` or ``"alibi"``."""
+    if positional is not None and positional not in POSITIONAL:
+        raise ValueError(f"positional must be None, 'rotary' or 'alibi', got {positional!r}")
+    return positional
+
+
+def check_window(window: Any) -> int | None:
+    """Checks a sliding ``window``: None, or a positive int (the keys within it of a query)."""
+    window = plain(window)
+    return None if window is None else check_positive_int("window", window)
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """Checks a ``softcap``: None, or a positive finite number (scores become c tanh(s / c))."""
+    softcap = plain(softcap)
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    return float(softcap)
+
+
+def check_kv_heads(num_heads: int, num_kv_heads: Any) -> int:
+    """Checks ``num_kv_heads`` (None: ``num_heads``), which must divide ``num_heads``."""
+    if plain(num_kv_heads) is None:
+        return num_heads
+    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    return num_kv_heads

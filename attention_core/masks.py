@@ -9,6 +9,11 @@ of them combine with AND:
 * ``mask`` of shape ``(Q, K)``, ``(B, Q, K)`` or ``(B, H, Q, K)`` (size-1 axes broadcast).
 * ``causal=True``: query ``i`` sees keys ``j <= i + (K - Q)``, i.e. aligned at the end when
   there are more keys than queries.
+* ``window=w``: query ``i`` sees keys ``j`` with ``|i + (K - Q) - j| < w`` (with ``causal``, the
+  ``w`` keys that end at its own position).
+
+Query ``i`` stands at position ``p_i = i + (K - Q)`` and key ``j`` at ``j``; a cached call gives
+its own offset (``p_i = start + i``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_core.checks import fmt_shape
+from attention_core.checks import check_window, fmt_shape
 from attention_core.host import framework_of, host_array, plain
 from attention_core.ops import Array, Ops
 
@@ -165,7 +170,9 @@ class Visibility:
         scores_shape: ``(B, H, Q, K)`` of the scores the masks apply to.
         valid_lens: Optional integer lengths, ``(B,)`` or ``(B, Q)``.
         mask: Optional boolean mask, True = may attend.
-        causal: Whether query ``i`` may only see keys ``j <= i + (K - Q)``.
+        causal: Whether query ``i`` may only see keys ``j <= p_i``.
+        window: Query ``i`` sees only keys ``j`` with ``|p_i - j| < window``; None for all.
+        offset: ``p_i - i``, an int or a run-time scalar; None for ``K - Q``.
     """
 
     def __init__(
@@ -175,11 +182,17 @@ class Visibility:
         valid_lens: Any = None,
         mask: Any = None,
         causal: bool = False,
+        window: int | None = None,
+        offset: Any = None,
     ) -> None:
         causal = plain(causal)  # np.bool_ -> bool
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
+        self.window = check_window(window)
+        _, _, Q, K = self.shape
+        #: Query ``i`` stands at position ``i + offset``.
+        self.offset: Any = K - Q if offset is None else offset
         self.lens: Array | None = None
         #: ``(shortest, longest)`` valid length when known now (not under tracing), else None.
         self.lens_bounds: tuple[int, int] | None = None
@@ -190,25 +203,53 @@ class Visibility:
     def key_limit(self, q0: Any, qn: int) -> int:
         """Keys from this index on are hidden from every query ``q0 : q0 + qn``.
 
-        As far as is known now: the longest valid length, and the causal edge of the block's
-        last query (when ``q0`` is an int).
+        As far as is known now: the longest valid length, and the causal edge and the window
+        of the block's last query (when ``q0`` and the offset are ints).
 
         Returns:
             An int in ``[1, K]`` (at least 1, so that a block with nothing visible still
             yields its zero rows).
         """
-        _, _, Q, K = self.shape
+        K = self.shape[3]
         limit = K
         if self.lens_bounds is not None:
             limit = min(limit, self.lens_bounds[1])
-        if self.causal and isinstance(q0, int):  # query i sees keys j <= i + (K - Q)
-            limit = min(limit, q0 + qn + (K - Q))
+        if isinstance(q0, int) and isinstance(self.offset, int):
+            last = q0 + qn - 1 + self.offset  # the block's last query's position
+            if self.causal:  # it sees keys j <= last
+                limit = min(limit, last + 1)
+            if self.window is not None:  # and j < last + window
+                limit = min(limit, last + self.window)
         return max(1, limit)
+
+    def key_span(self, q0: Any, qn: int) -> tuple[Any, int] | None:
+        """``(first, count)``: the keys a window leaves to queries ``q0 : q0 + qn``.
+
+        None without a window. Keys before ``first`` and from ``first + count`` on are hidden
+        from the whole block; ``count`` is an int, ``first`` is a run-time scalar when ``q0``
+        or the offset is (clipped so that the span stays inside ``[0, K)``).
+        """
+        if self.window is None:
+            return None
+        K = self.shape[3]
+        ahead = 0 if self.causal else self.window - 1  # keys a query may see after its own
+        lowest = q0 + self.offset - (self.window - 1)  # the first query's first key
+        if isinstance(q0, int) and isinstance(self.offset, int):
+            end = min(self.key_limit(q0, qn), K)  # at least 1
+            first = min(max(0, lowest), end - 1)
+            return first, end - first
+        count = min(K, qn + self.window - 1 + ahead) if isinstance(K, int) else None
+        if count is None:
+            return None
+        ops = self.ops
+        first = ops.maximum(ops.astype(lowest, "int32"), 0)
+        return -ops.maximum(-first, -(K - count)), count  # min(first, K - count)
 
     @property
     def empty(self) -> bool:
         """True when nothing is masked."""
-        return self.lens is None and self.mask is None and not self.causal
+        return (self.lens is None and self.mask is None and not self.causal
+                and self.window is None)
 
     def full(self) -> Array | None:
         """The whole mask, broadcastable to ``(B, H, Q, K)``; None when nothing is masked."""
@@ -233,16 +274,30 @@ class Visibility:
             parts.append(_offset(ops, ops.arange(kn), k0) < lens)
         if self.mask is not None:
             parts.append(_rows(ops, _cols(ops, self.mask, k0, kn, K), q0, qn, Q))
-        if self.causal and not (static and k0 + kn - 1 <= q0 + (K - Q)):  # j <= i + (K - Q)
-            rows = ops.expand_dims(_offset(ops, ops.arange(qn), q0), -1)  # (qn, 1)
-            cols = ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0)  # (1, kn)
-            parts.append(cols <= rows + (K - Q))
+        static = static and isinstance(self.offset, int)
+        first = q0 + self.offset if static else None  # the tile's first query's position
+        if self.causal and not (static and k0 + kn - 1 <= first):  # j <= p_i
+            parts.append(_columns(ops, k0, kn) <= _positions(ops, q0, qn, self.offset))
+        w = self.window
+        if w is not None and not (static and k0 > first + qn - 1 - w and k0 + kn - 1 < first + w):
+            distance = _columns(ops, k0, kn) - _positions(ops, q0, qn, self.offset)  # j - p_i
+            parts.append(ops.logical_and(distance > -w, distance < w))
         if not parts:
             return None
         combined = parts[0]
         for part in parts[1:]:
             combined = ops.logical_and(combined, part)
         return combined
+
+
+def _positions(ops: Ops, q0: Any, qn: int, offset: Any) -> Array:
+    """``(qn, 1)``: the positions ``p_i = i + offset`` of queries ``q0 : q0 + qn``."""
+    return ops.expand_dims(_offset(ops, ops.arange(qn), q0 + offset), -1)
+
+
+def _columns(ops: Ops, k0: Any, kn: int) -> Array:
+    """``(1, kn)``: the positions of keys ``k0 : k0 + kn``."""
+    return ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0)
 
 
 def _offset(ops: Ops, index: Array, start: Any) -> Array:
@@ -281,8 +336,9 @@ def combine(
     valid_lens: Any = None,
     mask: Any = None,
     causal: bool = False,
+    window: int | None = None,
 ) -> Array | None:
-    """Reduces ``valid_lens``, ``mask`` and ``causal`` to one boolean mask (AND of all given).
+    """Reduces ``valid_lens``, ``mask``, ``causal`` and ``window`` to one boolean mask (AND).
 
     Args:
         ops: The backend's ops.
@@ -290,11 +346,12 @@ def combine(
         valid_lens: Optional integer lengths, ``(B,)`` or ``(B, Q)``.
         mask: Optional boolean mask, True = may attend.
         causal: Whether query ``i`` may only see keys ``j <= i + (K - Q)``.
+        window: Query ``i`` sees only keys ``j`` with ``|i + (K - Q) - j| < window``.
 
     Returns:
         A boolean array broadcastable to ``scores_shape``, or None when nothing is masked.
     """
-    return Visibility(ops, scores_shape, valid_lens, mask, causal).full()
+    return Visibility(ops, scores_shape, valid_lens, mask, causal, window).full()
 
 
 def with_padding(

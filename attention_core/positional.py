@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import checks
+from attention_core.cache import check_start
 from attention_core.ops import Array, Ops
 from attention_core.registry import ops_for
 
@@ -159,3 +160,145 @@ def relative_offsets(
     high = r + ops.astype(r >= m, "int32") * _UNBOUNDED  # beyond m
     hit = ops.logical_and(offsets >= low, offsets <= high)  # (Q, K, 2m + 1)
     return ops.astype(hit, ops.dtype_name(like))
+
+
+# -- rotary positions (Su et al., 2021) ------------------------------------------------------
+
+#: Positions per row of the fine table of :func:`rotary_angles` (run-time positions).
+ROTARY_FINE = 1024
+#: Rows of its coarse table: run-time positions below ``ROTARY_FINE * ROTARY_COARSE`` (2**22).
+ROTARY_COARSE = 4096
+#: Largest position (exclusive) the rotary tables serve.
+ROTARY_MAX_POSITIONS = ROTARY_FINE * ROTARY_COARSE
+
+
+def rotary_frequencies(depth: int, base: float) -> np.ndarray:
+    """``theta_t = base^(-2t/d)`` for ``t = 0 .. d/2 - 1``, float64."""
+    return 1.0 / np.power(float(base), np.arange(0, depth, 2, dtype=np.float64) / depth)
+
+
+def check_rotary(depth: Any, base: Any) -> tuple[int, float]:
+    """Checks a rotary head depth (even) and base (> 1); returns them as int and float."""
+    depth = checks.check_positive_int("depth", depth)
+    if depth % 2:
+        raise ValueError(f"rotary positions need an even depth per head, got {depth}: the "
+                         "rotation turns pairs of features")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+        raise ValueError(f"rotary_base must be a number > 1, got {base!r}")
+    return depth, float(base)
+
+
+def rotary_angles(
+    ops: Ops, start: Any, steps: Any, depth: int, base: float, like: Array
+) -> tuple[Array, Array]:
+    """``(cos, sin)`` of the angles ``p * theta_t`` of positions ``p = start .. start + T - 1``.
+
+    Each is ``(T, d/2)`` in ``like``'s dtype. Positions known now are turned into angles in
+    float64 on the host, so the tables are the float64 values rounded once, at any position.
+    Run-time positions (a traced ``start`` or length) are split as ``p = a * F + b`` with
+    ``F`` = :data:`ROTARY_FINE`; the float64 tables of ``a F theta`` and ``b theta`` are
+    gathered by one-hot products (exact) and combined by the angle-addition formulas, so the
+    result is within a few roundings of the float64 one, also at positions in the tens of
+    thousands, where ``p * theta`` in float32 would be off by ``1e-3`` radians.
+
+    Args:
+        ops: The backend's ops.
+        start: The first position: an int, or an integer scalar array.
+        steps: T, an int or a run-time size.
+        depth: d, even.
+        base: The base of the frequencies.
+        like: An array whose floating dtype and device the tables take.
+
+    Raises:
+        ValueError: A known position at or beyond :data:`ROTARY_MAX_POSITIONS`.
+    """
+    theta = rotary_frequencies(depth, base)
+    if isinstance(start, int) and isinstance(steps, int):
+        if start + steps > ROTARY_MAX_POSITIONS:
+            raise ValueError(f"rotary positions must be < {ROTARY_MAX_POSITIONS}, got positions "
+                             f"up to {start + steps - 1}")
+        angles = np.arange(start, start + steps, dtype=np.float64)[:, None] * theta  # (T, d/2)
+        return ops.from_numpy(np.cos(angles), like=like), ops.from_numpy(np.sin(angles), like=like)
+    positions = ops.arange(steps) + start  # (T,) int32, run-time
+    coarse = positions // ROTARY_FINE
+    parts = []
+    for index, size, step in ((coarse, ROTARY_COARSE, ROTARY_FINE),
+                              (positions - coarse * ROTARY_FINE, ROTARY_FINE, 1)):
+        onehot = ops.expand_dims(index, -1) == ops.expand_dims(ops.arange(size), 0)  # (T, size)
+        onehot = ops.astype(onehot, ops.dtype_name(like))
+        angles = np.arange(size, dtype=np.float64)[:, None] * step * theta  # (size, d/2)
+        parts.append(tuple(ops.matmul(onehot, ops.from_numpy(table(angles), like=like))
+                           for table in (np.cos, np.sin)))
+    (cos_a, sin_a), (cos_b, sin_b) = parts
+    return cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
+
+
+def rotate(ops: Ops, x: Array, cos: Array, sin: Array) -> Array:
+    """Rotates each pair of features ``(x_t, x_{t + d/2})`` of ``x (..., T, d)`` by its angle.
+
+    The "rotate half" layout (GPT-NeoX, Llama, KerasHub): ``x_t cos - x_{t+d/2} sin`` and
+    ``x_{t+d/2} cos + x_t sin``, with ``cos``, ``sin`` ``(T, d/2)`` from :func:`rotary_angles`.
+    """
+    axis = len(ops.shape(x)) - 1
+    half = fixed_width(ops, x) // 2
+    first, second = ops.slice(x, axis, 0, half), ops.slice(x, axis, half, half)
+    cos, sin = (c if ops.dtype_name(c) == ops.dtype_name(x) else ops.astype(c, ops.dtype_name(x))
+                for c in (cos, sin))
+    return ops.concatenate([first * cos - second * sin, second * cos + first * sin], axis)
+
+
+def fixed_width(ops: Ops, x: Array) -> int:
+    """The last dimension of ``x``, which must be known when the call is traced."""
+    width = ops.shape(x)[-1]
+    if not isinstance(width, int):
+        raise ValueError("the depth of rotated heads must be known when the call is traced")
+    return width
+
+
+def rotary_embedding(
+    X: Array, start: Any = 0, *, base: float = 10000.0, ops: Ops | None = None
+) -> Array:
+    """Rotates ``X`` ``(B, T, ..., d)`` by the rotary angles of positions ``start .. start + T - 1``.
+
+    The functional ``RotaryEmbedding``: axis 1 is the sequence, the last axis the features
+    (``(B, T, d)``, or ``(B, T, H, d)`` for heads).
+
+    Args:
+        X: Floating, rank 3 or more.
+        start: The first position: an int, or an integer scalar array.
+        base: The base of the frequencies ``base^(-2t/d)``.
+        ops: The backend's ops; found from ``X`` when omitted.
+    """
+    ops = ops or ops_for(X)
+    shape = checks.check_rank(ops, "X", X, (3, 4), "(B, T, d) or (B, T, H, d)")
+    checks.check_floating(ops, "X", X)
+    depth, base = check_rotary(fixed_width(ops, X), base)
+    start = _rotary_start(ops, start)
+    cos, sin = rotary_angles(ops, start, shape[1], depth, base, X)  # (T, d/2)
+    if len(shape) == 4:  # (T, 1, d/2): the heads axis after the sequence
+        cos, sin = ops.expand_dims(cos, 1), ops.expand_dims(sin, 1)
+    return rotate(ops, X, cos, sin)
+
+
+def _rotary_start(ops: Ops, start: Any) -> Any:
+    """Checks a first position (an int >= 0 or an integer scalar array); ints stay ints."""
+    return check_start(ops, start, 0, ROTARY_MAX_POSITIONS)
+
+
+# -- ALiBi (Press et al., 2022) --------------------------------------------------------------
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The standard ALiBi slopes of ``num_heads`` heads, float64.
+
+    For n heads, n a power of 2, head h (from 0) has ``2^(-8 (h + 1) / n)``. Otherwise the
+    largest power of 2 below, n, gives the first n slopes, and the slopes of 2n heads, every
+    other one from the first, give the rest.
+    """
+    num_heads = checks.check_positive_int("num_heads", num_heads)
+    n = 1 << (num_heads.bit_length() - 1)
+
+    def powers(count: int) -> np.ndarray:
+        return np.power(2.0, -8.0 * np.arange(1, count + 1, dtype=np.float64) / count)
+
+    return np.concatenate([powers(n), powers(2 * n)[0::2][: num_heads - n]])

@@ -199,8 +199,8 @@ class TorchOps(NamespaceOps):
 
         Args:
             queries: ``(B, H, Q, D)``.
-            keys: ``(B, H, K, D)``.
-            values: ``(B, H, K, Dv)``.
+            keys: ``(B, Hkv, K, D)``, Hkv dividing H.
+            values: ``(B, Hkv, K, Dv)``.
             visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
             scale: Multiplies the scores; a float, or a 0-d tensor when the depth is a run-time
                 size (then folded into the queries).
@@ -212,8 +212,10 @@ class TorchOps(NamespaceOps):
         """
         if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
             queries, scale = queries * scale, 1.0
+        grouped = queries.shape[1] != keys.shape[1]  # fewer key/value heads: SDPA's own GQA
         return F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
+            queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale,
+            enable_gqa=grouped,
         )
 
 
