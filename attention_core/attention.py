@@ -21,7 +21,7 @@ from attention_core.blockwise import blockwise_attention
 from attention_core.linear import dense
 from attention_core.masks import FILL_VALUE
 from attention_core.ops import Array, Ops
-from attention_core.positional import check_rotary, rotary_angles, rotate
+from attention_core.positional import rotated_heads
 from attention_core.registry import ops_for
 from attention_core.scores import ScoreTerms, pooled, products, repeat_heads
 
@@ -596,7 +596,7 @@ def dot_product_attention(
     offset = K - Q if _offset is None else _offset
     positional = checks.check_positional(positional)
     if positional == "rotary":  # the positions' rotations, kept by weights formed on read too
-        q, k = _rotated(ops, q, offset, rotary_base), _rotated(ops, k, 0, rotary_base)
+        q, k = rotated_heads(ops, q, offset, rotary_base), rotated_heads(ops, k, 0, rotary_base)
     terms = ScoreTerms(ops, shape, offset, softcap, positional == "alibi", score_bias)
     terms_or_none = None if terms.empty else terms
     checks.check_return_weights(return_weights)
@@ -658,12 +658,6 @@ def dot_product_attention(
                                                         overflow, terms_or_none))
     return (out, weights) if return_weights else out
 
-
-def _rotated(ops: Ops, x: Array, start: Any, base: float) -> Array:
-    """Heads ``(B, H, N, D)`` rotated by the angles of positions ``start .. start + N - 1``."""
-    depth, base = check_rotary(ops.shape(x)[-1], base)
-    cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)
-    return rotate(ops, x, cos, sin)
 
 
 def _snapshot(x: Array) -> Array:

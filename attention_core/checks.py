@@ -330,3 +330,11 @@ def check_kv_heads(num_heads: int, num_kv_heads: Any) -> int:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
     return num_kv_heads
+
+
+def check_rotary_base(base: Any) -> float:
+    """Checks the base of rotary frequencies: a finite number > 1; returns it as a float."""
+    base = plain(base)
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
+        raise ValueError(f"rotary_base must be a finite number > 1, got {base!r}")
+    return float(base)

@@ -1,13 +1,18 @@
 """Multi-head attention over the canonical weight mapping, with absolute or relative positions.
 
-Head ``i`` uses columns ``i*h/H : (i+1)*h/H`` of the projected queries, keys and values,
-where h = num_hiddens and H = num_heads (DESIGN section 5).
+Head ``i`` uses columns ``i*h/H : (i+1)*h/H`` of the projected queries, and key/value head
+``g`` columns ``g*h/H : (g+1)*h/H`` of the projected keys and values, where h = num_hiddens,
+H = num_heads and Hkv = num_kv_heads (DESIGN section 5). With fewer key/value heads than
+query heads (grouped-query attention; Hkv = 1 is multi-query attention), query head ``i``
+uses key/value head ``i // (H / Hkv)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from attention_core import cache as kv_cache
@@ -23,8 +28,44 @@ from attention_core.attention import (
 )
 from attention_core.linear import dense
 from attention_core.ops import Array, Ops, fixed_shape, matmul_transposed
-from attention_core.positional import relative_offsets
+from attention_core.positional import relative_offsets, rotated_heads
 from attention_core.registry import ops_for
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """How a multi-head attention forms its heads and scores, beyond the classic 2017 one.
+
+    Attributes:
+        num_kv_heads: Hkv, the key/value heads (None: H); must divide H.
+        positional: ``"rotary"`` (queries and keys rotated by their positions after the
+            projections), ``"alibi"`` (linear biases by distance), or None.
+        rotary_base: The base of the rotary frequencies.
+        window: Each query sees only the keys within this distance of its position, or None.
+        softcap: c of the scores' soft-capping ``c * tanh(s / c)``, or None.
+    """
+
+    num_kv_heads: int | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
+
+    def checked(self, num_heads: int) -> HeadOptions:
+        """The options checked (as every backend raises), numbers made plain."""
+        return HeadOptions(checks.check_kv_heads(num_heads, self.num_kv_heads),
+                           checks.check_positional(self.positional),
+                           checks.check_rotary_base(self.rotary_base),
+                           checks.check_window(self.window),
+                           checks.check_softcap(self.softcap))
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options as keyword arguments of :func:`multi_head_attention`."""
+        return dataclasses.asdict(self)
+
+
+#: The options of the 2017 multi-head attention.
+CLASSIC = HeadOptions()
 
 
 def split_heads(ops: Ops, x: Array, num_heads: int) -> Array:
@@ -79,18 +120,27 @@ def multi_head_attention(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    num_kv_heads: int | None = None,
+    positional: str | None = None,
+    rotary_base: float = 10000.0,
+    window: int | None = None,
+    softcap: float | None = None,
+    score_bias: Any = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Multi-head scaled dot-product attention with input and output projections.
+
+    Query ``i`` stands at position ``i + (K - Q)``, key ``j`` at ``j`` (for ``causal``,
+    ``window`` and the positions ``positional`` adds).
 
     Args:
         queries: ``(B, Q, Dq)``.
         keys: ``(B, K, Dk)``.
         values: ``(B, K, Dv)``.
-        weights: ``W_q.kernel (Dq, h)``, ``W_k.kernel (Dk, h)``, ``W_v.kernel (Dv, h)``,
-            ``W_o.kernel (h, h)`` and, with biases, ``W_q.bias (h,)`` etc.; checked like
-            ``set_weights`` checks a layer's (names, dtypes, shapes, and the inputs' widths
-            against the kernels).
+        weights: ``W_q.kernel (Dq, h)``, ``W_k.kernel (Dk, Hkv*h/H)``, ``W_v.kernel (Dv,
+            Hkv*h/H)``, ``W_o.kernel (h, h)`` and, with biases, ``W_q.bias (h,)`` etc.;
+            checked like ``set_weights`` checks a layer's (names, dtypes, shapes, and the
+            inputs' widths against the kernels).
         num_heads: H; must divide h.
         valid_lens: Integer lengths, ``(B,)`` or ``(B, Q)``, shared by every head.
         mask: Boolean, True = may attend: ``(Q, K)``, ``(B, Q, K)`` or ``(B, H, Q, K)``.
@@ -100,38 +150,53 @@ def multi_head_attention(
             :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
+        num_kv_heads: Hkv, key/value heads shared by groups of H/Hkv query heads (None: H).
+        positional: ``"rotary"``, ``"alibi"`` or None; see :class:`HeadOptions`.
+        rotary_base: The base of the rotary frequencies.
+        window: Each query sees only the keys within ``window`` of its position.
+        softcap: Soft-caps the scores at ``softcap``.
+        score_bias: Float, broadcastable to ``(B, H, Q, K)``, added to the scores.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries)
-    weights, num_heads, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
-                                            weights, num_heads)
+    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap)
+    weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
+                                          weights, num_heads, options)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
                       causal=causal, dropout=dropout, return_weights=return_weights,
-                      implementation=implementation)
+                      implementation=implementation, options=options, score_bias=score_bias)
 
 
 def _keys_values(
     ops: Ops, name: str, queries: Array, keys: Array, values: Array,
-    weights: Mapping[str, Array], num_heads: int,
-) -> tuple[W.CheckedWeights, int, tuple[Array, Array]]:
-    """The call's checked weights and heads, and its keys and values projected into heads.
+    weights: Mapping[str, Array], num_heads: int, options: HeadOptions, start: Any = 0,
+) -> tuple[W.CheckedWeights, HeadOptions, tuple[Array, Array]]:
+    """The call's checked weights and options, and its keys and values projected into heads.
 
-    The keys and values are ``(B, H, K, h/H)`` each; ``name`` is the function the messages name.
+    The keys and values are ``(B, Hkv, K, h/H)`` each, the keys rotated by their positions
+    ``start ..`` under rotary positions (not yet when ``start`` is None); ``name`` is the
+    function the messages name.
     """
+    checks.check_positive_int("num_heads", num_heads)
+    options = options.checked(num_heads)
     weights = _checked(ops, name, weights,
-                       lambda size: W.multi_head_call_spec(size, weights, num_heads),
+                       lambda size: W.multi_head_call_spec(size, weights, num_heads,
+                                                           num_kv_heads=options.num_kv_heads),
                        (queries, keys, values))
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
-    _, num_heads = checks.check_heads(num_hiddens, num_heads)
-    return weights, num_heads, (heads(ops, keys, weights, "W_k", num_heads),
-                                heads(ops, values, weights, "W_v", num_heads))
+    checks.check_heads(num_hiddens, num_heads)
+    kv_heads = options.num_kv_heads or num_heads
+    k = heads(ops, keys, weights, "W_k", kv_heads)
+    if options.positional == "rotary" and start is not None:
+        k = rotated_heads(ops, k, start, options.rotary_base)
+    return weights, options, (k, heads(ops, values, weights, "W_v", kv_heads))
 
 
 def heads(ops: Ops, x: Array, weights: Mapping[str, Array], name: str, num_heads: int) -> Array:
-    """``x (B, N, d)`` through the projection ``name``, split into heads ``(B, H, N, h/H)``."""
+    """``x (B, N, d)`` through the projection ``name``, split into heads ``(B, H, N, d/H)``."""
     return split_heads(ops, project(ops, x, weights, name), num_heads)
 
 
@@ -148,14 +213,17 @@ def pool_heads(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    options: HeadOptions = CLASSIC,
+    score_bias: Any = None,
+    offset: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
     Args:
         ops: The backend's ops.
         queries: ``(B, Q, Dq)``, not projected yet.
-        pair: The keys and values, projected and split into heads, ``(B, H, K, h/H)`` each
-            (a cache's).
+        pair: The keys and values, projected and split into heads, ``(B, Hkv, K, h/H)`` each
+            (a cache's), the keys already rotated under rotary positions.
         weights: Checked weights of :func:`multi_head_attention` (``W_q``, ``W_o``).
         num_heads: H.
         valid_lens: See :func:`multi_head_attention`.
@@ -164,11 +232,20 @@ def pool_heads(
         dropout: See :func:`multi_head_attention`.
         return_weights: See :func:`multi_head_attention`.
         implementation: See :func:`multi_head_attention`.
+        options: Checked :class:`HeadOptions`.
+        score_bias: See :func:`multi_head_attention`.
+        offset: Query ``i`` stands at position ``i + offset``; None for ``K - Q``.
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
+    if options.positional == "rotary":
+        first = ops.shape(pair[0])[2] - ops.shape(q)[2] if offset is None else offset
+        q = rotated_heads(ops, q, first, options.rotary_base)
     pooled = dot_product_attention(
         q, *pair, valid_lens, mask=mask, causal=causal, dropout=dropout,
-        return_weights=return_weights, implementation=implementation, ops=ops, _heads=True,
+        return_weights=return_weights, implementation=implementation, window=options.window,
+        softcap=options.softcap, score_bias=score_bias,
+        positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
+        _offset=offset,
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
@@ -188,14 +265,20 @@ def cached_multi_head_attention(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    num_kv_heads: int | None = None,
+    positional: str | None = None,
+    rotary_base: float = 10000.0,
+    window: int | None = None,
+    softcap: float | None = None,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
     """Causal multi-head attention of ``t`` new positions against a key/value cache.
 
-    The new keys and values are projected and written into the cache at rows
-    ``[start, start + t)``; query ``i`` (position ``start + i``) then attends to rows
-    ``j <= start + i``. Calling it on positions ``0..T-1``, in one call or in several chunks,
-    gives the causal self-attention of the whole sequence (:mod:`attention_core.cache`).
+    The new keys and values are projected (the keys rotated by their positions under rotary
+    positions) and written into the cache at rows ``[start, start + t)``; query ``i``
+    (position ``start + i``) then attends to rows ``j <= start + i`` (within ``window`` of it,
+    if given). Calling it on positions ``0..T-1``, in one call or in several chunks, gives the
+    causal self-attention of the whole sequence (:mod:`attention_core.cache`).
 
     Args:
         queries: ``(B, t, Dq)``.
@@ -203,7 +286,7 @@ def cached_multi_head_attention(
         values: ``(B, t, Dv)``.
         weights: Those of :func:`multi_head_attention`.
         num_heads: H; must divide h.
-        cache: ``(keys, values)`` ``(B, H, C, h/H)`` each from an earlier call, or None to
+        cache: ``(keys, values)`` ``(B, Hkv, C, h/H)`` each from an earlier call, or None to
             make one of ``capacity`` rows (zero beyond the written ones).
         start: The position of the first new token: an int or an integer scalar array.
         capacity: C of a cache made now; checked against the given cache's otherwise.
@@ -211,6 +294,11 @@ def cached_multi_head_attention(
         return_weights: Also return the weights ``(B, H, t, C)`` (zero on unwritten rows).
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
+        num_kv_heads: See :func:`multi_head_attention`: the cache holds Hkv heads.
+        positional: See :func:`multi_head_attention`.
+        rotary_base: See :func:`multi_head_attention`.
+        window: See :func:`multi_head_attention`.
+        softcap: See :func:`multi_head_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
@@ -218,18 +306,33 @@ def cached_multi_head_attention(
         ``(output, weights)``, if asked) and the updated cache.
     """
     ops = ops or ops_for(queries)
-    weights, num_heads, new = _keys_values(ops, "cached_multi_head_attention", queries, keys,
-                                           values, weights, num_heads)
-    B, H, steps, D = ops.shape(new[0])  # (B, H, t, h/H)
-    pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, H, D),
+    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap)
+    return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
+                        capacity=capacity, dropout=dropout, return_weights=return_weights,
+                        implementation=implementation, options=options)
+
+
+def cached_heads(
+    ops: Ops, queries: Array, keys: Array, values: Array, weights: Mapping[str, Array],
+    num_heads: int, cache: Any, start: Any, *, capacity: int | None, dropout: float,
+    return_weights: bool | str, implementation: str | None, options: HeadOptions,
+) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
+    """:func:`cached_multi_head_attention` with its options as :class:`HeadOptions`."""
+    weights, options, new = _keys_values(ops, "cached_multi_head_attention", queries, keys,
+                                         values, weights, num_heads, options, None)
+    B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)
+    pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, Hkv, D),
                                                           ops.dtype_name(new[0]))
     size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
     start = kv_cache.check_start(ops, start, steps, size)
+    if options.positional == "rotary":  # the new keys at their positions
+        new = (rotated_heads(ops, new[0], start, options.rotary_base), new[1])
     written = tuple(kv_cache.written(ops, old, rows, start, size)
                     for old, rows in zip(pair or (None, None), new, strict=True))
     result = pool_heads(ops, queries, written, weights, num_heads,
                         mask=kv_cache.visible(ops, start, steps, size), dropout=dropout,
-                        return_weights=return_weights, implementation=implementation)
+                        return_weights=return_weights, implementation=implementation,
+                        options=options, offset=start)
     return result, (written[0], written[1])
 
 

@@ -183,9 +183,14 @@ def check_rotary(depth: Any, base: Any) -> tuple[int, float]:
     if depth % 2:
         raise ValueError(f"rotary positions need an even depth per head, got {depth}: the "
                          "rotation turns pairs of features")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-        raise ValueError(f"rotary_base must be a number > 1, got {base!r}")
-    return depth, float(base)
+    return depth, checks.check_rotary_base(base)
+
+
+def rotated_heads(ops: Ops, x: Array, start: Any, base: float) -> Array:
+    """Heads ``(B, H, N, D)`` rotated by the angles of positions ``start .. start + N - 1``."""
+    depth, base = check_rotary(fixed_width(ops, x), base)
+    cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)
+    return rotate(ops, x, cos, sin)
 
 
 def rotary_angles(

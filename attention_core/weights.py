@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from attention_core import files
-from attention_core.checks import check_heads, check_positive_int, fmt_shape
+from attention_core.checks import check_heads, check_kv_heads, check_positive_int, fmt_shape
 from attention_core.host import host_array
 from attention_core.ops import Array, Ops, fixed_shape
 
@@ -55,13 +55,20 @@ def multi_head_spec(
     q_in: int | None = None,
     k_in: int | None = None,
     v_in: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> Spec:
-    """``W_q``, ``W_k``, ``W_v`` project the inputs to h = num_hiddens; ``W_o`` is ``(h, h)``."""
-    num_hiddens, _ = check_heads(num_hiddens, num_heads)
+    """``W_q`` projects the queries to h = num_hiddens, ``W_o`` is ``(h, h)``.
+
+    ``W_k`` and ``W_v`` project the keys and values to ``Hkv * h/H`` columns, Hkv =
+    ``num_kv_heads`` (None: H; grouped-query attention when fewer): key/value head ``g``
+    takes columns ``g*h/H : (g+1)*h/H``.
+    """
+    num_hiddens, num_heads = check_heads(num_hiddens, num_heads)
+    kv_width = check_kv_heads(num_heads, num_kv_heads) * (num_hiddens // num_heads)
     return {
         **dense_spec("W_q", q_in, num_hiddens, bias),
-        **dense_spec("W_k", k_in, num_hiddens, bias),
-        **dense_spec("W_v", v_in, num_hiddens, bias),
+        **dense_spec("W_k", k_in, kv_width, bias),
+        **dense_spec("W_v", v_in, kv_width, bias),
         **dense_spec("W_o", num_hiddens, num_hiddens, bias),
     }
 
@@ -460,20 +467,24 @@ def additive_call_spec(size: Size) -> Spec:
 
 
 def multi_head_call_spec(
-    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> Spec:
     """The spec of ``multi_head_attention``'s mapping (names under ``prefix``).
 
     h is ``W_q.kernel``'s output size; the projections have biases when any of them has one.
-    With ``width`` (a block's h), every kernel is ``(width, width)``.
+    With ``width`` (a block's h), every input size is ``width``. ``W_k`` and ``W_v`` have
+    ``num_kv_heads * h/H`` columns (None: H).
     """
     h = width if width is not None else size(f"{prefix}W_q.kernel", 1, 2)
     _heads(h, num_heads)
+    kv_heads = check_kv_heads(num_heads, num_kv_heads)
+    kv_width = None if h is None else kv_heads * (h // num_heads)
     bias = any(f"{prefix}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o"))
     spec: Spec = {}
-    for name in ("W_q", "W_k", "W_v"):
+    for name, columns in (("W_q", h), ("W_k", kv_width), ("W_v", kv_width)):
         d_in = width if width is not None else size(f"{prefix}{name}.kernel", 0, 2)
-        spec.update(dense_spec(f"{prefix}{name}", d_in, h, bias))
+        spec.update(dense_spec(f"{prefix}{name}", d_in, columns, bias))
     spec.update(dense_spec(f"{prefix}W_o", h, h, bias))
     return spec
 
