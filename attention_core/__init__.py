@@ -23,7 +23,13 @@ from attention_core.multihead import (
     multi_head_attention,
     relative_multi_head_attention,
 )
-from attention_core.positional import positional_encoding, relative_rotation, sinusoidal_encoding
+from attention_core.positional import (
+    alibi_slopes,
+    positional_encoding,
+    relative_rotation,
+    rotary_embedding,
+    sinusoidal_encoding,
+)
 from attention_core.registry import (
     BACKENDS,
     ENV_VAR,
@@ -57,6 +63,7 @@ LAYER_NAMES = (
     "RelativeMultiHeadAttention",
     "PositionalEncoding",
     "LearnedPositionalEncoding",
+    "RotaryEmbedding",
     "PositionWiseFFN",
     "AddNorm",
     "TransformerEncoderBlock",
@@ -75,6 +82,7 @@ __all__ = [
     "Generated",
     "add_norm",
     "additive_attention",
+    "alibi_slopes",
     "available_backends",
     "backend",
     "beam_search",
@@ -92,6 +100,7 @@ __all__ = [
     "relative_multi_head_attention",
     "relative_rotation",
     "repeat_rows",
+    "rotary_embedding",
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",

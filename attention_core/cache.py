@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from attention_core import checks
-from attention_core.host import plain
+from attention_core.host import framework_of, host_array, plain
 from attention_core.ops import Array, Ops, fixed_shape
 
 #: A self-attention cache: projected keys and values ``(B, H, C, D)``.
@@ -43,7 +45,17 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
     start = plain(start)
     if isinstance(start, (bool, float)):
         raise TypeError(f"start must be an integer position, got {start!r}")
+    if isinstance(start, np.ndarray) or (hasattr(start, "shape")
+                                         and framework_of(start) not in (None, ops.name)):
+        start = host_array(start)  # a NumPy or another framework's array: known now
+        if start.shape == () and start.dtype.kind in "iu":
+            start = int(start)
     value: Any = start
+    if isinstance(start, np.ndarray):
+        if start.shape == ():
+            raise TypeError(f"start must be an integer position, got dtype {start.dtype}")
+        raise TypeError(f"start must be an int or an integer scalar array, got an array of "
+                        f"shape {start.shape}")
     if not isinstance(start, int):
         if not hasattr(start, "shape") or tuple(ops.shape(start)) != ():
             raise TypeError("start must be an int or an integer scalar array, got "

@@ -506,8 +506,43 @@ class _Attention(Declaration):
         raise NotImplementedError
 
 
+#: The score options of the scaled dot-product layers (:class:`_ScoredAttention`).
+SCORE_OPTIONS = ("positional", "rotary_base", "window", "softcap")
+
+
 @dataclass(eq=False)
-class DotProductAttention(_Attention):
+class _ScoredAttention(_Attention):
+    """The scaled dot-product layers: their score options and the ``score_bias`` call argument.
+
+    Their declarations carry the fields :data:`SCORE_OPTIONS` (keyword-only).
+    """
+
+    def check(self) -> None:
+        self.normalise("positional", checks.check_positional)
+        self.normalise("rotary_base", checks.check_rotary_base)
+        self.normalise("window", checks.check_window)
+        self.normalise("softcap", checks.check_softcap)
+        super().check()
+
+    def compute(
+        self, run: Run, queries: Array, keys: Array, values: Array, valid_lens: Any = None, *,
+        mask: Any = None, causal: bool = False, score_bias: Any = None,
+    ) -> Any:
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
+
+        ``score_bias``, float and broadcastable to ``(B, H, Q, K)``, is added to the scores
+        before masking.
+        """
+        options = {
+            "mask": mask, "causal": causal, "dropout": run.dropout, "return_weights": run.need,
+            "score_bias": score_bias, "ops": run.ops,
+            **{name: getattr(self, name) for name in SCORE_OPTIONS},
+        }
+        return self.attend(run, queries, keys, values, valid_lens, **options)
+
+
+@dataclass(eq=False)
+class DotProductAttention(_ScoredAttention):
     """Scaled dot-product attention (no weights).
 
     Args:
@@ -518,12 +553,22 @@ class DotProductAttention(_Attention):
         implementation: How calls that do not need the weights pool: ``"direct"``,
             ``"blockwise"`` or ``"fused"``; None lets the core choose
             (:func:`attention_core.attention.choose_implementation`).
+        positional: ``"rotary"`` (queries and keys rotated by their positions), ``"alibi"``
+            (linear biases by distance, the standard slopes), or None.
+        rotary_base: The base of the rotary frequencies ``base^(-2t/D)``.
+        window: Each query sees only the keys less than ``window`` positions from its own
+            (with ``causal``, the ``window`` keys ending at it); None for all.
+        softcap: Soft-caps the scores: ``softcap * tanh(s / softcap)``; None for none.
     """
 
     dropout: float = 0.0
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         return attention.dot_product_attention(
@@ -554,7 +599,7 @@ class AdditiveAttention(_Attention):
 
 
 @dataclass(eq=False)
-class MultiHeadAttention(_Attention):
+class MultiHeadAttention(_ScoredAttention):
     """Multi-head attention: ``num_heads`` heads over ``num_hiddens`` projected features.
 
     Args:
@@ -564,6 +609,13 @@ class MultiHeadAttention(_Attention):
         bias: Whether the four projections have biases.
         keep_attention_weights: See :class:`DotProductAttention`.
         implementation: See :class:`DotProductAttention`.
+        num_kv_heads: Hkv, the key/value heads, each shared by H/Hkv query heads
+            (grouped-query attention; 1: multi-query); None for H. ``W_k`` and ``W_v`` then
+            project to ``Hkv * h/H`` features.
+        positional: See :class:`DotProductAttention` (rotary positions turn each head).
+        rotary_base: See :class:`DotProductAttention`.
+        window: See :class:`DotProductAttention`.
+        softcap: See :class:`DotProductAttention`.
     """
 
     num_hiddens: int
@@ -573,25 +625,32 @@ class MultiHeadAttention(_Attention):
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
+    num_kv_heads: int | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
     sizes: ClassVar[Mapping[str, Size]] = QKV_SIZES
 
     def check(self) -> None:
         heads = checks.check_heads(self.num_hiddens, self.num_heads)
         self.normalise("num_hiddens", lambda _: heads[0])
         self.normalise("num_heads", lambda _: heads[1])
+        self.normalise("num_kv_heads", lambda n: None if n is None else checks.check_kv_heads(
+            heads[1], n))
         super().check()
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.multi_head_spec(
             self.num_hiddens, self.num_heads, self.bias,
-            dims.get("q_in"), dims.get("k_in"), dims.get("v_in"),
+            dims.get("q_in"), dims.get("k_in"), dims.get("v_in"), self.num_kv_heads,
         )
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         q, k, v, valid_lens = args
         return multihead.multi_head_attention(
             q, k, v, run.weights, self.num_heads, valid_lens,
-            implementation=self.pooling(run), **options,
+            implementation=self.pooling(run), num_kv_heads=self.num_kv_heads, **options,
         )
 
 
@@ -661,6 +720,32 @@ class PositionalEncoding(Declaration):
     def compute(self, run: Run, X: Array) -> Array:
         """Adds ``P[:, :T]`` to ``X (B, T, h)``, then dropout."""
         return positional.add_positions(X, run.constants["P"], run.dropout, ops=run.ops)
+
+
+@dataclass(eq=False)
+class RotaryEmbedding(Declaration):
+    """Rotates each pair of features ``(t, t + d/2)`` by the angle ``p * base^(-2t/d)``.
+
+    Rotary position embeddings (Su et al., 2021) in the "rotate half" layout of GPT-NeoX,
+    Llama and KerasHub, for ``X`` ``(B, T, d)`` or ``(B, T, H, d)`` (axis 1 the sequence),
+    ``d`` even. Position ``p`` of row ``t`` is ``start_index + t``, or ``positions[..., t]``.
+
+    Args:
+        base: The base of the frequencies.
+    """
+
+    base: float = 10000.0
+    cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
+
+    def check(self) -> None:
+        self.normalise("base", checks.check_rotary_base)
+        super().check()
+
+    def compute(self, run: Run, X: Array, start_index: Any = 0, *, positions: Any = None
+                ) -> Array:
+        """``X`` rotated at positions ``start_index ..`` or ``positions`` (``(T,)``/``(B, T)``)."""
+        return positional.rotary_embedding(X, start_index, positions=positions, base=self.base,
+                                           ops=run.ops)
 
 
 @dataclass(eq=False)

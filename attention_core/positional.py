@@ -16,6 +16,7 @@ import numpy as np
 
 from attention_core import checks
 from attention_core.cache import check_start
+from attention_core.host import framework_of, host_array
 from attention_core.ops import Array, Ops
 from attention_core.registry import ops_for
 
@@ -196,11 +197,22 @@ def rotated_heads(ops: Ops, x: Array, start: Any, base: float) -> Array:
 def rotary_angles(
     ops: Ops, start: Any, steps: Any, depth: int, base: float, like: Array
 ) -> tuple[Array, Array]:
-    """``(cos, sin)`` of the angles ``p * theta_t`` of positions ``p = start .. start + T - 1``.
+    """``(cos, sin)`` ``(T, d/2)`` of positions ``start .. start + T - 1`` (:func:`rotary_table`)."""
+    if isinstance(start, int) and isinstance(steps, int):
+        positions: Any = np.arange(start, start + steps)
+    else:
+        positions = ops.arange(steps) + start  # (T,) int32, run-time
+    return rotary_table(ops, positions, depth, base, like)
 
-    Each is ``(T, d/2)`` in ``like``'s dtype. Positions known now are turned into angles in
-    float64 on the host, so the tables are the float64 values rounded once, at any position.
-    Run-time positions (a traced ``start`` or length) are split as ``p = a * F + b`` with
+
+def rotary_table(
+    ops: Ops, positions: Any, depth: int, base: float, like: Array
+) -> tuple[Array, Array]:
+    """``(cos, sin)`` of the angles ``p * theta_t`` of integer ``positions``, ``(..., d/2)``.
+
+    In ``like``'s dtype. Positions known now (a NumPy array) are turned into angles in float64
+    on the host, so the tables are the float64 values rounded once, at any position. Run-time
+    positions (an array of the backend, maybe traced) are split as ``p = a * F + b`` with
     ``F`` = :data:`ROTARY_FINE`; the float64 tables of ``a F theta`` and ``b theta`` are
     gathered by one-hot products (exact) and combined by the angle-addition formulas, so the
     result is within a few roundings of the float64 one, also at positions in the tens of
@@ -208,28 +220,26 @@ def rotary_angles(
 
     Args:
         ops: The backend's ops.
-        start: The first position: an int, or an integer scalar array.
-        steps: T, an int or a run-time size.
+        positions: Integer positions in ``[0, ROTARY_MAX_POSITIONS)``, any shape.
         depth: d, even.
         base: The base of the frequencies.
         like: An array whose floating dtype and device the tables take.
 
     Raises:
-        ValueError: A known position at or beyond :data:`ROTARY_MAX_POSITIONS`.
+        ValueError: A known position outside ``[0, ROTARY_MAX_POSITIONS)``.
     """
     theta = rotary_frequencies(depth, base)
-    if isinstance(start, int) and isinstance(steps, int):
-        if start + steps > ROTARY_MAX_POSITIONS:
-            raise ValueError(f"rotary positions must be < {ROTARY_MAX_POSITIONS}, got positions "
-                             f"up to {start + steps - 1}")
-        angles = np.arange(start, start + steps, dtype=np.float64)[:, None] * theta  # (T, d/2)
+    if isinstance(positions, np.ndarray):
+        if positions.size and (positions.min() < 0 or positions.max() >= ROTARY_MAX_POSITIONS):
+            raise ValueError(f"rotary positions must be in [0, {ROTARY_MAX_POSITIONS}), got "
+                             f"[{positions.min()}, {positions.max()}]")
+        angles = positions.astype(np.float64)[..., None] * theta  # (..., d/2)
         return ops.from_numpy(np.cos(angles), like=like), ops.from_numpy(np.sin(angles), like=like)
-    positions = ops.arange(steps) + start  # (T,) int32, run-time
     coarse = positions // ROTARY_FINE
     parts = []
     for index, size, step in ((coarse, ROTARY_COARSE, ROTARY_FINE),
                               (positions - coarse * ROTARY_FINE, ROTARY_FINE, 1)):
-        onehot = ops.expand_dims(index, -1) == ops.expand_dims(ops.arange(size), 0)  # (T, size)
+        onehot = ops.expand_dims(index, -1) == ops.arange(size)  # (..., size)
         onehot = ops.astype(onehot, ops.dtype_name(like))
         angles = np.arange(size, dtype=np.float64)[:, None] * step * theta  # (size, d/2)
         parts.append(tuple(ops.matmul(onehot, ops.from_numpy(table(angles), like=like))
@@ -261,16 +271,19 @@ def fixed_width(ops: Ops, x: Array) -> int:
 
 
 def rotary_embedding(
-    X: Array, start: Any = 0, *, base: float = 10000.0, ops: Ops | None = None
+    X: Array, start: Any = 0, *, positions: Any = None, base: float = 10000.0,
+    ops: Ops | None = None,
 ) -> Array:
-    """Rotates ``X`` ``(B, T, ..., d)`` by the rotary angles of positions ``start .. start + T - 1``.
+    """Rotates ``X`` ``(B, T, d)`` or ``(B, T, H, d)`` by the rotary angles of its positions.
 
     The functional ``RotaryEmbedding``: axis 1 is the sequence, the last axis the features
-    (``(B, T, d)``, or ``(B, T, H, d)`` for heads).
+    (pairs ``(t, t + d/2)`` are turned, :func:`rotate`).
 
     Args:
-        X: Floating, rank 3 or more.
-        start: The first position: an int, or an integer scalar array.
+        X: Floating, rank 3 or 4.
+        start: The first position (positions ``start .. start + T - 1``): an int, or an
+            integer scalar array.
+        positions: Integer positions ``(T,)`` or ``(B, T)``, in place of ``start``'s.
         base: The base of the frequencies ``base^(-2t/d)``.
         ops: The backend's ops; found from ``X`` when omitted.
     """
@@ -278,16 +291,42 @@ def rotary_embedding(
     shape = checks.check_rank(ops, "X", X, (3, 4), "(B, T, d) or (B, T, H, d)")
     checks.check_floating(ops, "X", X)
     depth, base = check_rotary(fixed_width(ops, X), base)
-    start = _rotary_start(ops, start)
-    cos, sin = rotary_angles(ops, start, shape[1], depth, base, X)  # (T, d/2)
-    if len(shape) == 4:  # (T, 1, d/2): the heads axis after the sequence
-        cos, sin = ops.expand_dims(cos, 1), ops.expand_dims(sin, 1)
+    if positions is None:
+        first = check_start(ops, start, 0, ROTARY_MAX_POSITIONS)
+        cos, sin = rotary_angles(ops, first, shape[1], depth, base, X)  # (T, d/2)
+    else:
+        if not (isinstance(start, int) and start == 0):
+            raise ValueError("give start or positions, not both")
+        cos, sin = rotary_table(ops, _positions(ops, positions, shape), depth, base, X)
+    if len(shape) == 4:  # (..., T, 1, d/2): the heads axis after the sequence
+        cos, sin = ops.expand_dims(cos, -2), ops.expand_dims(sin, -2)
     return rotate(ops, X, cos, sin)
 
 
-def _rotary_start(ops: Ops, start: Any) -> Any:
-    """Checks a first position (an int >= 0 or an integer scalar array); ints stay ints."""
-    return check_start(ops, start, 0, ROTARY_MAX_POSITIONS)
+def _positions(ops: Ops, positions: Any, shape: tuple[Any, ...]) -> Any:
+    """Checks integer positions ``(T,)`` or ``(B, T)`` for ``X`` of ``shape``.
+
+    Returns them as a NumPy array when known now, else as the backend's int32 array.
+    """
+    own = framework_of(positions) == ops.name and not isinstance(positions, np.generic)
+    host = None if own else host_array(positions)
+    dtype = ops.dtype_name(positions) if host is None else host.dtype.name
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"positions must have an integer dtype, got {dtype}")
+    got = ops.shape(positions) if host is None else host.shape
+    B, T = shape[0], shape[1]
+    fits = [len(got) == len(want) and all(
+        not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(got, want,
+                                                                                   strict=True))
+        for want in ((T,), (B, T))]
+    if not any(fits):
+        raise ValueError(f"positions must have shape (T,) or (B, T) = ({T},) or ({B}, {T}), "
+                         f"got {checks.fmt_shape(got)}")
+    if host is None:
+        host = ops.concrete(positions)
+        if host is None:  # run-time values
+            return ops.astype(positions, "int32")
+    return np.asarray(host).astype(np.int64)
 
 
 # -- ALiBi (Press et al., 2022) --------------------------------------------------------------

@@ -53,9 +53,13 @@ FULL_DTYPES = ("float32", "float64")
 COMPILED_DTYPES = ("float32",)
 #: Cases of the other modes, by layer.
 COMPILED_CASES = {
-    "DotProductAttention": ("mask_4d", "causal_valid_lens", "keys_shorter-causal"),
+    "DotProductAttention": ("mask_4d", "causal_valid_lens", "keys_shorter-causal",
+                            "softcap_bias-fully_masked_row"),
     "AdditiveAttention": ("mask_2d", "causal", "fully_masked_row"),
-    "MultiHeadAttention": ("mask_4d_bias", "causal_valid_lens_bias", "fully_masked_row_bias"),
+    "MultiHeadAttention": ("mask_4d_bias", "causal_valid_lens_bias", "fully_masked_row_bias",
+                           "llama-causal_valid_lens", "gqa-mask_3d", "alibi-fully_masked_row",
+                           "window-causal", "score_bias-mask_4d", "softcap-valid_lens_2d"),
+    "RotaryEmbedding": ("heads-start", "positions_2d"),
     "TransformerEncoderBlock": ("valid_lens_1d", "mask_3d", "fully_masked_row"),
     "RelativeMultiHeadAttention": ("valid_lens_2d", "causal", "keys_only-fully_masked_row"),
     "TransformerEncoder": ("mask_2d",),

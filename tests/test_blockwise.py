@@ -19,7 +19,7 @@ from attention_core import blockwise, masks
 from attention_core.attention import BLOCKWISE_MIN_SCORES, choose_implementation
 from backends.numpy.ops import OPS as NP
 from tests.harness import TOLERANCE, Harness, max_diff, tolerance
-from tests.reference.cases import CASES, MASK_KINDS, Case, mask_arguments
+from tests.reference.cases import CASES, MASK_KINDS, Case, function_options, mask_arguments
 from tests.reference.generate import record
 
 #: ``(KEY_BLOCK, TILE_SCORES)``: one key and one query per tile; ragged key blocks of 4 with one
@@ -44,9 +44,10 @@ def _inputs(h: Harness, case: Case) -> tuple[dict[str, Any], dict[str, Any], dic
 def _run(case: Case, x: dict[str, Any], w: dict[str, Any], kw: dict[str, Any], impl: str) -> Any:
     if case.layer == "DotProductAttention":
         return ac.dot_product_attention(x["queries"], x["keys"], x["values"], implementation=impl,
-                                        **kw)
+                                        **kw, **function_options(case))
     return ac.multi_head_attention(x["queries"], x["keys"], x["values"], w,
-                                   case.config["num_heads"], implementation=impl, **kw)
+                                   case.config["num_heads"], implementation=impl, **kw,
+                                   **function_options(case))
 
 
 @pytest.mark.parametrize("blocking", list(BLOCKINGS))

@@ -161,7 +161,7 @@ def test_every_declared_layer_is_exported(backend: str) -> None:
     h = Harness(backend)
     Layer = importlib.import_module(f"backends.{backend}.layers").Layer
     core = {name: cls for name, cls in D.LAYERS.items() if cls.__module__ == D.__name__}
-    assert len(core) == len(ac.LAYER_NAMES) == 14 and set(core) == set(ac.LAYER_NAMES)
+    assert len(core) == len(ac.LAYER_NAMES) == 15 and set(core) == set(ac.LAYER_NAMES)
     assert set(core) <= set(h.module.__all__)
     for name, declaration in core.items():
         assert issubclass(getattr(h.module, name), Layer), name

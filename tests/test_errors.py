@@ -433,7 +433,8 @@ CATALOGUE: list[Bad] = [
         "keys batch size (3) must equal queries batch size (2)"),
     Bad("heads_size_mismatch", "mismatch",
         lambda c: dpa(c.h, qkv(q=(2, 2, 4, 8), k=(2, 3, 6, 8), v=(2, 3, 6, 5))), ValueError,
-        "keys heads size (3) must equal queries heads size (2)"),
+        "keys heads size (3) must divide queries heads size (2): each key/value head serves an "
+        "equal group of query heads"),
     Bad("layer_length_mismatch", "mismatch", lambda c: call(c.h, c.layer, *qkv(v=(2, 5, 5))),
         ValueError, "keys and values must have the same length, got 6 keys and 5 values", mha),
     Bad("layer_other_width", "mismatch", lambda c: call(c.h, c.layer, *qkv(q=(2, 4, 5))), ValueError,

@@ -9,16 +9,17 @@ import pytest
 
 import attention_core as ac
 from tests.harness import TOLERANCE, Harness, max_diff
-from tests.reference.cases import CASES, Case
+from tests.reference.cases import CASES, FUNCTION_OPTIONS, Case
 from tests.reference.generate import record
 
 FUNCTIONAL = {
     "DotProductAttention": lambda x, w, cfg, kw: ac.dot_product_attention(
-        x["queries"], x["keys"], x["values"], return_weights=True, **kw),
+        x["queries"], x["keys"], x["values"], return_weights=True, **kw, **_options(cfg)),
     "AdditiveAttention": lambda x, w, cfg, kw: ac.additive_attention(
         x["queries"], x["keys"], x["values"], w, return_weights=True, **kw),
     "MultiHeadAttention": lambda x, w, cfg, kw: ac.multi_head_attention(
-        x["queries"], x["keys"], x["values"], w, cfg["num_heads"], return_weights=True, **kw),
+        x["queries"], x["keys"], x["values"], w, cfg["num_heads"], return_weights=True, **kw,
+        **_options(cfg)),
     "RelativeMultiHeadAttention": lambda x, w, cfg, kw: ac.relative_multi_head_attention(
         x["queries"], x["keys"], x["values"], w, cfg["num_heads"], return_weights=True, **kw),
     "TransformerEncoderBlock": lambda x, w, cfg, kw: ac.transformer_encoder_block(
@@ -28,10 +29,18 @@ FUNCTIONAL = {
     "PositionWiseFFN": lambda x, w, cfg, kw: ac.position_wise_ffn(x["X"], w),
     "AddNorm": lambda x, w, cfg, kw: ac.add_norm(x["X"], x["Y"], w),
     "PositionalEncoding": lambda x, w, cfg, kw: ac.positional_encoding(x["X"]),
+    "RotaryEmbedding": lambda x, w, cfg, kw: ac.rotary_embedding(
+        x["X"], kw.get("start_index", 0), positions=kw.get("positions"),
+        base=cfg.get("base", 10000.0)),
     "NadarayaWatson": lambda x, w, cfg, kw: ac.nadaraya_watson(
         x["queries"], x["keys"], x["values"], w.get("w"), return_weights=True),
 }
 
+
+
+def _options(config: dict[str, Any]) -> dict[str, Any]:
+    """The layer's constructor arguments that the function takes as keywords."""
+    return {name: config[name] for name in FUNCTION_OPTIONS if name in config}
 
 
 def functional_cases() -> list[Any]:
@@ -60,7 +69,7 @@ def test_every_public_function_is_covered() -> None:
     covered = {"dot_product_attention", "additive_attention", "multi_head_attention",
                "relative_multi_head_attention", "transformer_encoder", "transformer_encoder_block",
                "position_wise_ffn", "add_norm",
-               "positional_encoding", "nadaraya_watson"}
+               "positional_encoding", "nadaraya_watson", "rotary_embedding"}
     functions = {name for name in ac.__all__ if callable(getattr(ac, name, None))
                  and getattr(ac, name).__module__.startswith("attention_core.")
                  and name[0].islower()}
@@ -70,7 +79,7 @@ def test_every_public_function_is_covered() -> None:
     # tests/test_cache.py, the searches in tests/test_generation.py)
     assert rest == {"transformer_encoder_decoder", "transformer_decoder", "transformer_decoder_block",
                     "cached_decoder", "cached_decoder_block", "cached_multi_head_attention",
-                    "greedy_search", "beam_search", "repeat_rows",
+                    "greedy_search", "beam_search", "repeat_rows", "alibi_slopes",
                     "masked_softmax", "sinusoidal_encoding", "relative_rotation", "save_weights",
                     "load_weights", "available_backends", "backend", "set_backend",
                     "use_backend"}

@@ -25,7 +25,8 @@ def test_files_are_current(case: Case) -> None:
     for key, value in fresh.items():
         assert value.shape == old[key].shape, key
         if value.dtype.kind in "fc":
-            assert np.max(np.abs(value - old[key]), initial=0.0) <= 1e-12, key
+            same = value == old[key]  # also the infinities (a score_bias of -inf)
+            assert np.max(np.abs(np.where(same, 0.0, value - old[key])), initial=0.0) <= 1e-12, key
         else:
             assert np.array_equal(value, old[key]), key
 
@@ -40,11 +41,27 @@ def naive_outputs(case: Case, ref: dict[str, np.ndarray]) -> dict[str, np.ndarra
     if case.layer in DECODER_LAYERS:
         out, kept = naive_decoder(case, x, w, call)
         return {"output.out": out, **{f"output.attention.{i}": a for i, a in enumerate(kept)}}
+    cfg = case.config
+    scored = {"positional": cfg.get("positional"), "rotary_base": cfg.get("rotary_base", 1e4),
+              "softcap": cfg.get("softcap"), "score_bias": call.get("score_bias")}
+    masks["window"] = cfg.get("window")
     if case.layer == "DotProductAttention":
         q, k, v = x["queries"], x["keys"], x["values"]
         vis = naive.visible(q.shape[0], 1, q.shape[1], k.shape[1], **masks)
-        out, att = naive.dot_product(q[:, None], k[:, None], v[:, None], vis)
+        out, att = naive.dot_product(q[:, None], k[:, None], v[:, None], vis, **scored)
         return {"output.out": out[:, 0], "output.attention": att}
+    if case.layer == "RotaryEmbedding":
+        X = x["X"]
+        T = X.shape[1]
+        positions = call.get("positions", int(call.get("start_index", 0)) + np.arange(T))
+        rows = [positions] * X.shape[0] if positions.ndim == 1 else list(positions)
+        base = cfg.get("base", 1e4)
+        if X.ndim == 3:
+            out = np.stack([naive.rotary(X[b], list(rows[b]), base) for b in range(len(X))])
+        else:  # (B, T, H, d): each head's (T, d)
+            out = np.stack([np.stack([naive.rotary(X[b, :, h], list(rows[b]), base)
+                                      for h in range(X.shape[2])], 1) for b in range(len(X))])
+        return {"output.out": out}
     if case.layer == "AdditiveAttention":
         q, k = x["queries"], x["keys"]
         vis = naive.visible(q.shape[0], 1, q.shape[1], k.shape[1], **masks)
@@ -54,7 +71,8 @@ def naive_outputs(case: Case, ref: dict[str, np.ndarray]) -> dict[str, np.ndarra
         q, k = x["queries"], x["keys"]
         H = case.config["num_heads"]
         vis = naive.visible(q.shape[0], H, q.shape[1], k.shape[1], **masks)
-        out, att = naive.multi_head(q, k, x["values"], w, H, vis)
+        out, att = naive.multi_head(q, k, x["values"], w, H, vis,
+                                    num_kv_heads=cfg.get("num_kv_heads"), **scored)
         return {"output.out": out, "output.attention": att}
     if case.layer == "RelativeMultiHeadAttention":
         q, k = x["queries"], x["keys"]

@@ -7,6 +7,6 @@ from backends.torch.ops import TorchOps as TorchOps
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "TorchOps", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
+    "RelativeMultiHeadAttention", "RotaryEmbedding", "TorchOps", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock"
 ]

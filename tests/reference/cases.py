@@ -129,7 +129,12 @@ def case_masks(kind: str, inputs: dict[str, tuple[int, ...]], rng: np.random.Gen
 
 @dataclass(frozen=True)
 class Case:
-    """One reference case: a layer, its constructor arguments and its call's inputs."""
+    """One reference case: a layer, its constructor arguments and its call's inputs.
+
+    ``extra`` holds call arguments other than masks: ``score_bias`` (its rank, 2 to 4; drawn
+    from N(0, 1), with one visible score given ``-inf`` in the rank-4 ones), ``start_index``
+    (an int) or ``positions`` (their shape, ``(T,)`` or ``(B, T)``; drawn in ``[0, 100)``).
+    """
 
     layer: str
     name: str
@@ -213,6 +218,70 @@ def _decoder_cases() -> list[Case]:
                    {"tokens": (B, Q)}, kind, heads) for kind in DECODER_ONLY_KINDS]
     cases += [Case("Transformer", kind, TRANSFORMER, {"src_tokens": (B, K), "tgt_tokens": (B, Q)},
                    kind, heads) for kind in TRANSFORMER_KINDS]
+    return cases
+
+
+#: The attention of current models: ``MultiHeadAttention`` options, each with every mask kind
+#: (:data:`MODERN_KINDS` for the few with fewer). Width 16 over 4 heads (depth 4: rotary
+#: pairs), biases on. ``score_bias`` is a call argument (its rank cycles through 2, 3 and 4
+#: over the mask kinds); ``llama`` joins grouped-query heads, rotary positions, a window,
+#: soft-capping and a score bias.
+MODERN: dict[str, dict[str, Any]] = {
+    "gqa": {"num_kv_heads": 2},
+    "mqa": {"num_kv_heads": 1},
+    "rotary": {"positional": "rotary"},
+    "alibi": {"positional": "alibi"},
+    "window": {"window": 2},
+    "softcap": {"softcap": 0.5},
+    "score_bias": {},
+    "llama": {"num_kv_heads": 2, "positional": "rotary", "rotary_base": 500.0, "window": 3,
+              "softcap": 2.0},
+}
+MODERN_MULTI_HEAD = {"num_hiddens": 16, "num_heads": 4, "dropout": 0.0, "bias": True}
+#: Options with a score bias drawn for the call.
+MODERN_BIASED = ("score_bias", "llama")
+#: Mask kinds of the options that do not take every one.
+MODERN_KINDS = {"mqa": ("none", "causal", "fully_masked_row")}
+#: ``DotProductAttention`` with the score options (one head: ALiBi's slope is 2**-8).
+MODERN_DOT_PRODUCT = {
+    "window-causal": {"window": 3},
+    "rotary-mask_3d": {"positional": "rotary"},
+    "alibi-valid_lens_2d": {"positional": "alibi"},
+    "softcap_bias-fully_masked_row": {"softcap": 1.0},
+}
+
+
+#: Constructor arguments of the attention layers that are keyword arguments of the functions.
+FUNCTION_OPTIONS = ("num_kv_heads", "positional", "rotary_base", "window", "softcap")
+
+
+def function_options(case: Case) -> dict[str, Any]:
+    """The case's constructor arguments that the core's attention functions take as keywords."""
+    return {name: case.config[name] for name in FUNCTION_OPTIONS if name in case.config}
+
+
+def _modern_cases() -> list[Case]:
+    """The cases of :data:`MODERN`, :data:`MODERN_DOT_PRODUCT` and ``RotaryEmbedding``."""
+    cases = []
+    inputs = _attention_inputs("MultiHeadAttention", B, Q, K)
+    for option, config in MODERN.items():
+        for i, kind in enumerate(MODERN_KINDS.get(option, MASK_KINDS)):
+            extra = {"score_bias": 2 + i % 3} if option in MODERN_BIASED else {}
+            cases.append(Case("MultiHeadAttention", f"{option}-{kind}",
+                              {**MODERN_MULTI_HEAD, **config}, inputs, kind, heads=4,
+                              extra=extra))
+    for name, config in MODERN_DOT_PRODUCT.items():
+        kind = name.split("-", 1)[1]
+        extra = {"score_bias": 4} if "bias" in name else {}
+        cases.append(Case("DotProductAttention", name, {"dropout": 0.0, **config},
+                          _attention_inputs("DotProductAttention", B, Q, K), kind, extra=extra))
+    cases.append(Case("RotaryEmbedding", "basic", {}, {"X": (B, 5, 8)}))
+    cases.append(Case("RotaryEmbedding", "heads-start", {"base": 500.0}, {"X": (B, 5, 3, 6)},
+                      extra={"start_index": 7}))
+    cases.append(Case("RotaryEmbedding", "positions_1d", {}, {"X": (B, 5, 8)},
+                      extra={"positions": (5,)}))
+    cases.append(Case("RotaryEmbedding", "positions_2d", {}, {"X": (B, 5, 2, 8)},
+                      extra={"positions": (B, 5)}))
     return cases
 
 
@@ -325,7 +394,7 @@ def build_cases() -> list[Case]:
         cases.append(Case("NadarayaWatson", f"{tag}_batch_1-one_key", {"parametric": parametric},
                           {"queries": (1, 3), "keys": (1, 1), "values": (1, 1)},
                           edge="batch_1-one_key"))
-    return cases + _decoder_cases()
+    return cases + _decoder_cases() + _modern_cases()
 
 
 CASES = build_cases()

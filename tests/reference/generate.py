@@ -45,7 +45,26 @@ def call_arguments(
     extra: dict[str, Any] = {}
     if case.mask_kind is not None:
         extra = case_masks(case.mask_kind, case.inputs, rng, case.heads)
+    extra.update(_other_arguments(case, rng))
     return inputs, extra
+
+
+def _other_arguments(case: Case, rng: np.random.Generator) -> dict[str, Any]:
+    """The call arguments of ``case.extra`` (see :class:`tests.reference.cases.Case`)."""
+    out: dict[str, Any] = {}
+    first = next(iter(case.inputs.values()))
+    if "score_bias" in case.extra:
+        b, q, k = first[0], first[1], case.inputs["keys"][1]
+        shape = {2: (q, k), 3: (b, q, k), 4: (b, case.heads, q, k)}[case.extra["score_bias"]]
+        bias = rng.standard_normal(shape)
+        if len(shape) == 4:  # a score of -inf: no weight where visible, nothing where hidden
+            bias[0, 0, 0, 0] = -np.inf
+        out["score_bias"] = bias
+    if "start_index" in case.extra:
+        out["start_index"] = np.asarray(case.extra["start_index"], dtype=np.int64)
+    if "positions" in case.extra:
+        out["positions"] = rng.integers(0, 100, size=case.extra["positions"]).astype(np.int64)
+    return out
 
 
 def randomise(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ import numpy as np
 
 import attention_core as ac
 from attention_core.positional import add_positions
-from tests.reference.cases import CASES, Case
+from tests.reference.cases import CASES, Case, function_options
 from tests.reference.generate import load
 
 PATH = Path(__file__).parent / "data" / "gradients.npz"
@@ -31,10 +31,12 @@ PATH = Path(__file__).parent / "data" / "gradients.npz"
 #: Cases whose gradients are also checked entry by entry by finite differences (the others by
 #: directional differences and sampled entries, see tests/test_gradients.py), by layer.
 FULL_CHECK_CASES = {
-    "DotProductAttention": ("mask_4d", "keys_shorter-causal"),
+    "DotProductAttention": ("mask_4d", "keys_shorter-causal", "softcap_bias-fully_masked_row"),
     "MultiHeadAttention": (
-        "valid_lens_1d_bias", "mask_4d", "causal_valid_lens_bias", "fully_masked_row_bias"
+        "valid_lens_1d_bias", "mask_4d", "causal_valid_lens_bias", "fully_masked_row_bias",
+        "llama-causal_valid_lens", "gqa-mask_4d", "alibi-fully_masked_row", "rotary-causal",
     ),
+    "RotaryEmbedding": ("heads-start",),
     "AdditiveAttention": ("none", "valid_lens_2d", "causal", "fully_masked_row"),
     "TransformerEncoderBlock": ("none", "valid_lens_1d", "mask_3d", "fully_masked_row"),
     "RelativeMultiHeadAttention": ("valid_lens_2d", "mask_4d", "causal", "keys_only-fully_masked_row"),
@@ -87,12 +89,17 @@ def case_data(case: Case) -> tuple[list[np.ndarray], dict[str, np.ndarray], dict
 def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[str, Any]) -> Any:
     """The case's layer as the core's function of its inputs and weights (any backend)."""
     heads = case.config.get("num_heads", 1)
+    options = function_options(case)
     if case.layer == "DotProductAttention":
         queries, keys, values = inputs
-        return ac.dot_product_attention(queries, keys, values, **call)
+        return ac.dot_product_attention(queries, keys, values, **call, **options)
     if case.layer == "MultiHeadAttention":
         queries, keys, values = inputs
-        return ac.multi_head_attention(queries, keys, values, weights, heads, **call)
+        return ac.multi_head_attention(queries, keys, values, weights, heads, **call, **options)
+    if case.layer == "RotaryEmbedding":
+        (X,) = inputs
+        return ac.rotary_embedding(X, call.get("start_index", 0), positions=call.get("positions"),
+                                   base=case.config.get("base", 10000.0))
     if case.layer == "RelativeMultiHeadAttention":
         queries, keys, values = inputs
         return ac.relative_multi_head_attention(queries, keys, values, weights, heads, **call)
@@ -168,14 +175,16 @@ def load_gradients() -> dict[str, dict[str, np.ndarray]]:
     return cases
 
 
-def main() -> int:
-    """Writes the gradients file."""
+def main(argv: list[str]) -> int:
+    """Writes the gradients file; with ``--new``, only the cases it lacks are computed."""
+    kept = load_gradients() if "--new" in argv and PATH.exists() else {}
     arrays = {f"{key(case)}::{name}": value
-              for case in gradient_cases() for name, value in compute_case(case).items()}
+              for case in gradient_cases()
+              for name, value in (kept.get(key(case)) or compute_case(case)).items()}
     np.savez_compressed(PATH, **arrays)  # type: ignore[arg-type]
-    print(f"wrote {PATH} ({len(arrays)} arrays)")
+    print(f"wrote {PATH} ({len(arrays)} arrays, {len(kept)} cases kept)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
