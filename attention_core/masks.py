@@ -274,12 +274,14 @@ class Visibility:
             parts.append(_offset(ops, ops.arange(kn), k0) < lens)
         if self.mask is not None:
             parts.append(_rows(ops, _cols(ops, self.mask, k0, kn, K), q0, qn, Q))
-        static = static and isinstance(self.offset, int)
-        first = q0 + self.offset if static else None  # the tile's first query's position
-        if self.causal and not (static and k0 + kn - 1 <= first):  # j <= p_i
+        # the tile's first query's position, when known now
+        first = q0 + self.offset if static and isinstance(self.offset, int) else None
+        if self.causal and not (first is not None and k0 + kn - 1 <= first):  # j <= p_i
             parts.append(_columns(ops, k0, kn) <= _positions(ops, q0, qn, self.offset))
         w = self.window
-        if w is not None and not (static and k0 > first + qn - 1 - w and k0 + kn - 1 < first + w):
+        inside = first is not None and w is not None and (k0 > first + qn - 1 - w
+                                                           and k0 + kn - 1 < first + w)
+        if w is not None and not inside:
             distance = _columns(ops, k0, kn) - _positions(ops, q0, qn, self.offset)  # j - p_i
             parts.append(ops.logical_and(distance > -w, distance < w))
         if not parts:

@@ -26,7 +26,7 @@ import numpy as np
 
 from attention_core import checks
 from attention_core.host import framework_of, host_array
-from attention_core.ops import Array, Ops, matmul_transposed
+from attention_core.ops import FLOAT_DTYPES, Array, Ops, matmul_transposed
 from attention_core.positional import alibi_slopes
 
 
@@ -76,8 +76,8 @@ def score_bias_array(ops: Ops, score_bias: Any, scores_shape: tuple[Any, ...]) -
     own = framework_of(score_bias) == ops.name and not isinstance(score_bias, np.generic)
     host = None if own else host_array(score_bias)
     dtype = ops.dtype_name(score_bias) if host is None else host.dtype.name
-    if dtype not in checks.FLOAT_DTYPES:
-        raise TypeError(f"score_bias must be floating point ({', '.join(checks.FLOAT_DTYPES)}), "
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"score_bias must be floating point ({', '.join(FLOAT_DTYPES)}), "
                         f"got {dtype}")
     shape = ops.shape(score_bias) if host is None else host.shape
     B, H, Q, K = scores_shape
@@ -142,13 +142,14 @@ class ScoreTerms:
 
     def _alibi(self, q0: Any, qn: int, k0: Any, kn: int, like: Array) -> Array:
         """``-slope_h * |p_i - j|`` ``(1, H, qn, kn)``, in float32 (float64 for float64 scores)."""
-        ops = self.ops
+        ops, slopes = self.ops, self.slopes
+        assert slopes is not None
         rows = ops.expand_dims(ops.arange(qn) + (q0 + self.offset), -1)  # (qn, 1) positions
         distance = ops.expand_dims(ops.arange(kn) + k0, 0) - rows  # (qn, kn)
         distance = ops.maximum(distance, -distance)
         wide = "float64" if ops.dtype_name(like) == "float64" else "float32"
-        slopes = ops.from_numpy(-self.slopes.astype(wide)[:, None, None])  # (H, 1, 1)
-        return ops.expand_dims(slopes * ops.astype(distance, wide), 0)
+        column = ops.from_numpy(-slopes.astype(wide)[:, None, None])  # (H, 1, 1)
+        return ops.expand_dims(column * ops.astype(distance, wide), 0)
 
 
 def _part(ops: Ops, x: Array, axis: int, start: Any, size: int, total: Any) -> Array:

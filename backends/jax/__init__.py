@@ -29,7 +29,8 @@ from backends.jax.ops import JaxOps as JaxOps
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "JaxOps", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
+    "RelativeMultiHeadAttention",
+    "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock", "call_layer",
     "get_weights", "init_from_weights", "init_weights", "set_weights"
 ]

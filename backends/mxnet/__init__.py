@@ -27,6 +27,7 @@ def call_layer(layer: Any, *args: Any, **kwargs: Any) -> Any:
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MXNetOps", "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
+    "RelativeMultiHeadAttention",
+    "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock", "call_layer"
 ]

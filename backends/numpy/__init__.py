@@ -7,6 +7,7 @@ from backends.numpy.ops import NumpyOps as NumpyOps
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "NumpyOps", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
+    "RelativeMultiHeadAttention",
+    "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock"
 ]

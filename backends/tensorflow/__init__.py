@@ -7,7 +7,8 @@ from backends.tensorflow.ops import TensorFlowOps as TensorFlowOps
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "RotaryEmbedding", "TensorFlowOps", "Transformer", "TransformerDecoder",
+    "RelativeMultiHeadAttention",
+    "RotaryEmbedding", "TensorFlowOps", "Transformer", "TransformerDecoder",
     "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock"
 ]

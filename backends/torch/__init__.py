@@ -7,6 +7,7 @@ from backends.torch.ops import TorchOps as TorchOps
 __all__ = [  # the declared layers, one class each, and the backend's own names
     "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
-    "RelativeMultiHeadAttention", "RotaryEmbedding", "TorchOps", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
+    "RelativeMultiHeadAttention",
+    "RotaryEmbedding", "TorchOps", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock"
 ]
