@@ -518,10 +518,7 @@ class _ScoredAttention(_Attention):
     """
 
     def check(self) -> None:
-        self.normalise("positional", checks.check_positional)
-        self.normalise("rotary_base", checks.check_rotary_base)
-        self.normalise("window", checks.check_window)
-        self.normalise("softcap", checks.check_softcap)
+        _normalise_score_options(self)
         super().check()
 
     def compute(
@@ -539,6 +536,24 @@ class _ScoredAttention(_Attention):
             **{name: getattr(self, name) for name in SCORE_OPTIONS},
         }
         return self.attend(run, queries, keys, values, valid_lens, **options)
+
+
+def _normalise_score_options(layer: Declaration) -> None:
+    """Checks and normalises the :data:`SCORE_OPTIONS` and ``num_kv_heads`` a layer has."""
+    layer.normalise("positional", checks.check_positional)
+    layer.normalise("rotary_base", checks.check_rotary_base)
+    layer.normalise("window", checks.check_window)
+    layer.normalise("softcap", checks.check_softcap)
+    arguments = layer.arguments()
+    if arguments.get("num_kv_heads") is not None:
+        heads = checks.check_positive_int("num_heads", arguments["num_heads"])
+        layer.normalise("num_kv_heads", functools.partial(checks.check_kv_heads, heads))
+
+
+def _head_options(layer: Any) -> multihead.HeadOptions:
+    """The self-attention options of a decoder layer (its ``num_kv_heads`` and score options)."""
+    return multihead.HeadOptions(layer.num_kv_heads, layer.positional, layer.rotary_base,
+                                 layer.window, layer.softcap)
 
 
 @dataclass(eq=False)
@@ -636,8 +651,6 @@ class MultiHeadAttention(_ScoredAttention):
         heads = checks.check_heads(self.num_hiddens, self.num_heads)
         self.normalise("num_hiddens", lambda _: heads[0])
         self.normalise("num_heads", lambda _: heads[1])
-        self.normalise("num_kv_heads", lambda n: None if n is None else checks.check_kv_heads(
-            heads[1], n))
         super().check()
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
@@ -967,6 +980,12 @@ class TransformerDecoderBlock(Declaration):
         keep_attention_weights: Keep each call's attention weights, ``[self, cross]``
             (``[self]`` when ``decoder_only``); False lets the core pool without forming them.
         implementation: See :class:`DotProductAttention`.
+        num_kv_heads: The self-attention's key/value heads (see :class:`MultiHeadAttention`);
+            its cache holds that many heads.
+        positional: The self-attention's positions (see :class:`DotProductAttention`).
+        rotary_base: See :class:`DotProductAttention`.
+        window: The self-attention's sliding window (see :class:`DotProductAttention`).
+        softcap: The self-attention's soft-capping (see :class:`DotProductAttention`).
     """
 
     num_hiddens: int
@@ -978,6 +997,11 @@ class TransformerDecoderBlock(Declaration):
     decoder_only: bool = False
     keep_attention_weights: bool = True
     implementation: str | None = None
+    num_kv_heads: int | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
     cast_inputs: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     sequences: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
@@ -985,13 +1009,15 @@ class TransformerDecoderBlock(Declaration):
 
     def check(self) -> None:
         self.normalise("decoder_only", bool)
+        _normalise_score_options(self)
         super().check()
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
         dims = {"q_in": h, "k_in": h, "v_in": h}
-        parts = {"self_attention": Sublayer(MultiHeadAttention(h, self.num_heads, dropout,
-                                                               self.bias), dims),
+        attention = MultiHeadAttention(h, self.num_heads, dropout, self.bias,
+                                       **_head_options(self).kwargs())
+        parts = {"self_attention": Sublayer(attention, dims),
                  "addnorm1": Sublayer(AddNorm(h, dropout))}
         if not self.decoder_only:
             parts["cross_attention"] = Sublayer(
@@ -1033,13 +1059,13 @@ class TransformerDecoderBlock(Declaration):
                 X, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
                 valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, past=past,
                 dropout=run.dropout, return_weights=run.need, implementation=self.pooling(run),
-                ops=run.ops,
+                options=_head_options(self), ops=run.ops,
             )
         _check_cached_call(valid_lens=valid_lens, mask=mask, past=past)
         return _with_cache(run, transformer.cached_decoder_block(
             X, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
-            implementation=self.pooling(run), ops=run.ops,
+            implementation=self.pooling(run), options=_head_options(self), ops=run.ops,
         ))
 
 
@@ -1119,6 +1145,13 @@ class TransformerDecoder(Declaration):
         implementation: See :class:`DotProductAttention`.
         max_len: Rows of the sinusoidal table ``P`` ``(1, max_len, h)``, the longest sequence
             the decoder takes.
+        num_kv_heads: Every block's self-attention key/value heads (see
+            :class:`TransformerDecoderBlock`).
+        positional: Every block's self-attention positions; with ``"rotary"`` or ``"alibi"``
+            the sinusoidal table is not added (the attention places the tokens).
+        rotary_base: See :class:`DotProductAttention`.
+        window: Every block's self-attention window.
+        softcap: Every block's self-attention soft-capping.
     """
 
     vocab_size: int
@@ -1133,6 +1166,11 @@ class TransformerDecoder(Declaration):
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
+    num_kv_heads: int | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
     cast_inputs: ClassVar[tuple[str, ...]] = ("enc_outputs",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
@@ -1142,6 +1180,7 @@ class TransformerDecoder(Declaration):
         for name in ("vocab_size", "num_blks", "max_len"):
             self.normalise(name, functools.partial(checks.check_positive_int, name))
         self.normalise("decoder_only", bool)
+        _normalise_score_options(self)
         super().check()
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
@@ -1157,7 +1196,7 @@ class TransformerDecoder(Declaration):
         block = TransformerDecoderBlock(
             self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
             decoder_only=self.decoder_only, keep_attention_weights=self.keep_attention_weights,
-            implementation=self.implementation,
+            implementation=self.implementation, **_head_options(self).kwargs(),
         )
         return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
 
@@ -1190,13 +1229,14 @@ class TransformerDecoder(Declaration):
                 tokens, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
                 valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=run.dropout,
                 return_weights=run.need, implementation=self.pooling(run),
-                positions=run.constants["P"], ops=run.ops,
+                positions=run.constants["P"], options=_head_options(self), ops=run.ops,
             )
         _check_cached_call(valid_lens=valid_lens, mask=mask)
         return _with_cache(run, transformer.cached_decoder(
             tokens, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
-            implementation=self.pooling(run), positions=run.constants["P"], ops=run.ops,
+            implementation=self.pooling(run), positions=run.constants["P"],
+            options=_head_options(self), ops=run.ops,
         ))
 
 

@@ -15,7 +15,9 @@ from attention_core import checks
 from attention_core import weights as W
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import (
-    cached_multi_head_attention,
+    CLASSIC,
+    HeadOptions,
+    cached_heads,
     heads,
     multi_head_attention,
     pool_heads,
@@ -323,6 +325,7 @@ def transformer_decoder_block(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    options: HeadOptions = CLASSIC,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
     """One post-norm Transformer decoder block, with or without cross-attention.
@@ -358,13 +361,17 @@ def transformer_decoder_block(
             ``ON_READ``.
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
+        options: The self-attention's :class:`~attention_core.multihead.HeadOptions`
+            (grouped-query heads, rotary or ALiBi positions, window, soft-capping); the
+            cross-attention is the classic one.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
         ``(B, T, h)``, and the list of weights if asked.
     """
     ops = ops or ops_for(X)
-    weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False)
+    weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False,
+                             num_kv_heads=options.num_kv_heads)
     if past is not None:
         checks.check_framework("X", X, past=past)
         checks.check_same_dtype(ops, "X", X, past=past)
@@ -376,7 +383,7 @@ def transformer_decoder_block(
         return multi_head_attention(
             Y, keys, keys, subset(weights, "self_attention"), num_heads, valid_lens, mask=mask,
             causal=True, dropout=dropout, return_weights=return_weights,
-            implementation=implementation, ops=ops,
+            implementation=implementation, ops=ops, **options.kwargs(),
         )
 
     def attend_cross(Y: Array) -> Any:
@@ -405,6 +412,7 @@ def cached_decoder_block(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    options: HeadOptions = CLASSIC,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, list[Array]], tuple[Any, ...]]:
     """A decoder block over ``t`` new positions, against its key/value cache.
@@ -420,7 +428,7 @@ def cached_decoder_block(
         num_heads: Heads of both attentions.
         cache: The block's cache from an earlier call: ``(self_pair,)``, or
             ``(self_pair, cross_pair)`` with cross-attention, each pair ``(keys, values)``
-            ``(B, H, C or S, h/H)``; None to make one of ``capacity`` rows.
+            ``(B, Hkv or H, C or S, h/H)``; None to make one of ``capacity`` rows.
         start: The position of ``X``'s first row: an int or an integer scalar array.
         enc_outputs: ``(B, S, h_enc)``: required when the block has cross-attention and the
             cache is made now; when the cache holds their projections it is not read.
@@ -431,6 +439,7 @@ def cached_decoder_block(
         dropout: See :func:`transformer_decoder_block`.
         return_weights: Also return ``[self (B, H, t, C), cross (B, H, t, S)]``.
         implementation: How the heads pool.
+        options: See :func:`transformer_decoder_block`.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
@@ -443,17 +452,18 @@ def cached_decoder_block(
     cached_cross = cache is not None and len(cache) == 2
     crossed = "cross_attention.W_q.kernel" in weights
     weights = _checked_block(ops, X, weights, num_heads,
-                             None if cached_cross else enc_outputs, cached_cross=cached_cross)
+                             None if cached_cross else enc_outputs, cached_cross=cached_cross,
+                             num_kv_heads=options.num_kv_heads)
     if cache is not None and crossed != cached_cross:
         raise ValueError(f"cache must hold {'2 pairs (self, cross)' if crossed else '1 pair'} "
                          f"for this block, got {len(cache)}")
     new_cache: list[Any] = []
 
     def attend_self(Y: Array) -> Any:
-        result, pair = cached_multi_head_attention(
-            Y, Y, Y, subset(weights, "self_attention"), num_heads,
+        result, pair = cached_heads(
+            ops, Y, Y, Y, subset(weights, "self_attention"), num_heads,
             None if cache is None else cache[0], start, capacity=capacity, dropout=dropout,
-            return_weights=return_weights, implementation=implementation, ops=ops,
+            return_weights=return_weights, implementation=implementation, options=options,
         )
         new_cache.append(pair)
         return result
@@ -478,7 +488,8 @@ def cached_decoder_block(
 
 
 def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: int,
-                   enc_outputs: Array | None, *, cached_cross: bool) -> W.CheckedWeights:
+                   enc_outputs: Array | None, *, cached_cross: bool,
+                   num_kv_heads: int | None = None) -> W.CheckedWeights:
     """A decoder block's weights checked against ``X`` and the encoder outputs (if read)."""
     checks.check_floating(ops, "X", X)
     crossed = "cross_attention.W_q.kernel" in weights
@@ -488,7 +499,8 @@ def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: 
         inputs["enc_outputs"] = (enc_outputs, "cross_attention.W_k.kernel")
     return W.check_call_weights(
         ops, "transformer_decoder_block", weights,
-        lambda size: W.decoder_block_call_spec(size, weights, num_heads), inputs,
+        lambda size: W.decoder_block_call_spec(size, weights, num_heads,
+                                               num_kv_heads=num_kv_heads), inputs,
     )
 
 
@@ -545,6 +557,7 @@ def transformer_decoder(
     implementation: str | None = None,
     positions: Array | None = None,
     max_len: int | None = None,
+    options: HeadOptions = CLASSIC,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[list[Array]]]:
     """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
@@ -570,6 +583,9 @@ def transformer_decoder(
         implementation: How the heads pool.
         positions: The sinusoidal table ``(1, T', h)``, ``T' >= T``; made here when None.
         max_len: Rows of the table made here when ``positions`` is None.
+        options: Every block's self-attention options (see
+            :func:`transformer_decoder_block`). With rotary or ALiBi positions the attention
+            places the tokens, and no sinusoidal table is added.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -577,21 +593,40 @@ def transformer_decoder(
     """
     ops = ops or ops_for(tokens)
     side = _ids_side(weights)
-    weights = W.check_call_weights(ops, "transformer_decoder", weights,
-                                   lambda size: W.decoder_call_spec(size, weights, num_heads))
-    X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
-                             ops=ops, side=side)
+    weights = W.check_call_weights(
+        ops, "transformer_decoder", weights,
+        lambda size: W.decoder_call_spec(size, weights, num_heads,
+                                         num_kv_heads=options.num_kv_heads))
+    X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len, 0,
+                       side, options)
     kept: list[list[Array]] = []
     for i in range(W.count_blocks(weights)):
         result = transformer_decoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, enc_outputs, enc_valid_lens,
             valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=dropout,
-            return_weights=return_weights, implementation=implementation, ops=ops,
+            return_weights=return_weights, implementation=implementation, options=options,
+            ops=ops,
         )
         X, formed = result if return_weights else (result, [])
         kept = _collected(kept, formed)
     logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
     return (logits, kept) if return_weights else logits
+
+
+def _decoder_input(
+    ops: Ops, tokens: Array, table: Array, dropout: float, positions: Array | None,
+    max_len: int | None, start: Any, side: str | None, options: HeadOptions,
+) -> Array:
+    """A decoder stack's input: :func:`embed_with_positions`, or without the sinusoidal table.
+
+    No table when the self-attention places the tokens itself (rotary or ALiBi positions).
+    """
+    if options.positional is None:
+        return embed_with_positions(tokens, table, dropout, positions, max_len, ops=ops,
+                                    start=start, side=side)
+    X = embed_tokens(tokens, table, ops=ops, side=side) * math.sqrt(fixed_shape(ops, table)[1])
+    dropout = checks.check_dropout(dropout)
+    return ops.dropout(X, dropout) if dropout > 0 else X
 
 
 def _collected(kept: list[list[Array]], formed: list[Array]) -> list[list[Array]]:
@@ -618,6 +653,7 @@ def cached_decoder(
     implementation: str | None = None,
     positions: Array | None = None,
     max_len: int | None = None,
+    options: HeadOptions = CLASSIC,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, list[list[Array]]], list[Any]]:
     """The decoder over ``t`` new positions, each block against its key/value cache.
@@ -643,6 +679,7 @@ def cached_decoder(
         positions: The sinusoidal table ``(1, T', h)``, ``T' >= start + t``; made here when
             None (``start`` must then be 0).
         max_len: Rows of the table made here when ``positions`` is None.
+        options: See :func:`transformer_decoder`.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -651,8 +688,10 @@ def cached_decoder(
     """
     ops = ops or ops_for(tokens)
     side = _ids_side(weights)
-    weights = W.check_call_weights(ops, "transformer_decoder", weights,
-                                   lambda size: W.decoder_call_spec(size, weights, num_heads))
+    weights = W.check_call_weights(
+        ops, "transformer_decoder", weights,
+        lambda size: W.decoder_call_spec(size, weights, num_heads,
+                                         num_kv_heads=options.num_kv_heads))
     blocks = W.count_blocks(weights)
     if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) != blocks):
         raise ValueError(f"cache must hold one block cache per block ({blocks}), got "
@@ -660,8 +699,8 @@ def cached_decoder(
     held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
     start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
                                  kv_cache.capacity_of(ops, held, capacity))
-    X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
-                             ops=ops, start=start, side=side)
+    X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
+                       start, side, options)
     kept: list[list[Array]] = []
     new_cache = []
     for i in range(blocks):
@@ -669,7 +708,7 @@ def cached_decoder(
             X, subset(weights, f"blks.{i}"), num_heads, None if cache is None else cache[i],
             start, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
             dropout=dropout, return_weights=return_weights, implementation=implementation,
-            ops=ops,
+            options=options, ops=ops,
         )
         new_cache.append(block_cache)
         X, formed = result if return_weights else (result, [])

@@ -564,7 +564,7 @@ def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "") 
 
 def decoder_block_call_spec(
     size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None,
-    crossed: bool | None = None,
+    crossed: bool | None = None, num_kv_heads: int | None = None,
 ) -> Spec:
     """The spec of ``transformer_decoder_block``'s mapping (under ``prefix``).
 
@@ -572,11 +572,12 @@ def decoder_block_call_spec(
     ``self_attention.W_q.kernel``), but the cross-attention's keys and values, whose input
     size is the encoder outputs' width. The block has cross-attention if ``crossed``, or when
     None, if the mapping holds ``cross_attention.W_q.kernel``. Its add & norms are numbered by
-    the sublayer they follow.
+    the sublayer they follow. The self-attention has ``num_kv_heads`` key/value heads.
     """
     h = width if width is not None else size(f"{prefix}self_attention.W_q.kernel", 1, 2)
     spec: Spec = {
-        **multi_head_call_spec(size, names, num_heads, f"{prefix}self_attention.", h),
+        **multi_head_call_spec(size, names, num_heads, f"{prefix}self_attention.", h,
+                               num_kv_heads),
         **add_norm_call_spec(size, f"{prefix}addnorm1.", h),
     }
     if crossed is None:
@@ -594,7 +595,8 @@ def decoder_block_call_spec(
 
 
 def decoder_call_spec(
-    size: Size, names: Any, num_heads: int, prefix: str = "", crossed: bool | None = None
+    size: Size, names: Any, num_heads: int, prefix: str = "", crossed: bool | None = None,
+    num_kv_heads: int | None = None,
 ) -> Spec:
     """The spec of ``transformer_decoder``'s mapping (under ``prefix``).
 
@@ -608,7 +610,7 @@ def decoder_call_spec(
         crossed = f"{prefix}blks.0.cross_attention.W_q.kernel" in names
     for i in range(count_blocks(names, prefix)):
         spec.update(decoder_block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h,
-                                            crossed))
+                                            crossed, num_kv_heads))
     spec.update(dense_spec(f"{prefix}dense", h, size(f"{prefix}dense.kernel", 1, 2), True))
     return spec
 
