@@ -339,11 +339,11 @@ def relative_multi_head(queries: np.ndarray, keys: np.ndarray, values: np.ndarra
     return linear(out, w, "W_o"), weights
 
 
-def embedded(tokens: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Embedding row per token times sqrt(h), plus the sinusoidal table's row."""
+def embedded(tokens: np.ndarray, table: np.ndarray, absolute: bool = True) -> np.ndarray:
+    """Embedding row per token times sqrt(h), plus the sinusoidal table's row (if ``absolute``)."""
     B, T = tokens.shape
     h = table.shape[1]
-    P = pe_table(T, h)
+    P = pe_table(T, h) if absolute else np.zeros((T, h))
     return np.array([[table[tokens[b, t]] * math.sqrt(h) + P[t] for t in range(T)]
                      for b in range(B)])
 
@@ -369,11 +369,14 @@ def encoder_of(layer: Any, tokens: np.ndarray) -> np.ndarray:
 
 
 def decoder_block(x: np.ndarray, w: dict[str, np.ndarray], H: int, self_vis: np.ndarray,
-                  enc: np.ndarray | None = None, cross_vis: np.ndarray | None = None
+                  enc: np.ndarray | None = None, cross_vis: np.ndarray | None = None,
+                  attention: dict[str, Any] | None = None
                   ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Causal self-attention (``self_vis`` already holds the causal rule), then cross-attention
-    over ``enc`` when given, then the FFN, each followed by its add & norm."""
-    att, self_weights = multi_head(x, x, x, sub(w, "self_attention"), H, self_vis)
+    """Causal self-attention (``self_vis`` already holds the causal rule and any window; its
+    other options, ``multi_head``'s keywords, in ``attention``), then cross-attention over
+    ``enc`` when given, then the FFN, each followed by its add & norm."""
+    att, self_weights = multi_head(x, x, x, sub(w, "self_attention"), H, self_vis,
+                                   **(attention or {}))
     y = add_norm(x, att, sub(w, "addnorm1"))
     kept, last = [self_weights], "addnorm2"
     if enc is not None:
@@ -386,14 +389,17 @@ def decoder_block(x: np.ndarray, w: dict[str, np.ndarray], H: int, self_vis: np.
 
 def transformer_decoder(tokens: np.ndarray, w: dict[str, np.ndarray], H: int,
                         self_vis: np.ndarray, enc: np.ndarray | None = None,
-                        cross_vis: np.ndarray | None = None
+                        cross_vis: np.ndarray | None = None,
+                        attention: dict[str, Any] | None = None
                         ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
-    """Embedding times sqrt(h) plus the sinusoidal table, the blocks, then ``dense``."""
-    x = embedded(tokens, w["token.embedding"])
+    """Embedding times sqrt(h) plus the sinusoidal table (none when the self-attention has
+    rotary or ALiBi positions), the blocks, then ``dense``."""
+    attention = attention or {}
+    x = embedded(tokens, w["token.embedding"], attention.get("positional") is None)
     blocks = sorted({int(name.split(".")[1]) for name in w if name.startswith("blks.")})
     kept: list[list[np.ndarray]] = [[], []] if enc is not None else [[]]
     for i in blocks:
-        x, formed = decoder_block(x, sub(w, f"blks.{i}"), H, self_vis, enc, cross_vis)
+        x, formed = decoder_block(x, sub(w, f"blks.{i}"), H, self_vis, enc, cross_vis, attention)
         for per_kind, weights in zip(kept, formed, strict=True):
             per_kind.append(weights)
     return linear(x, w, "dense"), kept

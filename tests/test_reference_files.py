@@ -132,13 +132,17 @@ def naive_decoder(case: Case, x: dict[str, np.ndarray], w: dict[str, np.ndarray]
     first = x["X"] if case.layer == "TransformerDecoderBlock" else x["tokens"]
     B, T = first.shape[:2]
     enc = x.get("enc_outputs")
-    self_vis = naive.visible(B, H, T, T, call.get("valid_lens"), call.get("mask"), causal=True)
+    cfg = case.config
+    self_vis = naive.visible(B, H, T, T, call.get("valid_lens"), call.get("mask"), causal=True,
+                             window=cfg.get("window"))
+    attention = {"num_kv_heads": cfg.get("num_kv_heads"), "positional": cfg.get("positional"),
+                 "rotary_base": cfg.get("rotary_base", 1e4), "softcap": cfg.get("softcap")}
     cross_vis = None if enc is None else naive.visible(B, H, T, enc.shape[1],
                                                        call.get("enc_valid_lens"),
                                                        call.get("enc_mask"))
     if case.layer == "TransformerDecoderBlock":
-        return naive.decoder_block(first, w, H, self_vis, enc, cross_vis)
-    out, kept = naive.transformer_decoder(first, w, H, self_vis, enc, cross_vis)
+        return naive.decoder_block(first, w, H, self_vis, enc, cross_vis, attention)
+    out, kept = naive.transformer_decoder(first, w, H, self_vis, enc, cross_vis, attention)
     return out, [a for per_kind in kept for a in per_kind]
 
 

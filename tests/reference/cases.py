@@ -275,6 +275,23 @@ def _modern_cases() -> list[Case]:
         extra = {"score_bias": 4} if "bias" in name else {}
         cases.append(Case("DotProductAttention", name, {"dropout": 0.0, **config},
                           _attention_inputs("DotProductAttention", B, Q, K), kind, extra=extra))
+    # decoders of current models: grouped-query heads, rotary or ALiBi positions, a window
+    X, enc = (B, Q, 16), (B, K, 16)
+    block = {**DECODER_BLOCK, "num_hiddens": 16, "num_heads": 4, "bias": True}
+    llama = {k: v for k, v in MODERN["llama"].items()}
+    for kind in ("none", "valid_lens_1d", "mask_4d", "fully_masked_row"):
+        cases.append(Case("TransformerDecoderBlock", f"decoder_only-llama-{kind}",
+                          {**block, "decoder_only": True, **llama}, {"X": X}, kind, 4))
+    cases.append(Case("TransformerDecoderBlock", "alibi-mask_3d+enc_valid_lens_2d",
+                      {**block, "positional": "alibi", "num_kv_heads": 1},
+                      {"X": X, "enc_outputs": enc}, "mask_3d+enc_valid_lens_2d", 4))
+    stack = {**DECODER, "num_hiddens": 16, "num_heads": 4}
+    cases.append(Case("TransformerDecoder", "decoder_only-llama-valid_lens_1d",
+                      {**stack, "decoder_only": True, **llama}, {"tokens": (B, Q)},
+                      "valid_lens_1d", 4))
+    cases.append(Case("TransformerDecoder", "alibi-enc_valid_lens_1d",
+                      {**stack, "positional": "alibi", "num_kv_heads": 2, "window": 2},
+                      {"tokens": (B, Q), "enc_outputs": enc}, "enc_valid_lens_1d", 4))
     cases.append(Case("RotaryEmbedding", "basic", {}, {"X": (B, 5, 8)}))
     cases.append(Case("RotaryEmbedding", "heads-start", {"base": 500.0}, {"X": (B, 5, 3, 6)},
                       extra={"start_index": 7}))

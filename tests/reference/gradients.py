@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import attention_core as ac
+from attention_core.multihead import HeadOptions
 from attention_core.positional import add_positions
 from tests.reference.cases import CASES, Case, function_options
 from tests.reference.generate import load
@@ -43,7 +44,7 @@ FULL_CHECK_CASES = {
     "TransformerEncoder": ("valid_lens_1d", "fully_masked_row"),
     "TransformerDecoderBlock": ("fully_masked_row+enc_fully_masked_row_bias",
                                 "decoder_only-mask_4d_bias"),
-    "TransformerDecoder": ("valid_lens_2d+enc_fully_masked_row",),
+    "TransformerDecoder": ("valid_lens_2d+enc_fully_masked_row", "decoder_only-llama-valid_lens_1d"),
     "Transformer": ("src_valid_lens_1d_zero+tgt_valid_lens_1d",),
     "PositionalEncoding": ("width_7",),
     "LearnedPositionalEncoding": ("basic",),
@@ -108,10 +109,12 @@ def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[s
         return ac.transformer_encoder(tokens, weights, heads, **call)
     if case.layer == "TransformerDecoderBlock":
         X, *enc_outputs = inputs  # no encoder outputs: decoder-only
-        return ac.transformer_decoder_block(X, weights, heads, *enc_outputs, **call)
+        return ac.transformer_decoder_block(X, weights, heads, *enc_outputs, **call,
+                                            options=HeadOptions(**options))
     if case.layer == "TransformerDecoder":
         tokens, *enc_outputs = inputs
-        return ac.transformer_decoder(tokens, weights, heads, *enc_outputs, **call)
+        return ac.transformer_decoder(tokens, weights, heads, *enc_outputs, **call,
+                                      options=HeadOptions(**options))
     if case.layer == "Transformer":
         src_tokens, tgt_tokens = inputs
         return ac.transformer_encoder_decoder(src_tokens, tgt_tokens, weights, heads, **call)
