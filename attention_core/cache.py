@@ -57,7 +57,8 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
         raise TypeError(f"start must be an int or an integer scalar array, got an array of "
                         f"shape {start.shape}")
     if not isinstance(start, int):
-        if not hasattr(start, "shape") or tuple(ops.shape(start)) != ():
+        own = framework_of(start) == ops.name  # the backend's (an MXNet Symbol has no .shape)
+        if not (own or hasattr(start, "shape")) or tuple(ops.shape(start)) != ():
             raise TypeError("start must be an int or an integer scalar array, got "
                             f"{type(start).__name__} of shape {getattr(start, 'shape', None)}")
         if not ops.dtype_name(start).startswith(("int", "uint")):

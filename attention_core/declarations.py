@@ -652,6 +652,8 @@ class MultiHeadAttention(_ScoredAttention):
         self.normalise("num_hiddens", lambda _: heads[0])
         self.normalise("num_heads", lambda _: heads[1])
         super().check()
+        if self.positional == "rotary":  # the heads' depth turns in pairs
+            positional.check_rotary(heads[0] // heads[1], self.rotary_base)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.multi_head_spec(
@@ -754,9 +756,13 @@ class RotaryEmbedding(Declaration):
         self.normalise("base", checks.check_rotary_base)
         super().check()
 
-    def compute(self, run: Run, X: Array, start_index: Any = 0, *, positions: Any = None
+    def compute(self, run: Run, X: Array, start_index: Any = None, *, positions: Any = None
                 ) -> Array:
-        """``X`` rotated at positions ``start_index ..`` or ``positions`` (``(T,)``/``(B, T)``)."""
+        """``X`` rotated at positions ``start_index ..`` (None: 0) or ``positions``.
+
+        ``start_index`` is an int or an integer scalar array; ``positions`` are integers
+        ``(T,)`` or ``(B, T)``.
+        """
         return positional.rotary_embedding(X, start_index, positions=positions, base=self.base,
                                            ops=run.ops)
 

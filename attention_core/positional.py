@@ -198,15 +198,16 @@ def rotary_angles(
     ops: Ops, start: Any, steps: Any, depth: int, base: float, like: Array
 ) -> tuple[Array, Array]:
     """``(cos, sin)`` ``(T, d/2)`` of positions ``start .. start + T - 1`` (:func:`rotary_table`)."""
-    if isinstance(start, int) and isinstance(steps, int):
-        positions: Any = np.arange(start, start + steps)
-    else:
-        positions = ops.arange(steps) + start  # (T,) int32, run-time
-    return rotary_table(ops, positions, depth, base, like)
+    if isinstance(start, int) and isinstance(steps, int) and getattr(ops, "host_tables", True):
+        if start < 0 or start + steps > ROTARY_MAX_POSITIONS:  # checked on ints: no data read
+            raise ValueError(f"rotary positions must be in [0, {ROTARY_MAX_POSITIONS}), got "
+                             f"[{start}, {start + steps - 1}]")
+        return rotary_table(ops, np.arange(start, start + steps), depth, base, like, False)
+    return rotary_table(ops, ops.arange(steps) + start, depth, base, like)  # run-time
 
 
 def rotary_table(
-    ops: Ops, positions: Any, depth: int, base: float, like: Array
+    ops: Ops, positions: Any, depth: int, base: float, like: Array, check: bool = True
 ) -> tuple[Array, Array]:
     """``(cos, sin)`` of the angles ``p * theta_t`` of integer ``positions``, ``(..., d/2)``.
 
@@ -216,7 +217,9 @@ def rotary_table(
     ``F`` = :data:`ROTARY_FINE`; the float64 tables of ``a F theta`` and ``b theta`` are
     gathered by one-hot products (exact) and combined by the angle-addition formulas, so the
     result is within a few roundings of the float64 one, also at positions in the tens of
-    thousands, where ``p * theta`` in float32 would be off by ``1e-3`` radians.
+    thousands, where ``p * theta`` in float32 would be off by ``1e-3`` radians. Ops that can
+    take no host table (``ops.host_tables`` False: MXNet's graphs) give ``cos`` and ``sin``,
+    and the angles are formed in float64 in the computation instead.
 
     Args:
         ops: The backend's ops.
@@ -224,17 +227,26 @@ def rotary_table(
         depth: d, even.
         base: The base of the frequencies.
         like: An array whose floating dtype and device the tables take.
+        check: Whether to check known positions' range (done by the caller when False).
 
     Raises:
         ValueError: A known position outside ``[0, ROTARY_MAX_POSITIONS)``.
     """
     theta = rotary_frequencies(depth, base)
+    if isinstance(positions, np.ndarray) and not getattr(ops, "host_tables", True):
+        positions = ops.from_numpy(positions.astype(np.int32))  # a small graph constant
     if isinstance(positions, np.ndarray):
-        if positions.size and (positions.min() < 0 or positions.max() >= ROTARY_MAX_POSITIONS):
+        if check and positions.size and (positions.min() < 0
+                                         or positions.max() >= ROTARY_MAX_POSITIONS):
             raise ValueError(f"rotary positions must be in [0, {ROTARY_MAX_POSITIONS}), got "
                              f"[{positions.min()}, {positions.max()}]")
         angles = positions.astype(np.float64)[..., None] * theta  # (..., d/2)
         return ops.from_numpy(np.cos(angles), like=like), ops.from_numpy(np.sin(angles), like=like)
+    cos, sin = getattr(ops, "cos", None), getattr(ops, "sin", None)
+    if cos is not None and sin is not None:  # the angles in float64, in the computation
+        angles = ops.expand_dims(ops.astype(positions, "float64"), -1) * ops.from_numpy(theta)
+        dtype = ops.dtype_name(like)
+        return ops.astype(cos(angles), dtype), ops.astype(sin(angles), dtype)
     coarse = positions // ROTARY_FINE
     parts = []
     for index, size, step in ((coarse, ROTARY_COARSE, ROTARY_FINE),
@@ -271,7 +283,7 @@ def fixed_width(ops: Ops, x: Array) -> int:
 
 
 def rotary_embedding(
-    X: Array, start: Any = 0, *, positions: Any = None, base: float = 10000.0,
+    X: Array, start: Any = None, *, positions: Any = None, base: float = 10000.0,
     ops: Ops | None = None,
 ) -> Array:
     """Rotates ``X`` ``(B, T, d)`` or ``(B, T, H, d)`` by the rotary angles of its positions.
@@ -282,7 +294,7 @@ def rotary_embedding(
     Args:
         X: Floating, rank 3 or 4.
         start: The first position (positions ``start .. start + T - 1``): an int, or an
-            integer scalar array.
+            integer scalar array; None for 0.
         positions: Integer positions ``(T,)`` or ``(B, T)``, in place of ``start``'s.
         base: The base of the frequencies ``base^(-2t/d)``.
         ops: The backend's ops; found from ``X`` when omitted.
@@ -292,11 +304,11 @@ def rotary_embedding(
     checks.check_floating(ops, "X", X)
     depth, base = check_rotary(fixed_width(ops, X), base)
     if positions is None:
-        first = check_start(ops, start, 0, ROTARY_MAX_POSITIONS)
+        first = check_start(ops, 0 if start is None else start, 0, ROTARY_MAX_POSITIONS)
         cos, sin = rotary_angles(ops, first, shape[1], depth, base, X)  # (T, d/2)
     else:
-        if not (isinstance(start, int) and start == 0):
-            raise ValueError("give start or positions, not both")
+        if start is not None:
+            raise ValueError("give start_index or positions, not both")
         cos, sin = rotary_table(ops, _positions(ops, positions, shape), depth, base, X)
     if len(shape) == 4:  # (..., T, 1, d/2): the heads axis after the sequence
         cos, sin = ops.expand_dims(cos, -2), ops.expand_dims(sin, -2)

@@ -145,11 +145,11 @@ class ScoreTerms:
         ops, slopes = self.ops, self.slopes
         assert slopes is not None
         rows = ops.expand_dims(ops.arange(qn) + (q0 + self.offset), -1)  # (qn, 1) positions
-        distance = ops.expand_dims(ops.arange(kn) + k0, 0) - rows  # (qn, kn)
-        distance = ops.maximum(distance, -distance)
         wide = "float64" if ops.dtype_name(like) == "float64" else "float32"
+        distance = ops.astype(ops.expand_dims(ops.arange(kn) + k0, 0) - rows, wide)  # (qn, kn)
+        distance = ops.maximum(distance, -distance)
         column = ops.from_numpy(-slopes.astype(wide)[:, None, None])  # (H, 1, 1)
-        return ops.expand_dims(column * ops.astype(distance, wide), 0)
+        return ops.expand_dims(column * distance, 0)
 
 
 def _part(ops: Ops, x: Array, axis: int, start: Any, size: int, total: Any) -> Array:

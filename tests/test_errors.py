@@ -130,6 +130,12 @@ def positional(h: Harness) -> Any:
     return layer
 
 
+def rotary(h: Harness) -> Any:
+    layer = h.make("RotaryEmbedding", {})
+    call(h, layer, arr((2, 3, 4)))
+    return layer
+
+
 def add_norm(h: Harness) -> Any:
     layer = h.make("AddNorm", {"num_hiddens": 8})
     call(h, layer, arr((2, 3, 8)), arr((2, 3, 8)))
@@ -462,6 +468,49 @@ CATALOGUE: list[Bad] = [
         ValueError, "num_hiddens (9) must be divisible by num_heads (2)"),
     Bad("zero_heads", "heads", lambda c: c.h.module.MultiHeadAttention(8, 0), ValueError,
         "num_heads must be a positive int, got 0"),
+    # -- the attention of current models: its constructor options and the score bias
+    Bad("kv_heads_not_dividing", "heads",
+        lambda c: c.h.module.MultiHeadAttention(8, 4, num_kv_heads=3), ValueError,
+        "num_kv_heads (3) must divide num_heads (4)"),
+    Bad("functional_kv_heads_not_dividing", "heads",
+        lambda c: ac.multi_head_attention(*(c.h.array(a) for a in qkv()),
+                                          fn_weights(c.h, MHA), 2, num_kv_heads=3),
+        ValueError, "num_kv_heads (3) must divide num_heads (2)"),
+    Bad("functional_kv_width", "heads",
+        lambda c: ac.multi_head_attention(*(c.h.array(a) for a in qkv()),
+                                          fn_weights(c.h, MHA), 2, num_kv_heads=1),
+        ValueError, "multi_head_attention: W_k.kernel has shape (8, 8), expected (8, 4)"),
+    Bad("unknown_positional", "sizes",
+        lambda c: c.h.module.MultiHeadAttention(8, 2, positional="sinusoidal"), ValueError,
+        "positional must be None, 'rotary' or 'alibi', got 'sinusoidal'"),
+    Bad("rotary_odd_depth", "sizes",
+        lambda c: c.h.module.MultiHeadAttention(6, 2, positional="rotary"), ValueError,
+        "rotary positions need an even depth per head, got 3: the rotation turns pairs of "
+        "features"),
+    Bad("zero_window", "sizes", lambda c: c.h.module.DotProductAttention(window=0), ValueError,
+        "window must be a positive int, got 0"),
+    Bad("negative_softcap", "sizes", lambda c: c.h.module.DotProductAttention(softcap=-1.0),
+        ValueError, "softcap must be None or a positive finite number, got -1.0"),
+    Bad("rotary_base_one", "sizes", lambda c: c.h.module.RotaryEmbedding(base=1.0), ValueError,
+        "rotary_base must be a finite number > 1, got 1.0"),
+    Bad("layer_rotary_odd_width", "mismatch", lambda c: call(c.h, c.layer, arr((2, 3, 5))),
+        ValueError, "rotary positions need an even depth per head, got 5: the rotation turns "
+        "pairs of features", rotary),
+    Bad("layer_rotary_negative_start", "mismatch",
+        lambda c: call(c.h, c.layer, arr((2, 3, 4)), start_index=-1), ValueError,
+        "start must be >= 0, got -1", rotary),
+    Bad("layer_score_bias_shape", "mismatch",
+        lambda c: call(c.h, c.layer, *qkv(), score_bias=arr((3, 4, 6))), ValueError,
+        "score_bias must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
+        "(B, H, Q, K) = (2, 2, 4, 6), got (3, 4, 6)", mha),
+    Bad("layer_score_bias_integer", "dtype",
+        lambda c: call(c.h, c.layer, *qkv(), score_bias=arr((4, 6), "int32")), TypeError,
+        "score_bias must be floating point (float16, bfloat16, float32, float64), got int32",
+        mha),
+    Bad("fused_score_bias", "sizes",
+        lambda c: dpa(c.h, qkv(v=(2, 6, 8)), score_bias=arr((4, 6)), implementation="fused"),
+        ValueError, "implementation='fused': soft-capping, ALiBi and score_bias are not given "
+        "to a fused kernel; use None, 'direct' or 'blockwise'"),
     Bad("zero_hiddens", "sizes", lambda c: c.h.module.AdditiveAttention(0), ValueError,
         "num_hiddens must be a positive int, got 0"),
     Bad("relative_zero_offsets", "sizes", lambda c: c.h.module.RelativeMultiHeadAttention(12, 3, 0),

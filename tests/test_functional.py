@@ -30,7 +30,7 @@ FUNCTIONAL = {
     "AddNorm": lambda x, w, cfg, kw: ac.add_norm(x["X"], x["Y"], w),
     "PositionalEncoding": lambda x, w, cfg, kw: ac.positional_encoding(x["X"]),
     "RotaryEmbedding": lambda x, w, cfg, kw: ac.rotary_embedding(
-        x["X"], kw.get("start_index", 0), positions=kw.get("positions"),
+        x["X"], kw.get("start_index"), positions=kw.get("positions"),
         base=cfg.get("base", 10000.0)),
     "NadarayaWatson": lambda x, w, cfg, kw: ac.nadaraya_watson(
         x["queries"], x["keys"], x["values"], w.get("w"), return_weights=True),

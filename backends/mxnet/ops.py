@@ -57,10 +57,35 @@ class MXNetOps(NamespaceOps):
         self.xp: Any = mx.sym.np if self.symbolic else mx.np
         self.npx: Any = mx.sym.npx if self.symbolic else mx.npx
 
+    #: Largest NumPy array :meth:`from_numpy` turns into a Symbol (one graph node per value).
+    SYMBOL_CONSTANT_SIZE = 512
+
+    @property
+    def host_tables(self) -> bool:
+        """Whether tables made on the host can enter the computation (not in a graph of Symbols).
+
+        A graph takes only small constants (:meth:`from_numpy`); the core then makes its
+        tables in the graph (rotary angles with :meth:`cos` and :meth:`sin` in float64).
+        """
+        return not self.symbolic
+
+    def cos(self, x: Any) -> Any:
+        return self.xp.cos(x)
+
+    def sin(self, x: Any) -> Any:
+        return self.xp.sin(x)
+
     def from_numpy(self, x: np.ndarray, like: Any = None) -> Any:
         x = np.asarray(x)
         if self.symbolic:
-            raise TypeError("MXNetOps: cannot turn a NumPy array into a Symbol; pass arrays as inputs")
+            if x.size > self.SYMBOL_CONSTANT_SIZE or x.dtype.kind not in "fiub":
+                raise TypeError("MXNetOps: cannot turn a NumPy array into a Symbol; pass arrays "
+                                "as inputs")
+            dtype = self.dtype_name(like) if like is not None and x.dtype.kind == "f" else (
+                "bool" if x.dtype.kind == "b" else x.dtype.name)
+            values = [self.xp.full((1,), v.item(), dtype=dtype) for v in x.reshape(-1)]
+            flat = values[0] if len(values) == 1 else self.xp.concatenate(values, axis=0)
+            return flat.reshape(x.shape)
         if x.dtype.kind in "iu" and x.dtype.name not in _INTEGERS:  # int16, uint64, ...: int64
             if x.dtype == np.uint64:  # values beyond int64 (refused by any range check) saturate
                 x = np.minimum(x, np.uint64(np.iinfo(np.int64).max))

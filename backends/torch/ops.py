@@ -212,10 +212,13 @@ class TorchOps(NamespaceOps):
         """
         if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
             queries, scale = queries * scale, 1.0
-        grouped = queries.shape[1] != keys.shape[1]  # fewer key/value heads: SDPA's own GQA
+        if queries.shape[1] != keys.shape[1]:  # fewer key/value heads: SDPA's own GQA
+            return F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale,
+                enable_gqa=True,
+            )
         return F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale,
-            enable_gqa=grouped,
+            queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
         )
 
 

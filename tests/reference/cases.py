@@ -260,6 +260,13 @@ def function_options(case: Case) -> dict[str, Any]:
     return {name: case.config[name] for name in FUNCTION_OPTIONS if name in case.config}
 
 
+def has_score_terms(case: Case) -> bool:
+    """Whether the case's scores get soft-capping, ALiBi or a score bias (never fused)."""
+    config = case.config
+    return (config.get("softcap") is not None or config.get("positional") == "alibi"
+            or "score_bias" in case.extra)
+
+
 def _modern_cases() -> list[Case]:
     """The cases of :data:`MODERN`, :data:`MODERN_DOT_PRODUCT` and ``RotaryEmbedding``."""
     cases = []

@@ -99,7 +99,7 @@ def forward(case: Case, inputs: list[Any], weights: dict[str, Any], call: dict[s
         return ac.multi_head_attention(queries, keys, values, weights, heads, **call, **options)
     if case.layer == "RotaryEmbedding":
         (X,) = inputs
-        return ac.rotary_embedding(X, call.get("start_index", 0), positions=call.get("positions"),
+        return ac.rotary_embedding(X, call.get("start_index"), positions=call.get("positions"),
                                    base=case.config.get("base", 10000.0))
     if case.layer == "RelativeMultiHeadAttention":
         queries, keys, values = inputs
