@@ -81,9 +81,9 @@ class MXNetOps(NamespaceOps):
             if x.size > self.SYMBOL_CONSTANT_SIZE or x.dtype.kind not in "fiub":
                 raise TypeError("MXNetOps: cannot turn a NumPy array into a Symbol; pass arrays "
                                 "as inputs")
-            dtype = self.dtype_name(like) if like is not None and x.dtype.kind == "f" else (
+            kind = self.dtype_name(like) if like is not None and x.dtype.kind == "f" else (
                 "bool" if x.dtype.kind == "b" else x.dtype.name)
-            values = [self.xp.full((1,), v.item(), dtype=dtype) for v in x.reshape(-1)]
+            values = [self.xp.full((1,), v.item(), dtype=kind) for v in x.reshape(-1)]
             flat = values[0] if len(values) == 1 else self.xp.concatenate(values, axis=0)
             return flat.reshape(x.shape)
         if x.dtype.kind in "iu" and x.dtype.name not in _INTEGERS:  # int16, uint64, ...: int64
