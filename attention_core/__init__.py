@@ -19,6 +19,7 @@ from attention_core.attention import (
 )
 from attention_core.generation import Generated, beam_search, greedy_search, repeat_rows
 from attention_core.multihead import (
+    HeadOptions,
     cached_multi_head_attention,
     multi_head_attention,
     relative_multi_head_attention,
@@ -80,6 +81,7 @@ __all__ = [
     "LAYER_NAMES",
     "BackendNotInstalledError",
     "Generated",
+    "HeadOptions",
     "add_norm",
     "additive_attention",
     "alibi_slopes",

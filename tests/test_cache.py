@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+from attention_core import declarations as D
 from attention_core import transformer as T
+from attention_core import weights as W
 from tests.harness import Harness, max_diff
 from tests.test_decoder import H, S, V, block_weights, h, on, stack_weights
 
@@ -140,6 +142,71 @@ def _compiled(hb: Harness, fn: Any) -> tuple[Any, Any]:
         return fn(*args)
 
     return hb.hooks.compiled_function(counted), lambda: len(traces)
+
+
+#: Decoders of current models (issue 19): grouped-query heads, rotary or ALiBi positions, a
+#: sliding window, soft-capping; the cache holds the key/value heads, the keys rotated.
+MODERN = {
+    "gqa_rotary_window": {"num_kv_heads": 2, "positional": "rotary", "window": 3,
+                          "softcap": 5.0},
+    "mqa_alibi": {"num_kv_heads": 1, "positional": "alibi", "window": 4},
+}
+
+
+@pytest.mark.parametrize("options", list(MODERN))
+def test_cached_modern_decoder_equals_the_full_pass(backend: str, options: str) -> None:
+    """A decoder-only stack with the options of current models: its cached calls (a prompt,
+    single tokens, a chunk) give the full pass's logits; the cache holds Hkv heads."""
+    rng = np.random.default_rng(17)
+    hb = Harness(backend)
+    config = {"vocab_size": V, "num_hiddens": 16, "ffn_num_hiddens": 12, "num_heads": 4,
+              "num_blks": 2, "decoder_only": True, "max_len": 16, **MODERN[options]}
+    layer = hb.make("TransformerDecoder", config)
+    tokens = rng.integers(0, V, (B, STEPS))
+    full = hb.numpy(hb.call(layer, hb.array(tokens.astype(np.int32))))
+    for setup in hb.setups():
+        setup(layer)
+    pieces, cache = [], None
+    for start, n in CHUNKS:
+        chunk = hb.array(tokens[:, start:start + n].astype(np.int32))
+        at: Any = start if start % 2 else hb.array(np.array(start, np.int32))
+        extra = {"capacity": STEPS} if cache is None else {"cache": cache, "start": at}
+        logits, cache = hb.call(layer, chunk, **extra)
+        pieces.append(hb.numpy(logits))
+    assert max_diff(np.concatenate(pieces, axis=1), full) <= BOUND
+    keys = cache[0][0][0]  # block 0's self-attention keys
+    assert tuple(keys.shape) == (B, MODERN[options]["num_kv_heads"], STEPS, 4)
+
+
+def test_cached_modern_steps_compile_once(backend: str) -> None:
+    """One compiled step of a grouped-query, rotary, windowed decoder serves every position (a
+    run-time position: rotary angles from the two-level tables, the window's and ALiBi's
+    offsets in the program); its logits equal the eager full pass."""
+    hb = Harness(backend)
+    if not hasattr(hb.hooks, "compiled_step") and not hasattr(hb.hooks, "compiled_function"):
+        pytest.skip(f"{backend} compiles no plain function")
+    rng = np.random.default_rng(19)
+    options = ac.HeadOptions(**MODERN["gqa_rotary_window"])
+    spec = D.TransformerDecoder(V, 16, 12, 4, 2, decoder_only=True,
+                                **options.kwargs()).weight_shapes()
+    w = on(hb, W.init_weights(spec, rng))
+    tokens = rng.integers(0, V, (B, STEPS))
+    full = hb.numpy(ac.transformer_decoder(hb.array(tokens.astype(np.int32)), w, 4,
+                                           options=options))
+
+    def step(ids: Any, start: Any, cache: Any) -> Any:
+        return T.cached_decoder(ids, w, 4, cache, start, options=options)
+
+    compiled, traces = _compiled(hb, step)
+    first, cache = T.cached_decoder(hb.array(tokens[:, :1].astype(np.int32)), w, 4, None, 0,
+                                    capacity=STEPS, options=options)
+    rows = [hb.numpy(first)]
+    for t in range(1, STEPS):
+        ids = hb.array(tokens[:, t:t + 1].astype(np.int32))
+        logits, cache = compiled(ids, hb.array(np.array(t, np.int32)), cache)
+        rows.append(hb.numpy(logits))
+    assert max_diff(np.concatenate(rows, axis=1), full) <= BOUND
+    assert traces() == 1, f"the step was traced {traces()} times"
 
 
 def test_cache_errors_name_the_argument() -> None:
