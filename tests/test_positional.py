@@ -59,3 +59,50 @@ def test_binary_counter_analogy() -> None:
     P = ac.sinusoidal_encoding(60, 32, "float64")
     crossings = [(np.diff(np.sign(P[:, c])) != 0).sum() for c in (0, 2, 4, 6)]
     assert crossings == sorted(crossings, reverse=True) and crossings[0] > crossings[-1]
+
+
+#: The positions of the exactness check: the ends of the range issue 19 names (up to 65,536),
+#: and beyond it.
+FAR = (0, 1, 4095, 65530, 65535, 65536, 1_000_000)
+
+
+def test_rotary_is_exact_far_out(backend: str) -> None:
+    """Rotary embedding at positions up to 65,536 (and 10^6) in float32: the float64 formula
+    rounded (``tests/naive.py``, one angle at a time in Python floats) within 2e-6, with the
+    positions known now (host tables) and as a run-time array (the two-level tables, or
+    MXNet's float64 angles), where ``p * theta`` formed in float32 would be off by 1e-3."""
+    hb = Harness(backend)
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((1, len(FAR), 64))
+    expected = naive.rotary(X[0], list(FAR), 10000.0)[None]
+    known = ac.rotary_embedding(hb.array(X, "float32"), positions=np.array(FAR))
+    assert max_diff(hb.numpy(known), expected) <= 2e-6
+    run_time = ac.rotary_embedding(hb.array(X, "float32"),
+                                   positions=hb.array(np.array(FAR, np.int32)))
+    assert max_diff(hb.numpy(run_time), expected) <= 2e-6
+    compiled = hb.hooks.compiled_function if hasattr(hb.hooks, "compiled_function") else None
+    if compiled is not None:  # traced: the positions have no value when the program is made
+        fn = compiled(lambda x, p: ac.rotary_embedding(x, positions=p))
+        traced = fn(hb.array(X, "float32"), hb.array(np.array(FAR, np.int32)))
+        assert max_diff(hb.numpy(traced), expected) <= 2e-6
+    theta = ac.positional.rotary_frequencies(64, 1e4)
+    in_float32 = np.array(FAR, np.float32)[:, None] * theta.astype(np.float32)
+    off = np.cos(in_float32.astype(np.float64)) - np.cos(np.array(FAR)[:, None] * theta)
+    assert np.abs(off).max() > 1e-4  # what the angles formed in float32 would give
+
+
+def test_rotary_keeps_norms_and_relative_angles() -> None:
+    """Each pair keeps its norm, and q(p) . k(p') depends only on p - p'."""
+    rng = np.random.default_rng(6)
+    q, k = rng.standard_normal((2, 1, 1, 16))
+    rot = lambda x, p: ac.rotary_embedding(x, positions=np.array([p]))  # noqa: E731
+    np.testing.assert_allclose(np.linalg.norm(rot(q, 1234)), np.linalg.norm(q), rtol=1e-12)
+    dots = [float(np.sum(rot(q, p + 7) * rot(k, p))) for p in (0, 100, 60000)]
+    np.testing.assert_allclose(dots, dots[0], rtol=1e-9)
+
+
+def test_alibi_slopes_are_the_standard_ones() -> None:
+    np.testing.assert_allclose(ac.alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    expected_12 = [2.0 ** (-8 * (i + 1) / 8) for i in range(8)] + [
+        2.0 ** (-8 * (2 * m + 1) / 16) for m in range(4)]
+    np.testing.assert_allclose(ac.alibi_slopes(12), expected_12)
