@@ -36,7 +36,7 @@ FILL_VALUE = {
 }
 
 
-def _own(ops: Ops, x: Any) -> bool:
+def own(ops: Ops, x: Any) -> bool:
     """Whether ``x`` is an array of the computing backend (kept where it is, maybe traced)."""
     return framework_of(x) == ops.name and not isinstance(x, np.generic)
 
@@ -47,7 +47,7 @@ def as_backend_array(ops: Ops, x: Any) -> Array:
     ``valid_lens=[3, 2]``, NumPy arrays, another framework's tensors; the backend's own arrays
     are returned unchanged.
     """
-    return x if _own(ops, x) else ops.from_numpy(host_array(x))
+    return x if own(ops, x) else ops.from_numpy(host_array(x))
 
 
 def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool:
@@ -80,11 +80,11 @@ def check_dtypes(ops: Ops, valid_lens: Any = None, mask: Any = None) -> None:
     not even hold.
     """
     if valid_lens is not None:
-        own = _own(ops, valid_lens)
-        _check_lens_dtype(ops.dtype_name(valid_lens) if own else host_array(valid_lens).dtype.name)
+        mine = own(ops, valid_lens)
+        _check_lens_dtype(ops.dtype_name(valid_lens) if mine else host_array(valid_lens).dtype.name)
     if mask is not None:
-        own = _own(ops, mask)
-        _check_mask_dtype(ops.dtype_name(mask) if own else host_array(mask).dtype.name)
+        mine = own(ops, mask)
+        _check_mask_dtype(ops.dtype_name(mask) if mine else host_array(mask).dtype.name)
 
 
 def lens_column(
@@ -105,8 +105,7 @@ def lens_column(
         ValueError: Wrong shape, a negative length, or one longer than K.
     """
     B, _, Q, K = scores_shape
-    own = _own(ops, valid_lens)
-    host = None if own else host_array(valid_lens)  # read as given: checked before any cast
+    host = None if own(ops, valid_lens) else host_array(valid_lens)  # read as given: checked before any cast
     _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name)
     shape = ops.shape(valid_lens) if host is None else host.shape
     allowed = [(B,), (B, Q)]
@@ -139,22 +138,35 @@ def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
         TypeError: ``mask`` is not boolean.
         ValueError: ``mask`` cannot broadcast to the scores.
     """
-    host = None if _own(ops, mask) else host_array(mask)  # read as given, before converting
+    host = None if own(ops, mask) else host_array(mask)  # read as given, before converting
     _check_mask_dtype(ops.dtype_name(mask) if host is None else host.dtype.name)
     shape = ops.shape(mask) if host is None else host.shape
-    mask = mask if host is None else ops.from_numpy(host)
+    return lifted(ops, "mask", mask if host is None else ops.from_numpy(host), shape,
+                  scores_shape)
+
+
+def lifted(ops: Ops, name: str, x: Array, shape: tuple[Any, ...],
+           scores_shape: tuple[Any, ...]) -> Array:
+    """Checks that ``x`` (of ``shape``) broadcasts to the scores as a mask does; lifts it to rank 4.
+
+    Shapes ``(Q, K)``, ``(B, Q, K)`` (one for every head) or ``(B, H, Q, K)``, size-1 axes
+    broadcasting; for masks and for ``score_bias``.
+
+    Raises:
+        ValueError: ``x`` cannot broadcast to the scores (``name`` is the argument's).
+    """
     B, H, Q, K = scores_shape
     target = {2: (Q, K), 3: (B, Q, K), 4: (B, H, Q, K)}.get(len(shape), ())
     if not target or not _fits(shape, target, broadcast=True):
         raise ValueError(
-            "mask must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
+            f"{name} must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
             f"(B, H, Q, K) = {fmt_shape(scores_shape)}, got {fmt_shape(shape)}"
         )
     if len(shape) == 3:
-        mask = ops.expand_dims(mask, 1)  # (B, 1, Q, K)
-    while len(ops.shape(mask)) < 4:
-        mask = ops.expand_dims(mask, 0)
-    return mask
+        x = ops.expand_dims(x, 1)  # (B, 1, Q, K)
+    while len(ops.shape(x)) < 4:
+        x = ops.expand_dims(x, 0)
+    return x
 
 
 class Visibility:
@@ -393,7 +405,7 @@ def with_padding(
                                   ("keys_mask", keys_mask, K, 1)):
         if pad is None:
             continue
-        host = None if _own(ops, pad) else host_array(pad)  # read as given, before converting
+        host = None if own(ops, pad) else host_array(pad)  # read as given, before converting
         dtype = ops.dtype_name(pad) if host is None else host.dtype.name
         if dtype != "bool":
             raise TypeError(f"{name} must be a boolean padding mask (True = real position), "

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from attention_core import checks
-from attention_core.host import framework_of, host_array
+from attention_core.host import host_array
+from attention_core.masks import lifted, own
 from attention_core.ops import FLOAT_DTYPES, Array, Ops, matmul_transposed
 from attention_core.positional import alibi_slopes
 
@@ -73,28 +74,14 @@ def score_bias_array(ops: Ops, score_bias: Any, scores_shape: tuple[Any, ...]) -
         TypeError: Not real floating point.
         ValueError: It cannot broadcast to the scores.
     """
-    own = framework_of(score_bias) == ops.name and not isinstance(score_bias, np.generic)
-    host = None if own else host_array(score_bias)
+    host = None if own(ops, score_bias) else host_array(score_bias)  # read as given
     dtype = ops.dtype_name(score_bias) if host is None else host.dtype.name
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"score_bias must be floating point ({', '.join(FLOAT_DTYPES)}), "
                         f"got {dtype}")
     shape = ops.shape(score_bias) if host is None else host.shape
-    B, H, Q, K = scores_shape
-    target = {2: (Q, K), 3: (B, Q, K), 4: (B, H, Q, K)}.get(len(shape), ())
-    fits = len(shape) == len(target) and all(
-        not (isinstance(got, int) and isinstance(need, int)) or got in (need, 1)
-        for got, need in zip(shape, target, strict=True))
-    if not target or not fits:
-        raise ValueError(
-            "score_bias must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
-            f"(B, H, Q, K) = {checks.fmt_shape(scores_shape)}, got {checks.fmt_shape(shape)}")
     bias = score_bias if host is None else ops.from_numpy(host)
-    if len(shape) == 3:
-        bias = ops.expand_dims(bias, 1)  # (B, 1, Q, K)
-    while len(ops.shape(bias)) < 4:
-        bias = ops.expand_dims(bias, 0)
-    return bias
+    return lifted(ops, "score_bias", bias, shape, scores_shape)
 
 
 class ScoreTerms:

@@ -44,7 +44,15 @@ def test_cached_decoder_layer_equals_the_full_pass(backend: str, crossed: bool) 
     ids = hb.array(tokens.astype(np.int32))
     cross = [] if enc is None else [hb.array(enc, "float32"), hb.array(lens)]
     full = hb.numpy(hb.call(layer, ids, *cross))
-    for setup in hb.setups():  # e.g. Gluon's hybridize(): cached calls still run
+    logits, _ = _chunked(hb, layer, tokens, cross)
+    assert max_diff(logits, full) <= BOUND
+
+
+def _chunked(hb: Harness, layer: Any, tokens: np.ndarray, cross: list[Any]) -> tuple[Any, Any]:
+    """The layer's logits over ``tokens`` by cached calls in :data:`CHUNKS` (after the harness's
+    setups, e.g. Gluon's hybridize()), ``start`` an int or an integer scalar array by turns;
+    and the last cache."""
+    for setup in hb.setups():
         setup(layer)
     pieces, cache = [], None
     for start, n in CHUNKS:
@@ -53,7 +61,7 @@ def test_cached_decoder_layer_equals_the_full_pass(backend: str, crossed: bool) 
         extra = {"capacity": STEPS} if cache is None else {"cache": cache, "start": at}
         logits, cache = hb.call(layer, chunk, *cross, **extra)
         pieces.append(hb.numpy(logits))
-    assert max_diff(np.concatenate(pieces, axis=1), full) <= BOUND
+    return np.concatenate(pieces, axis=1), cache
 
 
 def test_cached_multi_head_attention_equals_causal_attention(backend: str) -> None:
@@ -164,16 +172,8 @@ def test_cached_modern_decoder_equals_the_full_pass(backend: str, options: str) 
     layer = hb.make("TransformerDecoder", config)
     tokens = rng.integers(0, V, (B, STEPS))
     full = hb.numpy(hb.call(layer, hb.array(tokens.astype(np.int32))))
-    for setup in hb.setups():
-        setup(layer)
-    pieces, cache = [], None
-    for start, n in CHUNKS:
-        chunk = hb.array(tokens[:, start:start + n].astype(np.int32))
-        at: Any = start if start % 2 else hb.array(np.array(start, np.int32))
-        extra = {"capacity": STEPS} if cache is None else {"cache": cache, "start": at}
-        logits, cache = hb.call(layer, chunk, **extra)
-        pieces.append(hb.numpy(logits))
-    assert max_diff(np.concatenate(pieces, axis=1), full) <= BOUND
+    logits, cache = _chunked(hb, layer, tokens, [])
+    assert max_diff(logits, full) <= BOUND
     keys = cache[0][0][0]  # block 0's self-attention keys
     assert tuple(keys.shape) == (B, MODERN[options]["num_kv_heads"], STEPS, 4)
 
