@@ -7,9 +7,10 @@ on numpy and jax, ``gqa`` on numpy, torch, jax and tensorflow):
 * ``window``: :func:`attention_core.dot_product_attention` with ``causal=True,
   window=1024, implementation="blockwise"`` on ``(1, 4, n, 64)`` queries, keys and values at
   n = 8192 and 65536, and, for contrast, the same path without a window at n = 8192 and
-  16384. The four calls run in interleaved rounds (one call per sample, the order rotated each
-  round); the per-token time is seconds / n, and the ratio of the per-token times of the larger
-  n to the smaller is taken in each round (median over rounds, with its interval). With a
+  16384. The four calls run in interleaved rounds (one call per sample; the two calls of each
+  compared pair back to back, in an order alternating each round); the per-token time is
+  seconds / n, and the ratio of the per-token times of the larger n to the smaller is taken
+  in each round (median over rounds, with its interval). With a
   window the blockwise path skips the key blocks outside it, so the work is O(n·w) and the
   ratio should stay near 1 (target <= 1.5); without one it is O(n²) and the ratio is near 2
   for a doubled n. On JAX the call is ``jax.jit``-ed, compiled before the timing, and waited
@@ -19,8 +20,9 @@ on numpy and jax, ``gqa`` on numpy, torch, jax and tensorflow):
   ``W_k`` and ``W_v`` (from the layer's weights), the bytes of the key/value cache of capacity
   4096 that :func:`attention_core.cached_multi_head_attention` returns (the arrays' own
   ``nbytes``), and the forward time of causal self-attention at n = 1024 and 4096 (B = 1),
-  the four layer calls in interleaved rounds, with the ratio GQA ÷ MHA per round. The
-  implementation each call takes by default is recorded (the choice
+  the four layer calls in interleaved rounds (MHA and GQA at one n back to back, their order
+  alternating), with the ratio GQA ÷ MHA per round. The implementation each call takes by
+  default is recorded (the choice
   :func:`attention_core.attention.choose_implementation` made during the call). torch runs in
   eval mode under ``torch.inference_mode()``; TensorFlow calls a ``tf.function``; JAX a
   ``jax.jit`` of ``apply``.
@@ -51,7 +53,7 @@ import numpy as np
 import attention_core as ac
 from attention_core import attention, registry
 from benchmarks.run import machine_info
-from benchmarks.timing import interleaved, median_interval
+from benchmarks.timing import calibrate, median_interval, sample
 
 SCHEMA = "attention-core-modern/1"
 BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mxnet")
@@ -159,6 +161,29 @@ def window_calls(backend: str, config: Mapping[str, Any]) -> dict[str, tuple[int
     return calls
 
 
+def paired_rounds(calls: Mapping[str, Callable[[], Any]], pairs: Sequence[Sequence[str]],
+                  rounds: int, min_time: float, warmup: int) -> dict[str, list[float]]:
+    """Interleaved rounds in which the two calls of each compared pair run back to back.
+
+    Each round times every pair, the pairs' order and the order within each pair rotated
+    round by round, so that a ratio's two samples are always neighbours in time (as
+    :func:`benchmarks.timing.interleaved` does for one group; here the noise of a loaded
+    machine between a pair's samples is as short as it can be). A sample repeats a call until it
+    lasts ``min_time`` (the count fixed before the first round, after ``warmup`` calls).
+    """
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    counts = {name: calibrate(call, min_time) for name, call in calls.items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        shift = r % len(pairs)
+        for pair in [*pairs[shift:], *pairs[:shift]]:
+            for name in (pair if r % 2 == 0 else list(reversed(pair))):
+                times[name].append(sample(calls[name], counts[name]))
+    return times
+
+
 def _synced(sync: Callable[[Any], Any], fn: Callable[..., Any], *args: Any) -> Any:
     return sync(fn(*args))
 
@@ -182,8 +207,10 @@ def measure_window(backend: str, rounds: int, config: Mapping[str, Any]) -> dict
     with _no_autograd(backend):
         for _, call in calls.values():  # compiles (JAX) before the timing
             call()
-        times = interleaved({name: call for name, (_, call) in calls.items()}, rounds,
-                            min_time=0.0, warmup=0)
+        ws, fs = config["window_sizes"], config["full_sizes"]
+        pairs = [[f"window {n}" for n in ws], [f"full {n}" for n in fs]]
+        times = paired_rounds({name: call for name, (_, call) in calls.items()}, pairs, rounds,
+                              min_time=0.0, warmup=0)
     points = []
     for name, (n, _) in calls.items():
         kind = name.split()[0]
@@ -192,7 +219,6 @@ def measure_window(backend: str, rounds: int, config: Mapping[str, Any]) -> dict
                        "seconds": s, "seconds_median": statistics.median(s),
                        "seconds_best": min(s), "us_per_token_median": 1e6 * statistics.median(s) / n,
                        "us_per_token_best": 1e6 * min(s) / n})
-    ws, fs = config["window_sizes"], config["full_sizes"]
     return {
         "config": dict(config), "rounds": rounds, "implementation": "blockwise",
         "jit": backend == "jax", "points": points,
@@ -303,7 +329,8 @@ def measure_gqa(backend: str, rounds: int, config: Mapping[str, Any],
                     layer.call(X)  # the first call (traced and compiled where it compiles)
                 paths[kind][str(n)] = sorted(set(chosen))
                 calls[f"{kind} {n}"] = functools.partial(layer.call, X)
-        times = interleaved(calls, rounds, min_time=min_time, warmup=1)
+        pairs = [[f"mha {n}", f"gqa {n}"] for n in config["sizes"]]
+        times = paired_rounds(calls, pairs, rounds, min_time=min_time, warmup=1)
     points = []
     for n in config["sizes"]:
         mha, gqa = times[f"mha {n}"], times[f"gqa {n}"]
@@ -374,7 +401,8 @@ def render(results: Sequence[Mapping[str, Any]]) -> str:
                   f"`dot_product_attention(q, k, v, causal=True, implementation=\"blockwise\")` on "
                   f"({c['batch']}, {c['heads']}, n, {c['depth']}) float32 queries = keys = values, "
                   f"with `window={c['window']}` and without a window; the four calls timed in "
-                  "interleaved rounds, one call a sample. Time per token = seconds ÷ n "
+                  "interleaved rounds, one call a sample, the two calls of each ratio below back to back. "
+                  "Time per token = seconds ÷ n "
                   "(median over rounds; best in brackets).", "",
                   "| backend | call | n | seconds / call | µs / token |", "|---|---|---|---|---|"]
         for r in windows:
@@ -421,8 +449,9 @@ def render(results: Sequence[Mapping[str, Any]]) -> str:
                          f"| {kw['ratio']:.2f} | {_mib(ca['mha']['bytes'])} | "
                          f"{_mib(ca['gqa']['bytes'])} | {ca['ratio']:.2f} | K, V: {shapes} each |")
         lines += ["", f"Forward time of causal self-attention on ({c['batch']}, n, "
-                  f"{c['num_hiddens']}) float32: the four layer calls timed in interleaved rounds; "
-                  f"GQA ÷ MHA is the median of the per-round ratios [its interval] (target ≤ "
+                  f"{c['num_hiddens']}) float32: the four layer calls timed in interleaved rounds, "
+                  "the two of each n back to back, their order alternating; GQA ÷ MHA is the "
+                  f"median of the per-round ratios [its interval] (target ≤ "
                   f"{GQA_TIME_TARGET}). The path is the implementation each call took by default.",
                   "", "| backend | n | path MHA / GQA | MHA ms | GQA ms | GQA ÷ MHA [CI] | best rounds "
                   "| met |", "|---|---|---|---|---|---|---|---|"]

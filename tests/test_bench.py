@@ -305,7 +305,8 @@ def test_modern_benchmark_quick(tmp_path: Path) -> None:
         modern.END, f"{modern.END}\nmore prose\n"))
     assert modern.main(["--merge", str(tmp_path), "--page", str(page)]) == 0  # rewritten between
     again = page.read_text()
-    assert "STALE TABLE" not in again and "prose\n" in again and again.endswith(f"{modern.END}\nmore prose\n\n")
+    assert "STALE TABLE" not in again and "prose\n" in again
+    assert again.endswith(f"{modern.END}\nmore prose\n\n")
     assert again.count(modern.START) == 1 and "--quick" in again
     page.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
