@@ -271,3 +271,43 @@ def test_decoding_benchmark_small(backend: str, tmp_path: Path,
         import torch
 
         assert torch.is_grad_enabled()
+
+
+def test_modern_benchmark_quick(tmp_path: Path) -> None:
+    """``benchmarks.modern --quick`` on numpy: both suites write their fields, the ratios are
+    positive numbers, and ``--merge`` makes the page or writes only between its markers."""
+    from benchmarks import modern
+
+    assert modern.main(["--backend", "numpy", "--quick", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "modern-numpy.json").read_text())
+    assert doc["schema"] == modern.SCHEMA and doc["backend"] == "numpy" and doc["quick"] is True
+    window = doc["window"]
+    assert {"config", "rounds", "points", "ratios", "machine", "versions"} <= set(window)
+    assert [(p["kind"], p["n"]) for p in window["points"]] == [
+        ("window", 128), ("window", 512), ("full", 128), ("full", 256)]
+    assert all(len(p["seconds"]) == 2 and p["us_per_token_median"] > 0 for p in window["points"])
+    for kind in ("window", "full"):
+        ratio = window["ratios"][kind]
+        assert ratio["per_round"]["median"] > 0 and ratio["best"] > 0
+    assert isinstance(window["ratios"]["window"]["met"], bool)
+    gqa = doc["gqa"]
+    assert {"config", "implementation", "kv_weights", "cache", "points"} <= set(gqa)
+    assert gqa["kv_weights"]["ratio"] > 0 and gqa["cache"]["ratio"] > 0
+    assert gqa["cache"]["gqa"]["shape"][1] == 2 and gqa["cache"]["mha"]["shape"][1] == 8
+    assert gqa["implementation"]["gqa"]["16"]  # the path the call took was recorded
+    assert [p["n"] for p in gqa["points"]] == [16, 32]
+    assert all(p["ratio"]["median"] > 0 and p["best_ratio"] > 0 for p in gqa["points"])
+    page = tmp_path / "docs" / "current-models.md"
+    assert modern.main(["--merge", str(tmp_path), "--page", str(page)]) == 0  # made
+    text = page.read_text()
+    assert text.startswith(modern.TITLE + "\n") and "## Measured" in text and "| numpy |" in text
+    page.write_text(text.replace(modern.START, f"prose\n{modern.START}\nSTALE TABLE").replace(
+        modern.END, f"{modern.END}\nmore prose\n"))
+    assert modern.main(["--merge", str(tmp_path), "--page", str(page)]) == 0  # rewritten between
+    again = page.read_text()
+    assert "STALE TABLE" not in again and "prose\n" in again
+    assert again.endswith(f"{modern.END}\nmore prose\n\n")
+    assert again.count(modern.START) == 1 and "--quick" in again
+    page.write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        modern.merge(tmp_path, page)
