@@ -392,26 +392,34 @@ def choose_implementation(
 
 def fused_pool(
     ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float,
-    finite: bool = False,
+    finite: bool = False, local: tuple[int, int] | None = None,
 ) -> Array:
     """Pools with the backend's ``fused_attention``.
 
     Rows with no visible key are zeroed here when the kernel does not zero them itself
     (``ops.fused_zeroes_empty_rows`` False). When the kernel does not put NaN where the direct
     path has it (``ops.fused_propagates_nan`` False), :func:`_fused_nan_rows` does, unless the
-    inputs are known to be ``finite``.
+    inputs are known to be ``finite``. ``local`` is a sliding window already in ``visible``,
+    as ``(left, right)`` keys of query index ``i`` (:meth:`~attention_core.masks.Visibility.local`):
+    a kernel that takes one (``ops.fused_local_window``) is told, so it may skip the keys
+    outside it.
     """
-    if finite or getattr(ops, "fused_propagates_nan", True):
-        out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    if local is not None and getattr(ops, "fused_local_window", False):
+        kernel = functools.partial(ops.fused_attention, local_window=local)  # type: ignore[attr-defined]
     else:
-        out = _fused_nan_rows(ops, q, k, v, visible, factor, dropout)
+        kernel = ops.fused_attention  # type: ignore[attr-defined]
+    if finite or getattr(ops, "fused_propagates_nan", True):
+        out = kernel(q, k, v, visible, factor, dropout)
+    else:
+        out = _fused_nan_rows(ops, kernel, q, k, v, visible, factor, dropout)
     if visible is None or getattr(ops, "fused_zeroes_empty_rows", True):
         return out
     return ops.where(_any_visible(ops, visible), out, 0.0)
 
 
 def _fused_nan_rows(
-    ops: Ops, q: Array, k: Array, v: Array, visible: Array | None, factor: Any, dropout: float
+    ops: Ops, kernel: Callable[..., Array], q: Array, k: Array, v: Array, visible: Array | None,
+    factor: Any, dropout: float,
 ) -> Array:
     """The fused kernel on finite queries and keys, then NaN in the rows the direct path has it.
 
@@ -424,7 +432,7 @@ def _fused_nan_rows(
     """
     q_ok, k_ok = ops.sum(q - q, -1) == 0, ops.sum(k - k, -1) == 0  # (B, H, Q|K, 1): finite rows
     q, k = ops.where(q_ok, q, 0.0), ops.where(k_ok, k, 0.0)
-    out = ops.fused_attention(q, k, v, visible, factor, dropout)  # type: ignore[attr-defined]
+    out = kernel(q, k, v, visible, factor, dropout)
     dtype = ops.dtype_name(out)  # not the queries' under torch.autocast
     q_bad = 1.0 - ops.astype(q_ok, dtype)  # (B, H, Q, 1): 1 for a non-finite query
     k_bad = 1.0 - ops.astype(ops.transpose(k_ok, (0, 1, 3, 2)), dtype)  # (B, Hkv, 1, K)
@@ -615,7 +623,9 @@ def dot_product_attention(
     # the terms may push a score past the bound of the queries and keys (a bias of -inf, a
     # slope times a long distance): the rows are then always found from the scores
     overflow = _may_overflow(ops, q, factor, norms) or terms_or_none is not None
-    fused_fits = terms_or_none is None and (visible.window is None or implementation == "fused")
+    # a window goes to a fused kernel as a mask, so not by choice, unless the kernel takes it
+    fused_fits = terms_or_none is None and (visible.window is None or implementation == "fused"
+                                            or getattr(ops, "fused_local_window", False))
     if path == "fused" and ((overflow and norms) or not fused_fits):  # not the kernel
         path = _unfused_path(ops, shape)
     bounded = terms_or_none is None  # the scores are bounded by the queries and keys alone
@@ -693,7 +703,8 @@ def _pooled(
     """
     q, k, v = _mended(ops, qkv, path, finite)
     if path == "fused":  # the backend's fused kernel: the weights are never formed
-        return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite), None
+        return fused_pool(ops, q, k, v, visible.full(), factor, dropout, finite,
+                          visible.local()), None
     if path == "blockwise":
         return blockwise_attention(ops, q, k, v, visible, dropout, scale=factor,
                                    terms=terms), None

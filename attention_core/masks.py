@@ -257,6 +257,18 @@ class Visibility:
         first = ops.maximum(ops.astype(lowest, "int32"), 0)
         return -ops.maximum(-first, -(K - count)), count  # min(first, K - count)
 
+    def local(self) -> tuple[int, int] | None:
+        """The window as ``(left, right)``: query index ``i`` sees keys ``i - left .. i + right``.
+
+        The form of a fused kernel's local window (``jax.nn.dot_product_attention``'s
+        ``local_window_size``); None without a window, with a run-time offset, or when either
+        side would be negative (the window then lies wholly before or after the query's index).
+        """
+        if self.window is None or not isinstance(self.offset, int):
+            return None
+        left, right = self.window - 1 - self.offset, self.window - 1 + self.offset
+        return (left, right) if left >= 0 and right >= 0 else None
+
     @property
     def empty(self) -> bool:
         """True when nothing is masked."""

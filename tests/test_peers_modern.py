@@ -471,3 +471,32 @@ def test_jax_local_window(implementation: str | None, causal: bool, jit: bool) -
                                                  implementation=implementation),
         jit, *(jnp.asarray(x) for x in (q, k, v)))
     assert max_diff(got, expected) <= TOL
+
+
+@needs_jax
+@pytest.mark.parametrize(("queries", "keys", "told"), [(8, 8, (2, 2)), (6, 8, (0, 4)),
+                                                      (2, 8, None)])
+def test_jax_fused_path_tells_the_kernel_of_the_window(monkeypatch: pytest.MonkeyPatch,
+                                                       queries: int, keys: int,
+                                                       told: tuple[int, int] | None) -> None:
+    """``implementation="fused"`` with ``window=3`` gives ``jax.nn.dot_product_attention`` the
+    window as ``local_window_size`` (query index ``i`` at position ``i + K - Q``: ``(2 - (K -
+    Q), 2 + (K - Q))``, none when a side is negative), and equals the direct path."""
+    import jax
+    import jax.numpy as jnp
+
+    seen: list[Any] = []
+    kernel = jax.nn.dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("local_window_size"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 4, queries, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 2, keys, 8)), jnp.float32) for _ in range(2))
+    fused = ac.dot_product_attention(q, k, v, causal=True, window=3, implementation="fused")
+    direct = ac.dot_product_attention(q, k, v, causal=True, window=3, implementation="direct")
+    assert seen == [told]
+    assert max_diff(np.asarray(fused), np.asarray(direct)) <= 1e-6

@@ -99,15 +99,19 @@ class JaxOps(NamespaceOps):
     #: (its softmax over all-masked logits is uniform); the core then zeroes those rows.
     fused_zeroes_empty_rows = False
 
+    #: ``jax.nn.dot_product_attention`` takes a sliding window (``local_window_size``).
+    fused_local_window = True
+
     def fused_attention(
         self, queries: jax.Array, keys: jax.Array, values: jax.Array, visible: Any,
-        scale: float, dropout: float,
+        scale: float, dropout: float, local_window: tuple[int, int] | None = None,
     ) -> jax.Array:
         """Pools with ``jax.nn.dot_product_attention`` (XLA's kernel on CPU), ``(B, H, Q, Dv)``.
 
         That function has no dropout and needs ``Dv == D``; otherwise this is the core's direct
         path, :func:`attention_core.attention.dot_product_attention` with
-        ``implementation="direct"``, on the same mask.
+        ``implementation="direct"``, on the same mask. ``local_window`` (``(left, right)``
+        keys of each query index) repeats a sliding window the mask holds, for the kernel.
         """
         # XLA on CPU has no float16 dot_general accumulating in float32, which the kernel asks for
         # under jax.jit ("The precision 'F16_F16_F32' is not supported by dot_general on CPU").
@@ -119,7 +123,9 @@ class JaxOps(NamespaceOps):
             )
             return out
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (queries, keys, values))  # (B, N, H, D)
-        out = jax.nn.dot_product_attention(q, k, v, mask=visible, scale=scale)
+        # a window is in the mask too: the kernel is told of it, to skip the keys outside it
+        out = jax.nn.dot_product_attention(q, k, v, mask=visible, scale=scale,
+                                           local_window_size=local_window)
         return jnp.swapaxes(out, 1, 2)
 
     def prefers_fused(self, shape: tuple[Any, ...]) -> bool:
