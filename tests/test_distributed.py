@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import pytest
@@ -44,7 +45,10 @@ def only(backend: str, wanted: str) -> None:
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "ATTENTION_CORE_BACKEND"}
+    """This process's environment for a worker, without the backend choice and without the
+    state torch.compile leaves in it (``TORCHINDUCTOR_*``): a worker starts from a clean one."""
+    env = {k: v for k, v in os.environ.items() if k != "ATTENTION_CORE_BACKEND"
+           and not k.lstrip("_").startswith("TORCHINDUCTOR")}
     env.update(extra)
     return env
 
@@ -74,16 +78,30 @@ def run_ranks(world: int) -> list[dict[str, Any]]:
                          WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
         if os.path.exists("/sys/class/net/lo"):
             env["GLOO_SOCKET_IFNAME"] = "lo"  # talk over loopback, whatever the host name is
-        ranks = [subprocess.Popen([sys.executable, "-m", "tests.distributed.ddp_torch"], cwd=REPO,
-                                  env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        try:
-            outputs = [p.communicate(timeout=TIMEOUT) for p in ranks]
-        finally:
-            for p in ranks:
-                if p.poll() is None:
-                    p.kill()
+        # each rank writes to files, never to a pipe that is not being read while the test
+        # waits for another rank (a full pipe would stop that rank, and the group with it)
+        with tempfile.TemporaryDirectory() as tmp:
+            logs = [(open(os.path.join(tmp, f"{r}.out"), "w+"),  # noqa: SIM115
+                     open(os.path.join(tmp, f"{r}.err"), "w+")) for r in range(world)]  # noqa: SIM115
+            ranks = [subprocess.Popen([sys.executable, "-m", "tests.distributed.ddp_torch"],
+                                      cwd=REPO, env={**env, "RANK": str(r)}, stdout=out,
+                                      stderr=err, text=True)
+                     for r, (out, err) in enumerate(logs)]
+            try:
+                for p in ranks:
+                    p.wait(timeout=TIMEOUT)
+            finally:
+                for p in ranks:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+                outputs = []
+                for out, err in logs:
+                    out.seek(0)
+                    err.seek(0)
+                    outputs.append((out.read(), err.read()))
+                    out.close()
+                    err.close()
         if any("address already in use" in err.lower() for _, err in outputs):
             continue
         for p, (out, err) in zip(ranks, outputs, strict=True):

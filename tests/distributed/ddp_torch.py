@@ -10,6 +10,7 @@ its own share alone (no averaging) are from the full batch's: large, so the comp
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 
@@ -56,6 +57,8 @@ def sgd_step(model: torch.nn.Module, block: TransformerEncoderBlock, X: torch.Te
 
 
 def main() -> None:
+    # a rank that hangs prints where, then exits, before the test's timeout (300 s) ends it
+    faulthandler.dump_traceback_later(240, exit=True)
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     data = {k: torch.from_numpy(v) for k, v in batch(0, B, T, H).items()}
