@@ -36,6 +36,7 @@ import attention_core as ac
 from attention_core import registry
 from benchmarks.run import machine_info
 from benchmarks.timing import median_interval
+from tools import markdown
 
 #: The model: a decoder-only stack of 2 blocks, h = 256, 4 heads, FFN 1024, vocabulary 1000.
 MODEL: dict[str, Any] = {"vocab_size": 1000, "num_hiddens": 256, "ffn_num_hiddens": 1024, "num_heads": 4,
@@ -177,12 +178,7 @@ def merge(directory: Path, page: Path) -> None:
     results = [json.loads(p.read_text()) for p in sorted(directory.glob("decode-*.json"))]
     if not results:
         raise ValueError(f"no decode-*.json in {directory}")
-    text = page.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{page} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(f"{head}{START}\n{render(results)}\n{END}{tail}")
+    markdown.write_between_markers(page, render(results), START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,6 +54,7 @@ import attention_core as ac
 from attention_core import attention, registry
 from benchmarks.run import machine_info
 from benchmarks.timing import calibrate, median_interval, sample
+from tools import markdown
 
 SCHEMA = "attention-core-modern/1"
 BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mxnet")
@@ -480,12 +481,7 @@ def merge(directory: Path, page: Path) -> None:
     if not page.exists():
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(f"{TITLE}\n\n## Measured\n\n{START}\n{END}\n")
-    text = page.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{page} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(f"{head}{START}\n{render(results)}\n{END}{tail}")
+    markdown.write_between_markers(page, render(results), START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
