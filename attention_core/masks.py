@@ -50,7 +50,7 @@ def as_backend_array(ops: Ops, x: Any) -> Array:
     return x if own(ops, x) else ops.from_numpy(host_array(x))
 
 
-def _fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool:
+def fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool:
     """Whether ``shape`` equals ``want`` (or broadcasts to it), unknown dimensions passing."""
     if len(shape) != len(want):
         return False
@@ -109,7 +109,7 @@ def lens_column(
     _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name)
     shape = ops.shape(valid_lens) if host is None else host.shape
     allowed = [(B,), (B, Q)]
-    if not any(_fits(shape, want, broadcast=False) for want in allowed):
+    if not any(fits(shape, want, broadcast=False) for want in allowed):
         raise ValueError(
             f"valid_lens must have shape (B,) or (B, Q) = {fmt_shape((B,))} or "
             f"{fmt_shape((B, Q))}, got {fmt_shape(shape)}"
@@ -157,7 +157,7 @@ def lifted(ops: Ops, name: str, x: Array, shape: tuple[Any, ...],
     """
     B, H, Q, K = scores_shape
     target = {2: (Q, K), 3: (B, Q, K), 4: (B, H, Q, K)}.get(len(shape), ())
-    if not target or not _fits(shape, target, broadcast=True):
+    if not target or not fits(shape, target, broadcast=True):
         raise ValueError(
             f"{name} must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
             f"(B, H, Q, K) = {fmt_shape(scores_shape)}, got {fmt_shape(shape)}"
@@ -294,19 +294,19 @@ class Visibility:
         parts = []
         shortest = None if self.lens_bounds is None else self.lens_bounds[0]
         if self.lens is not None and not (static and shortest is not None and k0 + kn <= shortest):
-            lens = _rows(ops, self.lens, q0, qn, Q)  # (B, 1, 1 or qn, 1)
+            lens = tile_rows(ops, self.lens, q0, qn, Q)  # (B, 1, 1 or qn, 1)
             parts.append(_offset(ops, ops.arange(kn), k0) < lens)
         if self.mask is not None:
-            parts.append(_rows(ops, _cols(ops, self.mask, k0, kn, K), q0, qn, Q))
+            parts.append(tile_rows(ops, tile_columns(ops, self.mask, k0, kn, K), q0, qn, Q))
         # the tile's first query's position, when known now
         first = q0 + self.offset if static and isinstance(self.offset, int) else None
         if self.causal and not (first is not None and k0 + kn - 1 <= first):  # j <= p_i
-            parts.append(_columns(ops, k0, kn) <= _positions(ops, q0, qn, self.offset))
+            parts.append(distances(ops, q0, qn, k0, kn, self.offset) <= 0)
         w = self.window
         inside = first is not None and w is not None and (k0 > first + qn - 1 - w
                                                            and k0 + kn - 1 < first + w)
         if w is not None and not inside:
-            distance = _columns(ops, k0, kn) - _positions(ops, q0, qn, self.offset)  # j - p_i
+            distance = distances(ops, q0, qn, k0, kn, self.offset)
             parts.append(ops.logical_and(distance > -w, distance < w))
         if not parts:
             return None
@@ -316,14 +316,14 @@ class Visibility:
         return combined
 
 
-def _positions(ops: Ops, q0: Any, qn: int, offset: Any) -> Array:
-    """``(qn, 1)``: the positions ``p_i = i + offset`` of queries ``q0 : q0 + qn``."""
-    return ops.expand_dims(_offset(ops, ops.arange(qn), q0 + offset), -1)
+def distances(ops: Ops, q0: Any, qn: int, k0: Any, kn: int, offset: Any) -> Array:
+    """``(qn, kn)`` int32: ``j - p_i`` for queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``.
 
-
-def _columns(ops: Ops, k0: Any, kn: int) -> Array:
-    """``(1, kn)``: the positions of keys ``k0 : k0 + kn``."""
-    return ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0)
+    ``p_i = i + offset`` is the query's position, ``j`` the key's; the causal rule, the window
+    and ALiBi read them.
+    """
+    rows = ops.expand_dims(_offset(ops, ops.arange(qn), q0 + offset), -1)  # (qn, 1)
+    return ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0) - rows
 
 
 def _offset(ops: Ops, index: Array, start: Any) -> Array:
@@ -331,13 +331,13 @@ def _offset(ops: Ops, index: Array, start: Any) -> Array:
     return index if isinstance(start, int) and start == 0 else index + start
 
 
-def _rows(ops: Ops, x: Array, q0: Any, qn: int, Q: Any) -> Array:
-    """Rows ``q0 : q0 + qn`` (axis 2) of a rank-4 array, unless that axis broadcasts."""
+def tile_rows(ops: Ops, x: Array, q0: Any, qn: int, Q: Any) -> Array:
+    """Rows ``q0 : q0 + qn`` (axis 2) of a rank-4 array, unless it broadcasts or is all ``Q``."""
     return x if _broadcasts(ops.shape(x)[2]) or _whole(q0, qn, Q) else ops.slice(x, 2, q0, qn)
 
 
-def _cols(ops: Ops, x: Array, k0: Any, kn: int, K: Any) -> Array:
-    """Columns ``k0 : k0 + kn`` (axis 3) of a rank-4 array, unless that axis broadcasts."""
+def tile_columns(ops: Ops, x: Array, k0: Any, kn: int, K: Any) -> Array:
+    """Columns ``k0 : k0 + kn`` (axis 3) of a rank-4 array, unless it broadcasts or is all ``K``."""
     return x if _broadcasts(ops.shape(x)[3]) or _whole(k0, kn, K) else ops.slice(x, 3, k0, kn)
 
 
@@ -424,7 +424,7 @@ def with_padding(
                             f"got {dtype}")
         pad = pad if host is None else ops.from_numpy(host)
         shape = ops.shape(pad)
-        if not _fits(shape, (B, size), broadcast=False):
+        if not fits(shape, (B, size), broadcast=False):
             raise ValueError(f"{name} must have shape {fmt_shape((B, size))}, got {fmt_shape(shape)}")
         pad = ops.expand_dims(pad, axis)  # (B, Q, 1) or (B, 1, K)
         padding = pad if padding is None else ops.logical_and(padding, pad)

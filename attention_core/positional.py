@@ -16,7 +16,8 @@ import numpy as np
 
 from attention_core import checks
 from attention_core.cache import check_start
-from attention_core.host import framework_of, host_array
+from attention_core.host import host_array
+from attention_core.masks import fits, own
 from attention_core.ops import Array, Ops
 from attention_core.registry import ops_for
 
@@ -320,18 +321,13 @@ def _positions(ops: Ops, positions: Any, shape: tuple[Any, ...]) -> Any:
 
     Returns them as a NumPy array when known now, else as the backend's int32 array.
     """
-    own = framework_of(positions) == ops.name and not isinstance(positions, np.generic)
-    host = None if own else host_array(positions)
+    host = None if own(ops, positions) else host_array(positions)
     dtype = ops.dtype_name(positions) if host is None else host.dtype.name
     if not dtype.startswith(("int", "uint")):
         raise TypeError(f"positions must have an integer dtype, got {dtype}")
     got = ops.shape(positions) if host is None else host.shape
     B, T = shape[0], shape[1]
-    fits = [len(got) == len(want) and all(
-        not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(got, want,
-                                                                                   strict=True))
-        for want in ((T,), (B, T))]
-    if not any(fits):
+    if not any(fits(got, want, broadcast=False) for want in ((T,), (B, T))):
         raise ValueError(f"positions must have shape (T,) or (B, T) = ({T},) or ({B}, {T}), "
                          f"got {checks.fmt_shape(got)}")
     if host is None:

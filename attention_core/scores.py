@@ -26,7 +26,7 @@ import numpy as np
 
 from attention_core import checks
 from attention_core.host import host_array
-from attention_core.masks import lifted, own
+from attention_core.masks import distances, lifted, own, tile_columns, tile_rows
 from attention_core.ops import FLOAT_DTYPES, Array, Ops, matmul_transposed
 from attention_core.positional import alibi_slopes
 
@@ -122,8 +122,8 @@ class ScoreTerms:
         if self.slopes is not None:
             s = s + ops.astype(self._alibi(q0, qn, k0, kn, s), dtype)
         if self.bias is not None:
-            bias = _part(ops, self.bias, 3, k0, kn, self.shape[3])
-            bias = _part(ops, bias, 2, q0, qn, self.shape[2])
+            bias = tile_rows(ops, tile_columns(ops, self.bias, k0, kn, self.shape[3]), q0, qn,
+                             self.shape[2])
             s = s + (bias if ops.dtype_name(bias) == dtype else ops.astype(bias, dtype))
         return s
 
@@ -131,22 +131,11 @@ class ScoreTerms:
         """``-slope_h * |p_i - j|`` ``(1, H, qn, kn)``, in float32 (float64 for float64 scores)."""
         ops, slopes = self.ops, self.slopes
         assert slopes is not None
-        rows = ops.expand_dims(ops.arange(qn) + (q0 + self.offset), -1)  # (qn, 1) positions
         wide = "float64" if ops.dtype_name(like) == "float64" else "float32"
-        distance = ops.astype(ops.expand_dims(ops.arange(kn) + k0, 0) - rows, wide)  # (qn, kn)
+        distance = ops.astype(distances(ops, q0, qn, k0, kn, self.offset), wide)  # (qn, kn)
         distance = ops.maximum(distance, -distance)
         column = ops.from_numpy(-slopes.astype(wide)[:, None, None])  # (H, 1, 1)
         return ops.expand_dims(column * distance, 0)
-
-
-def _part(ops: Ops, x: Array, axis: int, start: Any, size: int, total: Any) -> Array:
-    """``start : start + size`` of ``x`` along ``axis``, unless that axis broadcasts or is whole."""
-    length = ops.shape(x)[axis]
-    if isinstance(length, int) and length == 1:
-        return x
-    whole = isinstance(start, int) and start == 0 and (
-        size is total or (isinstance(size, int) and isinstance(total, int) and size == total))
-    return x if whole else ops.slice(x, axis, start, size)
 
 
 def repeat_heads(ops: Ops, x: Array, heads: Any) -> Array:
