@@ -620,20 +620,17 @@ def dot_product_attention(
                          "given to a fused kernel; use None, 'direct' or 'blockwise'")
     visible = masks.Visibility(ops, shape, valid_lens, mask, causal, window, offset)
     path = choose_implementation(ops, implementation, want, shape)
-    # the terms may push a score past the bound of the queries and keys (a bias of -inf, a
-    # slope times a long distance): the rows are then always found from the scores
-    overflow = _may_overflow(ops, q, factor, norms) or terms_or_none is not None
+    overflow = _may_overflow(ops, q, factor, norms)
     # a window goes to a fused kernel as a mask, so not by choice, unless the kernel takes it
     fused_fits = terms_or_none is None and (visible.window is None or implementation == "fused"
                                             or getattr(ops, "fused_local_window", False))
     if path == "fused" and ((overflow and norms) or not fused_fits):  # not the kernel
         path = _unfused_path(ops, shape)
-    bounded = terms_or_none is None  # the scores are bounded by the queries and keys alone
 
     def pool(path: str, finite: bool, overflow: bool) -> Any:
         """The output on ``path``, and the weights when asked; inputs mended unless ``finite``."""
         out, weights = _pooled(ops, (q, k, v), visible, factor, dropout, path, want,
-                               finite, overflow or not bounded, terms_or_none)
+                               finite, overflow, terms_or_none)
         return (out, weights) if want else out
 
     cond = getattr(ops, "cond", None)
@@ -709,7 +706,7 @@ def _pooled(
         return blockwise_attention(ops, q, k, v, visible, dropout, scale=factor,
                                    terms=terms), None
     return pool_visible(ops, _direct_scores(ops, q, k, factor, terms), v, visible.full(),
-                        dropout, want_weights, finite and not overflow)
+                        dropout, want_weights, _in_bound(finite, overflow, terms))
 
 
 def _mended(
@@ -731,7 +728,17 @@ def _direct_weights(
     """The weights :func:`_pooled` gives on the direct path, without pooling the values."""
     q, k, _ = _mended(ops, qkv, "direct", finite)
     return visible_weights(ops, _direct_scores(ops, q, k, factor, terms), visible.full(),
-                           finite and not overflow)
+                           _in_bound(finite, overflow, terms))
+
+
+def _in_bound(finite: bool, overflow: bool, terms: ScoreTerms | None) -> bool:
+    """Whether the direct path's scores are known finite and above the fill, unread.
+
+    ``pool_visible``'s ``finite``: the inputs are finite, no product can overflow, and no term
+    is added (a bias of ``-inf``, or a slope times a long distance, is not bounded by the
+    queries and keys).
+    """
+    return finite and not overflow and terms is None
 
 
 def _direct_scores(ops: Ops, q: Array, k: Array, factor: Any, terms: ScoreTerms | None) -> Array:
