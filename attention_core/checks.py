@@ -338,3 +338,12 @@ def check_rotary_base(base: Any) -> float:
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
         raise ValueError(f"rotary_base must be a finite number > 1, got {base!r}")
     return float(base)
+
+
+#: The checks of the attention layers' score options, by argument name (in this order).
+SCORE_OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "positional": check_positional,
+    "rotary_base": check_rotary_base,
+    "window": check_window,
+    "softcap": check_softcap,
+}

@@ -507,7 +507,7 @@ class _Attention(Declaration):
 
 
 #: The score options of the scaled dot-product layers (:class:`_ScoredAttention`).
-SCORE_OPTIONS = ("positional", "rotary_base", "window", "softcap")
+SCORE_OPTIONS = tuple(checks.SCORE_OPTION_CHECKS)
 
 
 @dataclass(eq=False)
@@ -540,10 +540,8 @@ class _ScoredAttention(_Attention):
 
 def _normalise_score_options(layer: Declaration) -> None:
     """Checks and normalises the :data:`SCORE_OPTIONS` and ``num_kv_heads`` a layer has."""
-    layer.normalise("positional", checks.check_positional)
-    layer.normalise("rotary_base", checks.check_rotary_base)
-    layer.normalise("window", checks.check_window)
-    layer.normalise("softcap", checks.check_softcap)
+    for name, rule in checks.SCORE_OPTION_CHECKS.items():
+        layer.normalise(name, rule)
     arguments = layer.arguments()
     if arguments.get("num_kv_heads") is not None:
         heads = checks.check_positive_int("num_heads", arguments["num_heads"])

@@ -53,11 +53,9 @@ class HeadOptions:
 
     def checked(self, num_heads: int) -> HeadOptions:
         """The options checked (as every backend raises), numbers made plain."""
-        return HeadOptions(checks.check_kv_heads(num_heads, self.num_kv_heads),
-                           checks.check_positional(self.positional),
-                           checks.check_rotary_base(self.rotary_base),
-                           checks.check_window(self.window),
-                           checks.check_softcap(self.softcap))
+        kv_heads = checks.check_kv_heads(num_heads, self.num_kv_heads)
+        return HeadOptions(kv_heads, **{name: rule(getattr(self, name))
+                                        for name, rule in checks.SCORE_OPTION_CHECKS.items()})
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :func:`multi_head_attention`."""
