@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from attention_core import registry
+from tests import harness
 
 pytest_plugins = ["tests.report"]
 
@@ -22,12 +22,12 @@ pytest_plugins = ["tests.report"]
 def test_backends() -> list[str]:
     raw = os.environ.get("ATTENTION_CORE_TEST_BACKENDS", "").strip()
     if not raw:
-        return registry.available_backends()
+        return harness.registry.available_backends()
     names = []
     for part in raw.split(","):
         if part.strip():
             try:
-                names.append(registry.canonical_name(part))
+                names.append(harness.canonical_name(part))
             except ValueError:
                 names.append(part.strip())  # reported as a failure by the fixture
     return names
@@ -45,7 +45,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def backend(request: pytest.FixtureRequest) -> str:
     name = request.param
     try:
-        registry.load(name)
+        harness.load(name)
     except (ImportError, ValueError) as err:
         pytest.fail(f"backend {name!r} was asked for in ATTENTION_CORE_TEST_BACKENDS: {err}")
-    return registry.canonical_name(name)
+    return harness.canonical_name(name)

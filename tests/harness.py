@@ -34,12 +34,62 @@ Tolerances per dtype live here and nowhere else. Backend-specific test glue live
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from attention_core import registry
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the matrix beside the registry's backends: a second set of native layers
+    computing on one backend's arrays (``backends.keras`` under Keras' JAX or torch backend).
+
+    Attributes:
+        module: The layers' module.
+        arrays: The registry backend whose arrays and ops the layers compute on.
+        keras_backend: The ``KERAS_BACKEND`` the column needs (None: any).
+    """
+
+    module: str
+    arrays: str
+    keras_backend: str | None = None
+
+    def load(self) -> ModuleType:
+        """The layers' module; ImportError if the environment cannot run it."""
+        if self.keras_backend and os.environ.get("KERAS_BACKEND") != self.keras_backend:
+            raise ImportError(f"set KERAS_BACKEND={self.keras_backend} to test {self.module} "
+                              f"on {self.arrays} (it is {os.environ.get('KERAS_BACKEND')!r})")
+        return importlib.import_module(self.module)
+
+
+#: The columns by test backend name (``ATTENTION_CORE_TEST_BACKENDS``), each in its own tox env.
+COLUMNS = {
+    "keras-jax": Column("backends.keras", "jax", keras_backend="jax"),
+    "keras-torch": Column("backends.keras", "torch", keras_backend="torch"),
+}
+
+
+def load(name: str) -> ModuleType:
+    """A test backend's layers module: a registry backend's adapter, or a column's module.
+
+    Raises:
+        ImportError: It cannot be loaded here. ValueError: an unknown name.
+    """
+    if name in COLUMNS:
+        registry.load(COLUMNS[name].arrays)
+        return COLUMNS[name].load()
+    return registry.load(name)
+
+
+def canonical_name(name: str) -> str:
+    """A test backend's name: a column's as given, a registry backend's canonical name."""
+    return name if name in COLUMNS else registry.canonical_name(name)
+
 
 #: Spacing of the floating-point numbers just above 1.0 (2**-mantissa bits), per dtype.
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
@@ -100,6 +150,8 @@ DTYPES = {
     "tensorflow": ("float32", "float64", "float16", "bfloat16"),
     "jax": ("float32", "float16", "bfloat16"),
     "mxnet": ("float32", "float64"),
+    "keras-jax": ("float32", "float16", "bfloat16"),
+    "keras-torch": ("float32", "float64", "float16", "bfloat16"),
 }
 
 #: Ways each backend runs a layer (``MODES`` of its hooks): ``eager`` everywhere, then the
@@ -110,6 +162,8 @@ MODES = {
     "tensorflow": ("eager", "xla"),
     "jax": ("eager", "jit"),
     "mxnet": ("eager", "hybridize"),
+    "keras-jax": ("eager", "jit"),
+    "keras-torch": ("eager", "compile"),
 }
 
 #: What each mode name stands for, for reports.
@@ -129,21 +183,22 @@ QUICK_COMPILED_MODES = {"tensorflow": ("xla",), "mxnet": ("hybridize",)}
 
 #: The mode a backend differentiates a whole layer fastest in: JAX's eager mode compiles every
 #: primitive of the forward and backward pass on its own (loops included), ``jax.jit`` once.
-FASTEST_GRADIENT_MODE = {"jax": "jit"}
+FASTEST_GRADIENT_MODE = {"jax": "jit", "keras-jax": "jit"}
 
 #: Backends with automatic differentiation: their gradients are compared with the file too.
-AUTODIFF = ("torch", "tensorflow", "jax", "mxnet")
+AUTODIFF = ("torch", "tensorflow", "jax", "mxnet", "keras-jax", "keras-torch")
 
 
 class Harness:
     """Converts arrays, builds layers and calls them on one backend."""
 
     def __init__(self, name: str) -> None:
-        self.name = registry.canonical_name(name)
-        self.module = registry.load(self.name)
-        self.ops = self.module.OPS
+        self.name = canonical_name(name)
+        self.module = load(self.name)
+        self.ops = registry.load(COLUMNS[name].arrays).OPS if name in COLUMNS else self.module.OPS
         try:
-            self.hooks: Any = importlib.import_module(f"tests.hooks.{self.name}_hooks")
+            hooks = self.name.replace("-", "_")
+            self.hooks: Any = importlib.import_module(f"tests.hooks.{hooks}_hooks")
         except ModuleNotFoundError:
             self.hooks = None
         default: Callable[..., Any] = lambda layer, *a, **k: layer(*a, **k)  # noqa: E731

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_core import registry
 from conftest import test_backends
 from tests import report
 from tests.harness import (
@@ -21,6 +20,7 @@ from tests.harness import (
     MODES,
     TOLERANCE,
     Harness,
+    load,
     max_diff,
     tolerance,
 )
@@ -44,7 +44,7 @@ _HARNESSES: dict[str, Harness] = {}
 def harness(name: str) -> Harness:
     if name not in _HARNESSES:
         try:
-            registry.load(name)
+            load(name)
         except (ImportError, ValueError) as err:
             pytest.fail(f"backend {name!r} was asked for in ATTENTION_CORE_TEST_BACKENDS: {err}")
         _HARNESSES[name] = Harness(name)

@@ -1,4 +1,5 @@
-"""Test glue for the TensorFlow/Keras backend."""
+"""Test glue for the TensorFlow/Keras backend: Keras' shared hooks (tests/hooks/keras_hooks.py),
+``tf.GradientTape`` and ``tf.function``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import numpy as np
 import tensorflow as tf
 
 from tests.hooks import eager
-
-
-def make(cls: Any, config: dict[str, Any], dtype: str) -> Any:
-    return cls(**config, dtype=dtype)
+from tests.hooks.keras_hooks import call_mode as call_mode
+from tests.hooks.keras_hooks import config as config
+from tests.hooks.keras_hooks import make as make
+from tests.hooks.keras_hooks import native_shapes as native_shapes
+from tests.hooks.keras_hooks import native_weights as native_weights
+from tests.hooks.keras_hooks import rebuild as rebuild
+from tests.hooks.keras_hooks import save_load_native as save_load_native
+from tests.hooks.keras_hooks import seeded_weights as seeded_weights
+from tests.hooks.keras_hooks import set_native_weights as set_native_weights
 
 
 def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], inputs: Sequence[Any],
@@ -55,10 +61,6 @@ def xla(layer: Any, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
 MODES = {"eager": eager, "xla": xla}
 
 
-def call_mode(layer: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
-    return layer(*args, training=training, **kwargs)
-
-
 def sgd_step(layer: Any, args: Sequence[Any], kwargs: dict[str, Any], target: np.ndarray,
              lr: float) -> None:
     with tf.GradientTape() as tape:
@@ -66,18 +68,6 @@ def sgd_step(layer: Any, args: Sequence[Any], kwargs: dict[str, Any], target: np
         loss = tf.reduce_mean((out - tf.cast(target, out.dtype)) ** 2)
     grads = tape.gradient(loss, layer.trainable_variables)
     keras.optimizers.SGD(lr).apply_gradients(zip(grads, layer.trainable_variables, strict=True))
-
-
-def save_load_native(layer: Any, make_fresh: Callable[[], Any], args: Sequence[Any],
-                     path: Path) -> tuple[Any, list[str]]:
-    """A functional model around the layer (one ``keras.Input`` per argument), written to a
-    ``.keras`` file and loaded with no ``custom_objects``; returns the loaded model's layer."""
-    inputs = [keras.Input(tuple(x.shape[1:]), dtype=x.dtype.name) for x in map(tf.convert_to_tensor, args)]
-    model = keras.Model(inputs, layer(*inputs))
-    model.save(path / "layer.keras")
-    loaded = keras.models.load_model(path / "layer.keras")
-    (fresh,) = (m for m in loaded.layers if type(m) is type(layer))
-    return fresh, list(fresh.get_weights())
 
 
 # --- building (lazy sizes) ---
@@ -95,52 +85,6 @@ def call_with_unknown_widths(layer: Any, *args: Any) -> Any:
     tensors = [tf.convert_to_tensor(x) for x in args]
     signature = [tf.TensorSpec([None] * len(x.shape), x.dtype) for x in tensors]
     return tf.function(lambda *a: layer(*a), input_signature=signature)(*tensors)
-
-
-def native_shapes(layer: Any) -> dict[str, tuple[int | None, ...] | None]:
-    """The Keras variables by name and shape: none before the layer is built."""
-    return {w.name: tuple(w.shape) for w in layer.weights}
-
-
-def seeded_weights(cls: Any, config: dict[str, Any], seed: int, args: Sequence[Any]) -> dict[str, Any]:
-    """The initial weights after ``keras.utils.set_random_seed(seed)`` and a first call."""
-    keras.utils.set_random_seed(seed)
-    layer = cls(**config)
-    layer(*args)
-    return dict(layer.get_weights())
-
-
-# --- native weights, names, config ---
-
-
-def native_weights(layer: Any) -> dict[tuple[str, ...], np.ndarray]:
-    """Keras' own list (``keras.layers.Layer.get_weights``, also ``get_weight_list``) by each
-    variable's path below the layer (``<layer name>/<variable name>``)."""
-    paths = [tuple(variable.path.split("/")) for variable in layer.weights]
-    assert all(path[0] == layer.name for path in paths), paths
-    values = keras.layers.Layer.get_weights(layer)
-    for ours, theirs in zip(layer.get_weight_list(), values, strict=True):
-        np.testing.assert_array_equal(ours, theirs)
-    return {path[1:]: value for path, value in zip(paths, values, strict=True)}
-
-
-def set_native_weights(layer: Any, values: dict[tuple[str, ...], np.ndarray]) -> None:
-    """Keras' list form, in the order of ``layer.weights``."""
-    assert [tuple(v.path.split("/")[1:]) for v in layer.weights] == list(values)
-    layer.set_weight_list(list(values.values()))
-
-
-def config(layer: Any) -> dict[str, Any]:
-    config: dict[str, Any] = layer.get_config()
-    return config
-
-
-def rebuild(layer: Any) -> Any:
-    """Keras' serialization by registered name (``attention_core>Name``), as ``.keras`` files
-    use it: ``from_config`` of the layer's config."""
-    serialized = keras.saving.serialize_keras_object(layer)
-    assert serialized["registered_name"] == f"attention_core>{type(layer).__name__}"
-    return keras.saving.deserialize_keras_object(serialized)
 
 
 # --- compiled modes ---

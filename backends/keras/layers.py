@@ -1,0 +1,363 @@
+"""Keras 3 layers on any Keras backend: every declared layer as a ``keras.layers.Layer``.
+
+One generic base, :class:`Layer`, holds any declaration of :mod:`attention_core.declarations`:
+weights are Keras variables named by the canonical layout (DESIGN section 5), made by
+``build()`` on the first call (or ``set_weights``), or in ``__init__`` when the arguments fix
+every size, by Keras initializers; dropout (``training=True`` only) draws from the layer's
+``keras.random.SeedGenerator``. ``get_config()`` is the declared arguments, and the classes are
+registered, so ``.keras`` files load without ``custom_objects``. A failed call changes nothing.
+Keras padding masks of the sequence inputs arrive as ``<input>_mask`` call arguments.
+
+The same classes run under ``KERAS_BACKEND=tensorflow``, ``jax`` and ``torch``: the variables
+hold that framework's arrays and the core computes on its ops (:func:`backends.keras.ops.keras_ops`).
+``backends.tensorflow`` serves these classes under TensorFlow, so ``.keras`` files name them
+``attention_core>Name`` on every backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import keras
+import ml_dtypes
+import numpy as np
+
+from attention_core import checks
+from attention_core import declarations as D
+from attention_core import weights as W
+from backends.keras.ops import backend_ops, keras_ops
+
+_P = inspect.Parameter
+
+#: Keras initializers of the three kinds of :func:`attention_core.weights.init_rule`.
+_INITIALIZERS = {
+    "uniform": lambda r: keras.initializers.RandomUniform(r.a, r.b),
+    "normal": lambda r: keras.initializers.RandomNormal(r.a, r.b),
+    "constant": lambda r: keras.initializers.Constant(r.a),
+}
+
+
+@dataclass(eq=False, repr=False)
+class KerasArguments:
+    """``keras.layers.Layer``'s constructor arguments, after the declared ones."""
+
+    _: KW_ONLY
+    name: str | None = None
+    dtype: Any = None
+    trainable: bool = True
+    autocast: bool = True
+    activity_regularizer: Any = None
+
+
+if TYPE_CHECKING:  # Keras has no types: a base of Any attributes, so mypy sees exact signatures
+
+    class _Keras:
+        call: Any
+        build: Any
+        def __getattr__(self, name: str) -> Any: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+else:
+    _Keras = keras.layers.Layer
+
+
+def _torch_key(variable: Any) -> str:
+    """A variable's key among a Keras-on-torch layer's torch parameters: its path, with the
+    canonical names' dots as ``/`` (torch refuses ``.`` in a parameter's name)."""
+    return str(variable.path).replace(".", "/")
+
+
+class _TorchParameters:
+    """Keras on torch: the layer's variables as torch parameters, keyed by :func:`_torch_key`.
+
+    Keras' ``TorchLayer`` (and a model holding the layer) keys them by variable path, which
+    holds the canonical dotted names (``multi_head_attention/W_q.kernel``). The variables keep
+    their names and take the path ``multi_head_attention/W_q/kernel`` once made; these hooks
+    key them so while they are made.
+    """
+
+    def _track_variables(self: Any) -> None:
+        import torch
+
+        self._torch_params = torch.nn.ParameterDict(
+            {_torch_key(variable): variable.value for variable in self.variables})
+
+    def _post_track_variable(self: Any, variable: Any) -> None:
+        if hasattr(self, "_torch_params") and _torch_key(variable) not in self.torch_params:
+            self.torch_params[_torch_key(variable)] = variable.value
+
+    def _post_untrack_variable(self: Any, variable: Any) -> None:
+        if hasattr(self, "_torch_params") and _torch_key(variable) in self.torch_params:
+            self.torch_params.pop(_torch_key(variable))
+
+
+#: What Keras' own base class needs before it on this Keras backend.
+_BACKEND_BASES: tuple[type, ...] = (_TorchParameters,) if keras.backend.backend() == "torch" else ()
+
+
+@D.dataclass_transform()
+class Layer(D.KeptAttention, D.Declaration, *_BACKEND_BASES, _Keras, KerasArguments):
+    """Holds a declared layer's weights as Keras variables and calls its forward.
+
+    Attributes:
+        attention_weights: The last call's attention weights ``(B, H, Q, K)``, before dropout
+            (a list, one per block, for the encoder); None when not formed.
+    """
+
+    extras = D.keyword_parameters(KerasArguments)
+
+    if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._setup(args, kwargs)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Registers a declared layer; gives it the ``call`` and ``build`` signatures Keras reads."""
+        super().__init_subclass__(**kwargs)
+        if cls.declared_or_none() is None or "call" in vars(cls):
+            return
+        own = [_P(name, _P.KEYWORD_ONLY, default=None)
+               for name in ("training", *(f"{seq}_mask" for seq in cls.sequences))]
+        declared = list(cls.call_signature().parameters.values())
+        cls.call = _Signed(Layer._forward, [*declared, *own])
+        if cls.sizes:
+            shapes = [_P(f"{arg}_shape", _P.POSITIONAL_OR_KEYWORD)
+                      for arg in dict.fromkeys(s.argument for s in cls.sizes.values())]
+            cls.build = _Signed(Layer._build, shapes)
+        if any(base in D.LAYERS.values() for base in cls.__bases__):
+            keras.saving.register_keras_serializable(package="attention_core")(cls)
+
+    def _setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        declared, extras = self.bind_arguments(args, kwargs, *self.extras)
+        self.__dict__.update(declared)
+        self.check()
+        keras.layers.Layer.__init__(self, **extras)
+        self.seed_generator = keras.random.SeedGenerator() if getattr(self, "dropout", 0) else None
+        self._ops = keras_ops(self.seed_generator)
+        self._dims: dict[str, int] = {}
+        self._params: dict[str, keras.Variable] = {}
+        self._weightless = not self.weight_shapes()
+        self._constants = {n: _rounded(t, self.compute_dtype)
+                           for n, t in self.constants("float64").items()}
+        self._attention_kept = self.finish(None, False, False)[1]
+        self._allow_non_tensor_positional_args = True  # valid_lens may be a Python list
+        if None not in {d for shape in self.weight_shapes().values() for d in shape}:
+            self._create({})
+            self.built = True
+
+    def spec(self) -> W.Spec:
+        """Canonical names and shapes of this layer's weights (None = not known yet)."""
+        return self.weight_shapes(**self._dims)
+
+    def __getattr__(self, name: str) -> Any:
+        """A held table by its name (``P``): a constant, or a weight of that name."""
+        found = {**vars(self).get("_constants", {}), **vars(self).get("_params", {})}
+        if name in found:
+            return found[name]
+        try:  # Keras on torch: the layer is a torch.nn.Module, which finds its own attributes
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    __repr__ = keras.layers.Layer.__repr__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the layer; a failed call changes nothing and raises what ``call()`` raised."""
+        # the dtype rule: without weights, the inputs' dtype, unless a policy not float32 rules
+        if self.autocast and self.dtype_policy.name == "float32" and self._weightless:
+            self.autocast = False
+        fresh = not self.built
+        kwargs = self._with_padding_masks(args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException as err:
+            if fresh and self.built:
+                self._unbuild()
+            original = _unwrap_call_error(err)
+            if original is err:
+                raise
+        raise original  # outside the except block: the original's own context is kept
+
+    def _with_padding_masks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Moves the inputs' padding masks (``_keras_mask``) into ``<name>_mask`` arguments.
+
+        Keras would give a lone tensor argument's padding mask to ``mask``, the attention mask.
+        """
+        if all(getattr(value, "_keras_mask", None) is None for value in (*args, *kwargs.values())):
+            return kwargs  # the common case, decided without binding the arguments
+        try:
+            bound = self._call_signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return kwargs  # Keras raises its own error for a call that does not bind
+        found = {f"{name}_mask": getattr(bound.get(name), "_keras_mask", None) for name in self.sequences}
+        return {**kwargs, **{k: v for k, v in found.items() if v is not None and bound.get(k) is None}}
+
+    def _forward(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+        """The generic ``call``: the declared call, ``training`` and the padding masks."""
+        paddings = {name: kwargs.pop(f"{name}_mask", None) for name in self.sequences}
+        prepared = self.prepare(self._ops, self.compute_dtype, self.bind_call(args, kwargs))
+        for dim, size in prepared.dims.items():
+            checks.check_built_size(self.sizes[dim].argument, size, self._dims.get(dim))
+        arguments = prepared.arguments
+        if any(pad is not None for pad in paddings.values()):
+            arguments.update(self.padding_masks(self._ops, arguments, paddings))
+        need = self.needs_attention(prepared.return_attention)
+        tensors = {name: variable.value for name, variable in self._params.items()}
+        rate = getattr(self, "dropout", 0.0) if training else 0.0
+        run = D.Run(self._ops, tensors, self._constants, rate, need)
+        returned, kept = self.finish(self.compute(run, **arguments), need,
+                                     prepared.return_attention)
+        if self.attention_kind:
+            self._attention_kept = kept
+        return returned
+
+    def _build(self, *args: Any, **kwargs: Any) -> None:
+        """The generic ``build(<input>_shape, ...)``: the weights for those input sizes."""
+        shapes = inspect.signature(type(self).build).bind(self, *args, **kwargs).arguments
+        dims = {dim: shapes[f"{s.argument}_shape"][-1] for dim, s in self.sizes.items()}
+        if unknown := list(dict.fromkeys(self.sizes[d].argument for d, size in dims.items() if size is None)):
+            names = " and ".join([", ".join(unknown[:-1]), unknown[-1]] if unknown[1:] else unknown)
+            raise ValueError(f"{type(self).__name__}: the last dimension of {names} must be known "
+                             "to create the weights, got None")
+        self._create({dim: int(size) for dim, size in dims.items()})
+
+    def _create(self, dims: dict[str, int]) -> None:
+        """Creates every weight for these input sizes, by its rule's Keras initializer."""
+        spec = self.weight_shapes(**dims)
+        for name, shape in spec.items():
+            rule = W.init_rule(name, cast("tuple[int, ...]", shape))  # every size is known
+            variable = self.add_weight(
+                shape=shape, initializer=_INITIALIZERS[rule.kind](rule),
+                dtype=self.variable_dtype, name=name,
+            )
+            if _BACKEND_BASES:  # Keras on torch: a path any model can key torch parameters by
+                variable._path = _torch_key(variable)
+            self._params[name] = variable
+        self._dims = dims
+
+    def _unbuild(self) -> None:
+        """Undoes the build of a first call that failed, so the call changes nothing."""
+        for variable in self._params.values():
+            self._untrack_variable(variable)
+        self._tracker.unlock()
+        self._params, self._dims = {}, {}
+        self._build_shapes_dict = None
+        self.built = False
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras' config: its own entries and the declared arguments."""
+        return {**keras.layers.Layer.get_config(self), **self.arguments()}
+
+    @property
+    def canonical_variables(self) -> dict[str, keras.Variable]:
+        """The Keras variables by canonical name (e.g. for ``tf.GradientTape``)."""
+        return dict(self._params)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """A copy of the weights by canonical name (Keras' list: :meth:`get_weight_list`)."""
+        if not self.built:
+            raise checks.not_built(type(self).__name__)
+        return {name: np.array(keras.ops.convert_to_numpy(variable.value))
+                for name, variable in self._params.items()}
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Sets every weight from a canonical mapping (not Keras' list), all checked first."""
+        dtype = keras.backend.standardize_dtype(self.variable_dtype)
+        checked = W.check_weights(self.spec(), weights, dtype=dtype)
+        ops = backend_ops()
+        staged = {name: keras.ops.cast(ops.from_numpy(value), dtype) for name, value in checked.items()}
+        fresh = not self.built
+        if fresh:
+            dims = self.dims_from_weights(checked)
+            self.build(**{f"{s.argument}_shape": (None, None, dims[d]) for d, s in self.sizes.items()})
+        try:
+            for name, value in staged.items():
+                self._params[name].assign(value)
+        except BaseException:
+            if fresh:
+                self._unbuild()
+            raise
+
+    def get_weight_list(self) -> list[np.ndarray]:
+        """Keras' list form: the values of ``layer.weights``, in order."""
+        return list(keras.layers.Layer.get_weights(self))
+
+    def set_weight_list(self, weights: list[Any]) -> None:
+        """Keras' list form: sets ``layer.weights`` in order (see :meth:`get_weight_list`)."""
+        keras.layers.Layer.set_weights(self, weights)
+
+    def compute_mask(self, inputs: Any, previous_mask: Any = None) -> Any:
+        """The first input's padding mask (``previous_mask`` may be the attention mask)."""
+        return getattr(inputs, "_keras_mask", None)
+
+
+def _rounded(table: np.ndarray, dtype: str) -> Any:
+    """A float64 table rounded once to ``dtype`` on the host, as the backend's tensor."""
+    name = keras.backend.standardize_dtype(dtype)
+    host = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    return keras.ops.convert_to_tensor(np.asarray(table).astype(host), dtype=name)
+
+
+class _Signed:
+    """A generic method showing Keras (``inspect.signature``) a layer class's own parameters.
+
+    Not a function with ``__signature__``: Keras' ``functools.wraps`` of ``build`` would copy it.
+    """
+
+    def __init__(self, method: Any, parameters: list[inspect.Parameter]) -> None:
+        self.method, self.__name__, self.__doc__ = method, method.__name__, method.__doc__
+        self.parameters = [_P("self", _P.POSITIONAL_OR_KEYWORD), *parameters]
+
+    __signature__ = property(lambda self: inspect.Signature(self.parameters))
+
+    def __get__(self, layer: Any, owner: Any = None) -> Any:
+        return self if layer is None else types.MethodType(self, layer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method(*args, **kwargs)
+
+
+def _unwrap_call_error(err: BaseException) -> BaseException:
+    """The exception ``call()`` raised, not Keras' copy with the call's arguments around it.
+
+    Keras marks its copy ``_keras_call_info_injected``; the arguments become a note.
+    """
+    if not getattr(err, "_keras_call_info_injected", False):
+        return err
+    original = err.__cause__ or err.__context__
+    if original is None or not (type(original) is type(err) or type(err) is RuntimeError):
+        return err
+    text = str(err)
+    where = text.find("Arguments received by ")
+    if where >= 0 and hasattr(original, "add_note"):  # Python >= 3.11
+        original.add_note(text[where:])
+    return original
+
+
+class DotProductAttention(Layer, D.DotProductAttention): ...
+class AdditiveAttention(Layer, D.AdditiveAttention): ...
+class MultiHeadAttention(Layer, D.MultiHeadAttention): ...
+class RelativeMultiHeadAttention(Layer, D.RelativeMultiHeadAttention): ...
+class PositionalEncoding(Layer, D.PositionalEncoding): ...
+class RotaryEmbedding(Layer, D.RotaryEmbedding): ...
+class LearnedPositionalEncoding(Layer, D.LearnedPositionalEncoding): ...
+class PositionWiseFFN(Layer, D.PositionWiseFFN): ...
+class AddNorm(Layer, D.AddNorm): ...
+class TransformerEncoderBlock(Layer, D.TransformerEncoderBlock): ...
+class TransformerEncoder(Layer, D.TransformerEncoder): ...
+class TransformerDecoderBlock(Layer, D.TransformerDecoderBlock): ...
+class TransformerDecoder(Layer, D.TransformerDecoder): ...
+class Transformer(Layer, D.Transformer): ...
+class NadarayaWatson(Layer, D.NadarayaWatson): ...
+
+__all__ = [  # the declared layers (attention_core.declarations.LAYERS), one class each
+    "AddNorm", "AdditiveAttention", "DotProductAttention", "LearnedPositionalEncoding",
+    "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
+    "RelativeMultiHeadAttention", "RotaryEmbedding", "Transformer", "TransformerDecoder",
+    "TransformerDecoderBlock", "TransformerEncoder", "TransformerEncoderBlock",
+]
