@@ -41,6 +41,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend", test_backends(), indirect=True)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects the cells of a column (``tests.harness.COLUMNS``: ``keras-jax`` ...) in test
+    modules that do not test layers (no ``COLUMN_TESTS = True``): the functional API and the
+    ops of a column's arrays are its backend's, tested in that backend's env."""
+    def column_cell(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        name = None if callspec is None else callspec.params.get("backend")
+        module = getattr(item, "module", None)
+        return name in harness.COLUMNS and not getattr(module, "COLUMN_TESTS", False)
+
+    deselected = [item for item in items if column_cell(item)]
+    if deselected:
+        items[:] = [item for item in items if not column_cell(item)]
+        config.hook.pytest_deselected(items=deselected)
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     name = request.param

@@ -44,6 +44,7 @@ import numpy as np
 
 from attention_core import registry
 
+
 @dataclass(frozen=True)
 class Column:
     """A column of the matrix beside the registry's backends: a second set of native layers

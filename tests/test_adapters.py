@@ -34,6 +34,9 @@ from tests.matrix import FULL_MODES
 from tests.reference.cases import CASES, MASK_KINDS, mask_arguments
 from tests.reference.generate import RETURNS_ATTENTION, record
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 TOL = TOLERANCE["float32"]
 #: A small encoder: 11 token ids, width 12, FFN 16, 3 heads, 2 blocks.
 ENCODER = {"vocab_size": 11, "num_hiddens": 12, "ffn_num_hiddens": 16, "num_heads": 3,

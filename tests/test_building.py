@@ -28,6 +28,9 @@ from attention_core import weights as W
 from tests import naive
 from tests.harness import MODES, TOLERANCE, Harness, max_diff
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 NOT_BUILT = "weights are created on the first call; call the layer or set_weights first"
 #: Backends whose compiled mode cannot make a layer's first call, and why.
 NO_COMPILED_FIRST_CALL = {

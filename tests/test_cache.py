@@ -17,6 +17,9 @@ from attention_core import weights as W
 from tests.harness import Harness, max_diff
 from tests.test_decoder import H, S, V, block_weights, h, on, stack_weights
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 B, STEPS = 2, 7
 #: The target of issue 18: step by step equals the full pass within 1e-5 in float32.
 BOUND = 1e-5

@@ -43,6 +43,9 @@ from tests.harness import (
 )
 from tests.reference.cases import MASK_KINDS, mask_arguments
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 TOL = TOLERANCE["float32"]
 #: The compiled modes run here: the quick ones, and JAX's jit (seconds per trace, so only here
 #: and in the matrix).

@@ -30,6 +30,9 @@ from attention_core import weights as W
 from attention_core.ops import Array, Ops
 from tests.harness import AUTODIFF, QUICK_COMPILED_MODES, TOLERANCE, Harness, max_diff
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 TOL = TOLERANCE["float32"]
 
 

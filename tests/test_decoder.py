@@ -14,6 +14,9 @@ from attention_core import weights as W
 from tests import naive
 from tests.harness import TOLERANCE, Harness, max_diff
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 B, T, S, h, H, F, V = 2, 5, 6, 8, 2, 12, 11
 
 

@@ -29,6 +29,9 @@ from attention_core import weights as W
 from tests import report
 from tests.harness import Harness
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 R = np.random.default_rng(0)
 F32 = "float32"
 FLOATS = "(float16, bfloat16, float32, float64)"

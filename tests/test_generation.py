@@ -16,6 +16,9 @@ from attention_core.registry import ops_for
 from tests.harness import Harness
 from tests.test_decoder import H, S, on, stack_weights
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 EOS = 3
 
 

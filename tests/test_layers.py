@@ -8,6 +8,9 @@ import attention_core as ac
 from tests import naive
 from tests.harness import Harness, max_diff
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 
 def test_seed_usage_multi_head(backend: str) -> None:
     """As the seed uses it, in each way a layer can be set up (Gluon: hybridized too)."""

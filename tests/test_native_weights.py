@@ -22,6 +22,9 @@ import pytest
 from attention_core import weights as W
 from tests.harness import DTYPES, FASTEST_GRADIENT_MODE, Harness
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 #: Backends whose layers nest their sublayers' weights (torch submodules, Flax dicts); Keras
 #: variables, Gluon parameters and NumPy hold flat dotted names.
 NESTING = ("torch", "jax")

@@ -29,6 +29,9 @@ from attention_core import attention as core_attention
 from tests.harness import AUTODIFF, DTYPES, TOLERANCE, Harness, max_diff, tolerance
 from tests.strategies import attention, implementations, run, visible
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 #: Paths left out, with the reason (none now: JAX's fused kernel in float16 on CPU, which XLA
 #: cannot compile under ``jax.jit``, falls back to the direct path in ``JaxOps.fused_attention``).
 LEFT_OUT: dict[tuple[str, str, str], str] = {}

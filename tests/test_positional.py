@@ -11,6 +11,9 @@ import attention_core as ac
 from tests import naive
 from tests.harness import TOLERANCE, Harness, max_diff
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 
 @pytest.mark.parametrize("width", [1, 2, 7, 32])
 def test_table_matches_formula(width: int) -> None:

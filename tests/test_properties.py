@@ -39,6 +39,9 @@ from tests.strategies import (
     run,
 )
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 TOL = TOLERANCE["float32"]
 
 

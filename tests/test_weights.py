@@ -18,6 +18,9 @@ from attention_core import files
 from attention_core import weights as W
 from tests.harness import Harness
 
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
 SPEC_CASES = [
     ("MultiHeadAttention", {"num_hiddens": 6, "num_heads": 2, "bias": True},
      {"W_q.kernel": (4, 6), "W_q.bias": (6,), "W_k.kernel": (5, 6), "W_k.bias": (6,),

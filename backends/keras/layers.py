@@ -66,8 +66,10 @@ else:
 
 
 def _torch_key(variable: Any) -> str:
-    """A variable's key among a Keras-on-torch layer's torch parameters: its path, with the
-    canonical names' dots as ``/`` (torch refuses ``.`` in a parameter's name)."""
+    """A variable's key among a Keras-on-torch layer's torch parameters.
+
+    Its path, with the canonical names' dots as ``/`` (torch refuses ``.`` in a name).
+    """
     return str(variable.path).replace(".", "/")
 
 
@@ -77,7 +79,8 @@ class _TorchParameters:
     Keras' ``TorchLayer`` (and a model holding the layer) keys them by variable path, which
     holds the canonical dotted names (``multi_head_attention/W_q.kernel``). The variables keep
     their names and take the path ``multi_head_attention/W_q/kernel`` once made; these hooks
-    key them so while they are made.
+    key them so while they are made. (Other Keras backends never call the first hook, and
+    the other two find no torch parameters.)
     """
 
     def _track_variables(self: Any) -> None:
@@ -95,12 +98,12 @@ class _TorchParameters:
             self.torch_params.pop(_torch_key(variable))
 
 
-#: What Keras' own base class needs before it on this Keras backend.
-_BACKEND_BASES: tuple[type, ...] = (_TorchParameters,) if keras.backend.backend() == "torch" else ()
+#: Keras runs on torch (the layers are torch modules).
+_ON_TORCH = keras.backend.backend() == "torch"
 
 
 @D.dataclass_transform()
-class Layer(D.KeptAttention, D.Declaration, *_BACKEND_BASES, _Keras, KerasArguments):
+class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArguments):
     """Holds a declared layer's weights as Keras variables and calls its forward.
 
     Attributes:
@@ -159,7 +162,7 @@ class Layer(D.KeptAttention, D.Declaration, *_BACKEND_BASES, _Keras, KerasArgume
         if name in found:
             return found[name]
         try:  # Keras on torch: the layer is a torch.nn.Module, which finds its own attributes
-            return super().__getattr__(name)  # type: ignore[misc]
+            return super().__getattr__(name)
         except AttributeError:
             pass
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -235,7 +238,7 @@ class Layer(D.KeptAttention, D.Declaration, *_BACKEND_BASES, _Keras, KerasArgume
                 shape=shape, initializer=_INITIALIZERS[rule.kind](rule),
                 dtype=self.variable_dtype, name=name,
             )
-            if _BACKEND_BASES:  # Keras on torch: a path any model can key torch parameters by
+            if _ON_TORCH:  # Keras on torch: a path any model can key torch parameters by
                 variable._path = _torch_key(variable)
             self._params[name] = variable
         self._dims = dims

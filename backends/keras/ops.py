@@ -80,8 +80,10 @@ def keras_ops(seed_generator: keras.random.SeedGenerator | None = None) -> Ops:
 
 @functools.cache
 def backend_ops() -> Ops:
-    """The shared ops instance of the framework Keras runs on (its adapter's ``OPS``), for
-    conversions: NumPy data to a tensor, a tensor to NumPy."""
+    """The shared ops instance of the framework Keras runs on (its adapter's ``OPS``).
+
+    For conversions: NumPy data to a tensor, a tensor to NumPy.
+    """
     module = {"tensorflow": "backends.tensorflow.ops", "jax": "backends.jax.ops",
               "torch": "backends.torch.ops"}.get(keras.backend.backend())
     if module is None:
