@@ -244,7 +244,7 @@ def keras_model(case: str) -> tuple[Any, Callable[..., Any]]:
 @pytest.mark.parametrize("case", CASES)
 def test_keras_export_to_a_saved_model(tmp_path: Path, case: str) -> None:
     """``model.export()`` (a SavedModel, its length and batch ``None``) reloaded with
-    ``tf.saved_model.load``, with nothing of this library imported by the reloaded program."""
+    ``tf.saved_model.load``."""
     model, eager = keras_model(case)
     model.export(str(tmp_path), verbose=False)
     loaded = tf.saved_model.load(str(tmp_path))
@@ -351,14 +351,13 @@ def gluon_data(arrays: list[Any], options: dict[str, Any]) -> list[Any]:
     return [*arrays, *([options["mask"]] if "mask" in options else [])]
 
 
-def gluon_exported(layer: Any, arrays: list[Any], directory: Path) -> Any:
+def gluon_exported(layer: Any, arrays: list[Any], prefix: Path) -> Any:
     """``layer.export`` of its last graph, read back by ``SymbolBlock.imports``."""
-    layer.export(str(directory / "layer"))
+    layer.export(str(prefix))
     names = ["data"] if len(arrays) == 1 else [f"data{i}" for i in range(len(arrays))]
     with warnings.catch_warnings():  # the data inputs' types are unknown until a call
         warnings.filterwarnings("ignore", "Cannot decide type", UserWarning)
-        return mx.gluon.SymbolBlock.imports(str(directory / "layer-symbol.json"), names,
-                                            str(directory / "layer-0000.params"))
+        return mx.gluon.SymbolBlock.imports(f"{prefix}-symbol.json", names, f"{prefix}-0000.params")
 
 
 @section("mxnet")
@@ -375,7 +374,7 @@ def test_gluon_export_and_imports(tmp_path: Path, case: str) -> None:
     for length in LENGTHS:
         arrays, options = gluon_call(case, length)
         layer(*arrays, **options)
-        imported = gluon_exported(layer, gluon_data(arrays, options), tmp_path / str(length))
+        imported = gluon_exported(layer, gluon_data(arrays, options), tmp_path / f"length{length}")
         got = imported(*gluon_data(arrays, options)).asnumpy()
         check("gluon", case, length, got, eager(*arrays, **options).asnumpy())
 
@@ -388,7 +387,7 @@ def test_gluon_exported_graph_has_the_shapes_of_its_call(tmp_path: Path) -> None
     layer.hybridize()
     arrays, _ = gluon_call("valid_lens", TRACED)
     layer(*arrays)
-    imported = gluon_exported(layer, arrays, tmp_path)
+    imported = gluon_exported(layer, arrays, tmp_path / "layer")
     np.testing.assert_allclose(imported(*arrays).asnumpy(), layer(*arrays).asnumpy(), rtol=0, atol=BOUND)
     with pytest.raises(mx.base.MXNetError, match="reshape"):
         imported(*gluon_call("valid_lens", LENGTHS[0])[0]).asnumpy()
