@@ -1,6 +1,7 @@
-"""PyTorch-specific behaviour: torch.compile and fullgraph, jit.trace, export, autocast's
-output dtypes, state_dict and buffers, dtypes and ``.to()``. What every framework does alike is
-in tests/test_adapters.py; the fused path (SDPA here) in tests/test_fused.py; layers, paths and
+"""PyTorch-specific behaviour: torch.compile and fullgraph, jit.trace, the path exported
+programs take, autocast's output dtypes, state_dict and buffers, dtypes and ``.to()``. What
+every framework does alike is in tests/test_adapters.py; torch.export and ONNX round trips in
+tests/test_export.py; the fused path (SDPA here) in tests/test_fused.py; layers, paths and
 training under autocast in tests/test_mixed_precision.py; the compiled fused path's NaN rows in
 tests/test_compiled.py.
 
@@ -181,50 +182,7 @@ def test_torch_func_grad_and_vmap(implementation: str) -> None:
     assert max_diff(one.numpy(), want.numpy()) <= 1e-12
 
 
-# -- unknown sequence lengths: torch.export and ONNX (issue 14, item 16) --------------------------
-
-class _FunctionalEncoder(torch.nn.Module):
-    """The functional ``transformer_encoder`` over a layer's parameters (no table held)."""
-
-    def __init__(self, encoder: torch_layers.TransformerEncoder) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, tokens: torch.Tensor) -> Any:
-        return ac.transformer_encoder(tokens, dict(self.encoder.named_parameters()), 3)
-
-
-@pytest.mark.parametrize("kind", ["weights", "fused", "functional"])
-def test_encoder_torch_export_with_a_dynamic_length(kind: str) -> None:
-    """The layer, keeping its weights or not, and the functional API over its parameters (which
-    under a symbolic length slices a table of max_len (1000) rows)."""
-    torch.manual_seed(1 if kind == "functional" else 0)
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2,
-                                              keep_attention_weights=kind != "fused").eval()
-    module = _FunctionalEncoder(encoder).eval() if kind == "functional" else encoder
-    program = torch.export.export(module, (torch.randint(0, 11, (2, 5)),), dynamic_shapes={
-        "tokens": {1: torch.export.Dim("steps", min=2, max=64)}})
-    for length in (3, 17):
-        tokens = torch.randint(0, 11, (2, length))
-        got = program.module()(tokens).detach().numpy()
-        assert max_diff(got, naive.encoder_of(encoder, tokens.numpy())) <= 1e-4
-
-
-def test_encoder_onnx_export_with_a_dynamic_axis(tmp_path: Any) -> None:
-    pytest.importorskip("onnxscript")
-    ort = pytest.importorskip("onnxruntime")
-    torch.manual_seed(0)
-    encoder = torch_layers.TransformerEncoder(11, 12, 16, 3, 2, keep_attention_weights=False).eval()
-    path = tmp_path / "encoder.onnx"
-    torch.onnx.export(encoder, (torch.randint(0, 11, (2, 5)),), str(path), input_names=["tokens"],
-                      output_names=["out"], dynamic_axes={"tokens": {0: "B", 1: "T"}},
-                      dynamo=True, verbose=False)
-    session = ort.InferenceSession(str(path))
-    for batch, length in ((2, 3), (3, 17)):
-        tokens = np.random.default_rng(length).integers(0, 11, (batch, length))
-        (got,) = session.run(None, {"tokens": tokens})
-        assert max_diff(got, naive.encoder_of(encoder, tokens)) <= 1e-4
-
+# -- unknown sequence lengths: torch.export and ONNX are in tests/test_export.py ----------------
 
 # -- torch.autocast -------------------------------------------------------------------------
 

@@ -231,7 +231,9 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
                 kernel.data = torch.empty(0, device=kernel.device, dtype=kernel.dtype)
                 kernel.__class__ = UninitializedParameter
             raise
-        if self.attention_kind:
+        # torch.export's values are symbolic: the layer keeps nothing of the traced call (a
+        # tensor attribute set while exporting is undone afterwards, with a UserWarning)
+        if self.attention_kind and not torch.compiler.is_exporting():
             self._keep(kept)
         return returned
 
