@@ -29,9 +29,6 @@ from tests.reference.cases import (
 )
 from tests.reference.generate import record
 
-#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
-COLUMN_TESTS = True
-
 #: ``(KEY_BLOCK, TILE_SCORES)``: one key and one query per tile; ragged key blocks of 4 with one
 #: query per tile; key blocks of 4 with all queries in one block.
 BLOCKINGS = {"1x1": (1, 1), "1x4": (4, 1), "Qx4": (4, 10**6)}

@@ -12,9 +12,6 @@ from tests.harness import TOLERANCE, Harness, max_diff
 from tests.reference.cases import CASES, FUNCTION_OPTIONS, Case
 from tests.reference.generate import record
 
-#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
-COLUMN_TESTS = True
-
 FUNCTIONAL = {
     "DotProductAttention": lambda x, w, cfg, kw: ac.dot_product_attention(
         x["queries"], x["keys"], x["values"], return_weights=True, **kw, **_options(cfg)),

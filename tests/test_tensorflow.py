@@ -1,4 +1,5 @@
-"""Keras habits of the TensorFlow backend: tf.function and XLA, .keras files, configs, dropout.
+"""What only Keras on TensorFlow has: tf.function and XLA, tf.GradientTape, the refusal of
+another Keras backend by backends.tensorflow.
 
 The cross-backend files (test_reference_matrix, test_errors, test_weights, test_adapters, ...)
 already run on this backend; these tests cover what only Keras has. Layers traced for unknown
@@ -31,10 +32,8 @@ import backends.numpy as numpy_layers
 import backends.tensorflow as keras_layers
 from attention_core import attention, blockwise
 from backends.tensorflow.ops import OPS
-from tests import naive
 from tests.harness import TOLERANCE, max_diff, tolerance
 from tests.reference.cases import MASK_KINDS, mask_arguments
-from tests.reference.generate import load
 
 REPO = Path(__file__).resolve().parent.parent
 B, Q, K = 2, 4, 6
@@ -63,195 +62,6 @@ def test_functional_api_under_xla() -> None:
     assert max_diff(out.numpy(), expected) <= TOLERANCE["float32"]
     assert max_diff(weights.numpy(), expected_w) <= TOLERANCE["float32"]
     assert np.all(weights.numpy()[1, :, 0] == 0.0)  # valid length 0: the row is all zeros
-
-
-# -- .keras files, configs, weights -------------------------------------------------------------
-
-
-def every_layer_model() -> keras.Model:
-    """A functional model using each of the eleven layers, unknown batch size."""
-    h = 8
-    x = keras.Input((5, h))
-    lens = keras.Input((), dtype="int32")
-    xq, xk, xv = keras.Input((3,)), keras.Input((6,)), keras.Input((6,))
-    tokens = keras.Input((5,), dtype="int32")
-    y = keras_layers.PositionalEncoding(h, 0.1, max_len=20)(x)
-    y = keras_layers.LearnedPositionalEncoding(h, 0.1, max_len=20)(y)
-    y = keras_layers.MultiHeadAttention(h, 2, 0.1, bias=True)(y, y, y, lens)
-    y = keras_layers.AdditiveAttention(7, 0.1)(y, x, x, lens)
-    y = keras_layers.DotProductAttention(0.1)(y, x, y, causal=True)
-    y = keras_layers.AddNorm(h, 0.1)(y, keras_layers.PositionWiseFFN(11, h)(y))
-    y = keras_layers.TransformerEncoderBlock(h, 12, 4, 0.1)(y, lens)
-    encoded = keras_layers.TransformerEncoder(10, h, 12, 2, 2, 0.1, bias=True)(tokens, lens)
-    y = keras_layers.RelativeMultiHeadAttention(h, 2, 2, 0.1, bias=True)(y, encoded, encoded, lens)
-    z = keras_layers.NadarayaWatson(parametric=True)(xq, xk, xv)
-    return keras.Model([x, lens, xq, xk, xv, tokens], [y, z])
-
-
-# Keras 3.15 saving calls np.array(variable) under NumPy 2; a plain Dense model warns the same.
-@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")
-def test_keras_file_round_trip(tmp_path: Path) -> None:
-    model = every_layer_model()
-    x, xq, xk, xv = draw((3, 5, 8), (3, 3), (3, 6), (3, 6), seed=4)
-    tokens = np.random.default_rng(4).integers(0, 10, (3, 5)).astype(np.int32)
-    inputs = [x, np.array([1, 2, 3], np.int32), xq, xk, xv, tokens]
-    before = [y.numpy() for y in model(inputs)]
-    path = tmp_path / "model.keras"
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in model.layers]
-    after = [y.numpy() for y in loaded(inputs)]
-    for a, b in zip(before, after, strict=True):
-        np.testing.assert_array_equal(a, b)
-    for src, dst in zip(model.layers, loaded.layers, strict=True):
-        if isinstance(src, keras_layers.layers.Layer):
-            theirs = dst.get_weights()
-            assert sorted(theirs) == sorted(src.get_weights())
-            for name, value in src.get_weights().items():
-                np.testing.assert_array_equal(theirs[name], value)
-
-
-# -- low precision ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("layer", ["DotProductAttention", "MultiHeadAttention",
-                                   "TransformerEncoderBlock"])
-def test_low_precision_fully_masked_rows(layer: str, dtype: str) -> None:
-    ref = load(layer)["fully_masked_row"]
-    config = {"DotProductAttention": {}, "MultiHeadAttention": {"num_hiddens": 12, "num_heads": 3},
-              "TransformerEncoderBlock": {"num_hiddens": 12, "ffn_num_hiddens": 16,
-                                          "num_heads": 3}}[layer]
-    obj = getattr(keras_layers, layer)(**config, dtype=dtype)
-    weights = {k[7:]: v for k, v in ref.items() if k.startswith("weight.")}
-    if weights:
-        obj.set_weights(weights)
-    names = ["X"] if layer == "TransformerEncoderBlock" else ["queries", "keys", "values"]
-    inputs = [ref[f"input.{name}"] for name in names]
-    out = obj(*inputs, valid_lens=ref["call.valid_lens"], mask=ref["call.mask"])
-    compute = dtype.replace("mixed_", "")
-    assert out.dtype == compute and obj.attention_weights.dtype == compute
-    got, attn = np.asarray(out, np.float64), np.asarray(obj.attention_weights, np.float64)
-    assert np.isfinite(got).all() and np.isfinite(attn).all()
-    assert np.all(attn[0, :, 1] == 0) and np.all(attn[1, :, 2] == 0)
-    assert max_diff(attn, ref["output.attention"]) <= TOLERANCE[compute]
-    scale = max(1.0, float(np.abs(ref["output.out"]).max()))
-    assert max_diff(got, ref["output.out"]) <= TOLERANCE[compute] * scale
-
-
-# -- Keras integration details ------------------------------------------------------------------
-
-
-#: Token ids with padding (0) at the end; row 2 has none, row 3 only one real token.
-PADDED_TOKENS = np.array([[1, 2, 0, 0], [3, 1, 2, 0], [1, 1, 1, 1], [2, 0, 0, 0]])
-#: The layers reading Keras' padding mask, each on (B, T, 8) embeddings.
-PADDED = {"block": lambda: keras_layers.TransformerEncoderBlock(8, 12, 2),
-          "mha": lambda: keras_layers.MultiHeadAttention(8, 2),
-          "dot": lambda: keras_layers.DotProductAttention(),
-          "additive": lambda: keras_layers.AdditiveAttention(6),
-          "relative": lambda: keras_layers.RelativeMultiHeadAttention(8, 2, 2)}
-
-
-def attend(layer: Any, X: Any, **kwargs: Any) -> Any:
-    """The block on ``X``, an attention layer on ``X`` as queries, keys and values."""
-    if isinstance(layer, keras_layers.TransformerEncoderBlock):
-        return layer(X, **kwargs)
-    return layer(X, X, X, **kwargs)
-
-
-@pytest.mark.parametrize("batch", [4, 3], ids=["B==T", "B!=T"])
-@pytest.mark.parametrize("kind", list(PADDED))
-def test_keras_padding_mask_is_query_and_key_padding(kind: str, batch: int) -> None:
-    """Keras' ``(B, T)`` padding mask hides padded keys and rows, never read as ``(Q, K)``: as
-    the ``(B, T, T)`` attention mask of query AND key padding, given as a model input."""
-    keras.utils.set_random_seed(1)
-    tokens, real = PADDED_TOKENS[:batch], PADDED_TOKENS[:batch] != 0
-    ids, explicit = keras.Input((4,), dtype="int32"), keras.Input((4, 4), dtype="bool")
-    embed, layer = keras.layers.Embedding(10, 8, mask_zero=True), PADDED[kind]()
-    got = keras.Model(ids, attend(layer, embed(ids))).predict(tokens, verbose=0)
-    given = keras.Model([ids, explicit], attend(layer, embed(ids), mask=explicit))
-    want = given.predict([tokens, real[:, :, None] & real[:, None, :]], verbose=0)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    # The unpadded rows equal the same layer given the lengths instead (valid_lens hides keys).
-    by_lens = attend(layer, tf.identity(embed(tokens)), valid_lens=real.sum(axis=1)).numpy()
-    np.testing.assert_allclose(got[real], by_lens[real], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("kind", ["block", "mha", "encoder"])
-def test_keras_padding_mask_keeps_padded_positions_out(kind: str) -> None:
-    """Changing the padded positions' inputs does not change the real positions' outputs."""
-    real = tf.constant(PADDED_TOKENS != 0)
-    rng = np.random.default_rng(3)
-    if kind == "encoder":
-        layer: Any = keras_layers.TransformerEncoder(10, 8, 12, 2, 2)
-        inputs = PADDED_TOKENS
-        other = np.where(PADDED_TOKENS != 0, PADDED_TOKENS, rng.integers(1, 10, PADDED_TOKENS.shape))
-    else:
-        layer = PADDED[kind]()
-        inputs = rng.standard_normal((4, 4, 8)).astype(np.float32)
-        fresh = rng.standard_normal(inputs.shape)
-        other = np.where(PADDED_TOKENS[..., None] != 0, inputs, fresh).astype(np.float32)
-    outs = []
-    for x in (inputs, other):
-        x = tf.constant(x)
-        x._keras_mask = real  # as Keras attaches a padding mask
-        out = layer(x) if kind == "encoder" else attend(layer, x)
-        assert getattr(out, "_keras_mask", None) is real  # the query's padding is propagated
-        outs.append(out.numpy())
-    np.testing.assert_allclose(outs[0][PADDED_TOKENS != 0], outs[1][PADDED_TOKENS != 0],
-                               rtol=1e-5, atol=1e-5)
-    if kind == "mha":  # a padded query sees no key: its row is 0, as any fully masked row
-        np.testing.assert_array_equal(outs[0][PADDED_TOKENS == 0], 0.0)
-    else:  # the padded rows did change (they pass through the residual branches)
-        assert not np.allclose(outs[0], outs[1])
-
-
-def test_keras_padding_mask_and_explicit_mask_combine_and_are_checked() -> None:
-    """An explicit attention mask is ANDed with the padding mask and is not propagated."""
-    embedded = keras.layers.Embedding(10, 8, mask_zero=True)(PADDED_TOKENS)
-    block = keras_layers.TransformerEncoderBlock(8, 12, 2)
-    causal = np.tril(np.ones((4, 4), bool))
-    real = PADDED_TOKENS != 0
-    both = causal[None] & real[:, :, None] & real[:, None, :]
-    out = block(embedded, mask=causal)
-    plain = tf.identity(embedded)
-    np.testing.assert_allclose(out.numpy(), block(plain, mask=both).numpy(), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(out._keras_mask.numpy(), real)
-    assert getattr(block(plain, mask=causal), "_keras_mask", None) is None
-    X, layer = tf.ones((2, 3, 8)), keras_layers.MultiHeadAttention(8, 2)
-    with pytest.raises(TypeError) as err:
-        layer(X, X, X, queries_mask=tf.ones((2, 3), tf.int32))
-    assert str(err.value) == (
-        "queries_mask must be a boolean padding mask (True = real position), got int32"
-    )
-    with pytest.raises(ValueError) as err:
-        layer(X, X, X, keys_mask=tf.ones((2, 4), tf.bool))
-    assert str(err.value) == "keys_mask must have shape (2, 3), got (2, 4)"
-
-
-def test_padded_model_trains_with_fit_and_survives_a_keras_file(tmp_path: Path) -> None:
-    """Embedding(mask_zero=True) -> positional encoding -> block (dropout) -> attention ->
-    pooling: ``training`` reaches the layers, ``fit`` lowers the loss, the file predicts alike."""
-    keras.utils.set_random_seed(2)
-    ids = keras.Input((None,), dtype="int32")
-    x = keras_layers.PositionalEncoding(8)(keras.layers.Embedding(10, 8, mask_zero=True)(ids))
-    x = keras_layers.TransformerEncoderBlock(8, 12, 2, dropout=0.5)(x)
-    x = keras_layers.MultiHeadAttention(8, 2, name="attention")(x, x, x)
-    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x)))
-    tokens, target = np.tile(PADDED_TOKENS, (4, 1)), np.ones((16, 1))
-    inference = model(tokens).numpy()
-    np.testing.assert_array_equal(model(tokens, training=False).numpy(), inference)
-    assert not np.allclose(model(tokens, training=True).numpy(), inference)
-    model.compile(keras.optimizers.Adam(0.01), "mse")
-    start = model.evaluate(tokens, target, verbose=0)
-    history = model.fit(tokens, target, epochs=10, batch_size=8, verbose=0)
-    assert np.isfinite(history.history["loss"]).all()
-    assert model.evaluate(tokens, target, verbose=0) < 0.9 * start
-    model.save(tmp_path / "padded.keras")
-    loaded = keras.models.load_model(tmp_path / "padded.keras")
-    inner = [keras.Model(m.inputs, m.get_layer("attention").output) for m in (model, loaded)]
-    np.testing.assert_allclose(inner[1].predict(tokens, verbose=0), inner[0].predict(tokens, verbose=0),
-                               rtol=1e-6, atol=1e-6)
 
 
 def test_other_keras_backend_is_refused() -> None:
@@ -357,23 +167,6 @@ def test_additive_attention_with_one_query_and_a_large_batch() -> None:
 
 
 # -- unknown sequence lengths (issue 14, item 16) -------------------------------------------------
-
-
-def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None:
-    """``keras.Input((None,))``: build, predict at two lengths, save and load (``fit`` on a
-    model of unknown length: test_padded_model_trains_with_fit_and_survives_a_keras_file)."""
-    ids = keras.Input((None,), dtype="int32")
-    encoder = keras_layers.TransformerEncoder(**ENC)
-    model = keras.Model(ids, encoder(ids))
-    rng = np.random.default_rng(5)
-    for steps in (3, 9):
-        tokens = rng.integers(0, 10, (2, steps))
-        assert max_diff(model.predict(tokens, verbose=0), naive.encoder_of(encoder, tokens)) <= 1e-4
-    model.save(tmp_path / "encoder.keras")
-    loaded = keras.models.load_model(tmp_path / "encoder.keras")
-    tokens = rng.integers(0, 10, (2, 7))
-    np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
-                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)

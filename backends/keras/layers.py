@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import keras
 import ml_dtypes
 import numpy as np
+from keras.src.backend import get_keras_mask as _get_keras_mask
 
 from attention_core import checks
 from attention_core import declarations as D
@@ -191,13 +192,13 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
 
         Keras would give a lone tensor argument's padding mask to ``mask``, the attention mask.
         """
-        if all(getattr(value, "_keras_mask", None) is None for value in (*args, *kwargs.values())):
+        if all(_padding_mask(value) is None for value in (*args, *kwargs.values())):
             return kwargs  # the common case, decided without binding the arguments
         try:
             bound = self._call_signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
             return kwargs  # Keras raises its own error for a call that does not bind
-        found = {f"{name}_mask": getattr(bound.get(name), "_keras_mask", None) for name in self.sequences}
+        found = {f"{name}_mask": _padding_mask(bound.get(name)) for name in self.sequences}
         return {**kwargs, **{k: v for k, v in found.items() if v is not None and bound.get(k) is None}}
 
     def _forward(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
@@ -296,7 +297,18 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
 
     def compute_mask(self, inputs: Any, previous_mask: Any = None) -> Any:
         """The first input's padding mask (``previous_mask`` may be the attention mask)."""
-        return getattr(inputs, "_keras_mask", None)
+        return _padding_mask(inputs)
+
+
+def _padding_mask(value: Any) -> Any:
+    """The padding mask Keras attached to a tensor (``_keras_mask``), or None.
+
+    An attribute on TensorFlow and torch tensors; JAX arrays take no attributes, so Keras keeps
+    theirs in a table read by ``keras.src.backend.get_keras_mask`` (no public name in Keras 3).
+    """
+    if value is None or isinstance(value, (int, float, bool, str, list, tuple)):
+        return None
+    return _get_keras_mask(value)
 
 
 def _rounded(table: np.ndarray, dtype: str) -> Any:
