@@ -30,7 +30,8 @@ torch    ``need_weights``,              return torch's ``(out, weights)``: weigh
          ``average_attn_weights``       over the heads ``(B, Q, K)`` unless
                                         ``average_attn_weights=False`` ``(B, H, Q, K)``;
                                         ``(out, None)`` for ``need_weights=False``
-Keras    ``query``, ``value``, ``key``  Keras' names (``key`` defaults to ``value``)
+Keras    ``query``, ``value``, ``key``  Keras' names (``key`` defaults to ``value``; without
+                                        ``value=``, as the shorthand: keys = queries)
 Keras    ``attention_mask``             bool, True = may attend: the canonical ``mask``
 Keras    ``use_causal_mask``            query i sees keys j <= i
 Keras    ``return_attention_scores``    return ``(out, scores)``, scores ``(B, H, Q, K)``
@@ -90,6 +91,8 @@ class Keyword:
         requires: The canonical call arguments a layer must take to be offered it.
         layers: Only these declarations (by name) are offered it; empty for any.
         also: Further canonical arguments that must not be given with it.
+        fills: A canonical argument it also gives when that is not given (Keras' ``key``
+            defaults to ``value``).
     """
 
     name: str
@@ -99,14 +102,17 @@ class Keyword:
     requires: tuple[str, ...]
     layers: tuple[str, ...] = ()
     also: tuple[str, ...] = ()
+    fills: str = ""
 
 
 _QKV = ("queries", "keys", "values", "mask")
 _BLOCK = ("TransformerEncoderBlock",)
 
 
-def _aliases(framework: str, names: tuple[str, str, str]) -> tuple[Keyword, ...]:
-    return tuple(Keyword(name, ALIAS, canonical, f"{framework}'s name for {canonical}", _QKV)
+def _aliases(framework: str, names: tuple[str, str, str], value_fills: str = ""
+             ) -> tuple[Keyword, ...]:
+    return tuple(Keyword(name, ALIAS, canonical, f"{framework} name for {canonical}", _QKV,
+                         fills=value_fills if canonical == "values" else "")
                  for name, canonical in zip(names, ("queries", "keys", "values"), strict=True))
 
 
@@ -116,7 +122,7 @@ _TORCH_PADDING = "torch's padding mask: True = a padded key, or a float added to
 #: The keywords of each framework, by the name an adapter gives in ``convention``.
 CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
     "torch": (
-        *_aliases("torch", ("query", "key", "value")),
+        *_aliases("torch's", ("query", "key", "value")),
         Keyword("attn_mask", BLOCKED, "mask", _TORCH_MASK, _QKV, also=("score_bias",)),
         Keyword("key_padding_mask", PADDING, "valid_lens", _TORCH_PADDING, _QKV),
         Keyword("src", ALIAS, "X", "torch's name for X", ("X", "mask"), _BLOCK),
@@ -131,7 +137,7 @@ CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
                 ("return_attention",)),
     ),
     "keras": (
-        *_aliases("Keras", ("query", "key", "value")),
+        *_aliases("Keras'", ("query", "key", "value"), value_fills="keys"),
         Keyword("attention_mask", ALIAS, "mask", "Keras' name for mask", ("mask",)),
         Keyword("padding_mask", KEPT, "valid_lens",
                 "KerasHub's padding mask, True = a real token", ("X", "mask"), _BLOCK),
@@ -140,7 +146,7 @@ CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
                 "Keras' name for return_attention", ("return_attention",)),
     ),
     "flax": (
-        *_aliases("Flax", ("inputs_q", "inputs_k", "inputs_v")),
+        *_aliases("Flax's", ("inputs_q", "inputs_k", "inputs_v")),
         Keyword("deterministic", DETERMINISTIC, "training", "Flax's deterministic = not training",
                 ()),
     ),
@@ -254,6 +260,8 @@ def bind(layer: Any, arguments: dict[str, Any], defaults: Mapping[str, Any],
         del arguments[keyword.name]
         if keyword.kind == ALIAS:
             arguments[keyword.canonical] = value
+            if keyword.fills and arguments.get(keyword.fills) is None:
+                arguments[keyword.fills] = value
         elif keyword.kind == CAUSAL:
             arguments["causal"] = _causal(keyword, bool(value), arguments)
         elif keyword.kind in (WEIGHTS, AVERAGE):
