@@ -155,7 +155,7 @@ CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
 
 @dataclass(frozen=True)
 class Returned:
-    """torch's return form (``need_weights``): ``(out, weights)``, or ``(out, None)``.
+    """The return form of torch (``need_weights``): ``(out, weights)``, or ``(out, None)``.
 
     Given as a call's ``return_attention``, it is true when the weights are returned;
     ``Declaration.finish`` shapes the result by :meth:`form`.
@@ -188,7 +188,7 @@ class Returned:
 # -- the keywords a layer class is offered ------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def keywords(convention: str | None, layer: str, takes: frozenset[str]) -> tuple[Keyword, ...]:
     """The keywords of ``convention`` offered by a declared layer.
 
@@ -282,7 +282,7 @@ def _offered(layer: Any) -> tuple[Keyword, ...]:
 
 
 def _returned(arguments: dict[str, Any], keyword: Keyword, value: bool) -> Returned:
-    """torch's return form, from ``need_weights`` or ``average_attn_weights`` (the other kept)."""
+    """The return form of torch, from ``need_weights`` or ``average_attn_weights`` (the other kept)."""
     current = arguments.get("return_attention")
     form = current if isinstance(current, Returned) else Returned(True)
     if keyword.kind == WEIGHTS:
@@ -414,7 +414,7 @@ def _dtype(ops: Ops, x: Any) -> str:
 
 def _lifted_attention_mask(ops: Ops, name: str, x: Array, shape: tuple[Any, ...],
                            scores: tuple[Any, ...]) -> Array:
-    """torch's ``(Q, K)`` or ``(B*H, Q, K)`` mask as ``(1, 1, Q, K)`` or ``(B, H, Q, K)``."""
+    """A torch ``(Q, K)`` or ``(B*H, Q, K)`` mask as ``(1, 1, Q, K)`` or ``(B, H, Q, K)``."""
     B, H, Q, K = scores
     batched = (B * H if isinstance(B, int) else None, Q, K)
     if masks.fits(shape, (Q, K), broadcast=False):

@@ -171,8 +171,11 @@ class Prepared:
     training: bool | None = None
 
     def training_mode(self, training: bool | None) -> bool:
-        """The call's training mode: the adapter's ``training`` keyword (None when not given)
-        and the convention's (Flax's ``deterministic``), which must agree."""
+        """The call's training mode, from the adapter's keyword and the convention's.
+
+        The adapter's ``training`` (None when not given) and Flax's ``deterministic`` must
+        agree (:func:`attention_core.conventions.training_mode`).
+        """
         return conventions.training_mode(training, self.training)
 
 
@@ -453,7 +456,8 @@ class Declaration:
                 for dim, size in self.sizes.items() if size.weight in weights}
 
     def needs_attention(
-        self, return_attention: bool, keeping: bool = True, on_read: bool = True
+        self, return_attention: bool | conventions.Returned, keeping: bool = True,
+        on_read: bool = True,
     ) -> bool | str:
         """Whether a call forms the attention weights: True, False, or ``"on read"``.
 

@@ -144,8 +144,8 @@ def transformer_encoder_block(
     )
     result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
-        mask=mask, causal=causal, score_bias=score_bias, dropout=dropout, return_weights=return_weights, implementation=implementation,
-        ops=ops,
+        mask=mask, causal=causal, score_bias=score_bias, dropout=dropout,
+        return_weights=return_weights, implementation=implementation, ops=ops,
     )
     attended, attn = result if return_weights else (result, None)
     Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)

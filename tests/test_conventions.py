@@ -170,7 +170,7 @@ def test_torch_return_forms() -> None:
     X = torch.from_numpy(data(13, B, T, h))
     mask = torch.from_numpy(~allowed(14, T, T))
     expected, per_head = native(X, X, X, attn_mask=mask, average_attn_weights=False)
-    got, weights = ours(X, X, X, attn_mask=mask, need_weights=True, average_attn_weights=False)
+    _, weights = ours(X, X, X, attn_mask=mask, need_weights=True, average_attn_weights=False)
     assert tuple(weights.shape) == (B, H, T, T)
     assert max_diff(weights.detach(), per_head.detach()) <= TOL
     alone = ours(X, attn_mask=mask, average_attn_weights=False)  # need_weights: torch's True
@@ -178,7 +178,7 @@ def test_torch_return_forms() -> None:
     out, none = ours(X, attn_mask=mask, need_weights=False)
     assert none is None and max_diff(out.detach(), expected.detach()) <= TOL
     # the library's own form is kept when torch's keywords are not given
-    canonical, canonical_weights = ours(X, X, X, mask=~mask, return_attention=True)
+    _, canonical_weights = ours(X, X, X, mask=~mask, return_attention=True)
     assert tuple(canonical_weights.shape) == (B, H, T, T)
     assert max_diff(canonical_weights.detach(), per_head.detach()) <= TOL
 

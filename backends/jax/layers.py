@@ -10,7 +10,8 @@ and :func:`get_weights` and :func:`set_weights` only flatten and nest. Initial v
 Calls take ``training: bool = False`` (static under ``jax.jit``; linen's
 ``deterministic=True`` is ``training=False``) and linen's ``inputs_q``, ``inputs_k``, ``inputs_v``
 (:mod:`attention_core.conventions`); dropout draws from the ``'dropout'`` rng. The field
-``dtype`` is the compute dtype beside ``param_dtype``, as in Flax's own layers. Attention weights, before dropout, are ``sow``n into ``'intermediates'`` as
+``dtype`` is the compute dtype beside ``param_dtype``, as in Flax's own layers. Attention
+weights, before dropout, are ``sow``n into ``'intermediates'`` as
 ``attention_weights`` (once per block for :class:`TransformerEncoder`); they are formed only
 when returned or kept (``keep_attention_weights`` and ``mutable=["intermediates"]``). Fixed
 tables (the sinusoidal ``P``) are constants in ``param_dtype``, attributes without ``init``.
