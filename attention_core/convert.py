@@ -13,7 +13,10 @@ native layer                              functions
 
 The converters of native Transformer decoder layers (``torch.nn.TransformerDecoderLayer`` in
 ``backends.torch.convert``, KerasHub's ``TransformerDecoder`` in ``backends.tensorflow.convert``)
-share :func:`check_biased_decoder_block` here. This module holds what they share, with NumPy
+share :func:`check_biased_decoder_block` here; the encoder layers' (``TransformerEncoderLayer``:
+``from_torch_encoder_layer`` ...; KerasHub's ``TransformerEncoder``: ``from_kerashub_encoder``
+...) sit beside them, and the layers take the native layers' call keywords
+(:mod:`attention_core.conventions`). This module holds what they share, with NumPy
 alone: the layout translations (torch's
 ``(out, in)`` matrices, and the per-head "einsum" kernels of Keras and Flax), and
 :func:`from_native` / :func:`native_config`, which pick the converter from the object's type

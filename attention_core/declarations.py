@@ -35,7 +35,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 
-from attention_core import attention, checks, masks, multihead, positional, transformer
+from attention_core import attention, checks, conventions, masks, multihead, positional, transformer
 from attention_core import weights as W
 from attention_core.host import plain
 from attention_core.ops import Array, Ops, fixed_shape
@@ -158,13 +158,25 @@ class Prepared:
     Attributes:
         arguments: The call's arguments by name (array inputs cast to the compute dtype),
             without ``return_attention``.
-        return_attention: Whether the caller asked for ``(output, attention_weights)``.
+        return_attention: Whether the caller asked for ``(output, attention_weights)``; torch's
+            return form (:class:`~attention_core.conventions.Returned`) when it gave
+            ``need_weights``.
         dims: The input sizes read off the inputs (``q_in`` ...), those known before run time.
+        training: ``not deterministic`` when a Flax call gave ``deterministic``, else None.
     """
 
     arguments: dict[str, Any]
-    return_attention: bool
+    return_attention: bool | conventions.Returned
     dims: dict[str, int]
+    training: bool | None = None
+
+    def training_mode(self, training: bool | None) -> bool:
+        """The call's training mode, from the adapter's keyword and the convention's.
+
+        The adapter's ``training`` (None when not given) and Flax's ``deterministic`` must
+        agree (:func:`attention_core.conventions.training_mode`).
+        """
+        return conventions.training_mode(training, self.training)
 
 
 @dataclass(eq=False)
@@ -188,6 +200,12 @@ class Declaration:
         cache_arguments: The call arguments of a cached call (a nested key/value cache, its
             position and capacity): not array inputs of a graph; a call that gives one runs
             imperatively where a framework builds graphs of array inputs (Gluon).
+        shorthand: Call arguments that default to another's value when not given: the
+            self-attention shorthand (``mha(X)`` is ``mha(X, X, X)``, ``mha(Q, KV)`` is
+            ``mha(Q, KV, KV)``).
+        convention: The framework whose call keywords a backend's layers also take
+            (:mod:`attention_core.conventions`: ``"torch"``, ``"keras"``, ``"flax"``); set by
+            the adapter's base class, None for none.
     """
 
     cast_inputs: ClassVar[tuple[str, ...]] = ()
@@ -197,6 +215,8 @@ class Declaration:
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
     cache_arguments: ClassVar[tuple[str, ...]] = ()
+    shorthand: ClassVar[Mapping[str, str]] = {}
+    convention: ClassVar[str | None] = None
 
     #: A backend's own keyword-only constructor arguments, after the declared ones.
     extras: ClassVar[tuple[inspect.Parameter, ...]] = ()
@@ -212,8 +232,17 @@ class Declaration:
             LAYERS[cls.__name__] = cls
         elif cls.declared_or_none():
             cls.__signature__ = ClassSignature(cls.signature(*cls.extras))  # type: ignore[attr-defined]
+            canonical = cls.call_signature()
+            offered = conventions.keywords(cls.convention, cls.declared().__name__,
+                                           frozenset(canonical.parameters))
+            setattr(cls, "_call_keywords", offered)  # noqa: B010
             setattr(cls, "_declared_call", cls.call_signature())  # noqa: B010
             setattr(cls, "_call_binding", Binding.of(cls.call_signature()))  # noqa: B010
+            required = tuple(name for name, p in canonical.parameters.items()
+                             if p.default is p.empty)
+            setattr(cls, "_call_rules", (  # noqa: B010
+                {name: None if name in required else p.default
+                 for name, p in canonical.parameters.items()}, required))
             if "__doc__" not in cls.__dict__ or cls.__doc__ is None:
                 cls.__doc__ = cls.declared().__doc__
 
@@ -316,8 +345,9 @@ class Declaration:
     def call_signature(cls) -> inspect.Signature:
         """The call's signature: :meth:`compute`'s after ``run``, plus ``return_attention``.
 
-        A backend's layer class holds it, made once when the class is made (every call binds
-        its arguments to it).
+        Then the keywords of the class's :attr:`convention` that the layer takes
+        (:func:`attention_core.conventions.parameters`). A backend's layer class holds it,
+        made once when the class is made (every call binds its arguments to it).
         """
         made: inspect.Signature | None = cls.__dict__.get("_declared_call")
         if made is not None:
@@ -327,17 +357,50 @@ class Declaration:
             params.append(inspect.Parameter(
                 "return_attention", inspect.Parameter.KEYWORD_ONLY, default=False
             ))
+        offered = cls.__dict__.get("_call_keywords")
+        if offered:
+            params = conventions.parameters(cls.convention, cls.declared().__name__, params)
         return inspect.Signature(params)
 
     def bind_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """Binds a call's arguments to :meth:`call_signature` (a TypeError like Python's)."""
+        """Binds a call's arguments to :meth:`call_signature` (a TypeError like Python's).
+
+        The framework's keywords get their canonical names and the :attr:`shorthand` is
+        filled in (:func:`attention_core.conventions.bind`); masks that are arrays are
+        converted by :meth:`prepare`.
+        """
         binding: Binding | None = getattr(type(self), "_call_binding", None)
         quick = None if binding is None else binding.bind(args, kwargs)
-        if quick is not None:
-            return quick
-        bound = self.call_signature().bind(*args, **kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
+        if quick is None:
+            bound = self.call_signature().bind(*args, **kwargs)
+            bound.apply_defaults()
+            quick = dict(bound.arguments)
+        defaults, required = getattr(type(self), "_call_rules", ({}, ()))
+        return conventions.bind(self, quick, defaults, required, self.shorthand)
+
+    def canonical_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                       ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A call with its framework's names made canonical, as positional and keyword arguments.
+
+        For frameworks that bind a call to the layer's signature before the layer sees it
+        (Keras makes the weights from the shapes of the inputs by their canonical names).
+        Keywords the call signature does not name (the framework's own, ``training``) pass
+        through; array keywords stay for :meth:`prepare`.
+        """
+        names = self.call_signature().parameters
+        native = {k.name for k in getattr(type(self), "_call_keywords", ())}
+        positional = [n for n, p in names.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        short = any(n not in kwargs and i >= len(args) for i, n in enumerate(positional)
+                    if n in self.shorthand)
+        if not short and native.isdisjoint(kwargs):
+            return args, dict(kwargs)
+        bound = self.bind_call(args, {k: v for k, v in kwargs.items() if k in names})
+        while positional and bound[positional[-1]] is None:  # trailing defaults stay unsaid
+            positional.pop()
+        keywords = {k: v for k, v in bound.items()
+                    if k not in positional and v is not names[k].default}
+        own = {k: v for k, v in kwargs.items() if k not in names}
+        return tuple(bound[n] for n in positional), {**keywords, **own}
 
     def prepare(self, ops: Ops, dtype: str | None, arguments: Mapping[str, Any]) -> Prepared:
         """Casts the array inputs (the dtype rule), checks them and reads the input sizes.
@@ -347,8 +410,12 @@ class Declaration:
             dtype: The layer's compute dtype; None to compute in the inputs' own dtype.
             arguments: The bound call (:meth:`bind_call`).
         """
-        arguments = dict(arguments)
-        return_attention = bool(arguments.pop("return_attention", False))
+        arguments, training = conventions.convert(self, ops, dict(arguments))
+        return_attention = arguments.pop("return_attention", False)
+        if isinstance(return_attention, conventions.Returned):
+            return_attention = dataclasses.replace(return_attention, ops=ops)
+        else:
+            return_attention = bool(return_attention)
         names = [n for n in self.cast_inputs if n in arguments]
         weighted = dtype if self.weight_shapes() else None
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
@@ -359,7 +426,7 @@ class Declaration:
         sizes = {dim: fixed_shape(ops, arguments[size.argument])[-1]
                  for dim, size in self.sizes.items()}
         dims = {dim: int(size) for dim, size in sizes.items() if isinstance(size, (int, np.integer))}
-        return Prepared(arguments, return_attention, dims)
+        return Prepared(arguments, return_attention, dims, training)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         """Checks the inputs before any weight is made for them (ranks, widths)."""
@@ -389,7 +456,8 @@ class Declaration:
                 for dim, size in self.sizes.items() if size.weight in weights}
 
     def needs_attention(
-        self, return_attention: bool, keeping: bool = True, on_read: bool = True
+        self, return_attention: bool | conventions.Returned, keeping: bool = True,
+        on_read: bool = True,
     ) -> bool | str:
         """Whether a call forms the attention weights: True, False, or ``"on read"``.
 
@@ -430,17 +498,23 @@ class Declaration:
             return {}
         return dict(zip(self.sublayers(), kept, strict=True))
 
-    def finish(self, result: Any, need: bool | str, return_attention: bool) -> tuple[Any, Any]:
+    def finish(self, result: Any, need: bool | str,
+               return_attention: bool | conventions.Returned) -> tuple[Any, Any]:
         """Splits a forward's result: ``(what the call returns, the attention weights to keep)``.
 
         The weights to keep are :meth:`unkept` when not formed; lists (a framework's output
-        tree may give tuples) otherwise.
+        tree may give tuples) otherwise. torch's return form (``need_weights``) shapes what
+        the call returns (:meth:`attention_core.conventions.Returned.form`).
         """
         if not need:
-            return result, self.unkept()
-        out, kept = result
-        kept = as_lists(kept)
-        return (result if return_attention else out), kept
+            returned, kept = result, self.unkept()
+        else:
+            out, kept = result
+            kept = as_lists(kept)
+            returned = result if return_attention else out
+        if isinstance(return_attention, conventions.Returned):
+            returned = return_attention.form(returned)
+        return returned, kept
 
     def compute(self, run: Run, *args: Any, **kwargs: Any) -> Any:
         """The forward (see the module's docstring)."""
@@ -484,6 +558,7 @@ class _Attention(Declaration):
     sequences: ClassVar[tuple[str, ...]] = ("queries", "keys", "values")
     attention_kind: ClassVar[str | None] = "single"
     returns_attention: ClassVar[bool] = True
+    shorthand: ClassVar[Mapping[str, str]] = {"keys": "queries", "values": "keys"}
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         attention.check_projected_inputs(
@@ -491,10 +566,13 @@ class _Attention(Declaration):
         )
 
     def compute(
-        self, run: Run, queries: Array, keys: Array, values: Array, valid_lens: Any = None, *,
-        mask: Any = None, causal: bool = False,
+        self, run: Run, queries: Array, keys: Array | None = None, values: Array | None = None,
+        valid_lens: Any = None, *, mask: Any = None, causal: bool = False,
     ) -> Any:
-        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``."""
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
+
+        Keys default to the queries and values to the keys (``mha(X)``: self-attention).
+        """
         options = {
             "mask": mask, "causal": causal, "dropout": run.dropout, "return_weights": run.need,
             "ops": run.ops,
@@ -522,11 +600,13 @@ class _ScoredAttention(_Attention):
         super().check()
 
     def compute(
-        self, run: Run, queries: Array, keys: Array, values: Array, valid_lens: Any = None, *,
-        mask: Any = None, causal: bool = False, score_bias: Any = None,
+        self, run: Run, queries: Array, keys: Array | None = None, values: Array | None = None,
+        valid_lens: Any = None, *, mask: Any = None, causal: bool = False,
+        score_bias: Any = None,
     ) -> Any:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
 
+        Keys default to the queries and values to the keys (``mha(X)``: self-attention).
         ``score_bias``, float and broadcastable to ``(B, H, Q, K)``, is added to the scores
         before masking.
         """
@@ -883,10 +963,16 @@ class TransformerEncoderBlock(Declaration):
 
     def compute(
         self, run: Run, X: Array, valid_lens: Any = None, *, mask: Any = None,
+        causal: bool = False, score_bias: Any = None,
     ) -> Any:
-        """One post-norm block over ``X (B, T, h)``."""
+        """One post-norm block over ``X (B, T, h)``.
+
+        ``causal`` and ``score_bias`` apply to the self-attention, as in
+        :class:`MultiHeadAttention`.
+        """
         return transformer.transformer_encoder_block(
-            X, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
+            X, run.weights, self.num_heads, valid_lens, mask=mask, causal=causal,
+            score_bias=score_bias, dropout=run.dropout,
             return_weights=run.need, implementation=self.pooling(run),
             ops=run.ops,
         )

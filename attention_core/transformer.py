@@ -104,6 +104,8 @@ def transformer_encoder_block(
     valid_lens: Any = None,
     *,
     mask: Any = None,
+    causal: bool = False,
+    score_bias: Any = None,
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
@@ -121,6 +123,9 @@ def transformer_encoder_block(
         num_heads: Heads of the self-attention.
         valid_lens: Integer lengths of ``X``, ``(B,)`` or ``(B, T)``.
         mask: Boolean self-attention mask, True = may attend.
+        causal: Position i attends to positions j <= i only.
+        score_bias: Float, broadcastable to ``(B, H, T, T)``, added to the self-attention's
+            scores.
         dropout: Dropout rate of the attention weights and both residual branches.
         return_weights: Also return the self-attention weights ``(B, H, T, T)``; see
             :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
@@ -139,8 +144,8 @@ def transformer_encoder_block(
     )
     result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
-        mask=mask, dropout=dropout, return_weights=return_weights, implementation=implementation,
-        ops=ops,
+        mask=mask, causal=causal, score_bias=score_bias, dropout=dropout,
+        return_weights=return_weights, implementation=implementation, ops=ops,
     )
     attended, attn = result if return_weights else (result, None)
     Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import attention_core as ac
 import backends.numpy as numpy_layers
 from attention_core import convert as C
 from conftest import test_backends
@@ -303,6 +304,110 @@ def test_to_torch_errors() -> None:
         torch_convert.to_torch(weights, H)
     with pytest.raises(ValueError, match=re.escape("num_hiddens (8) must be divisible by num_heads (3)")):
         torch_convert.to_torch(canonical(0, h, h, h, False), 3)
+
+
+# -- torch.nn.TransformerEncoderLayer <-> TransformerEncoderBlock ----------------------------
+
+FFN = 12
+
+
+def torch_encoder_layer(seed: int = 0, **kwargs: Any) -> Any:
+    """A batch-first torch encoder layer with every parameter random (biases, norms too)."""
+    layer = torch.nn.TransformerEncoderLayer(h, H, FFN, 0.0, batch_first=True, **kwargs)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return layer.eval()
+
+
+def torch_encoder_masks() -> list[dict[str, Any]]:
+    padded = torch.from_numpy(np.arange(T)[None, :] >= LENS[:, None])
+    return [{}, {"src_key_padding_mask": padded},
+            {"src_mask": torch.from_numpy(~boolean_mask())},
+            {"src_mask": torch.nn.Transformer.generate_square_subsequent_mask(T), "is_causal": True}]
+
+
+@needs_torch
+def test_torch_encoder_layer_to_ours() -> None:
+    native = torch_encoder_layer()
+    weights = torch_convert.from_torch_encoder_layer(native)
+    config = torch_convert.encoder_layer_config(native)
+    assert config == {"num_hiddens": h, "ffn_num_hiddens": FFN, "num_heads": H, "dropout": 0.0,
+                      "bias": True}
+    ours = torch_layers.TransformerEncoderBlock(**config).eval()
+    ours.set_weights(weights)
+    X = torch.from_numpy(inputs(1, h, h, h)[0])
+    for masks in torch_encoder_masks():
+        expected = native(X, **masks).detach().numpy()
+        check(ours(X, **masks).detach(), expected, f"block with {sorted(masks)}")
+    # the functional core on NumPy, masked the library's way
+    expected = native(X, src_key_padding_mask=torch_encoder_masks()[1]["src_key_padding_mask"])
+    check(ac.transformer_encoder_block(X.numpy(), weights, H, LENS), expected.detach().numpy(),
+          "functional core")
+
+
+@needs_torch
+def test_ours_to_torch_encoder_layer() -> None:
+    ours = torch_layers.TransformerEncoderBlock(h, FFN, H, bias=True).eval()
+    X = torch.from_numpy(inputs(2, h, h, h)[0])
+    ours(X)
+    rng = np.random.default_rng(3)
+    ours.set_weights({name: (1.0 if name.endswith("gamma") else 0.0)
+                      + rng.normal(0, 0.3, value.shape).astype(np.float32)
+                      for name, value in ours.get_weights().items()})
+    weights = ours.get_weights()
+    native = torch_convert.to_torch_encoder_layer(weights, H).eval()
+    assert native.self_attn.batch_first and not native.norm_first
+    for masks in torch_encoder_masks():
+        check(ours(X, **masks).detach(), native(X, **masks).detach().numpy(),
+              f"torch layer with {sorted(masks)}")
+    back = torch_convert.from_torch_encoder_layer(native)
+    assert set(back) == set(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+@needs_torch
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"norm_first": True}, ValueError, "from_torch_encoder_layer: norm_first=True is not "
+                                       "supported: this library's TransformerEncoderBlock is "
+                                       "post-norm (norm_first=False)"),
+    ({"activation": "gelu"}, ValueError, "from_torch_encoder_layer: the activation must be ReLU"),
+    ({"layer_norm_eps": 1e-6}, ValueError, "from_torch_encoder_layer: norm1 must be a LayerNorm "
+                                           "with a weight, a bias and eps=1e-05 (layer_norm_eps)"),
+    ({"bias": False}, ValueError, "from_torch_encoder_layer: norm1 must be a LayerNorm with a "
+                                  "weight, a bias"),
+], ids=["norm_first", "gelu", "eps", "no_bias"])
+def test_from_torch_encoder_layer_refusals(kwargs: dict[str, Any], error: type,
+                                           message: str) -> None:
+    layer = torch.nn.TransformerEncoderLayer(h, H, FFN, batch_first=True, **kwargs)
+    with pytest.raises(error, match=re.escape(message)):
+        torch_convert.from_torch_encoder_layer(layer)
+    with pytest.raises(error, match=re.escape(message.replace("from_torch_encoder_layer",
+                                                              "encoder_layer_config"))):
+        torch_convert.encoder_layer_config(layer)
+
+
+@needs_torch
+def test_to_torch_encoder_layer_refusals() -> None:
+    with pytest.raises(TypeError, match=re.escape(
+            "from_torch_encoder_layer: expected a torch.nn.TransformerEncoderLayer, got Linear")):
+        torch_convert.from_torch_encoder_layer(torch.nn.Linear(2, 2))
+    unbiased = torch_layers.TransformerEncoderBlock(h, FFN, H)
+    unbiased(torch.from_numpy(inputs(4, h, h, h)[0]))
+    with pytest.raises(ValueError, match=re.escape(
+            "to_torch_encoder_layer: the attention projections must have biases (bias=True): "
+            "torch.nn.TransformerEncoderLayer's bias covers them, the FFN and the layer norms "
+            "alike")):
+        torch_convert.to_torch_encoder_layer(unbiased.get_weights(), H)
+    good = torch_convert.from_torch_encoder_layer(torch_encoder_layer())
+    missing = {k: v for k, v in good.items() if k != "addnorm2.ln.beta"}
+    with pytest.raises(ValueError, match=re.escape(
+            "to_torch_encoder_layer: missing weights ['addnorm2.ln.beta']")):
+        torch_convert.to_torch_encoder_layer(missing, H)
+    with pytest.raises(TypeError, match="to_torch_encoder_layer: weights must be a mapping"):
+        torch_convert.to_torch_encoder_layer([1], H)
 
 
 # -- keras.layers.MultiHeadAttention ---------------------------------------------------------

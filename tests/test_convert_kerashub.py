@@ -1,4 +1,4 @@
-"""KerasHub's ``keras_hub.layers.TransformerDecoder`` <-> ``TransformerDecoderBlock`` weights.
+"""KerasHub's ``TransformerDecoder`` and ``TransformerEncoder`` <-> the library's blocks' weights.
 
 The expected values are KerasHub's own forward passes (its own code: CachedMultiHeadAttention,
 LayerNormalization, Dense) with every weight random (biases, layer-norm scales and offsets
@@ -202,3 +202,106 @@ def test_kerashub_refusals() -> None:
         convert.to_kerashub(missing, H)
     with pytest.raises(TypeError, match="to_kerashub: weights must be a mapping"):
         convert.to_kerashub([1, 2], H)
+
+
+# -- keras_hub.layers.TransformerEncoder <-> TransformerEncoderBlock -------------------------
+
+ATTENTION_MASK = np.random.default_rng(7).random((B, T, T)) > 0.3
+ATTENTION_MASK[..., 0] = True
+PADDING = np.arange(T)[None, :] < LENS[:, None]
+
+
+def kerashub_encoder(seed: int = 0, **kwargs: Any) -> Any:
+    """A KerasHub encoder built by a call, then randomised."""
+    layer = keras_hub.layers.TransformerEncoder(intermediate_dim=F, num_heads=H, **kwargs)
+    layer(inputs(99)[0])
+    rng = np.random.default_rng(seed)
+    layer.set_weights([random_value(v.path, tuple(v.shape), rng) for v in layer.weights])
+    return layer
+
+
+@pytest.mark.parametrize("masks", [{}, {"padding_mask": PADDING}, {"attention_mask": ATTENTION_MASK},
+                                   {"padding_mask": PADDING, "attention_mask": ATTENTION_MASK}],
+                         ids=["none", "padding", "attention", "both"])
+def test_kerashub_encoder_to_ours(masks: dict[str, Any]) -> None:
+    native = kerashub_encoder()
+    X = inputs(8)[0]
+    expected = np.asarray(native(X, **masks))
+    weights = convert.from_kerashub_encoder(native)
+    config = convert.kerashub_encoder_config(native)
+    assert config == {"num_hiddens": h, "ffn_num_hiddens": F, "num_heads": H, "dropout": 0.0,
+                      "bias": True}
+    ours = tf_layers.TransformerEncoderBlock(**config)
+    ours.set_weights(weights)
+    assert max_diff(np.asarray(ours(X, **masks)), expected) <= TOL  # KerasHub's keywords
+    canonical: dict[str, Any] = {}
+    if "padding_mask" in masks:
+        canonical["valid_lens"] = LENS
+    if "attention_mask" in masks:
+        canonical["mask"] = ATTENTION_MASK
+    assert max_diff(np.asarray(ours(X, **canonical)), expected) <= TOL
+    assert max_diff(np.asarray(ac.transformer_encoder_block(X, weights, H, **canonical)),
+                    expected) <= TOL
+
+
+def test_ours_to_kerashub_encoder() -> None:
+    X = inputs(9)[0]
+    ours = tf_layers.TransformerEncoderBlock(h, F, H, bias=True)
+    ours(X)
+    rng = np.random.default_rng(10)
+    ours.set_weights({name: random_value(name, value.shape, rng)
+                      for name, value in ours.get_weights().items()})
+    weights = ours.get_weights()
+    native = convert.to_kerashub_encoder(weights, H)
+    assert isinstance(native, keras_hub.layers.TransformerEncoder)
+    expected = np.asarray(native(X, padding_mask=PADDING))
+    assert max_diff(np.asarray(ours(X, valid_lens=LENS)), expected) <= TOL
+    assert convert.kerashub_encoder_config(native) == {
+        "num_hiddens": h, "ffn_num_hiddens": F, "num_heads": H, "dropout": 0.0, "bias": True}
+    back = convert.from_kerashub_encoder(native)
+    assert set(back) == set(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"normalize_first": True}, "from_kerashub_encoder: normalize_first=True is not supported: "
+                                "this library's TransformerEncoderBlock is post-norm"),
+    ({"activation": "gelu"}, "from_kerashub_encoder: the activation must be relu, as this "
+                             "library's PositionWiseFFN's, got gelu"),
+    ({"layer_norm_epsilon": 1e-6}, "from_kerashub_encoder: layer_norm_epsilon must be 1e-05, the "
+                                   "epsilon of this library's AddNorm, got 1e-06"),
+])
+def test_from_kerashub_encoder_refuses_forms_without_counterpart(kwargs: dict[str, Any],
+                                                                 message: str) -> None:
+    layer = kerashub_encoder(**kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        convert.from_kerashub_encoder(layer)
+    with pytest.raises(ValueError, match=re.escape(
+            message.replace("from_kerashub_encoder", "kerashub_encoder_config"))):
+        convert.kerashub_encoder_config(layer)
+
+
+def test_kerashub_encoder_refusals() -> None:
+    with pytest.raises(TypeError, match=r"from_kerashub_encoder: expected a keras_hub\.layers\."
+                                        r"TransformerEncoder, got Dense"):
+        convert.from_kerashub_encoder(keras.layers.Dense(2))
+    unbuilt = keras_hub.layers.TransformerEncoder(intermediate_dim=F, num_heads=H)
+    with pytest.raises(ValueError, match="from_kerashub_encoder: the Keras layer has no weights"):
+        convert.from_kerashub_encoder(unbuilt)
+    odd = keras_hub.layers.TransformerEncoder(intermediate_dim=F, num_heads=H)
+    odd.build((None, None, 9))
+    with pytest.raises(ValueError, match=re.escape(
+            "from_kerashub_encoder: the encoder's width (9) must be divisible by num_heads (2)")):
+        convert.from_kerashub_encoder(odd)
+    unbiased = tf_layers.TransformerEncoderBlock(h, F, H)
+    unbiased(inputs(11)[0])
+    with pytest.raises(ValueError, match=re.escape(
+            "to_kerashub_encoder: the attention projections must have biases (bias=True)")):
+        convert.to_kerashub_encoder(unbiased.get_weights(), H)
+    good = convert.from_kerashub_encoder(kerashub_encoder())
+    missing = {k: v for k, v in good.items() if not k.startswith("addnorm2.")}
+    with pytest.raises(ValueError, match=r"to_kerashub_encoder: missing weights .*addnorm2\.ln"):
+        convert.to_kerashub_encoder(missing, H)
+    with pytest.raises(TypeError, match="to_kerashub_encoder: weights must be a mapping"):
+        convert.to_kerashub_encoder([1, 2], H)

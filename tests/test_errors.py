@@ -444,6 +444,8 @@ CATALOGUE: list[Bad] = [
         lambda c: dpa(c.h, qkv(q=(2, 2, 4, 8), k=(2, 3, 6, 8), v=(2, 3, 6, 5))), ValueError,
         "keys heads size (3) must divide queries heads size (2): each key/value head serves an "
         "equal group of query heads"),
+    Bad("layer_no_queries", "mismatch", lambda c: c.h.call(c.layer), TypeError,
+        "missing a required argument: 'queries'", mha),
     Bad("layer_length_mismatch", "mismatch", lambda c: call(c.h, c.layer, *qkv(v=(2, 5, 5))),
         ValueError, "keys and values must have the same length, got 6 keys and 5 values", mha),
     Bad("layer_other_width", "mismatch", lambda c: call(c.h, c.layer, *qkv(q=(2, 4, 5))), ValueError,

@@ -1,14 +1,17 @@
 """Flax (``flax.linen``) layers: every declared layer (:mod:`attention_core.declarations`).
 
 Each layer is a ``flax.linen.Module`` whose fields are the declared constructor arguments, in
-order, then the keyword ``param_dtype``. Params are made on ``init`` from the input shapes, one
+order, then the keywords ``param_dtype`` and ``dtype``. Params are made on ``init`` from the input shapes, one
 entry per first part of the canonical names, nested by the rest (``{"W_q": {"kernel": ...}}``,
 ``{"blks": {"0": {"attention": ...}}}``), so a canonical name is a params path joined with dots
 and :func:`get_weights` and :func:`set_weights` only flatten and nest. Initial values follow
 :func:`attention_core.weights.init_rule`, drawn with ``jax.random``.
 
-Calls take ``training: bool = False`` (static under ``jax.jit``); dropout draws from the
-``'dropout'`` rng. Attention weights, before dropout, are ``sow``n into ``'intermediates'`` as
+Calls take ``training: bool = False`` (static under ``jax.jit``; linen's
+``deterministic=True`` is ``training=False``) and linen's ``inputs_q``, ``inputs_k``, ``inputs_v``
+(:mod:`attention_core.conventions`); dropout draws from the ``'dropout'`` rng. The field
+``dtype`` is the compute dtype beside ``param_dtype``, as in Flax's own layers. Attention
+weights, before dropout, are ``sow``n into ``'intermediates'`` as
 ``attention_weights`` (once per block for :class:`TransformerEncoder`); they are formed only
 when returned or kept (``keep_attention_weights`` and ``mutable=["intermediates"]``). Fixed
 tables (the sinusoidal ``P``) are constants in ``param_dtype``, attributes without ``init``.
@@ -87,21 +90,26 @@ def _constants(layer: str, arguments: tuple[Any, ...]) -> dict[str, Any]:
 
 @dataclass(eq=False, repr=False)  # the repr is Flax's
 class FlaxArguments:
-    """The Flax layers' own constructor argument, after the declared ones.
+    """The Flax layers' own constructor arguments, after the declared ones.
 
     Args:
         param_dtype: Dtype of the params and the constants; floating inputs are cast to it
-            when the layer has params.
+            when the layer has params (and ``dtype`` is None).
+        dtype: The compute dtype, as in Flax's own layers: inputs, params and constants are
+            cast to it for the call (the params stay in ``param_dtype``); None for the rule
+            above.
     """
 
     _: KW_ONLY
     param_dtype: DTypeLike = jnp.float32
+    dtype: DTypeLike | None = None
 
 
 class Layer(FlaxArguments, nn.Module, D.Declaration):
     """Holds a declared layer's weights as Flax params and calls its forward."""
 
     extras = D.keyword_parameters(FlaxArguments)
+    convention = "flax"  # linen's call keywords too (attention_core.conventions)
 
     def __post_init__(self) -> None:
         for field in fields(self):  # NumPy scalars as Python numbers, as elsewhere
@@ -150,11 +158,12 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         return weights
 
     @nn.compact
-    def __call__(self, *args: Any, training: bool = False, decode: bool = False,
+    def __call__(self, *args: Any, training: bool | None = None, decode: bool = False,
                  **kwargs: Any) -> Any:
         """Calls the declared forward (see the layer's ``compute``).
 
-        ``training`` and ``decode`` are static. ``decode=True`` (layers with a key/value
+        ``training`` (default False) and ``decode`` are static; linen's ``deterministic``
+        is ``not training`` (giving both, they must agree). ``decode=True`` (layers with a key/value
         cache) keeps the cache in the ``'cache'`` collection, as Flax's own attention does. A
         call without a cache in it, ``apply({"params": p}, x, enc, ..., decode=True,
         mutable=["cache"])`` on inputs as long as the longest decoding, makes it (of that
@@ -166,14 +175,19 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         if decode:
             self._check_decode(bound)
             bound = self._decoding(bound)
-        dtype = np.dtype(self.param_dtype).name
+        dtype = np.dtype(self.param_dtype if self.dtype is None else self.dtype).name
         prepared = self.prepare(OPS, dtype, bound)
+        training = prepared.training_mode(training)
         weights = self._params(**prepared.dims)
+        tables = self._tables()
+        if self.dtype is not None:  # Flax's compute dtype: params cast for the call
+            weights = {name: OPS.astype(w, dtype) for name, w in weights.items()}
+            tables = {name: OPS.astype(t, dtype) for name, t in tables.items()}
         need = self.needs_attention(prepared.return_attention,
                                     self.is_mutable_collection("intermediates"), on_read=False)
         rate = float(getattr(self, "dropout", 0.0)) if training else 0.0
         ops = JaxOps(rng=self.make_rng("dropout")) if rate > 0 else OPS
-        run = D.Run(ops, weights, self._tables(), rate, need)
+        run = D.Run(ops, weights, tables, rate, need)
         result = self.compute(run, **prepared.arguments)
         returned, kept = self.finish(result, need, prepared.return_attention)
         if decode:

@@ -113,6 +113,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
     """
 
     extras = D.keyword_parameters(KerasArguments)
+    convention = "keras"  # Keras' call keywords too (attention_core.conventions)
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 
@@ -176,6 +177,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         if self.autocast and self.dtype_policy.name == "float32" and self._weightless:
             self.autocast = False
         fresh = not self.built
+        args, kwargs = self.canonical_call(args, kwargs)  # Keras builds from canonical names
         kwargs = self._with_padding_masks(args, kwargs)
         try:
             return super().__call__(*args, **kwargs)

@@ -252,7 +252,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         out = tuple(out) if isinstance(out, (list, tuple)) else out
         return self._finished(out, need, prepared.return_attention)
 
-    def _finished(self, out: Any, need: bool | str, return_attention: bool) -> Any:
+    def _finished(self, out: Any, need: bool | str, return_attention: Any) -> Any:
         """What a call returns (:meth:`finish`), its attention weights kept."""
         returned, kept = self.finish(out, need, return_attention)
         if self.attention_kind:
@@ -260,7 +260,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         return returned
 
     def _cached_call(self, arrays: list[Any], options: Mapping[str, Any], need: bool | str,
-                     return_attention: bool, ctx: Any) -> Any:
+                     return_attention: Any, ctx: Any) -> Any:
         """A cached call, run imperatively: its cache is a tree of arrays, not graph inputs.
 
         The layer must be built (a first call without a cache, or ``set_weights``).

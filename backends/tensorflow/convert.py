@@ -44,6 +44,7 @@ import keras
 import numpy as np
 
 from attention_core import convert as C
+from attention_core import declarations
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
 
@@ -197,14 +198,22 @@ def _kerashub_leaves(crossed: bool) -> dict[str, dict[str, str]]:
 
 def _check_kerashub_decoder(layer: Any, where: str) -> bool:
     """Checks that a KerasHub TransformerDecoder is a block here; whether it has cross-attention."""
+    _check_kerashub(layer, "TransformerDecoder", where)
+    _check_width(layer, layer._decoder_sequence_shape[-1], "decoder", where)
+    return layer._cross_attention_layer is not None
+
+
+def _check_kerashub(layer: Any, kind: str, where: str) -> None:
+    """Checks that a KerasHub ``kind`` (TransformerDecoder ...) is a block here, and built."""
     import keras_hub
 
-    if not isinstance(layer, keras_hub.layers.TransformerDecoder):
-        raise TypeError(f"{where}: expected a keras_hub.layers.TransformerDecoder, got "
+    if not isinstance(layer, getattr(keras_hub.layers, kind)):
+        raise TypeError(f"{where}: expected a keras_hub.layers.{kind}, got "
                         f"{type(layer).__name__}")
+    block = kind + "Block"
     if layer.normalize_first:
         raise ValueError(f"{where}: normalize_first=True is not supported: this library's "
-                         "TransformerDecoderBlock is post-norm (normalize_first=False)")
+                         f"{block} is post-norm (normalize_first=False)")
     if layer.activation is not keras.activations.relu:
         name = getattr(layer.activation, "__name__", repr(layer.activation))
         raise ValueError(f"{where}: the activation must be relu, as this library's "
@@ -213,12 +222,13 @@ def _check_kerashub_decoder(layer: Any, where: str) -> bool:
         raise ValueError(f"{where}: layer_norm_epsilon must be {LAYER_NORM_EPS}, the epsilon "
                          f"of this library's AddNorm, got {layer.layer_norm_epsilon}")
     _check_built(layer, where)
-    width = layer._decoder_sequence_shape[-1]
+
+
+def _check_width(layer: Any, width: int, what: str, where: str) -> None:
     if width % layer.num_heads:
-        raise ValueError(f"{where}: the decoder's width ({width}) must be divisible by "
+        raise ValueError(f"{where}: the {what}'s width ({width}) must be divisible by "
                          f"num_heads ({layer.num_heads}): KerasHub's heads are width // "
                          "num_heads wide, and this library's together make the whole width")
-    return layer._cross_attention_layer is not None
 
 
 def kerashub_decoder_config(layer: Any) -> dict[str, Any]:
@@ -331,6 +341,126 @@ def to_kerashub(
         _write_attention(getattr(layer, attr),
                          C.to_einsum(W.subset(host, prefix), num_heads, "to_kerashub"))
     for attr, leaves in _kerashub_leaves(crossed).items():
+        for leaf, canonical in leaves.items():
+            _assign(getattr(getattr(layer, attr), leaf), host[canonical])
+    return layer
+
+
+# -- keras_hub.layers.TransformerEncoder <-> canonical TransformerEncoderBlock weights --------
+
+#: KerasHub's encoder sublayers: attribute -> {variable: canonical name}.
+_KERASHUB_ENCODER_LEAVES = {
+    "_feedforward_intermediate_dense": {"kernel": "ffn.dense1.kernel", "bias": "ffn.dense1.bias"},
+    "_feedforward_output_dense": {"kernel": "ffn.dense2.kernel", "bias": "ffn.dense2.bias"},
+    "_self_attention_layer_norm": {"gamma": "addnorm1.ln.gamma", "beta": "addnorm1.ln.beta"},
+    "_feedforward_layer_norm": {"gamma": "addnorm2.ln.gamma", "beta": "addnorm2.ln.beta"},
+}
+
+
+def _check_kerashub_encoder(layer: Any, where: str) -> None:
+    _check_kerashub(layer, "TransformerEncoder", where)
+    _check_width(layer, int(layer._feedforward_intermediate_dense.kernel.shape[0]), "encoder",
+                 where)
+
+
+def kerashub_encoder_config(layer: Any) -> dict[str, Any]:
+    """Constructor arguments of this library's TransformerEncoderBlock equal to ``layer``.
+
+    Args:
+        layer: A built ``keras_hub.layers.TransformerEncoder``.
+
+    Returns:
+        ``{"num_hiddens", "ffn_num_hiddens": intermediate_dim, "num_heads", "dropout",
+        "bias": True}``.
+
+    Raises:
+        TypeError, ValueError: As :func:`from_kerashub_encoder`.
+    """
+    _check_kerashub_encoder(layer, "kerashub_encoder_config")
+    attention = keras_config(layer._self_attention_layer)
+    return {"num_hiddens": attention["num_hiddens"], "ffn_num_hiddens": int(layer.intermediate_dim),
+            "num_heads": attention["num_heads"], "dropout": float(layer.dropout), "bias": True}
+
+
+def from_kerashub_encoder(layer: Any) -> dict[str, np.ndarray]:
+    """The canonical ``TransformerEncoderBlock`` weights of a KerasHub ``TransformerEncoder``.
+
+    KerasHub's post-norm layer (``normalize_first=False``, relu, ``layer_norm_epsilon=1e-5``:
+    its defaults) computes what the block computes: ``self_attention_layer_norm(x + self_attention(x))``, then
+    ``feedforward_layer_norm(x + output_dense(relu(intermediate_dense(x))))``. Build the block
+    with ``TransformerEncoderBlock(**kerashub_encoder_config(layer))``; on Keras it takes
+    KerasHub's ``padding_mask`` and ``attention_mask``.
+
+    Args:
+        layer: A built ``keras_hub.layers.TransformerEncoder`` (called once, or built with
+            ``layer.build((None, None, h))``).
+
+    Raises:
+        TypeError: ``layer`` is not a KerasHub TransformerEncoder.
+        ValueError: Not built yet, ``normalize_first=True``, another activation than relu,
+            a ``layer_norm_epsilon`` other than this library's (1e-5), or a width that
+            ``num_heads`` does not divide.
+    """
+    _check_kerashub_encoder(layer, "from_kerashub_encoder")
+    weights = W.prefixed(_read_attention(layer._self_attention_layer, "from_kerashub_encoder"),
+                         "attention")
+    for attr, leaves in _KERASHUB_ENCODER_LEAVES.items():
+        for leaf, name in leaves.items():
+            weights[name] = _host(getattr(getattr(layer, attr), leaf))
+    return weights
+
+
+def to_kerashub_encoder(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    dropout: float = 0.0,
+    dtype: Any = None,
+    name: str | None = None,
+) -> Any:
+    """A built KerasHub ``TransformerEncoder`` holding canonical ``TransformerEncoderBlock`` weights.
+
+    Args:
+        weights: Canonical block weights whose attention projections have biases
+            (``bias=True``).
+        num_heads: H.
+        dropout: KerasHub's ``dropout``.
+        dtype: KerasHub's ``dtype`` (a dtype policy name); Keras' default when None.
+        name: The layer's name.
+
+    Returns:
+        The post-norm relu layer (``normalize_first=False``, ``layer_norm_epsilon=1e-5``),
+        built for ``(B, T, h)`` inputs.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping.
+        ValueError: Projections without biases (KerasHub's attention always has them), or not
+            a block's weights (missing, unexpected or wrongly shaped).
+    """
+    import keras_hub
+
+    where = "to_kerashub_encoder"
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{where}: weights must be a mapping of name -> array, got "
+                        f"{type(weights).__name__}")
+    host = {key: np.asarray(value) for key, value in weights.items()}
+    if "attention.W_q.bias" not in host:
+        raise ValueError(f"{where}: the attention projections must have biases (bias=True): "
+                         "keras_hub.layers.TransformerEncoder's attention layer always has them")
+    if "ffn.dense1.kernel" not in host:
+        raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    h, ffn = host["ffn.dense1.kernel"].shape
+    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
+    block.check()
+    host = W.check_weights(block.weight_shapes(), host, where)
+    layer = keras_hub.layers.TransformerEncoder(
+        intermediate_dim=ffn, num_heads=num_heads, dropout=dropout, activation="relu",
+        layer_norm_epsilon=LAYER_NORM_EPS, normalize_first=False, dtype=dtype, name=name,
+    )
+    layer.build((None, None, h))
+    _write_attention(layer._self_attention_layer,
+                     C.to_einsum(W.subset(host, "attention"), num_heads, where))
+    for attr, leaves in _KERASHUB_ENCODER_LEAVES.items():
         for leaf, canonical in leaves.items():
             _assign(getattr(getattr(layer, attr), leaf), host[canonical])
     return layer

@@ -22,7 +22,7 @@ A query that sees no key gives NaN in torch and zeros here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,9 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention_core import convert as C
+from attention_core import declarations
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
 from backends.torch.ops import OPS
+
+_L = TypeVar("_L", bound=nn.Module)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -153,19 +156,26 @@ _DECODER_LINEARS = {"linear1": "ffn.dense1", "linear2": "ffn.dense2"}
 
 
 def _check_decoder_layer(layer: Any, where: str) -> nn.TransformerDecoderLayer:
-    if not isinstance(layer, nn.TransformerDecoderLayer):
-        raise TypeError(f"{where}: expected a torch.nn.TransformerDecoderLayer, got "
+    return _check_post_norm(layer, nn.TransformerDecoderLayer, _DECODER_NORMS, where)
+
+
+def _check_post_norm(layer: Any, cls: type[_L], norms: Mapping[str, str], where: str) -> _L:
+    """Checks that a torch Transformer layer is one this library's block computes as it does."""
+    block = cls.__name__.replace("Layer", "Block")
+    if not isinstance(layer, cls):
+        raise TypeError(f"{where}: expected a torch.nn.{cls.__name__}, got "
                         f"{type(layer).__name__}")
     if layer.norm_first:
         raise ValueError(f"{where}: norm_first=True is not supported: this library's "
-                         "TransformerDecoderBlock is post-norm (norm_first=False)")
+                         f"{block} is post-norm (norm_first=False)")
     if layer.activation is not F.relu and not isinstance(layer.activation, nn.ReLU):
         raise ValueError(f"{where}: the activation must be ReLU, got {layer.activation!r}")
-    for name in _DECODER_NORMS:
+    for name in norms:
         norm = getattr(layer, name)
         if norm.bias is None or norm.weight is None or norm.eps != LAYER_NORM_EPS:
             raise ValueError(f"{where}: {name} must be a LayerNorm with a weight, a bias and "
-                             f"eps={LAYER_NORM_EPS}, as this library's AddNorm, got {norm!r}")
+                             f"eps={LAYER_NORM_EPS} (layer_norm_eps), as this library's AddNorm, "
+                             f"got {norm!r}")
     for name in _DECODER_LINEARS:
         if getattr(layer, name).bias is None:
             raise ValueError(f"{where}: {name} must have a bias (bias=True), as this "
@@ -261,6 +271,119 @@ def to_torch_decoder_layer(
             _copy(linear.weight, host[f"{canonical}.kernel"].T)
             _copy(linear.bias, host[f"{canonical}.bias"])
         for name, canonical in _DECODER_NORMS.items():
+            norm = getattr(layer, name)
+            _copy(norm.weight, host[f"{canonical}.ln.gamma"])
+            _copy(norm.bias, host[f"{canonical}.ln.beta"])
+    return layer
+
+
+# -- torch.nn.TransformerEncoderLayer <-> canonical TransformerEncoderBlock weights ----------
+
+#: The layer norms of ``nn.TransformerEncoderLayer`` and the canonical names they map to.
+_ENCODER_NORMS = {"norm1": "addnorm1", "norm2": "addnorm2"}
+
+
+def _check_encoder_layer(layer: Any, where: str) -> nn.TransformerEncoderLayer:
+    return _check_post_norm(layer, nn.TransformerEncoderLayer, _ENCODER_NORMS, where)
+
+
+def encoder_layer_config(layer: nn.TransformerEncoderLayer) -> dict[str, Any]:
+    """Constructor arguments of this library's TransformerEncoderBlock equal to ``layer``.
+
+    Returns:
+        ``{"num_hiddens": d_model, "ffn_num_hiddens": dim_feedforward, "num_heads", "dropout",
+        "bias"}``.
+
+    Raises:
+        TypeError, ValueError: As :func:`from_torch_encoder_layer`.
+    """
+    layer = _check_encoder_layer(layer, "encoder_layer_config")
+    attention = torch_config(layer.self_attn)
+    return {"num_hiddens": attention["num_hiddens"],
+            "ffn_num_hiddens": int(layer.linear1.out_features),
+            "num_heads": attention["num_heads"], "dropout": float(layer.dropout.p),
+            "bias": attention["bias"]}
+
+
+def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> dict[str, np.ndarray]:
+    """The canonical ``TransformerEncoderBlock`` weights of a ``torch.nn.TransformerEncoderLayer``.
+
+    torch's post-norm layer (``norm_first=False``, ReLU, ``layer_norm_eps=1e-5``, its
+    defaults) computes what the block computes: ``norm1(x + self_attn(x))``, then
+    ``norm2(x + linear2(relu(linear1(x))))``. Build the block with
+    ``TransformerEncoderBlock(**encoder_layer_config(layer))``; it takes torch's ``src_mask``,
+    ``src_key_padding_mask`` and ``is_causal`` (batch-first).
+
+    Raises:
+        TypeError: ``layer`` is not a ``torch.nn.TransformerEncoderLayer``.
+        ValueError: ``norm_first=True``, another activation than ReLU, a ``layer_norm_eps``
+            other than 1e-5, or ``bias=False`` (torch's ``bias`` covers the FFN and the layer
+            norms too, which always have biases here).
+    """
+    layer = _check_encoder_layer(layer, "from_torch_encoder_layer")
+    weights = W.prefixed(from_torch(layer.self_attn), "attention")
+    for name, canonical in _DECODER_LINEARS.items():
+        linear = getattr(layer, name)
+        weights[f"{canonical}.kernel"] = _host(linear.weight).T.copy()
+        weights[f"{canonical}.bias"] = _host(linear.bias)
+    for name, canonical in _ENCODER_NORMS.items():
+        norm = getattr(layer, name)
+        weights[f"{canonical}.ln.gamma"] = _host(norm.weight)
+        weights[f"{canonical}.ln.beta"] = _host(norm.bias)
+    return weights
+
+
+def to_torch_encoder_layer(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    dropout: float = 0.0,
+    batch_first: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.TransformerEncoderLayer:
+    """A post-norm ``torch.nn.TransformerEncoderLayer`` holding canonical block weights.
+
+    Args:
+        weights: Canonical ``TransformerEncoderBlock`` weights whose attention projections
+            have biases (``bias=True``: torch's ``bias`` covers them, the FFN and the layer
+            norms alike).
+        num_heads: H.
+        dropout: torch's ``dropout``.
+        batch_first: torch's ``batch_first``; True takes ``(B, T, D)`` as this library does.
+        device: Device of the parameters.
+        dtype: Dtype of the parameters (torch's default dtype when None).
+
+    Raises:
+        TypeError: ``weights`` is not a mapping.
+        ValueError: Projections without biases, or not a block's weights (missing,
+            unexpected or wrongly shaped).
+    """
+    where = "to_torch_encoder_layer"
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{where}: weights must be a mapping of name -> array, got "
+                        f"{type(weights).__name__}")
+    host = {name: np.asarray(value) for name, value in weights.items()}
+    if "attention.W_q.bias" not in host:
+        raise ValueError(f"{where}: the attention projections must have biases (bias=True): "
+                         "torch.nn.TransformerEncoderLayer's bias covers them, the FFN and the "
+                         "layer norms alike")
+    if "ffn.dense1.kernel" not in host:
+        raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    h, ffn = host["ffn.dense1.kernel"].shape
+    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
+    block.check()
+    host = W.check_weights(block.weight_shapes(), host, where)
+    layer = nn.TransformerEncoderLayer(h, num_heads, ffn, dropout, batch_first=batch_first,
+                                       device=device, dtype=dtype)
+    layer.self_attn = to_torch(W.subset(host, "attention"), num_heads, dropout=dropout,
+                               batch_first=batch_first, device=device, dtype=dtype)
+    with torch.no_grad():
+        for name, canonical in _DECODER_LINEARS.items():
+            linear = getattr(layer, name)
+            _copy(linear.weight, host[f"{canonical}.kernel"].T)
+            _copy(linear.bias, host[f"{canonical}.bias"])
+        for name, canonical in _ENCODER_NORMS.items():
             norm = getattr(layer, name)
             _copy(norm.weight, host[f"{canonical}.ln.gamma"])
             _copy(norm.bias, host[f"{canonical}.ln.beta"])

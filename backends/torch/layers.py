@@ -11,6 +11,11 @@ size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in p
 also be given (``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict``. A call
 that raises changes nothing: kernels it materialised are turned back into placeholders.
 
+Inputs are batch-first ``(B, T, D)`` (torch's ``batch_first=True``). Calls also take torch's
+keywords (``attn_mask``, ``key_padding_mask``, ``is_causal``, ``need_weights``,
+``average_attn_weights``; ``src_mask``, ``src_key_padding_mask`` for the encoder block), with
+torch's meaning (:mod:`attention_core.conventions`).
+
 Dropout follows ``module.train()`` / ``module.eval()``. ``attention_weights`` keeps the last
 call's attention weights, before dropout (the encoder's: a list, one per block, also kept by
 each block); with ``keep_attention_weights=False`` calls that do not ask for them may go
@@ -85,6 +90,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
     """
 
     __repr__ = nn.Module.__repr__
+    convention = "torch"  # torch's call keywords too (attention_core.conventions)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         own = {p.name: p for p in D.keyword_parameters(TorchArguments)}
