@@ -195,8 +195,10 @@ class Harness:
 
     def __init__(self, name: str) -> None:
         self.name = canonical_name(name)
+        #: The registry backend whose arrays the layers compute on (a column's, or its own).
+        self.arrays = COLUMNS[self.name].arrays if self.name in COLUMNS else self.name
         self.module = load(self.name)
-        self.ops = registry.load(COLUMNS[name].arrays).OPS if name in COLUMNS else self.module.OPS
+        self.ops = registry.load(self.arrays).OPS
         try:
             hooks = self.name.replace("-", "_")
             self.hooks: Any = importlib.import_module(f"tests.hooks.{hooks}_hooks")
@@ -204,6 +206,15 @@ class Harness:
             self.hooks = None
         default: Callable[..., Any] = lambda layer, *a, **k: layer(*a, **k)  # noqa: E731
         self._call = getattr(self.hooks, "call", default)
+
+    @property
+    def layer_base(self) -> type:
+        """The adapter's generic ``Layer`` class (in its module, or its ``layers`` module)."""
+        module = self.module
+        if not hasattr(module, "Layer"):
+            module = importlib.import_module(f"{module.__name__}.layers")
+        base: type = module.Layer
+        return base
 
     def array(self, x: Any, dtype: str | None = None) -> Any:
         """A backend array from NumPy data; floating data is cast to ``dtype`` if given

@@ -13,7 +13,6 @@ weights file. Expected values come from a float64 NumPy computation over the lay
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ class TanhDense(D.Declaration):
 @functools.cache
 def native(backend: str) -> type:
     """The backend's class for the layer: the one line a new layer costs a backend."""
-    Layer = importlib.import_module(f"backends.{backend}.layers").Layer
+    Layer = Harness(backend).layer_base
 
     class TanhDense(Layer, globals()["TanhDense"]): ...  # type: ignore[misc, valid-type]
 
@@ -162,7 +161,7 @@ def test_every_declared_layer_is_exported(backend: str) -> None:
     """Each backend exports one native class for each declaration of the core, a subclass of
     its generic ``Layer`` and of the declaration."""
     h = Harness(backend)
-    Layer = importlib.import_module(f"backends.{backend}.layers").Layer
+    Layer = h.layer_base
     core = {name: cls for name, cls in D.LAYERS.items() if cls.__module__ == D.__name__}
     assert len(core) == len(ac.LAYER_NAMES) == 15 and set(core) == set(ac.LAYER_NAMES)
     assert set(core) <= set(h.module.__all__)

@@ -27,7 +27,7 @@ import attention_core as ac
 from attention_core import registry
 from attention_core import weights as W
 from tests import report
-from tests.harness import Harness
+from tests.harness import COLUMNS, Harness
 
 #: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
 COLUMN_TESTS = True
@@ -405,7 +405,7 @@ NO_INT64 = (("jax", "JAX arrays hold no int64 without jax_enable_x64"),)
 
 def int64_tokens(c: Ctx, tokens: np.ndarray) -> Any:
     """int64 token ids as a user gives them: a backend array, or NumPy to a Flax module."""
-    return tokens if c.h.name == "jax" else c.h.array(tokens)
+    return tokens if c.h.arrays == "jax" else c.h.array(tokens)
 
 
 def host_dpa(c: Ctx, **kwargs: Any) -> Any:
@@ -1068,12 +1068,21 @@ def snapshot(directory: Path) -> dict[str, bytes]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def _without(row: Bad, backend: str) -> str | None:
+    """Why a row does not run on a backend (None: it runs). A column (tests.harness.COLUMNS)
+    runs the rows of its arrays' backend that call a layer."""
+    column = COLUMNS.get(backend)
+    if column is not None and row.layer is None:
+        return f"the functional API on {column.arrays} arrays runs in the {column.arrays} env"
+    return dict(row.without).get(column.arrays if column else backend)
+
+
 @pytest.mark.parametrize("row", CATALOGUE, ids=[row.name for row in CATALOGUE])
 def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    reason = dict(row.without).get(backend)
+    reason = _without(row, backend)
     if reason is not None:
         pytest.skip(reason)
-    cases = sum(backend not in dict(r.without) for r in CATALOGUE)
+    cases = sum(_without(r, backend) is None for r in CATALOGUE)
     passed = False
     try:
         h = Harness(backend)
@@ -1083,7 +1092,7 @@ def test_bad_call(backend: str, row: Bad, tmp_path: Path, monkeypatch: pytest.Mo
         if row.files is not None:
             row.files(ctx.file())
         files_before = snapshot(tmp_path)
-        message = row.message.format(path=repr(str(ctx.file())), backend=h.name,
+        message = row.message.format(path=repr(str(ctx.file())), backend=h.arrays,
                                      absent=repr(str(ctx.file("absent.safetensors"))))
         with pytest.raises(row.exc) as info:
             row.act(ctx)
@@ -1106,22 +1115,33 @@ def test_catalogue_covers_every_category() -> None:
     assert sum(row.layer is not None for row in CATALOGUE) >= 30
 
 
+def _loads(name: str) -> bool:
+    """Whether an installed backend loads here (``backends.tensorflow`` needs Keras on TF)."""
+    try:
+        registry.load(name)
+    except ImportError:
+        return False
+    return True
+
+
 def test_inputs_of_two_frameworks_are_refused(backend: str) -> None:
     """Queries of the backend with keys of any other installed framework: a TypeError naming
     the argument and both frameworks, from the functional API and from a layer (not from a
     Keras layer, which converts its arguments to tensors first, as every Keras layer does)."""
     h = Harness(backend)
-    others = [name for name in registry.available_backends() if name not in (backend, "numpy")]
+    others = [name for name in registry.available_backends()
+              if name not in (h.arrays, "numpy") and _loads(name)]
     layer = mha(h)
+    keras_layer = h.module.__name__ in ("backends.tensorflow", "backends.keras")
     for other in others:
         foreign = Harness(other)
         q, _, v = (h.array(a) for a in qkv())
         bad = foreign.array(arr((2, 6, 8)))
-        message = f"keys must be a {backend} array like queries, got a {other} array"
+        message = f"keys must be a {h.arrays} array like queries, got a {other} array"
         with pytest.raises(TypeError) as info:
             ac.dot_product_attention(q, bad, v)
         assert str(info.value) == message
-        if backend != "tensorflow":  # Keras converts every array argument before call()
+        if not keras_layer:  # Keras converts every array argument before call()
             with pytest.raises(TypeError) as info:
                 h.call(layer, q, bad, v)
             assert str(info.value) == message

@@ -26,6 +26,7 @@ import keras
 import ml_dtypes
 import numpy as np
 from keras.src.backend import get_keras_mask as _get_keras_mask
+from keras.src.backend import set_keras_mask
 
 from attention_core import checks
 from attention_core import declarations as D
@@ -150,6 +151,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
                            for n, t in self.constants("float64").items()}
         self._attention_kept = self.finish(None, False, False)[1]
         self._allow_non_tensor_positional_args = True  # valid_lens may be a Python list
+        self._convert_input_args = False  # done by _converted, which keeps host integers
         if None not in {d for shape in self.weight_shapes().values() for d in shape}:
             self._create({})
             self.built = True
@@ -178,7 +180,8 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
             self.autocast = False
         fresh = not self.built
         args, kwargs = self.canonical_call(args, kwargs)  # Keras builds from canonical names
-        kwargs = self._with_padding_masks(args, kwargs)
+        args = tuple(self._converted(x) for x in args)
+        kwargs = self._with_padding_masks(args, {k: self._converted(x) for k, x in kwargs.items()})
         try:
             return super().__call__(*args, **kwargs)
         except BaseException as err:
@@ -188,6 +191,21 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
             if original is err:
                 raise
         raise original  # outside the except block: the original's own context is kept
+
+    def _converted(self, x: Any) -> Any:
+        """Keras' conversion of an array argument, but for integer and boolean NumPy arrays.
+
+        Keras makes tensors of array arguments, floats cast by the dtype policy. Integer and
+        boolean NumPy arrays (lengths, token ids, masks) stay on the host, where the core
+        checks them before a backend could narrow them (JAX without x64 holds no int64).
+        """
+        if isinstance(x, np.ndarray) and x.dtype.kind in "biu":
+            return x
+        converted = self.dtype_policy.convert_input(x, self.autocast, self.input_dtype)
+        mask = _padding_mask(x)
+        if mask is not None and converted is not x:
+            set_keras_mask(converted, mask)
+        return converted
 
     def _with_padding_masks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Moves the inputs' padding masks (``_keras_mask``) into ``<name>_mask`` arguments.
