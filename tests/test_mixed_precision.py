@@ -29,7 +29,6 @@ from tests.reference.cases import Case
 from tests.reference.generate import record
 from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
 
-
 MIXED = ("bfloat16", "float16")
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
 

@@ -17,7 +17,8 @@ The convention the pages follow:
   framework.
 * ``<!-- not-runnable: <reason> -->`` right before a fence: not run (python or bash). At most
   :data:`MAX_NOT_RUNNABLE` such fences in all, each with a reason.
-* ``<!-- runs-in: <backend> -->`` right before a fence: its env, when the imports do not say.
+* ``<!-- runs-in: <backend> -->`` right before a fence: its env, when the imports do not say
+  (also ``keras-jax`` / ``keras-torch``: a Keras fence run under that Keras backend).
 * ```` ```text ```` fences hold program output and are not run. ```` ```bash ```` fences hold
   shell commands, checked line by line: ``python -m attention_core ...`` and
   ``python -m examples...`` are run, ``tox`` must name envs of ``tox.ini``, ``pip install``
@@ -69,6 +70,10 @@ IMPORT_BACKENDS = {
        for module in modules},
     "optax": "jax",
 }
+
+#: Test envs beside the backends' (``tox.ini``) that a ``runs-in`` marker may name: Keras on
+#: another framework. Each -> the backend its fences' imports belong to, and its KERAS_BACKEND.
+KERAS_ENVS = {"keras-jax": "jax", "keras-torch": "torch"}
 
 #: The marker comments a fence may carry.
 MARKERS = ("continues", "not-runnable", "runs-in")
@@ -229,6 +234,8 @@ def module_backend(module: str) -> str | None:
         return IMPORT_BACKENDS[parts[0]]
     if parts[0] == "backends" and len(parts) > 1 and parts[1] in registry.BACKENDS:
         return parts[1]
+    if parts[:2] == ["backends", "keras"]:  # Keras' layers: Keras' own env unless runs-in says
+        return "tensorflow"
     if parts[0] == "examples" and len(parts) > 1:
         suffix = parts[1].rsplit("_", 1)[-1]
         return suffix if suffix in registry.BACKENDS else None
@@ -287,13 +294,15 @@ def parse_page(text: str, page: str) -> list[Fence]:
         runs_in: str | None = None
         if "runs-in" in markers:
             try:
-                runs_in = registry.canonical_name(markers["runs-in"])
+                runs_in = (markers["runs-in"] if markers["runs-in"] in KERAS_ENVS
+                           else registry.canonical_name(markers["runs-in"]))
             except ValueError as err:
                 problems.append(f"runs-in: {err}")
         imports = imported_backends(code) if kind == "python" else frozenset()
         if len(imports) > 1:
             problems.append(f"imports two frameworks ({', '.join(sorted(imports))}): split it")
-        if runs_in and imports and imports != {runs_in}:
+        keras_env = runs_in in KERAS_ENVS and imports <= {"tensorflow"}  # `import keras`
+        if runs_in and imports and imports != {runs_in} and not keras_env:
             problems.append(f"runs-in {runs_in} but imports {', '.join(sorted(imports))}")
         if "not-runnable" in markers and not markers["not-runnable"]:
             problems.append("not-runnable without a reason (<!-- not-runnable: why -->)")
@@ -656,6 +665,8 @@ def job_environment(job: Job, root: Path) -> dict[str, str]:
     if job.framework == "tensorflow":
         env.setdefault("KERAS_BACKEND", "tensorflow")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if job.framework in KERAS_ENVS:
+        env["KERAS_BACKEND"] = KERAS_ENVS[job.framework]
     env.update(job.env)
     return env
 
@@ -753,8 +764,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per job")
     args = parser.parse_args(argv)
     docs = load(args.root)
-    backends = ([registry.canonical_name(b) for b in args.backend.split(",") if b.strip()]
-                if args.backend else list(registry.BACKENDS))
+    backends = ([b.strip() if b.strip() in KERAS_ENVS else registry.canonical_name(b)
+                 for b in args.backend.split(",") if b.strip()]
+                if args.backend else [*registry.BACKENDS, *KERAS_ENVS])
     jobs = docs.jobs_for(backends)
     if not (args.list or args.check or args.run):
         args.list = args.check = True
