@@ -7,12 +7,12 @@ that imports the framework):
 native layer                              functions
 ========================================  ==========================================
 ``torch.nn.MultiheadAttention``           ``backends.torch.convert``: ``from_torch``, ``to_torch``
-``keras.layers.MultiHeadAttention``       ``backends.tensorflow.convert``: ``from_keras``, ``to_keras``
+``keras.layers.MultiHeadAttention``       ``backends.keras.convert``: ``from_keras``, ``to_keras``
 ``flax.linen.MultiHeadDotProductAttention``  ``backends.jax.convert``: ``from_flax``, ``to_flax``
 ========================================  ==========================================
 
 The converters of native Transformer decoder layers (``torch.nn.TransformerDecoderLayer`` in
-``backends.torch.convert``, KerasHub's ``TransformerDecoder`` in ``backends.tensorflow.convert``)
+``backends.torch.convert``, KerasHub's ``TransformerDecoder`` in ``backends.keras.convert``)
 share :func:`check_biased_decoder_block` here; the encoder layers' (``TransformerEncoderLayer``:
 ``from_torch_encoder_layer`` ...; KerasHub's ``TransformerEncoder``: ``from_kerashub_encoder``
 ...) sit beside them, and the layers take the native layers' call keywords
@@ -253,7 +253,9 @@ def native_backend(native: Any) -> str:
 
 def _converter(native: Any, which: int) -> Any:
     name = native_backend(native)
-    module = importlib.import_module(f"backends.{name}.convert")
+    # Keras' converters work under any Keras backend (backends.keras.convert)
+    module = importlib.import_module("backends.keras.convert" if name == "tensorflow"
+                                     else f"backends.{name}.convert")
     return getattr(module, _FUNCTIONS[name][which])
 
 
