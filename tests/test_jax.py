@@ -378,3 +378,24 @@ def test_importing_and_using_the_backend_leaves_x64_alone() -> None:
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "True", "float64", "True"]
+
+
+@pytest.mark.parametrize("layer", ["block", "addnorm", "encoder"])
+def test_numpy_inputs_are_taken_as_flax_layers_take_them(layer: str) -> None:
+    """NumPy float inputs are taken as JAX arrays (a block's residual once mixed a NumPy input
+    with a JAX one and raised), and NumPy lengths are still checked on the host."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    module, args = {
+        "block": (bj.TransformerEncoderBlock(8, 16, 2), (X, np.array([3, 2]))),
+        "addnorm": (bj.AddNorm(8), (X, X[:, ::-1].copy())),
+        "encoder": (bj.TransformerEncoder(11, 8, 16, 2, 1), (rng.integers(0, 11, (2, 3)),
+                                                             np.array([3, 2]))),
+    }[layer]
+    variables = module.init(jax.random.PRNGKey(0), *args)
+    got = module.apply(variables, *args)
+    want = module.apply(variables, *(jnp.asarray(a) for a in args))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if layer != "addnorm":
+        with pytest.raises(ValueError, match="valid_lens must be <= the number of keys"):
+            module.apply(variables, args[0], np.array([3, 2**32 + 1]))

@@ -35,7 +35,7 @@ from attention_core import declarations as D
 from attention_core import weights as W
 from attention_core.host import plain
 from attention_core.ops import Array
-from backends.jax.ops import OPS, JaxOps
+from backends.jax.ops import OPS, JaxOps, floats_on_device
 
 # -- the canonical layout as a Flax params pytree ---------------------------------------------
 
@@ -171,7 +171,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         the trained params); each ``apply({"params": p, "cache": c}, x_t, ..., decode=True,
         mutable=["cache"])`` then feeds the next positions and returns their output alone.
         """
-        bound = self.bind_call(args, kwargs)
+        bound = floats_on_device(self.bind_call(args, kwargs))
         if decode:
             self._check_decode(bound)
             bound = self._decoding(bound)

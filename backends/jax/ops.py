@@ -7,7 +7,7 @@ the user set it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -237,3 +237,13 @@ class JaxOps(NamespaceOps):
 #: The default JAX ops (used by the functional API for JAX arrays); it has no key, so dropout
 #: through it raises: bind a key with ``JaxOps(rng=key)``.
 OPS = JaxOps()
+
+
+def floats_on_device(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's floating NumPy arrays as JAX arrays, as Flax's own layers take them.
+
+    Integer and boolean ones (lengths, token ids, masks) stay on the host, where the core
+    checks them before they are narrowed (JAX without x64 holds no int64).
+    """
+    return {name: jnp.asarray(x) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
+            for name, x in arguments.items()}
