@@ -30,6 +30,7 @@ repository root.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -46,7 +47,8 @@ from tools import markdown
 SCHEMA = "attention-core-frontends/1"
 NUM_HIDDENS, NUM_HEADS = 512, 8
 SIZES = (1024, 4096)
-QUICK = {"num_hiddens": 32, "num_heads": 4, "sizes": (16, 32)}
+QUICK_HIDDENS, QUICK_HEADS = 32, 4
+QUICK_SIZES: tuple[int, ...] = (16, 32)
 TARGET = 1.0
 START, END = "<!-- frontends: begin -->", "<!-- frontends: end -->"
 
@@ -56,6 +58,13 @@ def inputs(n: int, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.random.default_rng(n).standard_normal((1, n, h)).astype(np.float32)
     length = n - n // 4
     return X, np.array([length], np.int32), (np.arange(n) < length)[None]
+
+
+def _ready(x: Any) -> Any:
+    """Waits until a JAX result is computed (JAX dispatches asynchronously)."""
+    import jax
+
+    return jax.block_until_ready(x)  # type: ignore[no-untyped-call]
 
 
 # -- Keras ---------------------------------------------------------------------------------------
@@ -86,7 +95,7 @@ def keras_pair(n: int, h: int, heads: int) -> tuple[Callable[[], Any], Callable[
             values = [v.value for v in layer.trainable_variables]
             others = [v.value for v in layer.non_trainable_variables]
             fn = jax.jit(lambda t, o, *a: layer.stateless_call(t, o, *a, **kwargs)[0])
-            return lambda: jax.block_until_ready(fn(values, others, *args))
+            return lambda: _ready(fn(values, others, *args))
 
         return (jitted(ours, Xt, Xt, Xt, keras.ops.convert_to_tensor(lens)),
                 jitted(native, Xt, Xt, attention_mask=mask), "jax.jit(stateless_call)")
@@ -115,11 +124,10 @@ def keras_pair(n: int, h: int, heads: int) -> tuple[Callable[[], Any], Callable[
 
 def nnx_pair(n: int, h: int, heads: int) -> tuple[Callable[[], Any], Callable[[], Any], str]:
     """``(ours, native, how)``: the NNX modules' forward calls, each under ``nnx.jit``."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from backends.jax import nnx as ours_nnx
+    ours_nnx: Any = importlib.import_module("backends.jax.nnx")
     from backends.jax.convert import from_flax
 
     X, lens, padding = inputs(n, h)
@@ -134,8 +142,8 @@ def nnx_pair(n: int, h: int, heads: int) -> tuple[Callable[[], Any], Callable[[]
     theirs = nnx.jit(lambda m, x, k: m(x, mask=k, deterministic=True))
     np.testing.assert_allclose(np.asarray(mine(ours, Xj, lens_j)),
                                np.asarray(theirs(native, Xj, mask)), rtol=1e-4, atol=1e-4)
-    return ((lambda: jax.block_until_ready(mine(ours, Xj, lens_j))),
-            (lambda: jax.block_until_ready(theirs(native, Xj, mask))), "nnx.jit")
+    return ((lambda: _ready(mine(ours, Xj, lens_j))),
+            (lambda: _ready(theirs(native, Xj, mask))), "nnx.jit")
 
 
 # -- runs ----------------------------------------------------------------------------------------
@@ -221,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         merge(args.merge, args.page or Path("docs/speed.md"))
         return 0
     if args.quick:
-        h, heads, sizes, rounds, min_time = (QUICK["num_hiddens"], QUICK["num_heads"],
-                                             QUICK["sizes"], 3, 0.01)
+        h, heads, sizes, rounds, min_time = QUICK_HIDDENS, QUICK_HEADS, QUICK_SIZES, 3, 0.01
     else:
         h, heads, rounds, min_time = NUM_HIDDENS, NUM_HEADS, args.rounds, args.min_time
         sizes = tuple(int(s) for s in args.sizes.split(","))
