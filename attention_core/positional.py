@@ -88,6 +88,11 @@ def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None =
 
     Returns:
         ``dropout(X + P[:, :T])``, shape ``(B, T, d)``.
+
+    When T is not known while tracing (an unknown dimension of ``tf.function``, the symbolic
+    shapes of ``jax.export`` and of Keras' symbolic calls on JAX), the rows are taken by index,
+    so the sum's shape is ``(B, T, d)`` as written; T > max_len is then an error of the gather
+    on TensorFlow and NaN rows on JAX (whose gathers fill), not known until the program runs.
     """
     ops = ops or ops_for(X)
     shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
@@ -98,7 +103,11 @@ def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None =
     steps = shape[1]
     if isinstance(steps, int) and steps > max_len:
         raise ValueError(f"X has {steps} positions, more than max_len ({max_len})")
-    out = X + ops.astype(P[:, :steps], ops.dtype_name(X))
+    if isinstance(steps, int):
+        rows = P[:, :steps]
+    else:  # T unknown while tracing: T rows by index, which symbolic shapes can tell are T
+        rows = ops.take(P[0], ops.arange(steps))  # (a slice of max_len rows cannot be proven so)
+    out = X + ops.astype(rows, ops.dtype_name(X))
     dropout = checks.check_dropout(dropout)
     return ops.dropout(out, dropout) if dropout > 0 else out
 

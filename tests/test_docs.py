@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import test_backends
+from tests.harness import COLUMNS
 from tools import doc_fences
 from tools.doc_fences import Job
 
@@ -345,7 +346,8 @@ def _undocumented(package: str, names: list[str]) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("package", ["attention_core", *(f"backends.{b}" for b in test_backends())])
+@pytest.mark.parametrize("package", ["attention_core", *(
+    COLUMNS[b].module if b in COLUMNS else f"backends.{b}" for b in test_backends())])
 def test_the_api_reference_covers_every_public_name(package: str) -> None:
     import importlib
 

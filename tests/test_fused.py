@@ -23,9 +23,6 @@ from tests.reference.cases import CASES, Case, has_score_terms
 from tests.reference.generate import record
 from tests.reference.gradients import gradient_cases, key, load_gradients
 
-#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
-COLUMN_TESTS = True
-
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
 TOL = TOLERANCE["float32"]
 #: A layer on the fused path: the automatic choice may prefer another (JAX on CPU does).
