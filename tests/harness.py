@@ -199,7 +199,9 @@ class Harness:
     def __init__(self, name: str) -> None:
         self.name = canonical_name(name)
         self.module = load(self.name)
-        self.ops = registry.load(COLUMNS[name].arrays).OPS if name in COLUMNS else self.module.OPS
+        #: The registry backend whose arrays the layers take (a column's, or the backend).
+        self.arrays = COLUMNS[name].arrays if name in COLUMNS else self.name
+        self.ops = registry.load(self.arrays).OPS if name in COLUMNS else self.module.OPS
         try:
             hooks = self.name.replace("-", "_")
             self.hooks: Any = importlib.import_module(f"tests.hooks.{hooks}_hooks")
