@@ -182,9 +182,10 @@ class Layer(D.Declaration, nnx.Module):
         return {name: jnp.asarray(t, self._compute_dtype()) for name, t in tables.items()}
 
     def _params(self) -> dict[str, nnx.Param[Any]]:
-        """The parameters by canonical name."""
+        """The parameters by canonical name, in the declared order."""
         state = nnx.to_flat_state(nnx.state(self, nnx.Param))
-        return {".".join(str(p) for p in path): var for path, var in state}
+        found = {".".join(str(p) for p in path): var for path, var in state}
+        return {name: found[name] for name in self.spec()}
 
     def set_view(self, deterministic: bool | None = None) -> None:
         """Sets ``deterministic`` (what ``nnx.view(model, deterministic=...)`` calls)."""

@@ -67,6 +67,8 @@ class NnxLayer:
         self.cls, self.config, self.dtype = cls, dict(config), dtype
         self.module = module
         self.attention_weights: Any = None
+        if module is None:  # the arguments' errors now, as every backend's constructor
+            cls.declared()(**self.config).check()
         if module is None and not cls.sizes:
             self.module = self.build({})
 
