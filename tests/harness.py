@@ -179,6 +179,14 @@ MODE_NAMES = {
     "hybridize": "hybridize()",
 }
 
+#: A backend's own names for its modes, where they are not :data:`MODE_NAMES`'.
+OWN_MODE_NAMES = {"nnx": {"jit": "nnx.jit"}}
+
+
+def mode_name(backend: str, mode: str) -> str:
+    """What a backend's mode stands for, for reports."""
+    return OWN_MODE_NAMES.get(backend, {}).get(mode, MODE_NAMES[mode])
+
 #: Compiled modes cheap enough for the shared behaviour tests (about a second per small layer).
 #: ``torch.compile`` costs seconds per graph under Inductor: it runs the matrix's compiled cells
 #: and the fullgraph tests of tests/test_torch.py, not these; likewise
