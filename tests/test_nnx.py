@@ -237,17 +237,24 @@ def test_dtypes() -> None:
 
 
 def test_jax_export_of_multi_head_attention() -> None:
-    """``nnx.split``, a pure function of (state, inputs), ``jax.export``: serialized,
-    deserialized and called, the same numbers."""
+    """``nnx.split``, a pure function of (params as a pure dict, inputs), ``jax.export``:
+    serialized, deserialized and called, the same numbers; other params, other numbers."""
     layer = mha()
     layer.eval()
     graphdef, state = nnx.split(layer)
+    params = nnx.to_pure_dict(state)
 
-    def pure(state: Any, q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array) -> jax.Array:
-        out: jax.Array = nnx.merge(graphdef, state)(q, k, v, lens)
+    def pure(params: Any, q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array) -> jax.Array:
+        copy = jax.tree.map(lambda x: x, state)
+        nnx.replace_by_pure_dict(copy, params)
+        out: jax.Array = nnx.merge(graphdef, copy)(q, k, v, lens)
         return out
 
-    exported = jax.export.export(jax.jit(pure))(state, Q, K, V, LENS)
+    exported = jax.export.export(jax.jit(pure))(params, Q, K, V, LENS)
     restored = jax.export.deserialize(exported.serialize())
-    got = restored.call(state, Q, K, V, LENS)
+    got = restored.call(params, Q, K, V, LENS)
+    assert max_diff(np.asarray(got), np.asarray(layer(Q, K, V, LENS))) <= 1e-5
+    doubled = jax.tree.map(lambda x: 2 * x, params)
+    layer.set_weights({name: 2 * w for name, w in layer.get_weights().items()})
+    got = restored.call(doubled, Q, K, V, LENS)
     assert max_diff(np.asarray(got), np.asarray(layer(Q, K, V, LENS))) <= 1e-5

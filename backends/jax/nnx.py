@@ -215,15 +215,16 @@ class Layer(D.Declaration, nnx.Module):
         rate = 0.0 if off else float(getattr(self, "dropout", 0.0))
         dtype = self._compute_dtype()
         weights = {name: OPS.astype(p[...], dtype) for name, p in self._params().items()}
-        saved = nnx.state(self.rngs) if rate > 0 and self.rngs is not None else None
+        stream = self.rngs if rate > 0 and rngs is None else None
+        count = None if stream is None else stream.count[...]
         ops = JaxOps(rng=self._dropout_key(rngs)) if rate > 0 else OPS
         try:
             run = D.Run(ops, W.CheckedWeights(weights), self._tables(), rate, need)
             returned, kept = self.finish(self.compute(run, **prepared.arguments), need,
                                          prepared.return_attention)
         except BaseException:
-            if saved is not None:  # the stream's count goes back: the call changed nothing
-                nnx.update(self.rngs, saved)
+            if stream is not None:  # the stream's count goes back: the call changed nothing
+                stream.count[...] = count
             raise
         if need and keeping:
             for entry in (kept,) if self.attention_kind == "nested" else D.leaves(kept):
