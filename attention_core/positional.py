@@ -103,10 +103,9 @@ def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None =
     steps = shape[1]
     if isinstance(steps, int) and steps > max_len:
         raise ValueError(f"X has {steps} positions, more than max_len ({max_len})")
-    if isinstance(steps, int):
-        rows = P[:, :steps]
-    else:  # T unknown while tracing: T rows by index, which symbolic shapes can tell are T
-        rows = ops.take(P[0], ops.arange(steps))  # (a slice of max_len rows cannot be proven so)
+    # T unknown while tracing: T rows by index, whose count symbolic shapes can tell is T (of a
+    # slice of max_len rows they cannot)
+    rows = P[:, :steps] if isinstance(steps, int) else ops.take(P[0], ops.arange(steps))
     out = X + ops.astype(rows, ops.dtype_name(X))
     dropout = checks.check_dropout(dropout)
     return ops.dropout(out, dropout) if dropout > 0 else out

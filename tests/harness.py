@@ -72,6 +72,7 @@ class Column:
 COLUMNS = {
     "keras-jax": Column("backends.keras", "jax", keras_backend="jax"),
     "keras-torch": Column("backends.keras", "torch", keras_backend="torch"),
+    "nnx": Column("backends.jax.nnx", "jax"),
 }
 
 
@@ -153,6 +154,7 @@ DTYPES = {
     "mxnet": ("float32", "float64"),
     "keras-jax": ("float32", "float16", "bfloat16"),
     "keras-torch": ("float32", "float64", "float16", "bfloat16"),
+    "nnx": ("float32", "float16", "bfloat16"),
 }
 
 #: Ways each backend runs a layer (``MODES`` of its hooks): ``eager`` everywhere, then the
@@ -165,6 +167,7 @@ MODES = {
     "mxnet": ("eager", "hybridize"),
     "keras-jax": ("eager", "jit"),
     "keras-torch": ("eager", "compile"),
+    "nnx": ("eager", "jit"),
 }
 
 #: What each mode name stands for, for reports.
@@ -176,6 +179,14 @@ MODE_NAMES = {
     "hybridize": "hybridize()",
 }
 
+#: A backend's own names for its modes, where they are not :data:`MODE_NAMES`'.
+OWN_MODE_NAMES = {"nnx": {"jit": "nnx.jit"}}
+
+
+def mode_name(backend: str, mode: str) -> str:
+    """What a backend's mode stands for, for reports."""
+    return OWN_MODE_NAMES.get(backend, {}).get(mode, MODE_NAMES[mode])
+
 #: Compiled modes cheap enough for the shared behaviour tests (about a second per small layer).
 #: ``torch.compile`` costs seconds per graph under Inductor: it runs the matrix's compiled cells
 #: and the fullgraph tests of tests/test_torch.py, not these; likewise
@@ -184,10 +195,10 @@ QUICK_COMPILED_MODES = {"tensorflow": ("xla",), "mxnet": ("hybridize",)}
 
 #: The mode a backend differentiates a whole layer fastest in: JAX's eager mode compiles every
 #: primitive of the forward and backward pass on its own (loops included), ``jax.jit`` once.
-FASTEST_GRADIENT_MODE = {"jax": "jit", "keras-jax": "jit"}
+FASTEST_GRADIENT_MODE = {"jax": "jit", "keras-jax": "jit", "nnx": "jit"}
 
 #: Backends with automatic differentiation: their gradients are compared with the file too.
-AUTODIFF = ("torch", "tensorflow", "jax", "mxnet", "keras-jax", "keras-torch")
+AUTODIFF = ("torch", "tensorflow", "jax", "mxnet", "keras-jax", "keras-torch", "nnx")
 
 
 class Harness:

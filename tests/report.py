@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 
 from attention_core import registry
-from tests.harness import MODE_NAMES, MODES, TOLERANCE
+from tests.harness import COLUMNS, MODES, TOLERANCE, mode_name
 
 ENV_VAR = "ATTENTION_CORE_REPORT_DIR"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "reports"
@@ -143,7 +143,8 @@ def _cpu() -> str:
 
 
 def _versions(backend: str) -> dict[str, str]:
-    names = [*registry.FRAMEWORKS.get(backend, ()), "numpy"]
+    arrays = COLUMNS[backend].arrays if backend in COLUMNS else backend
+    names = [*registry.FRAMEWORKS.get(arrays, ()), "numpy"]
     if backend == "tensorflow" and _version("tensorflow") is None:
         names.insert(0, "tensorflow-cpu")
     found = {name: _version(name) for name in dict.fromkeys(names)}
@@ -173,7 +174,7 @@ def write(directory: Path) -> list[Path]:
             "tox_env": os.environ.get("TOX_ENV_NAME"),
             "cells_in_matrix": len(cells(backend)),
             "tolerance": TOLERANCE,
-            "modes": {mode: MODE_NAMES[mode] for mode in MODES.get(backend, ())},
+            "modes": {mode: mode_name(backend, mode) for mode in MODES.get(backend, ())},
             **counted(backend),
             **properties(backend),
             **dict(sorted(_SECTIONS.get(backend, {}).items())),

@@ -77,8 +77,8 @@ def weights_of(layer: Any) -> dict[str, np.ndarray]:
 
 def unkept(h: Harness, blocks: int | None = None) -> Any:
     """What a layer that keeps no weights holds: None (the encoder: one None per block); Flax
-    sows nothing, so its handle holds None."""
-    return [None] * blocks if blocks and h.name != "jax" else None
+    (linen and NNX) sows nothing, so its handle holds None."""
+    return [None] * blocks if blocks and not getattr(h.hooks, "SOWS_WEIGHTS", False) else None
 
 
 # -- dropout only in training --------------------------------------------------------------

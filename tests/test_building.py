@@ -5,7 +5,8 @@ framework's compiled mode; the framework's own store holds placeholders of the d
 meanwhile (torch, Gluon) or nothing (Keras, Flax, NumPy). A first call that fails builds
 nothing. A built layer refuses other widths with the core's message in every mode, and
 compiled modes check shapes, not values. Seeded initial weights are reproducible; torch and
-Flax make weights from given input sizes before any call; a constant table is no weight.
+Flax make weights from given input sizes before any call (NNX modules only so: a width not
+given is ``num_hiddens``); a constant table is no weight.
 
 The bad-input catalogue (tests/test_errors.py) already checks, eagerly on every backend, the
 messages of ``get_weights`` before the first call and of a built layer given another width;
@@ -85,7 +86,14 @@ def assert_unbuilt(h: Harness, layer: Any, name: str) -> None:
         assert h.name not in ("torch", "mxnet"), "torch and Gluon hold placeholders"
 
 
+#: Backends whose layers are made with their input sizes, so that no first call learns them.
+SIZED_WHEN_MADE = {"nnx": "NNX modules are made with their input widths (q_in= ...): "
+                          "tests/test_nnx.py"}
+
+
 def first_call(h: Harness, compiled: bool) -> Any:
+    if h.name in SIZED_WHEN_MADE:
+        pytest.skip(SIZED_WHEN_MADE[h.name])
     if not compiled:
         return h.call
     reason = NO_COMPILED_FIRST_CALL.get(h.name)
@@ -223,7 +231,8 @@ def test_seeded_initial_weights_are_reproducible(backend: str) -> None:
 #: What ``weights_from_sizes`` says without the sizes: torch's layer stays lazy, Flax's
 #: ``init_weights`` names the first weight it cannot shape.
 WITHOUT_SIZES = {"torch": f"MultiHeadAttention: {NOT_BUILT}",
-                 "jax": "W_q.kernel has unknown dimensions (?, 8): call the layer first"}
+                 "jax": "W_q.kernel has unknown dimensions (?, 8): call the layer first",
+                 "nnx": None}  # NNX: a width not given is num_hiddens
 
 
 def test_weights_before_the_first_call(backend: str) -> None:
@@ -237,9 +246,13 @@ def test_weights_before_the_first_call(backend: str) -> None:
     if from_sizes is None:
         pytest.skip(f"{backend} learns input sizes from a call or set_weights only")
     cls, config = getattr(h.module, "MultiHeadAttention"), {"num_hiddens": 8, "num_heads": 2}  # noqa: B009
-    with pytest.raises(ValueError) as err:
-        from_sizes(cls, config, 3, {})
-    assert str(err.value) == WITHOUT_SIZES[backend]
+    if WITHOUT_SIZES[backend] is None:
+        assert {n: np.shape(w) for n, w in from_sizes(cls, config, 3, {}).items()} == {
+            f"W_{x}.kernel": (8, 8) for x in "qkvo"}
+    else:
+        with pytest.raises(ValueError) as err:
+            from_sizes(cls, config, 3, {})
+        assert str(err.value) == WITHOUT_SIZES[backend]
     weights = from_sizes(cls, config, 3, {"q_in": 5, "k_in": 6, "v_in": 7})
     assert {n: np.shape(w) for n, w in weights.items()} == {
         "W_q.kernel": (5, 8), "W_k.kernel": (6, 8), "W_v.kernel": (7, 8), "W_o.kernel": (8, 8)}

@@ -16,7 +16,7 @@ def test_seed_usage_multi_head(backend: str) -> None:
     """As the seed uses it, in each way a layer can be set up (Gluon: hybridized too)."""
     h = Harness(backend)
     for setup in h.setups():
-        attention = h.module.MultiHeadAttention(100, 5, 0.5)
+        attention = h.make("MultiHeadAttention", {"num_hiddens": 100, "num_heads": 5, "dropout": 0.5})
         setup(attention)
         X = h.array(np.ones((2, 4, 100), np.float32))
         valid_lens = h.array(np.array([3, 2]))
@@ -44,7 +44,7 @@ def test_seed_usage_positional(backend: str) -> None:
 def test_single_head_layers_report_one_head(backend: str) -> None:
     h = Harness(backend)
     q, k, v = (np.ones(s, np.float32) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
-    for layer in (h.module.DotProductAttention(), h.module.AdditiveAttention(7)):
+    for layer in (h.make("DotProductAttention", {}), h.make("AdditiveAttention", {"num_hiddens": 7})):
         out, w = h.call(layer, h.array(q), h.array(k), h.array(v), return_attention=True)
         assert tuple(h.ops.shape(out)) == (2, 3, 6)
         assert tuple(h.ops.shape(w)) == (2, 1, 3, 5)

@@ -27,11 +27,12 @@ COLUMN_TESTS = True
 
 #: Backends whose layers nest their sublayers' weights (torch submodules, Flax dicts); Keras
 #: variables, Gluon parameters and NumPy hold flat dotted names.
-NESTING = ("torch", "jax")
+NESTING = ("torch", "jax", "nnx")
 #: Backends whose stores have no order of their own: JAX orders a dict's keys by sorting them
 #: whenever it flattens one (``jax.jit``, msgpack files), so a Flax params tree (and
-#: ``get_weights``, read off it) holds the names in the order it was last made in.
-UNORDERED = ("jax",)
+#: ``get_weights``, read off it) holds the names in the order it was last made in; so does
+#: ``nnx.state`` (its keys sorted).
+UNORDERED = ("jax", "nnx")
 
 #: layer, config, input shapes (``"tokens"`` and a shape: token ids), expected names and shapes.
 LAYOUTS: dict[str, tuple[str, dict[str, Any], list[Any], W.Spec]] = {
