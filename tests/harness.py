@@ -180,7 +180,8 @@ MODE_NAMES = {
 }
 
 #: A backend's own names for its modes, where they are not :data:`MODE_NAMES`'.
-OWN_MODE_NAMES = {"nnx": {"jit": "nnx.jit"}}
+OWN_MODE_NAMES = {"nnx": {"jit": "nnx.jit"}, "keras-jax": {"jit": "jax.jit(stateless_call)"},
+                  "keras-torch": {"compile": "torch.compile"}}
 
 
 def mode_name(backend: str, mode: str) -> str:
