@@ -65,7 +65,7 @@ from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.jax.layers import _SAMPLERS, _constants, nest
-from backends.jax.ops import OPS, JaxOps
+from backends.jax.ops import OPS, JaxOps, floats_on_device
 
 
 @dataclass(eq=False)
@@ -106,6 +106,8 @@ def _capturing(module: nnx.Module) -> bool:
 @D.dataclass_transform()
 class Layer(D.Declaration, nnx.Module):
     """Holds a declared layer's weights as ``nnx.Param`` and calls its forward."""
+
+    convention = "flax"  # Flax's call keywords too (inputs_q ..., attention_core.conventions)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         own = {p.name: p for p in D.keyword_parameters(NnxArguments)}
@@ -205,7 +207,7 @@ class Layer(D.Declaration, nnx.Module):
                 the layer's own stream.
             **kwargs: The declared call's keyword arguments.
         """
-        bound = self.bind_call(args, kwargs)
+        bound = floats_on_device(self.bind_call(args, kwargs))
         off = self._deterministic(deterministic, training)
         prepared = self.prepare(OPS, self._compute_dtype(), bound)
         for dim, size in prepared.dims.items():
