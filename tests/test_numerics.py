@@ -1007,8 +1007,10 @@ NUMPY_SCALAR_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _module_of(h: Harness, layer: Any) -> Any:
-    """The object holding a layer's constructor arguments (a Flax handle's module)."""
-    return getattr(layer, "module", layer)
+    """The object holding a layer's constructor arguments (a Flax handle's module; an NNX
+    handle's, made with inputs 8 wide when it waits for its first call's widths)."""
+    module = getattr(layer, "module", layer)
+    return layer.build(dict.fromkeys(layer.cls.sizes, 8)) if module is None else module
 
 
 @pytest.mark.parametrize("layer_name", sorted(NUMPY_SCALAR_CONFIGS))
