@@ -155,6 +155,34 @@ _DECODER_NORMS = {"norm1": "addnorm1", "norm2": "addnorm2", "norm3": "addnorm3"}
 _DECODER_LINEARS = {"linear1": "ffn.dense1", "linear2": "ffn.dense2"}
 
 
+def _read_ffn_and_norms(layer: nn.Module, norms: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """The canonical FFN and layer-norm weights of a torch encoder or decoder layer."""
+    weights = {}
+    for name, canonical in _DECODER_LINEARS.items():
+        linear = getattr(layer, name)
+        weights[f"{canonical}.kernel"] = _host(linear.weight).T.copy()
+        weights[f"{canonical}.bias"] = _host(linear.bias)
+    for name, canonical in norms.items():
+        norm = getattr(layer, name)
+        weights[f"{canonical}.ln.gamma"] = _host(norm.weight)
+        weights[f"{canonical}.ln.beta"] = _host(norm.bias)
+    return weights
+
+
+def _write_ffn_and_norms(layer: nn.Module, host: Mapping[str, np.ndarray],
+                         norms: Mapping[str, str]) -> None:
+    """Copies canonical FFN and layer-norm weights into a torch encoder or decoder layer."""
+    with torch.no_grad():
+        for name, canonical in _DECODER_LINEARS.items():
+            linear = getattr(layer, name)
+            _copy(linear.weight, host[f"{canonical}.kernel"].T)
+            _copy(linear.bias, host[f"{canonical}.bias"])
+        for name, canonical in norms.items():
+            norm = getattr(layer, name)
+            _copy(norm.weight, host[f"{canonical}.ln.gamma"])
+            _copy(norm.bias, host[f"{canonical}.ln.beta"])
+
+
 def _check_decoder_layer(layer: Any, where: str) -> nn.TransformerDecoderLayer:
     return _check_post_norm(layer, nn.TransformerDecoderLayer, _DECODER_NORMS, where)
 
@@ -215,15 +243,7 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> dict[str, np.
     layer = _check_decoder_layer(layer, "from_torch_decoder_layer")
     weights = {**W.prefixed(from_torch(layer.self_attn), "self_attention"),
                **W.prefixed(from_torch(layer.multihead_attn), "cross_attention")}
-    for name, canonical in _DECODER_LINEARS.items():
-        linear = getattr(layer, name)
-        weights[f"{canonical}.kernel"] = _host(linear.weight).T.copy()
-        weights[f"{canonical}.bias"] = _host(linear.bias)
-    for name, canonical in _DECODER_NORMS.items():
-        norm = getattr(layer, name)
-        weights[f"{canonical}.ln.gamma"] = _host(norm.weight)
-        weights[f"{canonical}.ln.beta"] = _host(norm.bias)
-    return weights
+    return {**weights, **_read_ffn_and_norms(layer, _DECODER_NORMS)}
 
 
 def to_torch_decoder_layer(
@@ -265,15 +285,7 @@ def to_torch_decoder_layer(
     layer = nn.TransformerDecoderLayer(h, num_heads, ffn, dropout, batch_first=batch_first,
                                        device=device, dtype=dtype)
     layer.self_attn, layer.multihead_attn = parts["self_attention"], parts["cross_attention"]
-    with torch.no_grad():
-        for name, canonical in _DECODER_LINEARS.items():
-            linear = getattr(layer, name)
-            _copy(linear.weight, host[f"{canonical}.kernel"].T)
-            _copy(linear.bias, host[f"{canonical}.bias"])
-        for name, canonical in _DECODER_NORMS.items():
-            norm = getattr(layer, name)
-            _copy(norm.weight, host[f"{canonical}.ln.gamma"])
-            _copy(norm.bias, host[f"{canonical}.ln.beta"])
+    _write_ffn_and_norms(layer, host, _DECODER_NORMS)
     return layer
 
 
@@ -322,15 +334,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> dict[str, np.
     """
     layer = _check_encoder_layer(layer, "from_torch_encoder_layer")
     weights = W.prefixed(from_torch(layer.self_attn), "attention")
-    for name, canonical in _DECODER_LINEARS.items():
-        linear = getattr(layer, name)
-        weights[f"{canonical}.kernel"] = _host(linear.weight).T.copy()
-        weights[f"{canonical}.bias"] = _host(linear.bias)
-    for name, canonical in _ENCODER_NORMS.items():
-        norm = getattr(layer, name)
-        weights[f"{canonical}.ln.gamma"] = _host(norm.weight)
-        weights[f"{canonical}.ln.beta"] = _host(norm.bias)
-    return weights
+    return {**weights, **_read_ffn_and_norms(layer, _ENCODER_NORMS)}
 
 
 def to_torch_encoder_layer(
@@ -378,13 +382,5 @@ def to_torch_encoder_layer(
                                        device=device, dtype=dtype)
     layer.self_attn = to_torch(W.subset(host, "attention"), num_heads, dropout=dropout,
                                batch_first=batch_first, device=device, dtype=dtype)
-    with torch.no_grad():
-        for name, canonical in _DECODER_LINEARS.items():
-            linear = getattr(layer, name)
-            _copy(linear.weight, host[f"{canonical}.kernel"].T)
-            _copy(linear.bias, host[f"{canonical}.bias"])
-        for name, canonical in _ENCODER_NORMS.items():
-            norm = getattr(layer, name)
-            _copy(norm.weight, host[f"{canonical}.ln.gamma"])
-            _copy(norm.bias, host[f"{canonical}.ln.beta"])
+    _write_ffn_and_norms(layer, host, _ENCODER_NORMS)
     return layer
