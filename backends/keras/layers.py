@@ -151,7 +151,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
                            for n, t in self.constants("float64").items()}
         self._attention_kept = self.finish(None, False, False)[1]
         self._allow_non_tensor_positional_args = True  # valid_lens may be a Python list
-        self._convert_input_args = False  # done by _converted, which keeps host integers
+        self._convert_input_args = False  # Keras' conversion, by _converted
         if None not in {d for shape in self.weight_shapes().values() for d in shape}:
             self._create({})
             self.built = True
@@ -193,15 +193,16 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         raise original  # outside the except block: the original's own context is kept
 
     def _converted(self, x: Any) -> Any:
-        """Keras' conversion of an array argument, but for integer and boolean NumPy arrays.
+        """Keras' conversion of an array argument, but for integers the backend would narrow.
 
-        Keras makes tensors of array arguments, floats cast by the dtype policy. Integer and
-        boolean NumPy arrays (lengths, token ids, masks) stay on the host, where the core
-        checks them before a backend could narrow them (JAX without x64 holds no int64).
+        Keras makes tensors of array arguments, floats cast by the dtype policy. An integer
+        NumPy array whose values the tensor does not hold (JAX without x64 holds no int64: a
+        length of 2**32 + 3 would become 3) stays on the host, where the core's checks name it.
         """
-        if isinstance(x, np.ndarray) and x.dtype.kind in "biu":
-            return x
         converted = self.dtype_policy.convert_input(x, self.autocast, self.input_dtype)
+        if (isinstance(x, np.ndarray) and x.dtype.kind in "iu" and converted is not x
+                and not np.array_equal(keras.ops.convert_to_numpy(converted), x)):
+            return x
         mask = _padding_mask(x)
         if mask is not None and converted is not x:
             set_keras_mask(converted, mask)
