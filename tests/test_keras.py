@@ -338,3 +338,42 @@ def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None
     tokens = rng.integers(0, 10, (2, 7))
     np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(COLUMN != "keras-jax", reason="JAX traces Python: Keras on JAX only")
+def test_kept_weights_in_a_jax_trace_are_formed_only_when_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``jax.jit`` a layer keeping its weights pools as if they were not asked for; a
+    read in the same trace forms them (equal to the eager ``return_attention``), and a trace
+    that does not read them forms none."""
+    import jax
+
+    from attention_core import attention
+
+    X = keras.ops.convert_to_tensor(draw((2, 6, 8), seed=3)[0])
+    lens = keras.ops.convert_to_tensor(np.array([4, 0], np.int32))
+    mha = keras_layers.MultiHeadAttention(8, 2)
+    _, eager = mha(X, X, X, lens, return_attention=True)
+    asked: list[bool] = []
+    choose = attention.choose_implementation
+
+    def spy(ops: Any, implementation: Any, want: bool, shape: Any) -> str:
+        asked.append(bool(want))
+        return choose(ops, implementation, want, shape)
+
+    monkeypatch.setattr(attention, "choose_implementation", spy)
+    values = [v.value for v in mha.variables]
+
+    def call(values: Any, x: Any, lengths: Any, read: bool) -> Any:
+        mapping = list(zip(mha.variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            out = mha(x, x, x, lengths)
+            return (out, mha.attention_weights) if read else out
+
+    jax.jit(call, static_argnums=3)(values, X, lens, False)
+    assert asked == [False]
+    asked.clear()
+    _, weights = jax.jit(call, static_argnums=3)(values, X, lens, True)
+    assert asked == [False, True]
+    assert max_diff(host(weights), host(eager)) <= 1e-6
+    assert np.all(host(weights)[1] == 0)  # the example of length 0 sees no key

@@ -28,7 +28,7 @@ import numpy as np
 from keras.src.backend import get_keras_mask as _get_keras_mask
 from keras.src.backend import set_keras_mask
 
-from attention_core import checks
+from attention_core import attention, checks
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.keras.ops import backend_ops, keras_ops
@@ -102,6 +102,15 @@ class _TorchParameters:
 
 #: Keras runs on torch (the layers are torch modules).
 _ON_TORCH = keras.backend.backend() == "torch"
+
+
+def _in_jax_trace(arguments: Mapping[str, Any]) -> bool:
+    """Keras on JAX inside a trace (``jax.jit``, Keras' compiled ``predict`` and ``fit``)."""
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return any(isinstance(value, jax.core.Tracer) for value in arguments.values())
 
 
 @D.dataclass_transform()
@@ -234,11 +243,32 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         need = self.needs_attention(prepared.return_attention)
         tensors = {name: variable.value for name, variable in self._params.items()}
         rate = getattr(self, "dropout", 0.0) if training else 0.0
+        if need == attention.ON_READ and not rate and _in_jax_trace(arguments):
+            return self._pooled_in_trace(tensors, arguments, prepared.return_attention)
         run = D.Run(self._ops, tensors, self._constants, rate, need)
         returned, kept = self.finish(self.compute(run, **arguments), need,
                                      prepared.return_attention)
         if self.attention_kind:
             self._attention_kept = kept
+        return returned
+
+    def _pooled_in_trace(self, tensors: Mapping[str, Any], arguments: Mapping[str, Any],
+                         return_attention: Any) -> Any:
+        """A call without dropout in a JAX trace, its weights kept but not returned.
+
+        The core forms kept weights in a traced program (they cannot wait for a read after
+        it), which takes the direct path; JAX traces Python, so here the call pools on its
+        fast path and keeps a second, weight-forming pass, run only if the weights are read in
+        the same trace (unread, it never enters the program).
+        """
+        run = D.Run(self._ops, tensors, self._constants, 0.0, False)
+        returned, _ = self.finish(self.compute(run, **arguments), False, return_attention)
+
+        def form() -> Any:
+            again = D.Run(self._ops, tensors, self._constants, 0.0, True)
+            return self.finish(self.compute(again, **arguments), True, False)[1]
+
+        self._attention_kept = attention.WeightsOnRead(form)
         return returned
 
     def _build(self, *args: Any, **kwargs: Any) -> None:
