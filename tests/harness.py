@@ -142,19 +142,25 @@ def tolerance(quantity: str, dtype: str, reference: np.ndarray) -> float:
     return TOLERANCE[dtype]
 
 
+#: Whether this process runs JAX with 64-bit types (``JAX_ENABLE_X64``, read by JAX at import):
+#: a process-wide switch the library leaves alone. The keras-jax env runs its float64 cells in
+#: a second process with it set (tox.ini).
+JAX_X64 = os.environ.get("JAX_ENABLE_X64", "").strip().lower() in {"1", "true", "yes", "on"}
+_JAX_FLOAT64 = ("float64",) if JAX_X64 else ()
+
 #: Compute dtypes each backend is tested in against the reference files: float32 on all,
-#: float64 where the framework computes in it (JAX only with ``jax_enable_x64``, a global switch
-#: the library leaves alone, so not here), float16 and bfloat16 where the layers take them
-#: (NumPy has no bfloat16; MXNet's CPU matrix product has neither).
+#: float64 where the framework computes in it (JAX only with ``jax_enable_x64``), float16 and
+#: bfloat16 where the layers take them (NumPy has no bfloat16; MXNet's CPU matrix product has
+#: neither).
 DTYPES = {
     "numpy": ("float32", "float64", "float16"),
     "torch": ("float32", "float64", "float16", "bfloat16"),
     "tensorflow": ("float32", "float64", "float16", "bfloat16"),
-    "jax": ("float32", "float16", "bfloat16"),
+    "jax": ("float32", *_JAX_FLOAT64, "float16", "bfloat16"),
     "mxnet": ("float32", "float64"),
-    "keras-jax": ("float32", "float16", "bfloat16"),
+    "keras-jax": ("float32", *_JAX_FLOAT64, "float16", "bfloat16"),
     "keras-torch": ("float32", "float64", "float16", "bfloat16"),
-    "nnx": ("float32", "float16", "bfloat16"),
+    "nnx": ("float32", *_JAX_FLOAT64, "float16", "bfloat16"),
 }
 
 #: Ways each backend runs a layer (``MODES`` of its hooks): ``eager`` everywhere, then the

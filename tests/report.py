@@ -53,6 +53,10 @@ from tests.harness import COLUMNS, MODES, TOLERANCE, mode_name
 ENV_VAR = "ATTENTION_CORE_REPORT_DIR"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "reports"
 SCHEMA = 1
+#: Set (to anything) to merge into an existing ``<backend>.json`` instead of replacing it: a
+#: second process of the same env adds its cells (keras-jax's float64 cells run under
+#: ``JAX_ENABLE_X64``, see tox.ini).
+MERGE_VAR = "ATTENTION_CORE_REPORT_MERGE"
 
 _CELLS: dict[str, list[dict[str, Any]]] = {}
 #: key -> backend -> (cases in the table, case name -> passed)
@@ -143,8 +147,10 @@ def _cpu() -> str:
 
 
 def _versions(backend: str) -> dict[str, str]:
-    arrays = COLUMNS[backend].arrays if backend in COLUMNS else backend
-    names = [*registry.FRAMEWORKS.get(arrays, ()), "numpy"]
+    column = COLUMNS.get(backend)
+    arrays = column.arrays if column else backend
+    keras = ["keras"] if column and column.keras_backend else []
+    names = [*keras, *registry.FRAMEWORKS.get(arrays, ()), "numpy"]
     if backend == "tensorflow" and _version("tensorflow") is None:
         names.insert(0, "tensorflow-cpu")
     found = {name: _version(name) for name in dict.fromkeys(names)}
@@ -181,11 +187,34 @@ def write(directory: Path) -> list[Path]:
             "cells": measured,
         }
         path = directory / f"{backend}.json"
+        if os.environ.get(MERGE_VAR) and path.exists():
+            document = _merged(json.loads(path.read_text()), document)
+            measured = document["cells"]
         head = json.dumps({k: v for k, v in document.items() if k != "cells"}, indent=1)
         rows = ",\n".join(f"  {json.dumps(cell)}" for cell in measured)  # one line per cell
         path.write_text(f'{head[:-2]},\n "cells": [\n{rows}\n ]\n}}\n')
         paths.append(path)
     return paths
+
+
+def _merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``now`` written over ``earlier``, a file of the same backend from an earlier run.
+
+    Cells are keyed by (layer, case, dtype, mode): this run's replace the earlier run's, the
+    rest stay; keys this run did not write (counts of modules it did not run) stay too.
+    """
+    if earlier.get("schema") != now["schema"] or earlier.get("backend") != now["backend"]:
+        raise ValueError(f"{MERGE_VAR}: the file for {now['backend']!r} holds another schema "
+                         f"or backend ({earlier.get('schema')!r}, {earlier.get('backend')!r})")
+
+    def key(cell: dict[str, Any]) -> tuple[str, ...]:
+        return cell["layer"], cell["case"], cell["dtype"], cell["mode"]
+
+    ran = {key(cell) for cell in now["cells"]}
+    kept = [cell for cell in earlier["cells"] if key(cell) not in ran]
+    named = ", ".join(str(e) for e in (earlier.get("tox_env"), now["tox_env"]) if e)
+    envs = dict.fromkeys(e.strip() for e in named.split(",") if e.strip())
+    return {**earlier, **now, "tox_env": ", ".join(envs) or None, "cells": kept + now["cells"]}
 
 
 #: What a pytest-xdist worker sends its controller (``workeroutput``) under this key.

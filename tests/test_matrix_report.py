@@ -143,3 +143,37 @@ def test_plugin_writes_what_the_cells_measured(tmp_path: Path) -> None:
             assert bound == tolerance(q, entry["dtype"], expected[q])
         assert entry["forward"] == max(diffs.values()) and entry["gradient"] is None
         assert entry["passed"] is True
+
+
+@pytest.mark.skipif("numpy" not in test_backends(), reason="run once, in the numpy env")
+def test_a_second_process_merges_its_cells_into_the_file_when_asked(tmp_path: Path) -> None:
+    """keras-jax-x64's way: a later run adds its cells to the file (ATTENTION_CORE_REPORT_MERGE),
+    replacing those it ran again; without the variable a run replaces the file."""
+    first = "numpy-eager-float16-AddNorm-basic"
+    second = "numpy-eager-float32-MultiHeadAttention-mask_4d_bias"
+
+    def run(selection: str, tox_env: str, merge: bool) -> dict[str, Any]:
+        env = {**os.environ, "ATTENTION_CORE_TEST_BACKENDS": "numpy",
+               "ATTENTION_CORE_REPORT_DIR": str(tmp_path), "TOX_ENV_NAME": tox_env}
+        env.pop("ATTENTION_CORE_REPORT_MERGE", None)
+        if merge:
+            env["ATTENTION_CORE_REPORT_MERGE"] = "1"
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "tests/test_reference_matrix.py", "-k", selection],
+                             capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        report: dict[str, Any] = json.loads((tmp_path / "numpy.json").read_text())
+        return report
+
+    def names(report: dict[str, Any]) -> list[str]:
+        return [f"{c['dtype']}-{c['layer']}-{c['case']}" for c in report["cells"]]
+
+    assert names(run(first, "a", merge=False)) == ["float16-AddNorm-basic"]
+    merged = run(f"{second} or {first}", "b", merge=True)
+    assert sorted(names(merged)) == ["float16-AddNorm-basic", "float32-MultiHeadAttention-mask_4d_bias"]
+    assert merged["tox_env"] == "a, b"
+    merged = run(second, "b", merge=True)  # ran again: replaced, not repeated
+    assert sorted(names(merged)) == ["float16-AddNorm-basic", "float32-MultiHeadAttention-mask_4d_bias"]
+    assert merged["tox_env"] == "a, b"
+    replaced = run(second, "c", merge=False)
+    assert names(replaced) == ["float32-MultiHeadAttention-mask_4d_bias"] and replaced["tox_env"] == "c"

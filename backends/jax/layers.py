@@ -20,7 +20,7 @@ tables (the sinusoidal ``P``) are constants in ``param_dtype``, attributes witho
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
 
@@ -36,31 +36,9 @@ from attention_core import weights as W
 from attention_core.host import plain
 from attention_core.ops import Array
 from backends.jax.ops import OPS, JaxOps, floats_on_device
+from backends.jax.params import SAMPLERS, constants, flatten, nest
 
 # -- the canonical layout as a Flax params pytree ---------------------------------------------
-
-
-def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Canonical names -> nested dicts: ``{"W_q.kernel": a}`` -> ``{"W_q": {"kernel": a}}``."""
-    tree: dict[str, Any] = {}
-    for name, value in flat.items():
-        *path, leaf = name.split(".")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
-#: Nested dicts -> canonical names, the inverse of :func:`nest` (one implementation, in the core).
-flatten = W.flatten_tree
-
-#: The kinds of :class:`attention_core.weights.InitRule`, drawn with ``jax.random``.
-_SAMPLERS: dict[str, Callable[[Array, W.InitRule, tuple[int, ...], DTypeLike], Array]] = {
-    "uniform": lambda key, rule, shape, dtype: jax.random.uniform(key, shape, dtype, rule.a, rule.b),
-    "normal": lambda key, rule, shape, dtype: rule.a + rule.b * jax.random.normal(key, shape, dtype),
-    "constant": lambda key, rule, shape, dtype: jnp.full(shape, rule.a, dtype),
-}
 
 
 def _draw(key: Array, group: str, spec: tuple[tuple[str, tuple[int, ...]], ...],
@@ -72,17 +50,8 @@ def _draw(key: Array, group: str, spec: tuple[tuple[str, tuple[int, ...]], ...],
     leaves = {}
     for i, (name, shape) in enumerate(spec):
         rule = W.init_rule(f"{group}.{name}" if name else group, shape)
-        leaves[name] = _SAMPLERS[rule.kind](jax.random.fold_in(key, i), rule, shape, dtype)
+        leaves[name] = SAMPLERS[rule.kind](jax.random.fold_in(key, i), rule, shape, dtype)
     return leaves[""] if "" in leaves else nest(leaves)
-
-
-@functools.lru_cache(maxsize=32)
-def _constants(layer: str, arguments: tuple[Any, ...]) -> dict[str, Any]:
-    """A declared layer's fixed tables in float64, made once per arguments (``(name, value)``s)."""
-    tables = D.LAYERS[layer](**dict(arguments)).constants("float64")
-    for table in tables.values():
-        table.flags.writeable = False
-    return tables
 
 
 # -- layers -----------------------------------------------------------------------------------
@@ -127,7 +96,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
     def _tables(self) -> dict[str, Array]:
         """The fixed tables (:meth:`constants`) in ``param_dtype``, made once per arguments."""
         arguments = tuple((name, vars(self)[name]) for name in self.argument_names())
-        tables = _constants(self.declared().__name__, arguments)
+        tables = constants(self.declared().__name__, arguments)
         return {name: jnp.asarray(t, vars(self)["param_dtype"]) for name, t in tables.items()}
 
     @nn.nowrap

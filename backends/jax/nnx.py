@@ -64,8 +64,8 @@ from jax.typing import DTypeLike
 from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
-from backends.jax.layers import _SAMPLERS, _constants, nest
 from backends.jax.ops import OPS, JaxOps, floats_on_device
+from backends.jax.params import SAMPLERS, constants, nest
 
 
 @dataclass(eq=False)
@@ -142,7 +142,7 @@ class Layer(D.Declaration, nnx.Module):
             sizes = tuple(int(d) for d in shape if d is not None)
             rule = W.init_rule(name, sizes)
             assert rngs is not None
-            value = _SAMPLERS[rule.kind](rngs.params(), rule, sizes, self.param_dtype)
+            value = SAMPLERS[rule.kind](rngs.params(), rule, sizes, self.param_dtype)
             drawn[name] = nnx.Param(value)
         for group, value in nest(drawn).items():
             if hasattr(type(self), group):
@@ -180,7 +180,7 @@ class Layer(D.Declaration, nnx.Module):
     def _tables(self) -> dict[str, jax.Array]:
         """The fixed tables (:meth:`constants`), made once per arguments, in the compute dtype."""
         arguments = tuple(self.arguments().items())
-        tables = _constants(self.declared().__name__, arguments)
+        tables = constants(self.declared().__name__, arguments)
         return {name: jnp.asarray(t, self._compute_dtype()) for name, t in tables.items()}
 
     def _params(self) -> dict[str, nnx.Param[Any]]:

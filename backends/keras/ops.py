@@ -42,34 +42,42 @@ class KerasDropout:
         return keras.random.dropout(x, rate, seed=self.seed_generator)
 
 
-@functools.cache
-def ops_class() -> type:
-    """The ops class for Keras' current backend (made once per process).
+#: Each Keras backend's ops: (module, class); the module's ``OPS`` is its shared instance.
+_OPS = {
+    "tensorflow": ("backends.tensorflow.ops", "TensorFlowOps"),
+    "jax": ("backends.jax.ops", "JaxOps"),
+    "torch": ("backends.torch.ops", "TorchOps"),
+}
+
+
+def _module() -> Any:
+    """The ops module of Keras' current backend.
 
     Raises:
         ImportError: Keras runs on a backend other than TensorFlow, JAX and torch.
     """
     backend = keras.backend.backend()
-    if backend == "tensorflow":
-        from backends.tensorflow.ops import TensorFlowOps
+    if backend not in _OPS:
+        raise ImportError(f"backends.keras runs on Keras' {', '.join(KERAS_BACKENDS)} backends; "
+                          f"Keras is set to {backend!r} (KERAS_BACKEND)")
+    return importlib.import_module(_OPS[backend][0])
 
-        return TensorFlowOps  # it draws from a Keras SeedGenerator itself
-    if backend == "jax":
-        from backends.jax.ops import JaxOps
 
-        class KerasJaxOps(KerasDropout, JaxOps):
-            """JAX arrays, dropout from the layer's Keras ``SeedGenerator``."""
+@functools.cache
+def ops_class() -> type:
+    """The ops class for Keras' current backend (made once per process).
 
-        return KerasJaxOps
-    if backend == "torch":
-        from backends.torch.ops import TorchOps
+    TensorFlow's ops draw from a Keras ``SeedGenerator`` themselves; JAX's and torch's take
+    :class:`KerasDropout` first.
 
-        class KerasTorchOps(KerasDropout, TorchOps):
-            """torch tensors, dropout from the layer's Keras ``SeedGenerator``."""
-
-        return KerasTorchOps
-    raise ImportError(f"backends.keras runs on Keras' {', '.join(KERAS_BACKENDS)} backends; "
-                      f"Keras is set to {backend!r} (KERAS_BACKEND)")
+    Raises:
+        ImportError: Keras runs on a backend other than TensorFlow, JAX and torch.
+    """
+    base: type = getattr(_module(), _OPS[keras.backend.backend()][1])
+    if keras.backend.backend() == "tensorflow":
+        return base
+    return type(f"Keras{base.__name__}", (KerasDropout, base),
+                {"__doc__": f"{base.__name__}, dropout from the layer's Keras ``SeedGenerator``."})
 
 
 def keras_ops(seed_generator: keras.random.SeedGenerator | None = None) -> Ops:
@@ -84,9 +92,5 @@ def backend_ops() -> Ops:
 
     For conversions: NumPy data to a tensor, a tensor to NumPy.
     """
-    module = {"tensorflow": "backends.tensorflow.ops", "jax": "backends.jax.ops",
-              "torch": "backends.torch.ops"}.get(keras.backend.backend())
-    if module is None:
-        ops_class()  # raises the ImportError
-    ops: Ops = importlib.import_module(str(module)).OPS
+    ops: Ops = _module().OPS
     return ops
