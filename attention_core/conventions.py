@@ -37,6 +37,11 @@ Keras    ``use_causal_mask``            query i sees keys j <= i
 Keras    ``return_attention_scores``    return ``(out, scores)``, scores ``(B, H, Q, K)``
 Keras    ``padding_mask``               the encoder block's ``(B, T)``, True = a real token
                                         (KerasHub's ``TransformerEncoder``)
+Keras    ``value_mask``, ``key_mask``   ``(B, K)``, True = a real key: padded keys are hidden
+Keras    ``query_mask``                 ``(B, Q)``, True = a real query: a padded query sees
+                                        no key, its attention weights are 0 (Keras' own layer
+                                        spreads them evenly); Keras also fills these three
+                                        from the inputs' padding masks (``_keras_mask``)
 Flax     ``inputs_q``, ``inputs_k``,    linen's names (``inputs_k`` defaults to ``inputs_q``,
          ``inputs_v``                   ``inputs_v`` to ``inputs_k``)
 Flax     ``deterministic``              ``not training`` (linen's ``mask`` is the canonical
@@ -70,13 +75,16 @@ from attention_core.host import host_array
 from attention_core.ops import Array, Ops
 
 #: The kinds of keywords: another name for a canonical argument; torch's masks (True = hidden,
-#: or float scores); Keras' padding mask (True = a real token); a causal flag; torch's return
-#: form; Flax's ``deterministic``.
-ALIAS, BLOCKED, PADDING, KEPT, CAUSAL, WEIGHTS, AVERAGE, DETERMINISTIC = (
-    "alias", "blocked", "padding", "kept", "causal", "weights", "average", "deterministic")
+#: or float scores); Keras' padding masks of the keys and of the queries (True = a real token);
+#: a causal flag; torch's return form; Flax's ``deterministic``.
+ALIAS, BLOCKED, PADDING, KEPT, ROWS, CAUSAL, WEIGHTS, AVERAGE, DETERMINISTIC = (
+    "alias", "blocked", "padding", "kept", "rows", "causal", "weights", "average",
+    "deterministic")
 
 #: The kinds whose values are arrays, converted by :func:`convert` (with the backend's ops).
-ARRAY_KINDS = (BLOCKED, PADDING, KEPT)
+ARRAY_KINDS = (BLOCKED, PADDING, KEPT, ROWS)
+#: The kinds of boolean padding masks, True = a real token.
+_REAL = (KEPT, ROWS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ class Keyword:
     Attributes:
         name: The framework's keyword.
         kind: What it is (``ALIAS`` ...).
-        canonical: The canonical argument it stands for: giving both is an error.
+        canonical: The canonical argument it stands for: giving both is an error ("" for
+            none: Keras' ``query_mask`` has no canonical counterpart).
         meaning: Its meaning, for the messages (``"torch's mask, True = may not attend"``).
         requires: The canonical call arguments a layer must take to be offered it.
         layers: Only these declarations (by name) are offered it; empty for any.
@@ -141,6 +150,12 @@ CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
         Keyword("attention_mask", ALIAS, "mask", "Keras' name for mask", ("mask",)),
         Keyword("padding_mask", KEPT, "valid_lens",
                 "KerasHub's padding mask, True = a real token", ("X", "mask"), _BLOCK),
+        Keyword("query_mask", ROWS, "", "Keras' padding mask of the queries, True = a real "
+                "query", _QKV),
+        Keyword("value_mask", KEPT, "valid_lens", "Keras' padding mask of the values, True = "
+                "a real value", _QKV),
+        Keyword("key_mask", KEPT, "valid_lens", "Keras' padding mask of the keys, True = a "
+                "real key", _QKV),
         Keyword("use_causal_mask", CAUSAL, "causal", "Keras' causal flag", ("causal",)),
         Keyword("return_attention_scores", ALIAS, "return_attention",
                 "Keras' name for return_attention", ("return_attention",)),
@@ -352,8 +367,8 @@ def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
     for keyword, value in given:
         dtype = _dtype(ops, value)
         floating = dtype.startswith(("float", "bfloat"))
-        if dtype != "bool" and not (floating and keyword.kind != KEPT):
-            expected = ("boolean (True = a real token)" if keyword.kind == KEPT else
+        if dtype != "bool" and not (floating and keyword.kind not in _REAL):
+            expected = ("boolean (True = a real token)" if keyword.kind in _REAL else
                         "boolean (True = may not attend) or floating point (added to the scores)")
             raise TypeError(f"{keyword.name} must be {expected}, got {dtype}")
         kinds[keyword.name] = dtype
@@ -371,13 +386,16 @@ def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
         if keyword.kind == BLOCKED:
             array = _lifted_attention_mask(ops, keyword.name, array, shape, (B, H, Q, K))
         else:
-            want = (B, K)
+            axis, want = ("Q", (B, Q)) if keyword.kind == ROWS else ("K", (B, K))
             if not masks.fits(shape, want, broadcast=False):
-                raise ValueError(f"{keyword.name} must have shape (B, K) = {fmt_shape(want)}, "
-                                 f"got {fmt_shape(shape)}")
-            array = ops.expand_dims(ops.expand_dims(array, 1), 1)  # (B, 1, 1, K)
+                raise ValueError(f"{keyword.name} must have shape (B, {axis}) = "
+                                 f"{fmt_shape(want)}, got {fmt_shape(shape)}")
+            if keyword.kind == ROWS:  # (B, 1, Q, 1): a padded query sees no key
+                array = ops.expand_dims(ops.expand_dims(array, -1), 1)
+            else:  # (B, 1, 1, K)
+                array = ops.expand_dims(ops.expand_dims(array, 1), 1)
         if kinds[keyword.name] == "bool":
-            bool_parts.append(array if keyword.kind == KEPT else _inverted(ops, array))
+            bool_parts.append(array if keyword.kind in _REAL else _inverted(ops, array))
         else:
             float_parts.append(array)
     if float_parts and "score_bias" not in arguments:

@@ -352,6 +352,63 @@ def test_keras_keywords_in_a_functional_model() -> None:
     assert max_diff(model(q), fresh(q, q, q, causal=True)) == 0.0
 
 
+def keras_paddings() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Keras' ``query_mask (B, T)``, ``value_mask`` and ``key_mask (B, S)``: True = real."""
+    return (np.arange(T) < np.array([[T], [3]]), np.arange(S) < np.array([[S], [4]]),
+            np.arange(S)[None] != np.array([[1], [0]]))
+
+
+@needs_tf
+def test_keras_padding_keywords_match_native_and_canonical() -> None:
+    """``query_mask``, ``value_mask``, ``key_mask`` (with and without ``attention_mask``): the
+    rows of real queries equal Keras' layer; every row equals the canonical mask."""
+    native, ours = keras_pair()
+    q, v, k = data(40, B, T, h), data(41, B, S, h), data(42, B, S, h)
+    q_real, v_real, k_real = keras_paddings()
+    both = q_real[:, :, None] & (v_real & k_real)[:, None, :]  # (B, T, S)
+    for extra in ({}, {"attention_mask": allowed(43, B, T, S)}):
+        pads = {"query_mask": q_real, "value_mask": v_real, "key_mask": k_real}
+        got, weights = ours(query=q, value=v, key=k, **pads, **extra,
+                            return_attention_scores=True)
+        expected = np.asarray(native(q, v, k, **pads, **extra))
+        assert max_diff(np.asarray(got)[q_real], expected[q_real]) <= TOL
+        mask = both & extra["attention_mask"] if extra else both
+        canonical = ours(q, k, v, mask=mask)
+        assert max_diff(got, canonical) == 0.0
+        assert np.all(np.asarray(weights).transpose(0, 2, 1, 3)[~q_real] == 0.0)
+    # one mask alone: value_mask is the keys' padding (key defaults to value)
+    alone = ours(query=q, value=v, value_mask=v_real)
+    assert max_diff(alone, native(q, v, value_mask=v_real)) <= TOL
+    assert max_diff(alone, ours(q, v, v, valid_lens=np.array([S, 4]))) <= TOL
+
+
+KERAS_PADDING_ERRORS = [
+    ("query_mask_float", {"query_mask": np.ones((B, T), np.float32)}, TypeError,
+     "query_mask must be boolean (True = a real token), got float32"),
+    ("query_mask_shape", {"query_mask": np.ones((B, S), bool)}, ValueError,
+     "query_mask must have shape (B, Q) = (2, 5), got (2, 6)"),
+    ("key_mask_shape", {"key_mask": np.ones((B, T), bool)}, ValueError,
+     "key_mask must have shape (B, K) = (2, 6), got (2, 5)"),
+    ("valid_lens_and_value_mask", {"valid_lens": np.array([S, 2]),
+                                   "value_mask": np.ones((B, S), bool)}, TypeError,
+     "got both valid_lens and value_mask (Keras' padding mask of the values, True = a real "
+     "value): give one of them"),
+]
+
+
+@needs_tf
+@pytest.mark.parametrize(("keywords", "error", "message"),
+                         [row[1:] for row in KERAS_PADDING_ERRORS],
+                         ids=[row[0] for row in KERAS_PADDING_ERRORS])
+def test_keras_padding_keyword_errors(keywords: dict[str, Any], error: type, message: str) -> None:
+    _, ours = keras_pair()
+    q, kv = data(44, B, T, h), data(45, B, S, h)
+    before = ours.get_weights()
+    with pytest.raises(error, match=re.escape(message)):
+        ours(query=q, value=kv, **keywords)
+    assert all(np.array_equal(v, ours.get_weights()[k]) for k, v in before.items())
+
+
 KERAS_ERRORS = [
     ("mask_and_attention_mask", {"mask": True, "attention_mask": True}, TypeError,
      "got both mask and attention_mask (Keras' name for mask): give one of them"),
