@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_core import checks, registry
+from attention_core import checks, declarations, registry
 from attention_core import weights as W
 
 #: Canonical projection names, in order, and the einsum-layout (Flax) names of the same.
@@ -321,14 +321,53 @@ def check_biased_decoder_block(
         ValueError: An attention projection without a bias, or not a block's mapping
             (missing, unexpected or wrongly shaped weights).
     """
+    host = _host_mapping(weights, where)
+    crossed = f"{ATTENTIONS[1]}.W_q.kernel" in host
+    _check_biased(host, ATTENTIONS[:1 + crossed], where, why)
+    W.check_call_weights(registry.get_ops("numpy"), where, host,
+                         lambda size: W.decoder_block_call_spec(size, host, num_heads))
+    return host, crossed
+
+
+def check_biased_encoder_block(
+    weights: Mapping[str, Any], num_heads: int, where: str, why: str
+) -> dict[str, np.ndarray]:
+    """Checks canonical ``TransformerEncoderBlock`` weights for a native layer with biases.
+
+    Args:
+        weights: Canonical name -> array.
+        num_heads: H.
+        where: The caller's name, for the messages.
+        why: Why the native layer needs the biases, the end of that message.
+
+    Returns:
+        The weights as NumPy arrays, in canonical order.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not floating point.
+        ValueError: The attention projections without biases, or not a block's mapping
+            (missing, unexpected or wrongly shaped weights).
+    """
+    host = _host_mapping(weights, where)
+    _check_biased(host, ("attention",), where, why)
+    if "ffn.dense1.kernel" not in host:
+        raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    h, ffn = host["ffn.dense1.kernel"].shape
+    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
+    block.check()
+    return W.check_weights(block.weight_shapes(), host, where)
+
+
+def _host_mapping(weights: Any, where: str) -> dict[str, np.ndarray]:
+    """A mapping of canonical weights as NumPy arrays; TypeError naming ``where`` otherwise."""
     if not isinstance(weights, Mapping):
         raise TypeError(
             f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"
         )
-    host = {name: np.asarray(value) for name, value in weights.items()}
-    crossed = f"{ATTENTIONS[1]}.W_q.kernel" in host
-    if any(f"{prefix}.W_q.bias" not in host for prefix in ATTENTIONS[:1 + crossed]):
+    return {name: np.asarray(value) for name, value in weights.items()}
+
+
+def _check_biased(host: Mapping[str, Any], prefixes: tuple[str, ...], where: str, why: str) -> None:
+    """ValueError unless each attention sublayer ``prefixes`` has projection biases."""
+    if any(f"{prefix}.W_q.bias" not in host for prefix in prefixes):
         raise ValueError(f"{where}: the attention projections must have biases (bias=True): {why}")
-    W.check_call_weights(registry.get_ops("numpy"), where, host,
-                         lambda size: W.decoder_block_call_spec(size, host, num_heads))
-    return host, crossed

@@ -45,7 +45,6 @@ import keras
 import numpy as np
 
 from attention_core import convert as C
-from attention_core import declarations
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
 
@@ -184,7 +183,11 @@ _KERASHUB_ATTENTIONS = ("_self_attention_layer", "_cross_attention_layer")
 
 
 def _kerashub_leaves(crossed: bool) -> dict[str, dict[str, str]]:
-    """KerasHub's dense and layer-norm sublayers: attribute -> {variable: canonical name}."""
+    """KerasHub's dense and layer-norm sublayers: attribute -> {variable: canonical name}.
+
+    Those of a ``TransformerDecoder``; ``crossed=False`` gives a ``TransformerEncoder``'s too
+    (it names its sublayers as a decoder without cross-attention does).
+    """
     norms = {"_self_attention_layer_norm": "addnorm1"}
     if crossed:
         norms["_cross_attention_layer_norm"] = "addnorm2"
@@ -195,6 +198,20 @@ def _kerashub_leaves(crossed: bool) -> dict[str, dict[str, str]]:
     leaves.update({attr: {"gamma": f"{name}.ln.gamma", "beta": f"{name}.ln.beta"}
                    for attr, name in norms.items()})
     return leaves
+
+
+def _read_leaves(layer: Any, leaves: Mapping[str, Mapping[str, str]]) -> dict[str, np.ndarray]:
+    """The variables named in ``leaves`` (:func:`_kerashub_leaves`), by canonical name."""
+    return {name: _host(getattr(getattr(layer, attr), leaf))
+            for attr, names in leaves.items() for leaf, name in names.items()}
+
+
+def _write_leaves(layer: Any, leaves: Mapping[str, Mapping[str, str]],
+                  host: Mapping[str, np.ndarray]) -> None:
+    """Assigns the canonical weights ``host`` to the variables named in ``leaves``."""
+    for attr, names in leaves.items():
+        for leaf, name in names.items():
+            _assign(getattr(getattr(layer, attr), leaf), host[name])
 
 
 def _check_kerashub_decoder(layer: Any, where: str) -> bool:
@@ -291,10 +308,7 @@ def from_kerashub(layer: Any) -> dict[str, np.ndarray]:
     weights: dict[str, np.ndarray] = {}
     for attr, prefix in zip(_KERASHUB_ATTENTIONS, C.ATTENTIONS[:1 + crossed], strict=False):
         weights.update(W.prefixed(_read_attention(getattr(layer, attr), "from_kerashub"), prefix))
-    for attr, leaves in _kerashub_leaves(crossed).items():
-        for leaf, name in leaves.items():
-            weights[name] = _host(getattr(getattr(layer, attr), leaf))
-    return weights
+    return {**weights, **_read_leaves(layer, _kerashub_leaves(crossed))}
 
 
 def to_kerashub(
@@ -341,22 +355,11 @@ def to_kerashub(
     for attr, prefix in zip(_KERASHUB_ATTENTIONS, C.ATTENTIONS[:1 + crossed], strict=False):
         _write_attention(getattr(layer, attr),
                          C.to_einsum(W.subset(host, prefix), num_heads, "to_kerashub"))
-    for attr, leaves in _kerashub_leaves(crossed).items():
-        for leaf, canonical in leaves.items():
-            _assign(getattr(getattr(layer, attr), leaf), host[canonical])
+    _write_leaves(layer, _kerashub_leaves(crossed), host)
     return layer
 
 
 # -- keras_hub.layers.TransformerEncoder <-> canonical TransformerEncoderBlock weights --------
-
-#: KerasHub's encoder sublayers: attribute -> {variable: canonical name}.
-_KERASHUB_ENCODER_LEAVES = {
-    "_feedforward_intermediate_dense": {"kernel": "ffn.dense1.kernel", "bias": "ffn.dense1.bias"},
-    "_feedforward_output_dense": {"kernel": "ffn.dense2.kernel", "bias": "ffn.dense2.bias"},
-    "_self_attention_layer_norm": {"gamma": "addnorm1.ln.gamma", "beta": "addnorm1.ln.beta"},
-    "_feedforward_layer_norm": {"gamma": "addnorm2.ln.gamma", "beta": "addnorm2.ln.beta"},
-}
-
 
 def _check_kerashub_encoder(layer: Any, where: str) -> None:
     _check_kerashub(layer, "TransformerEncoder", where)
@@ -405,10 +408,7 @@ def from_kerashub_encoder(layer: Any) -> dict[str, np.ndarray]:
     _check_kerashub_encoder(layer, "from_kerashub_encoder")
     weights = W.prefixed(_read_attention(layer._self_attention_layer, "from_kerashub_encoder"),
                          "attention")
-    for attr, leaves in _KERASHUB_ENCODER_LEAVES.items():
-        for leaf, name in leaves.items():
-            weights[name] = _host(getattr(getattr(layer, attr), leaf))
-    return weights
+    return {**weights, **_read_leaves(layer, _kerashub_leaves(False))}
 
 
 def to_kerashub_encoder(
@@ -441,19 +441,10 @@ def to_kerashub_encoder(
     import keras_hub
 
     where = "to_kerashub_encoder"
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"{where}: weights must be a mapping of name -> array, got "
-                        f"{type(weights).__name__}")
-    host = {key: np.asarray(value) for key, value in weights.items()}
-    if "attention.W_q.bias" not in host:
-        raise ValueError(f"{where}: the attention projections must have biases (bias=True): "
-                         "keras_hub.layers.TransformerEncoder's attention layer always has them")
-    if "ffn.dense1.kernel" not in host:
-        raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    host = C.check_biased_encoder_block(
+        weights, num_heads, where,
+        "keras_hub.layers.TransformerEncoder's attention layer always has them")
     h, ffn = host["ffn.dense1.kernel"].shape
-    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
-    block.check()
-    host = W.check_weights(block.weight_shapes(), host, where)
     layer = keras_hub.layers.TransformerEncoder(
         intermediate_dim=ffn, num_heads=num_heads, dropout=dropout, activation="relu",
         layer_norm_epsilon=LAYER_NORM_EPS, normalize_first=False, dtype=dtype, name=name,
@@ -461,7 +452,5 @@ def to_kerashub_encoder(
     layer.build((None, None, h))
     _write_attention(layer._self_attention_layer,
                      C.to_einsum(W.subset(host, "attention"), num_heads, where))
-    for attr, leaves in _KERASHUB_ENCODER_LEAVES.items():
-        for leaf, canonical in leaves.items():
-            _assign(getattr(getattr(layer, attr), leaf), host[canonical])
+    _write_leaves(layer, _kerashub_leaves(False), host)
     return layer

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention_core import convert as C
-from attention_core import declarations
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
 from backends.torch.ops import OPS
@@ -363,21 +362,10 @@ def to_torch_encoder_layer(
         ValueError: Projections without biases, or not a block's weights (missing,
             unexpected or wrongly shaped).
     """
-    where = "to_torch_encoder_layer"
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"{where}: weights must be a mapping of name -> array, got "
-                        f"{type(weights).__name__}")
-    host = {name: np.asarray(value) for name, value in weights.items()}
-    if "attention.W_q.bias" not in host:
-        raise ValueError(f"{where}: the attention projections must have biases (bias=True): "
-                         "torch.nn.TransformerEncoderLayer's bias covers them, the FFN and the "
-                         "layer norms alike")
-    if "ffn.dense1.kernel" not in host:
-        raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    host = C.check_biased_encoder_block(
+        weights, num_heads, "to_torch_encoder_layer",
+        "torch.nn.TransformerEncoderLayer's bias covers them, the FFN and the layer norms alike")
     h, ffn = host["ffn.dense1.kernel"].shape
-    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
-    block.check()
-    host = W.check_weights(block.weight_shapes(), host, where)
     layer = nn.TransformerEncoderLayer(h, num_heads, ffn, dropout, batch_first=batch_first,
                                        device=device, dtype=dtype)
     layer.self_attn = to_torch(W.subset(host, "attention"), num_heads, dropout=dropout,
