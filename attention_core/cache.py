@@ -99,6 +99,37 @@ def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtyp
     return pair[0], pair[1]
 
 
+def check_block_cache(ops: Ops, name: str, cache: Any, crossed: bool,
+                      like: tuple[str, Array]) -> None:
+    """Checks the form of a decoder block's cache: ``(self_pair,)`` or ``(self_pair, cross_pair)``.
+
+    Each pair holds keys and values whose batch is the step's (``like``: its name and array);
+    their heads, depth and dtype are checked where they are read (:func:`check_pair`).
+
+    Raises:
+        TypeError: Not a block's cache, or a pair that is not two arrays.
+        ValueError: A cross pair missing (or one too many), or another batch size.
+    """
+    if not isinstance(cache, Sequence) or isinstance(cache, str) or len(cache) not in (1, 2):
+        got = f"{len(cache)} entries" if isinstance(cache, Sequence) else type(cache).__name__
+        raise TypeError(f"{name} must be a block's cache, (self_pair,) or (self_pair, "
+                        f"cross_pair), got {got}")
+    if len(cache) != (2 if crossed else 1):
+        raise ValueError(f"{name} must hold {'2 pairs (self, cross)' if crossed else '1 pair'} "
+                         f"for this block, got {len(cache)}")
+    for part, pair in zip(("self pair", "cross pair"), cache, strict=False):
+        if (not isinstance(pair, Sequence) or len(pair) != 2
+                or not all(hasattr(x, "shape") for x in pair)):
+            got = (f"{len(pair)} entries" if isinstance(pair, Sequence)
+                   else type(pair).__name__)
+            raise TypeError(f"{name} {part} must be a pair (keys, values) of arrays, got {got}")
+        for which, x in zip(("keys", "values"), pair, strict=True):
+            if len(ops.shape(x)) != 4:
+                raise ValueError(f"{name} {part} {which} must have shape (B, H, C, D), got "
+                                 f"{checks.fmt_shape(ops.shape(x))}")
+            checks.check_batch(ops, f"{name} {part} {which}", x, *like)
+
+
 def capacity_of(ops: Ops, cache: Array | None, capacity: Any) -> int:
     """C: the cache's, or ``capacity`` for a cache made now; both given must agree."""
     if cache is None:

@@ -241,6 +241,17 @@ def check_equal(what: str | Callable[[], str], a: Any, b: Any) -> None:
         raise ValueError(what if isinstance(what, str) else what())
 
 
+def check_batch(ops: Ops, name: str, x: Array, like_name: str, like: Array) -> None:
+    """Checks that ``x``'s batch (first) axis equals ``like``'s: no broadcasting of examples.
+
+    An argument paired with another example by example (a decoder's encoder outputs and its
+    tokens, a cache and the step's input) must have its batch size exactly, never 1 for all.
+    """
+    got, want = ops.shape(x)[0], ops.shape(like)[0]
+    check_equal(functools.partial("{0} batch size ({1}) must equal {2} batch size ({3})".format,
+                                  name, got, like_name, want), got, want)
+
+
 def check_qkv(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     """Checks queries ``(B, [H,] Q, D)``, keys ``(B, [H,] K, D)``, values ``(B, [H,] K, Dv)``."""
     check_framework("queries", queries, keys=keys, values=values)

@@ -1187,7 +1187,9 @@ def _check_encoder_outputs(layer: Any, ops: Ops, arguments: Mapping[str, Any]) -
     enc_outputs = arguments.get("enc_outputs")
     if enc_outputs is None and arguments.get("cache") is not None:
         return  # the cache's cross pairs are checked by the core
-    transformer.check_encoder_outputs(ops, enc_outputs, not layer.decoder_only)
+    first = layer.sequences[0]  # X or tokens
+    transformer.check_encoder_outputs(ops, enc_outputs, not layer.decoder_only,
+                                      like=(first, arguments[first]))
     if enc_outputs is not None:
         checks.check_last_dim(ops, "enc_outputs", enc_outputs, layer.num_hiddens)
 
@@ -1375,6 +1377,8 @@ class Transformer(Declaration):
         for side in ("src", "tgt"):
             transformer.check_token_ids(arguments[f"{side}_tokens"],
                                         getattr(self, f"{side}_vocab_size"), ops=ops, side=side)
+        checks.check_batch(ops, "tgt_tokens", arguments["tgt_tokens"], "src_tokens",
+                           arguments["src_tokens"])
 
     def sublayers(self) -> dict[str, Sublayer]:
         sizes = (self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.num_blks,

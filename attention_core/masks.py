@@ -18,6 +18,7 @@ its own offset (``p_i = start + i``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -61,34 +62,36 @@ def fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool
     return True
 
 
-def _check_lens_dtype(dtype: str) -> None:
+def _check_lens_dtype(dtype: str, name: str = "valid_lens") -> None:
     if not dtype.startswith(("int", "uint")):
-        raise TypeError(f"valid_lens must have an integer dtype, got {dtype}")
+        raise TypeError(f"{name} must have an integer dtype, got {dtype}")
 
 
-def _check_mask_dtype(dtype: str) -> None:
+def _check_mask_dtype(dtype: str, name: str = "mask") -> None:
     if dtype != "bool":
-        raise TypeError(f"mask must be boolean (True = may attend), got {dtype}")
+        raise TypeError(f"{name} must be boolean (True = may attend), got {dtype}")
 
 
-def check_dtypes(ops: Ops, valid_lens: Any = None, mask: Any = None) -> None:
-    """Checks the dtypes of ``valid_lens`` and ``mask`` as given, before any conversion.
+def check_dtypes(ops: Ops, arguments: Mapping[str, Any]) -> None:
+    """Checks the dtypes of a call's lengths and masks as given, before any conversion.
 
     For adapters that must convert them to backend arrays before the core sees them (MXNet
     hands them to its graph): the messages are those of :func:`lens_column` and
     :func:`boolean_mask`, read off host data (strings, complex numbers) that the backend could
-    not even hold.
+    not even hold. Lengths are the arguments named ``*valid_lens``, masks those named ``*mask``.
     """
-    if valid_lens is not None:
-        mine = own(ops, valid_lens)
-        _check_lens_dtype(ops.dtype_name(valid_lens) if mine else host_array(valid_lens).dtype.name)
-    if mask is not None:
-        mine = own(ops, mask)
-        _check_mask_dtype(ops.dtype_name(mask) if mine else host_array(mask).dtype.name)
+    for name, value in arguments.items():
+        if value is None or not name.endswith(("valid_lens", "mask")):
+            continue
+        dtype = ops.dtype_name(value) if own(ops, value) else host_array(value).dtype.name
+        if name.endswith("valid_lens"):
+            _check_lens_dtype(dtype, name)
+        else:
+            _check_mask_dtype(dtype, name)
 
 
 def lens_column(
-    ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...]
+    ops: Ops, valid_lens: Any, scores_shape: tuple[Any, ...], *, name: str = "valid_lens"
 ) -> tuple[Array, tuple[int, int] | None]:
     """Checks ``valid_lens`` and returns it as int32 of shape ``(B, 1, 1, 1)`` or ``(B, 1, Q, 1)``.
 
@@ -99,6 +102,7 @@ def lens_column(
         ops: The backend's ops.
         valid_lens: Integer lengths, shape ``(B,)`` or ``(B, Q)``.
         scores_shape: ``(B, H, Q, K)``.
+        name: The argument's name in messages (a decoder's ``enc_valid_lens``).
 
     Raises:
         TypeError: ``valid_lens`` is not integer.
@@ -106,21 +110,21 @@ def lens_column(
     """
     B, _, Q, K = scores_shape
     host = None if own(ops, valid_lens) else host_array(valid_lens)  # read as given: checked before any cast
-    _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name)
+    _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name, name)
     shape = ops.shape(valid_lens) if host is None else host.shape
     allowed = [(B,), (B, Q)]
     if not any(fits(shape, want, broadcast=False) for want in allowed):
         raise ValueError(
-            f"valid_lens must have shape (B,) or (B, Q) = {fmt_shape((B,))} or "
+            f"{name} must have shape (B,) or (B, Q) = {fmt_shape((B,))} or "
             f"{fmt_shape((B, Q))}, got {fmt_shape(shape)}"
         )
     values = ops.concrete(valid_lens) if host is None else host
     if values is not None and values.size:
         if values.min() < 0:
-            raise ValueError(f"valid_lens must be >= 0, got {int(values.min())}")
+            raise ValueError(f"{name} must be >= 0, got {int(values.min())}")
         if isinstance(K, int) and values.max() > K:
             raise ValueError(
-                f"valid_lens must be <= the number of keys ({K}), got {int(values.max())}"
+                f"{name} must be <= the number of keys ({K}), got {int(values.max())}"
             )
     if host is not None:  # in range now, so int32 holds them on every backend
         valid_lens = ops.from_numpy(host.astype(np.int32))
@@ -131,17 +135,20 @@ def lens_column(
     return lens, bounds
 
 
-def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...]) -> Array:
+def boolean_mask(ops: Ops, mask: Any, scores_shape: tuple[Any, ...], *, name: str = "mask"
+                 ) -> Array:
     """Checks a boolean mask and lifts it to rank 4, broadcastable to ``(B, H, Q, K)``.
+
+    ``name`` is the argument's name in messages (a decoder's ``enc_mask``).
 
     Raises:
         TypeError: ``mask`` is not boolean.
         ValueError: ``mask`` cannot broadcast to the scores.
     """
     host = None if own(ops, mask) else host_array(mask)  # read as given, before converting
-    _check_mask_dtype(ops.dtype_name(mask) if host is None else host.dtype.name)
+    _check_mask_dtype(ops.dtype_name(mask) if host is None else host.dtype.name, name)
     shape = ops.shape(mask) if host is None else host.shape
-    return lifted(ops, "mask", mask if host is None else ops.from_numpy(host), shape,
+    return lifted(ops, name, mask if host is None else ops.from_numpy(host), shape,
                   scores_shape)
 
 

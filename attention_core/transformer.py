@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attention_core import cache as kv_cache
-from attention_core import checks
+from attention_core import checks, masks
 from attention_core import weights as W
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import (
@@ -377,10 +377,14 @@ def transformer_decoder_block(
     ops = ops or ops_for(X)
     weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False,
                              num_kv_heads=options.num_kv_heads)
+    if enc_outputs is not None:
+        check_cross_masks(ops, X, num_heads, ops.shape(enc_outputs)[1], enc_valid_lens,
+                          enc_mask)
     if past is not None:
         checks.check_framework("X", X, past=past)
         checks.check_same_dtype(ops, "X", X, past=past)
         checks.check_rank(ops, "past", past, (3,), "(B, P, h)")
+        checks.check_batch(ops, "past", past, "X", X)
         checks.check_last_dim(ops, "past", past, ops.shape(X)[-1])
     keys = X if past is None else ops.concatenate([past, X], 1)  # (B, P + T, h)
 
@@ -451,17 +455,18 @@ def cached_decoder_block(
         ``(output, cache)``: as :func:`transformer_decoder_block` returns, and the new cache.
     """
     ops = ops or ops_for(X)
-    if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) not in (1, 2)):
-        raise TypeError("cache must be a block's cache, (self_pair,) or (self_pair, "
-                        f"cross_pair), got {type(cache).__name__}")
-    cached_cross = cache is not None and len(cache) == 2
     crossed = "cross_attention.W_q.kernel" in weights
+    if cache is not None:
+        kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
+    cached_cross = cache is not None and crossed
+    if cached_cross and enc_outputs is not None:  # not read, but they must be of this batch
+        checks.check_batch(ops, "enc_outputs", enc_outputs, "X", X)
     weights = _checked_block(ops, X, weights, num_heads,
                              None if cached_cross else enc_outputs, cached_cross=cached_cross,
                              num_kv_heads=options.num_kv_heads)
-    if cache is not None and crossed != cached_cross:
-        raise ValueError(f"cache must hold {'2 pairs (self, cross)' if crossed else '1 pair'} "
-                         f"for this block, got {len(cache)}")
+    if crossed:
+        keys = cache[1][0] if cached_cross else enc_outputs
+        check_cross_masks(ops, X, num_heads, ops.shape(keys)[-2], enc_valid_lens, enc_mask)
     new_cache: list[Any] = []
 
     def attend_self(Y: Array) -> Any:
@@ -498,7 +503,7 @@ def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: 
     """A decoder block's weights checked against ``X`` and the encoder outputs (if read)."""
     checks.check_floating(ops, "X", X)
     crossed = "cross_attention.W_q.kernel" in weights
-    check_encoder_outputs(ops, enc_outputs, crossed and not cached_cross)
+    check_encoder_outputs(ops, enc_outputs, crossed and not cached_cross, like=("X", X))
     inputs = {"X": (X, "self_attention.W_q.kernel")}
     if enc_outputs is not None:
         inputs["enc_outputs"] = (enc_outputs, "cross_attention.W_k.kernel")
@@ -533,8 +538,12 @@ def _decoder_sublayers(
     return out, kept
 
 
-def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool) -> None:
-    """Checks that ``enc_outputs`` are given exactly when the block attends to them."""
+def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool,
+                          like: tuple[str, Array]) -> None:
+    """Checks that ``enc_outputs`` are given exactly when the block attends to them.
+
+    ``like`` is the decoder's input and its name (``X``, ``tokens``): its batch is theirs.
+    """
     if crossed and enc_outputs is None:
         raise ValueError("enc_outputs is required: this decoder has cross-attention "
                          "(cross_attention.* weights); got None")
@@ -545,6 +554,27 @@ def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool) ->
     if enc_outputs is not None:
         checks.check_rank(ops, "enc_outputs", enc_outputs, (3,), "(B, S, h)")
         checks.check_floating(ops, "enc_outputs", enc_outputs)
+        checks.check_batch(ops, "enc_outputs", enc_outputs, *like)
+
+
+def check_cross_masks(ops: Ops, X: Array, num_heads: int, keys: Any, enc_valid_lens: Any,
+                      enc_mask: Any) -> None:
+    """Checks the cross-attention's lengths and mask, named as the decoder takes them.
+
+    Args:
+        ops: The backend's ops.
+        X: The decoder's input or token ids, ``(B, T, ...)``: the cross-attention's queries.
+        num_heads: H.
+        keys: S, the encoder outputs' length.
+        enc_valid_lens: Their lengths, ``(B,)`` or ``(B, T)``, or None.
+        enc_mask: The boolean cross-attention mask, or None.
+    """
+    scores = (*ops.shape(X)[:2], keys)
+    scores = (scores[0], num_heads, scores[1], scores[2])  # (B, H, T, S)
+    if enc_valid_lens is not None:
+        masks.lens_column(ops, enc_valid_lens, scores, name="enc_valid_lens")
+    if enc_mask is not None:
+        masks.boolean_mask(ops, enc_mask, scores, name="enc_mask")
 
 
 def transformer_decoder(
@@ -602,6 +632,8 @@ def transformer_decoder(
         ops, "transformer_decoder", weights,
         lambda size: W.decoder_call_spec(size, weights, num_heads,
                                          num_kv_heads=options.num_kv_heads))
+    if enc_outputs is not None:
+        checks.check_batch(ops, "enc_outputs", enc_outputs, "tokens", tokens)
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len, 0,
                        side, options)
     kept: list[list[Array]] = []
@@ -701,6 +733,11 @@ def cached_decoder(
     if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) != blocks):
         raise ValueError(f"cache must hold one block cache per block ({blocks}), got "
                          f"{len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__}")
+    crossed = "blks.0.cross_attention.W_q.kernel" in weights
+    for i, block_cache in enumerate(cache or ()):
+        kv_cache.check_block_cache(ops, f"cache[{i}]", block_cache, crossed, ("tokens", tokens))
+    if enc_outputs is not None:
+        checks.check_batch(ops, "enc_outputs", enc_outputs, "tokens", tokens)
     held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
     start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
                                  kv_cache.capacity_of(ops, held, capacity))
@@ -720,6 +757,21 @@ def cached_decoder(
         kept = _collected(kept, formed)
     logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
     return ((logits, kept) if return_weights else logits), new_cache
+
+
+def check_sequence_pair(ops: Ops, src_tokens: Array, tgt_tokens: Array, num_heads: int,
+                        src_valid_lens: Any, tgt_valid_lens: Any) -> None:
+    """Checks a source and target of one batch, and their lengths by their own names.
+
+    The sources' lengths mask the encoder's keys (queries: the sources) and the
+    cross-attention's (queries: the targets); the targets' the decoder's own keys.
+    """
+    checks.check_batch(ops, "tgt_tokens", tgt_tokens, "src_tokens", src_tokens)
+    (B, S), T = ops.shape(src_tokens)[:2], ops.shape(tgt_tokens)[1]
+    for name, lens, frames in (("src_valid_lens", src_valid_lens, ((S, S), (T, S))),
+                               ("tgt_valid_lens", tgt_valid_lens, ((T, T),))):
+        for queries, keys in (() if lens is None else frames):
+            masks.lens_column(ops, lens, (B, num_heads, queries, keys), name=name)
 
 
 def transformer_encoder_decoder(
@@ -769,6 +821,7 @@ def transformer_encoder_decoder(
     for side, tokens in (() if ids_checked else (("src", src_tokens), ("tgt", tgt_tokens))):
         table = weights[("encoder." if side == "src" else "decoder.") + "token.embedding"]
         check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side)
+    check_sequence_pair(ops, src_tokens, tgt_tokens, num_heads, src_valid_lens, tgt_valid_lens)
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
         return_weights=return_weights, implementation=implementation, positions=positions,

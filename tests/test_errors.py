@@ -1035,7 +1035,131 @@ CATALOGUE: list[Bad] = [
 
 
 # -- batch sizes that must match, and the decoder's and cache's messages
+
+DEC_TOKENS = np.array([[1, 2, 3], [4, 5, 6]])
+
+
+def decoder(h: Harness) -> Any:
+    """A TransformerDecoder (vocabulary 11, width 8, 2 heads, 1 block), called once."""
+    layer = h.make("TransformerDecoder", {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 16,
+                                          "num_heads": 2, "num_blks": 1})
+    call(h, layer, DEC_TOKENS, arr((2, 4, 8)))
+    return layer
+
+
+def decoder_block(h: Harness) -> Any:
+    layer = h.make("TransformerDecoderBlock", {"num_hiddens": 8, "ffn_num_hiddens": 16, "num_heads": 2})
+    call(h, layer, arr((2, 3, 8)), arr((2, 4, 8)))
+    return layer
+
+
+def transformer(h: Harness) -> Any:
+    layer = h.make("Transformer", {"src_vocab_size": 11, "tgt_vocab_size": 11, "num_hiddens": 8,
+                                   "ffn_num_hiddens": 16, "num_heads": 2, "num_blks": 1})
+    call(h, layer, DEC_TOKENS, DEC_TOKENS)
+    return layer
+
+
+def block_cache(h: Harness, batch: int = 2, cross: bool = True) -> list[Any]:
+    """A well-formed cache of one decoder block of :func:`decoder` (capacity 5, 4 encoder
+    positions), made here of zeros: ``[self_pair, cross_pair]``."""
+    pairs = [(arr((batch, 2, 5, 4)), arr((batch, 2, 5, 4)))]
+    if cross:
+        pairs.append((arr((batch, 2, 4, 4)), arr((batch, 2, 4, 4))))
+    return [tuple(h.array(x) for x in pair) for pair in pairs]
+
+
+def cached(c: Ctx, tokens: np.ndarray, cache: Any, *enc: np.ndarray, **kwargs: Any) -> Any:
+    """A cached call of the row's decoder at position 1."""
+    return call(c.h, c.layer, tokens, *enc, cache=cache, start=1, **kwargs)
+
+
+def fn_decoder_weights(h: Harness, layer: str, *args: np.ndarray, **config: int) -> dict[str, Any]:
+    """The weights of a NumPy layer (built by a call on ``args``), as the backend's arrays."""
+    from backends import numpy as numpy_layers
+
+    made = getattr(numpy_layers, layer)(**config, seed=0)
+    made(*args)
+    return {name: h.array(value) for name, value in made.get_weights().items()}
+
+
+def fn_decoder(c: Ctx, enc_batch: int) -> Any:
+    weights = fn_decoder_weights(c.h, "TransformerDecoder", DEC_TOKENS, arr((2, 4, 8)), vocab_size=11,
+                                 num_hiddens=8, ffn_num_hiddens=16, num_heads=2, num_blks=1)
+    return ac.transformer_decoder(c.h.array(DEC_TOKENS), weights, 2, c.h.array(arr((enc_batch, 4, 8))))
+
+
+def fn_transformer(c: Ctx, tgt: np.ndarray) -> Any:
+    weights = fn_decoder_weights(c.h, "Transformer", DEC_TOKENS, DEC_TOKENS, src_vocab_size=11,
+                                 tgt_vocab_size=11, num_hiddens=8, ffn_num_hiddens=16, num_heads=2,
+                                 num_blks=1)
+    return ac.transformer_encoder_decoder(c.h.array(DEC_TOKENS), c.h.array(tgt), weights, 2)
+
+
 BATCH_ROWS: list[Bad] = [
+    Bad("fn_decoder_enc_outputs_batch", "batch", lambda c: fn_decoder(c, 1), ValueError,
+        "enc_outputs batch size (1) must equal tokens batch size (2)"),
+    Bad("fn_transformer_batch", "batch", lambda c: fn_transformer(c, DEC_TOKENS[:1]), ValueError,
+        "tgt_tokens batch size (1) must equal src_tokens batch size (2)"),
+    Bad("decoder_enc_outputs_batch", "batch", lambda c: call(c.h, c.layer, DEC_TOKENS, arr((1, 4, 8))),
+        ValueError, "enc_outputs batch size (1) must equal tokens batch size (2)", decoder),
+    Bad("decoder_enc_outputs_bigger_batch", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((3, 4, 8))),
+        ValueError, "enc_outputs batch size (3) must equal tokens batch size (2)", decoder),
+    Bad("decoder_block_enc_outputs_batch", "batch",
+        lambda c: call(c.h, c.layer, arr((2, 3, 8)), arr((1, 4, 8))),
+        ValueError, "enc_outputs batch size (1) must equal X batch size (2)", decoder_block),
+    Bad("decoder_block_past_batch", "batch",
+        lambda c: call(c.h, c.layer, arr((2, 1, 8)), arr((2, 4, 8)), past=arr((1, 2, 8))),
+        ValueError, "past batch size (1) must equal X batch size (2)", decoder_block),
+    Bad("transformer_batch", "batch", lambda c: call(c.h, c.layer, DEC_TOKENS, DEC_TOKENS[:1]),
+        ValueError, "tgt_tokens batch size (1) must equal src_tokens batch size (2)", transformer),
+    Bad("decoder_enc_valid_lens_shape", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), np.array([1, 2, 3])), ValueError,
+        "enc_valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 3), got (3,)", decoder),
+    Bad("decoder_enc_valid_lens_range", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), np.array([1, 9])), ValueError,
+        "enc_valid_lens must be <= the number of keys (4), got 9", decoder),
+    Bad("decoder_enc_valid_lens_dtype", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), np.array([1.0, 2.0], F32)),
+        TypeError, "enc_valid_lens must have an integer dtype, got float32", decoder),
+    Bad("decoder_enc_mask_shape", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), enc_mask=np.ones((3, 3, 4), bool)),
+        ValueError, mask_message("(2, 2, 3, 4)", "(3, 3, 4)").replace("mask", "enc_mask", 1),
+        decoder),
+    Bad("decoder_enc_mask_dtype", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), enc_mask=np.ones((3, 4), "int32")),
+        TypeError, "enc_mask must be boolean (True = may attend), got int32", decoder),
+    Bad("transformer_src_valid_lens", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, DEC_TOKENS, np.array([1, 2, 3])), ValueError,
+        "src_valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 3), got (3,)", transformer),
+    Bad("transformer_tgt_valid_lens", "batch",
+        lambda c: call(c.h, c.layer, DEC_TOKENS, DEC_TOKENS, tgt_valid_lens=np.array([1, 2, 3])),
+        ValueError, "tgt_valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 3), got (3,)",
+        transformer),
+    Bad("cache_batch", "cache", lambda c: cached(c, DEC_TOKENS[:1, :1], [block_cache(c.h)]),
+        ValueError, "cache[0] self pair keys batch size (2) must equal tokens batch size (1)",
+        decoder),
+    Bad("cache_cross_batch", "cache",
+        lambda c: cached(c, DEC_TOKENS[:, :1], [[block_cache(c.h)[0], block_cache(c.h, 1)[1]]]),
+        ValueError, "cache[0] cross pair keys batch size (1) must equal tokens batch size (2)",
+        decoder),
+    Bad("cache_enc_outputs_batch", "cache",
+        lambda c: cached(c, DEC_TOKENS[:, :1], [block_cache(c.h)], arr((1, 4, 8))),
+        ValueError, "enc_outputs batch size (1) must equal tokens batch size (2)", decoder),
+    Bad("cache_entry_none", "cache", lambda c: cached(c, DEC_TOKENS[:, :1], [None]), TypeError,
+        "cache[0] must be a block's cache, (self_pair,) or (self_pair, cross_pair), got NoneType",
+        decoder),
+    Bad("cache_missing_cross_pair", "cache",
+        lambda c: cached(c, DEC_TOKENS[:, :1], [block_cache(c.h, cross=False)]), ValueError,
+        "cache[0] must hold 2 pairs (self, cross) for this block, got 1", decoder),
+    Bad("block_cache_pairs_none", "cache",
+        lambda c: cached(c, arr((2, 1, 8)), [None, None]), TypeError,
+        "cache self pair must be a pair (keys, values) of arrays, got NoneType", decoder_block),
+    Bad("cache_enc_valid_lens", "cache",
+        lambda c: cached(c, DEC_TOKENS[:, :1], [block_cache(c.h)], enc_valid_lens=np.array([1, 2, 3])),
+        ValueError, "enc_valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 1), got (3,)",
+        decoder),
 ]
 
 
@@ -1069,9 +1193,10 @@ def state(h: Harness, layer: Any) -> tuple[dict[str, np.ndarray] | str, list[np.
         weights: dict[str, np.ndarray] | str = layer.get_weights()
     except ValueError as err:
         weights = f"not built: {err}"
-    kept = h.attention_weights(layer)
-    kept_list = kept if isinstance(kept, list) else [kept]
-    return weights, [None if a is None else h.numpy(a) for a in kept_list]
+    def flat(kept: Any) -> list[Any]:  # a decoder keeps lists of per-block lists
+        return [a for part in kept for a in flat(part)] if isinstance(kept, list) else [kept]
+
+    return weights, [None if a is None else h.numpy(a) for a in flat(h.attention_weights(layer))]
 
 
 def assert_same_state(before: Any, after: Any) -> None:

@@ -221,7 +221,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
                             "(nn.Block, nn.Sequential) and call them with mxnet.numpy arrays")
         # before converting: NumPy inputs (all of one framework), lengths and masks from anywhere
         checks.check_inputs_framework(**{n: bound[n] for n in self.cast_inputs})
-        masks.check_dtypes(OPS, bound.get("valid_lens"), bound.get("mask"))
+        masks.check_dtypes(OPS, bound)
         for n in self._arrays:
             bound[n] = None if bound[n] is None else masks.as_backend_array(OPS, bound[n])
         params = list(self._weights.values())
