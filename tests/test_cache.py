@@ -322,3 +322,38 @@ def test_cached_call_of_a_gluon_layer_given_weights_only(backend: str) -> None:
     logits, _ = layer(mx.np.array(tokens[:, :3], dtype="int32"),
                       mx.np.array(enc, dtype="float32"), mx.np.array(lens), capacity=STEPS)
     assert max_diff(logits.asnumpy(), full[:, :3]) <= BOUND
+
+
+def test_failed_cached_call_changes_nothing(backend: str) -> None:
+    """Cached calls refused for a bad position, batch, length or token leave the cache they
+    were given and the layer as they were: the next good call with that cache gives the
+    logits it gave before the failures."""
+    rng = np.random.default_rng(20)
+    hb = Harness(backend)
+    layer = hb.make("TransformerDecoder", {"vocab_size": V, "num_hiddens": h,
+                                           "ffn_num_hiddens": 12, "num_heads": H, "num_blks": 2,
+                                           "max_len": 16})
+    tokens, enc, lens = _inputs(rng, True)
+    cross = [hb.array(enc, "float32"), hb.array(lens)]
+    _, cache = hb.call(layer, hb.array(tokens[:, :3].astype(np.int32)), *cross, capacity=STEPS)
+    held = [hb.numpy(x) for block in cache for pair in block for x in pair]
+    weights = {k: np.array(v) for k, v in layer.get_weights().items()}
+    step = hb.array(tokens[:, 3:4].astype(np.int32))
+    good, _ = hb.call(layer, step, *cross, cache=cache, start=3)
+    bad_calls = {
+        "start past the capacity": lambda: hb.call(layer, step, *cross, cache=cache, start=STEPS),
+        "a batch of 1": lambda: hb.call(layer, hb.array(tokens[:1, 3:4].astype(np.int32)),
+                                        *cross, cache=cache, start=3),
+        "lengths of 3 examples": lambda: hb.call(layer, step, cross[0], hb.array(np.array([1, 2, 3])),
+                                                 cache=cache, start=3),
+        "a token past the vocabulary": lambda: hb.call(
+            layer, hb.array(np.full((B, 1), V, np.int32)), *cross, cache=cache, start=3),
+    }
+    for what, bad in bad_calls.items():
+        with pytest.raises((ValueError, TypeError)):
+            bad()
+        now = [hb.numpy(x) for block in cache for pair in block for x in pair]
+        assert all(np.array_equal(a, b) for a, b in zip(held, now, strict=True)), what
+    assert all(np.array_equal(weights[k], v) for k, v in layer.get_weights().items())
+    again, _ = hb.call(layer, step, *cross, cache=cache, start=3)
+    assert max_diff(hb.numpy(again), hb.numpy(good)) == 0
