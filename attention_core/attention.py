@@ -121,7 +121,7 @@ def masked_softmax(
     Returns:
         The weights, same shape as ``scores``; rows with no visible key are all zeros.
     """
-    ops = ops or ops_for(scores)
+    ops = ops or ops_for(scores, "scores")
     shape = checks.check_rank(ops, "scores", scores, (3, 4), "(B, Q, K) or (B, H, Q, K)")
     checks.check_floating(ops, "scores", scores)
     scores4 = scores if len(shape) == 4 else ops.expand_dims(scores, 1)
@@ -591,7 +591,7 @@ def dot_product_attention(
         The output, shape of ``queries`` with depth Dv; with ``return_weights``, also the
         weights of shape ``(B, H, Q, K)`` (H = 1 for rank-3 inputs).
     """
-    ops = ops or ops_for(queries)
+    ops = ops or ops_for(queries, "queries")
     if not _heads:
         checks.check_qkv(ops, queries, keys, values)
     dropout = checks.check_dropout(dropout)
@@ -783,7 +783,7 @@ def additive_attention(
     Returns:
         The output ``(B, Q, Dv)``, and the weights if asked.
     """
-    ops = ops or ops_for(queries)
+    ops = ops or ops_for(queries, "queries")
     check_projected_inputs(ops, queries, keys, values)
     weights = W.check_call_weights(
         ops, "additive_attention", weights, W.additive_call_spec,
@@ -850,7 +850,7 @@ def nadaraya_watson(
     Returns:
         The predictions, shape of ``queries``, and the weights if asked.
     """
-    ops = ops or ops_for(queries)
+    ops = ops or ops_for(queries, "queries")
     checks.check_framework("queries", queries, keys=keys, values=values)
     q = checks.check_rank(ops, "queries", queries, (1, 2), "(B, Q) or (Q,)")
     checks.check_rank(ops, "keys", keys, (len(q),), "(B, K) or (K,) like queries")

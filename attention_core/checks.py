@@ -66,6 +66,14 @@ def check_positive_int(name: str, value: Any) -> int:
     return value
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """Checks a yes/no argument: True or False (Python or NumPy); a string or number is refused."""
+    value = plain(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_scale(scale: Any) -> float | None:
     """Checks a ``scale`` argument: None, or a positive finite number (Python or NumPy).
 

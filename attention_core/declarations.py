@@ -253,7 +253,7 @@ class Declaration:
         self.normalise("dropout", checks.check_dropout)
         self.normalise("implementation", checks.check_implementation)
         for name in ("keep_attention_weights", "bias", "relative_values", "parametric"):
-            self.normalise(name, bool)
+            self.normalise(name, functools.partial(checks.check_flag, name))
         self.weight_shapes()  # the shape rules check the sizes
 
     def normalise(self, name: str, rule: Callable[[Any], Any]) -> None:
@@ -1098,7 +1098,7 @@ class TransformerDecoderBlock(Declaration):
     cache_arguments: ClassVar[tuple[str, ...]] = CACHE_ARGUMENTS
 
     def check(self) -> None:
-        self.normalise("decoder_only", bool)
+        self.normalise("decoder_only", functools.partial(checks.check_flag, "decoder_only"))
         _normalise_score_options(self)
         super().check()
 
@@ -1271,7 +1271,7 @@ class TransformerDecoder(Declaration):
     def check(self) -> None:
         for name in ("vocab_size", "num_blks", "max_len"):
             self.normalise(name, functools.partial(checks.check_positive_int, name))
-        self.normalise("decoder_only", bool)
+        self.normalise("decoder_only", functools.partial(checks.check_flag, "decoder_only"))
         _normalise_score_options(self)
         super().check()
 

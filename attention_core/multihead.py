@@ -159,7 +159,7 @@ def multi_head_attention(
     Returns:
         The output ``(B, Q, h)``, and the weights if asked.
     """
-    ops = ops or ops_for(queries)
+    ops = ops or ops_for(queries, "queries")
     options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
                                           weights, num_heads, options)
@@ -303,7 +303,7 @@ def cached_multi_head_attention(
         ``(output, cache)``: the output ``(B, t, h)`` (with the weights, as
         ``(output, weights)``, if asked) and the updated cache.
     """
-    ops = ops or ops_for(queries)
+    ops = ops or ops_for(queries, "queries")
     options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap)
     return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
                         capacity=capacity, dropout=dropout, return_weights=return_weights,
@@ -397,7 +397,7 @@ def relative_multi_head_attention(
     Returns:
         The output ``(B, Q, h)``, and the weights if asked.
     """
-    ops = ops or ops_for(queries)
+    ops = ops or ops_for(queries, "queries")
     weights = _checked(ops, "relative_multi_head_attention", weights,
                        lambda size: W.relative_call_spec(size, weights, num_heads),
                        (queries, keys, values))

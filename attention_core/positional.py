@@ -94,7 +94,7 @@ def add_positions(X: Array, P: Array, dropout: float = 0.0, *, ops: Ops | None =
     so the sum's shape is ``(B, T, d)`` as written; T > max_len is then an error of the gather
     on TensorFlow and NaN rows on JAX (whose gathers fill), not known until the program runs.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
     checks.check_floating(ops, "X", X)
     _, max_len, width = ops.shape(P)
@@ -130,7 +130,7 @@ def positional_encoding(
     Returns:
         ``dropout(X + P[:T])``, shape ``(B, T, d)``.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     shape = checks.check_rank(ops, "X", X, (3,), "(B, T, num_hiddens)")
     steps, width = shape[1], shape[2]
     if not isinstance(width, int):
@@ -308,7 +308,7 @@ def rotary_embedding(
         base: The base of the frequencies ``base^(-2t/d)``.
         ops: The backend's ops; found from ``X`` when omitted.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     shape = checks.check_rank(ops, "X", X, (3, 4), "(B, T, d) or (B, T, H, d)")
     checks.check_floating(ops, "X", X)
     depth, base = check_rotary(fixed_width(ops, X), base)

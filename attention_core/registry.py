@@ -216,8 +216,12 @@ def use_backend(name: str) -> Iterator[str]:
         _context.reset(token)
 
 
-def backend_of(x: Any) -> str:
+def backend_of(x: Any, name: str | None = None) -> str:
     """Names the backend that owns an array, from its type alone (no framework import).
+
+    Args:
+        x: The array.
+        name: The argument ``x`` was given as, for the message.
 
     Raises:
         TypeError: ``x`` is not an array of a supported framework.
@@ -226,9 +230,9 @@ def backend_of(x: Any) -> str:
         owner = _ARRAY_MODULES.get(cls.__module__.partition(".")[0])
         if owner is not None:
             return owner
-    raise TypeError(
-        f"expected an array of numpy, torch, tensorflow, jax or mxnet, got {type(x).__name__}"
-    )
+    frameworks = "numpy, torch, tensorflow, jax or mxnet"
+    raise TypeError(f"expected an array of {frameworks}, got {type(x).__name__}" if name is None
+                    else f"{name} must be an array of {frameworks}, got {type(x).__name__}")
 
 
 def get_ops(name: str | None = None) -> Ops:
@@ -242,6 +246,6 @@ def get_ops(name: str | None = None) -> Ops:
     return ops
 
 
-def ops_for(x: Any) -> Ops:
-    """Returns the default Ops of the backend that owns the array ``x``."""
-    return get_ops(backend_of(x))
+def ops_for(x: Any, name: str | None = None) -> Ops:
+    """Returns the default Ops of the backend that owns the array ``x`` (argument ``name``)."""
+    return get_ops(backend_of(x, name))

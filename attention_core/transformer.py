@@ -38,7 +38,7 @@ def position_wise_ffn(X: Array, weights: Mapping[str, Array], *, ops: Ops | None
             dtypes, shapes, and ``X``'s width against ``dense1.kernel``).
         ops: The backend's ops; found from ``X`` when omitted.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
     checks.check_floating(ops, "X", X)
     checks.check_matmul_dtype(ops, "X", X)
@@ -70,7 +70,7 @@ def add_norm(
         dropout: Dropout rate on ``Y`` (applied whenever > 0).
         ops: The backend's ops; found from ``X`` when omitted.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     checks.check_not_empty(ops, "X", X)
     checks.check_framework("X", X, Y=Y)
     checks.check_floating(ops, "X", X)
@@ -136,7 +136,7 @@ def transformer_encoder_block(
     Returns:
         ``(B, T, h)``, and the attention weights if asked.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     checks.check_floating(ops, "X", X)
     weights = W.check_call_weights(
         ops, "transformer_encoder_block", weights,
@@ -299,7 +299,7 @@ def transformer_encoder(
     Returns:
         ``(B, T, h)``, and the list of the blocks' attention weights if asked.
     """
-    ops = ops or ops_for(tokens)
+    ops = ops or ops_for(tokens, "tokens")
     side = _ids_side(weights)
     weights = W.check_call_weights(ops, "transformer_encoder", weights,
                                    lambda size: W.encoder_call_spec(size, weights, num_heads))
@@ -374,7 +374,7 @@ def transformer_decoder_block(
     Returns:
         ``(B, T, h)``, and the list of weights if asked.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False,
                              num_kv_heads=options.num_kv_heads)
     if enc_outputs is not None:
@@ -454,7 +454,7 @@ def cached_decoder_block(
     Returns:
         ``(output, cache)``: as :func:`transformer_decoder_block` returns, and the new cache.
     """
-    ops = ops or ops_for(X)
+    ops = ops or ops_for(X, "X")
     crossed = "cross_attention.W_q.kernel" in weights
     if cache is not None:
         kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
@@ -626,7 +626,7 @@ def transformer_decoder(
     Returns:
         The logits ``(B, T, V_out)``, and the weights if asked.
     """
-    ops = ops or ops_for(tokens)
+    ops = ops or ops_for(tokens, "tokens")
     side = _ids_side(weights)
     weights = W.check_call_weights(
         ops, "transformer_decoder", weights,
@@ -723,7 +723,7 @@ def cached_decoder(
         ``(logits, cache)``: the logits ``(B, t, V_out)`` (with the weights if asked) and
         the new cache, one block cache per block.
     """
-    ops = ops or ops_for(tokens)
+    ops = ops or ops_for(tokens, "tokens")
     side = _ids_side(weights)
     weights = W.check_call_weights(
         ops, "transformer_decoder", weights,
@@ -813,7 +813,7 @@ def transformer_encoder_decoder(
     Returns:
         The logits ``(B, T, V_out)``, and the weights if asked.
     """
-    ops = ops or ops_for(src_tokens)
+    ops = ops or ops_for(src_tokens, "src_tokens")
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
     ids_checked = isinstance(weights, W.CheckedWeights)  # by the layer that calls
     weights = W.check_call_weights(ops, "transformer_encoder_decoder", weights,

@@ -615,7 +615,7 @@ CATALOGUE: list[Bad] = [
     Bad("layer_positional_integer", "dtype", lambda c: call(c.h, c.layer, np.ones((1, 5, 4), np.int32)),
         TypeError, f"X must be floating point {FLOATS}, got int32", positional),
     Bad("list_inputs", "dtype", lambda c: ac.dot_product_attention([[[1.0]]], [[[1.0]]], [[[1.0]]]),
-        TypeError, "expected an array of numpy, torch, tensorflow, jax or mxnet, got list"),
+        TypeError, "queries must be an array of numpy, torch, tensorflow, jax or mxnet, got list"),
     # -- zero-length sequences and empty batches
     Bad("empty_keys", "empty", lambda c: dpa(c.h, qkv(k=(2, 0, 8), v=(2, 0, 5))), ValueError,
         "keys must not have an empty dimension, got (2, 0, 8)"),

@@ -1,0 +1,175 @@
+"""A walk over the public API with bad arguments: only the library's own errors, by name.
+
+Every layer's constructor arguments (by their declared type) and every argument of a good
+call to every layer, and the functional entry points' arguments, are replaced in turn by
+values of the wrong kind (a string, a number where an array or a flag belongs, an array of
+the wrong rank). Each must raise ``ValueError`` or ``TypeError`` naming the argument, on every
+backend: never a framework's own exception (``AttributeError``, ``RuntimeError``,
+``InvalidArgumentError``, ``MXNetError``), never a silent success. The exact messages of the
+common mistakes are in the catalogue of ``tests/test_errors.py``; this walk covers the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import attention_core as ac
+from attention_core import declarations as D
+from tests.harness import COLUMNS, Harness
+
+#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
+COLUMN_TESTS = True
+
+R = np.random.default_rng(0)
+
+
+def arr(*shape: int) -> np.ndarray:
+    return R.standard_normal(shape).astype(np.float32)
+
+
+TOKENS = np.array([[1, 2, 3], [4, 5, 6]])
+LENS = np.array([2, 3])
+
+#: A good constructor configuration of every layer.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "DotProductAttention": {},
+    "AdditiveAttention": {"num_hiddens": 8},
+    "MultiHeadAttention": {"num_hiddens": 8, "num_heads": 2},
+    "RelativeMultiHeadAttention": {"num_hiddens": 8, "num_heads": 2, "max_relative_position": 2},
+    "PositionalEncoding": {"num_hiddens": 8},
+    "LearnedPositionalEncoding": {"num_hiddens": 8},
+    "RotaryEmbedding": {},
+    "PositionWiseFFN": {"ffn_num_hiddens": 8, "ffn_num_outputs": 4},
+    "AddNorm": {"num_hiddens": 8},
+    "TransformerEncoderBlock": {"num_hiddens": 8, "ffn_num_hiddens": 16, "num_heads": 2},
+    "TransformerEncoder": {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 16,
+                           "num_heads": 2, "num_blks": 1},
+    "TransformerDecoderBlock": {"num_hiddens": 8, "ffn_num_hiddens": 16, "num_heads": 2},
+    "TransformerDecoder": {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 16,
+                           "num_heads": 2, "num_blks": 1},
+    "Transformer": {"src_vocab_size": 11, "tgt_vocab_size": 11, "num_hiddens": 8,
+                    "ffn_num_hiddens": 16, "num_heads": 2, "num_blks": 1},
+    "NadarayaWatson": {},
+}
+
+_QKV = {"queries": arr(2, 3, 8), "keys": arr(2, 4, 8), "values": arr(2, 4, 8),
+        "valid_lens": LENS, "mask": np.ones((3, 4), bool)}
+_SELF = {"valid_lens": LENS, "mask": np.ones((3, 3), bool)}
+_DECODER = {"enc_outputs": arr(2, 4, 8), "enc_valid_lens": LENS, **_SELF,
+            "enc_mask": np.ones((3, 4), bool)}
+
+#: A good call of every layer, every array argument given.
+CALLS: dict[str, dict[str, Any]] = {
+    "DotProductAttention": _QKV,
+    "AdditiveAttention": _QKV,
+    "MultiHeadAttention": _QKV,
+    "RelativeMultiHeadAttention": {**_QKV, "keys": arr(2, 3, 8), "values": arr(2, 3, 8),
+                                   **_SELF},
+    "PositionalEncoding": {"X": arr(2, 3, 8)},
+    "LearnedPositionalEncoding": {"X": arr(2, 3, 8)},
+    "RotaryEmbedding": {"X": arr(2, 3, 8)},
+    "PositionWiseFFN": {"X": arr(2, 3, 8)},
+    "AddNorm": {"X": arr(2, 3, 8), "Y": arr(2, 3, 8)},
+    "TransformerEncoderBlock": {"X": arr(2, 3, 8), **_SELF},
+    "TransformerEncoder": {"tokens": TOKENS, **_SELF},
+    "TransformerDecoderBlock": {"X": arr(2, 3, 8), **_DECODER},
+    "TransformerDecoder": {"tokens": TOKENS, **_DECODER},
+    "Transformer": {"src_tokens": TOKENS, "tgt_tokens": TOKENS, "src_valid_lens": LENS,
+                    "tgt_valid_lens": LENS},
+    "NadarayaWatson": {"queries": arr(2, 3), "keys": arr(2, 5), "values": arr(2, 5)},
+}
+
+#: Values of the wrong kind for a constructor argument, by its declared type.
+WRONG_SETTINGS: dict[str, tuple[Any, ...]] = {
+    "bool": ("yes", 2, None),
+    "int": ("8", 2.5, [8], None),
+    "float": ("0.1", [0.1], None),
+    "str": (3, ["rotary"]),
+}
+
+#: Values of the wrong kind for an array argument of a call.
+WRONG_ARRAYS: dict[str, Any] = {"a string": "x", "a float": 2.5, "a 1-d array": arr(3)}
+
+
+def kind_of(annotation: Any) -> str:
+    """The kind of a declared constructor argument: bool, int, float or str."""
+    text = str(annotation)
+    return next(kind for kind in ("bool", "int", "float", "str") if kind in text)
+
+
+def settings() -> list[tuple[str, str, Any]]:
+    """(layer, argument, wrong value) for every constructor argument of every layer."""
+    cases = []
+    for layer in ac.LAYER_NAMES:
+        declared = D.LAYERS[layer]
+        hints = typing.get_type_hints(declared)
+        for field in dataclasses.fields(declared):
+            optional = "None" in str(hints[field.name])
+            cases += [(layer, field.name, value) for value in WRONG_SETTINGS[kind_of(hints[field.name])]
+                      if not (value is None and optional)]
+    return cases
+
+
+def assert_named(act: Callable[[], Any], argument: str) -> None:
+    """``act()`` raises the library's ValueError or TypeError, naming ``argument``."""
+    try:
+        act()
+    except (ValueError, TypeError) as err:
+        assert argument in str(err), f"{type(err).__name__} not naming {argument}: {err}"
+    except Exception as err:  # noqa: BLE001  # what the walk is for: a framework's own error
+        pytest.fail(f"{type(err).__module__}.{type(err).__name__} reached the user: {err}")
+    else:
+        pytest.fail(f"accepted {argument} silently")
+
+
+@pytest.mark.parametrize("layer", ac.LAYER_NAMES)
+def test_constructor_arguments_of_the_wrong_kind(backend: str, layer: str) -> None:
+    h = Harness(backend)
+    for name, argument, value in (case for case in settings() if case[0] == layer):
+        assert_named(lambda: h.make(name, {**CONFIGS[name], argument: value}), argument)
+
+
+@pytest.mark.parametrize("layer", ac.LAYER_NAMES)
+def test_call_arguments_of_the_wrong_kind(backend: str, layer: str) -> None:
+    h = Harness(backend)
+    made = h.make(layer, CONFIGS[layer])
+    good = {name: h.array(value) for name, value in CALLS[layer].items()}
+    h.call(made, **good)
+    for argument in good:
+        for value in WRONG_ARRAYS.values():
+            wrong = h.array(value) if isinstance(value, np.ndarray) else value
+            assert_named(lambda: h.call(made, **{**good, argument: wrong}), argument)
+
+
+def functions(h: Harness) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """Functional entry points and a good call of each, as the backend's arrays."""
+    q, k, v = (h.array(x) for x in (arr(2, 3, 8), arr(2, 4, 8), arr(2, 4, 8)))
+    return {
+        "dot_product_attention": (ac.dot_product_attention, {
+            "queries": q, "keys": k, "values": v, "valid_lens": h.array(LENS),
+            "mask": h.array(np.ones((3, 4), bool))}),
+        "masked_softmax": (ac.masked_softmax, {"scores": h.array(arr(2, 3, 4)),
+                                               "valid_lens": h.array(LENS)}),
+        "nadaraya_watson": (ac.nadaraya_watson, {"queries": h.array(arr(2, 3)),
+                                                 "keys": h.array(arr(2, 5)),
+                                                 "values": h.array(arr(2, 5))}),
+        "rotary_embedding": (ac.rotary_embedding, {"X": h.array(arr(2, 3, 8))}),
+    }
+
+
+def test_functional_arguments_of_the_wrong_kind(backend: str) -> None:
+    if backend in COLUMNS:
+        pytest.skip("the functional API on the column's arrays runs in its backend's env")
+    h = Harness(backend)
+    for function, good in functions(h).values():
+        function(**good)
+        for argument in good:
+            for value in WRONG_ARRAYS.values():
+                wrong = h.array(value) if isinstance(value, np.ndarray) else value
+                assert_named(lambda: function(**{**good, argument: wrong}), argument)
