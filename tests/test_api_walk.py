@@ -116,13 +116,13 @@ def settings() -> list[tuple[str, str, Any]]:
     return cases
 
 
-def assert_named(act: Callable[[], Any], argument: str) -> None:
-    """``act()`` raises the library's ValueError or TypeError, naming ``argument``."""
+def assert_named(argument: str, act: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """``act(*args, **kwargs)`` raises the library's ValueError or TypeError naming ``argument``."""
     try:
-        act()
+        act(*args, **kwargs)
     except (ValueError, TypeError) as err:
         assert argument in str(err), f"{type(err).__name__} not naming {argument}: {err}"
-    except Exception as err:  # noqa: BLE001  # what the walk is for: a framework's own error
+    except Exception as err:  # what the walk is for: a framework's own error
         pytest.fail(f"{type(err).__module__}.{type(err).__name__} reached the user: {err}")
     else:
         pytest.fail(f"accepted {argument} silently")
@@ -132,7 +132,7 @@ def assert_named(act: Callable[[], Any], argument: str) -> None:
 def test_constructor_arguments_of_the_wrong_kind(backend: str, layer: str) -> None:
     h = Harness(backend)
     for name, argument, value in (case for case in settings() if case[0] == layer):
-        assert_named(lambda: h.make(name, {**CONFIGS[name], argument: value}), argument)
+        assert_named(argument, h.make, name, {**CONFIGS[name], argument: value})
 
 
 @pytest.mark.parametrize("layer", ac.LAYER_NAMES)
@@ -144,7 +144,7 @@ def test_call_arguments_of_the_wrong_kind(backend: str, layer: str) -> None:
     for argument in good:
         for value in WRONG_ARRAYS.values():
             wrong = h.array(value) if isinstance(value, np.ndarray) else value
-            assert_named(lambda: h.call(made, **{**good, argument: wrong}), argument)
+            assert_named(argument, h.call, made, **{**good, argument: wrong})
 
 
 def functions(h: Harness) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
@@ -172,4 +172,4 @@ def test_functional_arguments_of_the_wrong_kind(backend: str) -> None:
         for argument in good:
             for value in WRONG_ARRAYS.values():
                 wrong = h.array(value) if isinstance(value, np.ndarray) else value
-                assert_named(lambda: function(**{**good, argument: wrong}), argument)
+                assert_named(argument, function, **{**good, argument: wrong})
