@@ -81,9 +81,11 @@ def _start_tokens(bos: Any, vocab_size: int | None) -> np.ndarray:
     """``bos`` as an int64 ``(B,)`` array: integers of any framework, NumPy or a list."""
     try:
         first = np.asarray(host_array(bos))
-    except (TypeError, ValueError):  # a ragged list, an object that is no array
+    except (TypeError, ValueError):  # a ragged list (NumPy 2), an object that is no array
+        first = np.empty(0, object)
+    if first.dtype == object:  # a ragged list (NumPy 1), any other object
         raise TypeError(f"bos must be integer start tokens of shape (B,), got "
-                        f"{type(bos).__name__}") from None
+                        f"{type(bos).__name__}")
     if first.dtype.kind not in "iu":
         raise TypeError(f"bos must be integer start tokens of shape (B,), got dtype {first.dtype}")
     if first.ndim != 1 or first.size == 0:
