@@ -629,8 +629,10 @@ def _normalise_score_options(layer: Declaration) -> None:
 
 
 def _check_rotary_heads(layer: Any) -> None:
-    """Refuses rotary positions on heads of odd depth ``num_hiddens / num_heads``, when made:
-    the rotation turns pairs of features (the multi-head layers and the decoders)."""
+    """Refuses rotary positions on heads of odd depth ``num_hiddens / num_heads``, when made.
+
+    The rotation turns pairs of features (the multi-head layers and the decoders).
+    """
     if layer.positional == "rotary":
         h, heads = checks.check_heads(layer.num_hiddens, layer.num_heads)
         positional.check_rotary(h // heads, layer.rotary_base)

@@ -108,8 +108,11 @@ class _Search(NamedTuple):
 
 def _check_search(bos: Any, max_steps: Any, beam_size: Any, eos: Any, length_penalty: Any,
                   vocab_size: Any) -> _Search:
-    """Checks every argument of a search before its first step (ids against ``vocab_size``
-    when given; else against the first step's V, by :func:`_check_vocabulary`)."""
+    """Checks every argument of a search before its first step.
+
+    Ids are checked against ``vocab_size`` when given; else against the first step's V, by
+    :func:`_check_vocabulary`.
+    """
     vocab = None if vocab_size is None else checks.check_positive_int("vocab_size", vocab_size)
     steps = checks.check_positive_int("max_steps", max_steps)
     size = checks.check_positive_int("beam_size", beam_size)

@@ -316,8 +316,10 @@ def rotary_embedding(
 
 def rotate_at(X: Array, start: Any, positions: Any, base: float, ops: Ops,
               names: tuple[str, str]) -> Array:
-    """:func:`rotary_embedding`, its messages naming ``start`` and ``base`` by ``names``
-    (the layer takes ``start_index``)."""
+    """:func:`rotary_embedding`, its messages naming ``start`` and ``base`` by ``names``.
+
+    The layer takes ``start_index`` where the function takes ``start``.
+    """
     shape = checks.check_rank(ops, "X", X, (3, 4), "(B, T, d) or (B, T, H, d)")
     checks.check_floating(ops, "X", X)
     depth, base = check_rotary(fixed_width(ops, X), base, names[1])

@@ -244,8 +244,10 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         return returned
 
     def _tensor_ids(self, bound: dict[str, Any]) -> dict[str, Any]:
-        """Token ids given as NumPy integers (as a search's first step gets them) as tensors,
-        on the parameters' device, as the other backends' layers take them."""
+        """Token ids given as NumPy integers as tensors, on the parameters' device.
+
+        As the other backends' layers take them (a search's first step gets them so).
+        """
         for name in ("tokens", "src_tokens", "tgt_tokens"):
             ids = bound.get(name)
             if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
