@@ -25,7 +25,7 @@ from attention_core.ops import Array, Ops, fixed_shape
 Pair = tuple[Array, Array]
 
 
-def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
+def check_start(ops: Ops, start: Any, steps: Any, capacity: int, name: str = "start") -> Any:
     """Checks the position of a call's first token; returns it as an int when known now.
 
     Else as an int32 scalar array (a run-time position, under tracing). Known values are
@@ -37,6 +37,7 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
         start: An int, or an integer scalar array (a run-time position under tracing).
         steps: t, the call's positions.
         capacity: C.
+        name: The argument as the caller takes it (``start_index`` on the rotary embedding).
 
     Raises:
         TypeError: ``start`` is not an integer.
@@ -44,7 +45,7 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
     """
     start = plain(start)
     if isinstance(start, (bool, float)):
-        raise TypeError(f"start must be an integer position, got {start!r}")
+        raise TypeError(f"{name} must be an integer position, got {start!r}")
     if isinstance(start, np.ndarray) or (hasattr(start, "shape")
                                          and framework_of(start) not in (None, ops.name)):
         start = host_array(start)  # a NumPy or another framework's array: known now
@@ -53,21 +54,21 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int) -> Any:
     value: Any = start
     if isinstance(start, np.ndarray):
         if start.shape == ():
-            raise TypeError(f"start must be an integer position, got dtype {start.dtype}")
-        raise TypeError(f"start must be an int or an integer scalar array, got an array of "
+            raise TypeError(f"{name} must be an integer position, got dtype {start.dtype}")
+        raise TypeError(f"{name} must be an int or an integer scalar array, got an array of "
                         f"shape {start.shape}")
     if not isinstance(start, int):
         own = framework_of(start) == ops.name  # the backend's (an MXNet Symbol has no .shape)
         if not (own or hasattr(start, "shape")) or tuple(ops.shape(start)) != ():
-            raise TypeError("start must be an int or an integer scalar array, got "
+            raise TypeError(f"{name} must be an int or an integer scalar array, got "
                             f"{type(start).__name__} of shape {getattr(start, 'shape', None)}")
         if not ops.dtype_name(start).startswith(("int", "uint")):
-            raise TypeError(f"start must be an integer position, got dtype {ops.dtype_name(start)}")
+            raise TypeError(f"{name} must be an integer position, got dtype {ops.dtype_name(start)}")
         known = ops.concrete(start)
         value = None if known is None else int(known)
         start = ops.astype(start, "int32")
     if value is not None and value < 0:
-        raise ValueError(f"start must be >= 0, got {value}")
+        raise ValueError(f"{name} must be >= 0, got {value}")
     if value is not None and isinstance(steps, int) and value + steps > capacity:
         raise ValueError(f"start + positions must be <= the cache's capacity ({capacity}), got "
                          f"start {value} + {steps} positions = {value + steps}")

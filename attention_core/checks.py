@@ -351,11 +351,14 @@ def check_kv_heads(num_heads: int, num_kv_heads: Any) -> int:
     return num_kv_heads
 
 
-def check_rotary_base(base: Any) -> float:
-    """Checks the base of rotary frequencies: a finite number > 1; returns it as a float."""
+def check_rotary_base(base: Any, name: str = "rotary_base") -> float:
+    """Checks the base of rotary frequencies: a finite number > 1; returns it as a float.
+
+    ``name``: the argument as the caller takes it (``base`` on the rotary embedding).
+    """
     base = plain(base)
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
-        raise ValueError(f"rotary_base must be a finite number > 1, got {base!r}")
+        raise ValueError(f"{name} must be a finite number > 1, got {base!r}")
     return float(base)
 
 

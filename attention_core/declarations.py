@@ -628,6 +628,16 @@ def _normalise_score_options(layer: Declaration) -> None:
         layer.normalise("num_kv_heads", functools.partial(checks.check_kv_heads, heads))
 
 
+def _check_rotary_heads(layer: Any) -> None:
+    """Refuses rotary positions on heads of odd depth ``num_hiddens / num_heads``, when made.
+
+    The rotation turns pairs of features (the multi-head layers and the decoders).
+    """
+    if layer.positional == "rotary":
+        h, heads = checks.check_heads(layer.num_hiddens, layer.num_heads)
+        positional.check_rotary(h // heads, layer.rotary_base)
+
+
 def _head_options(layer: Any) -> multihead.HeadOptions:
     """The self-attention options of a decoder layer (its ``num_kv_heads`` and score options)."""
     return multihead.HeadOptions(layer.num_kv_heads, layer.positional, layer.rotary_base,
@@ -730,8 +740,7 @@ class MultiHeadAttention(_ScoredAttention):
         self.normalise("num_hiddens", lambda _: heads[0])
         self.normalise("num_heads", lambda _: heads[1])
         super().check()
-        if self.positional == "rotary":  # the heads' depth turns in pairs
-            positional.check_rotary(heads[0] // heads[1], self.rotary_base)
+        _check_rotary_heads(self)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.multi_head_spec(
@@ -831,7 +840,7 @@ class RotaryEmbedding(Declaration):
     cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
 
     def check(self) -> None:
-        self.normalise("base", checks.check_rotary_base)
+        self.normalise("base", functools.partial(checks.check_rotary_base, name="base"))
         super().check()
 
     def compute(self, run: Run, X: Array, start_index: Any = None, *, positions: Any = None
@@ -841,8 +850,8 @@ class RotaryEmbedding(Declaration):
         ``start_index`` is an int or an integer scalar array; ``positions`` are integers
         ``(T,)`` or ``(B, T)``.
         """
-        return positional.rotary_embedding(X, start_index, positions=positions, base=self.base,
-                                           ops=run.ops)
+        return positional.rotate_at(X, start_index, positions, self.base, run.ops,
+                                    ("start_index", "base"))
 
 
 @dataclass(eq=False)
@@ -1101,6 +1110,7 @@ class TransformerDecoderBlock(Declaration):
         self.normalise("decoder_only", functools.partial(checks.check_flag, "decoder_only"))
         _normalise_score_options(self)
         super().check()
+        _check_rotary_heads(self)
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -1274,6 +1284,7 @@ class TransformerDecoder(Declaration):
         self.normalise("decoder_only", functools.partial(checks.check_flag, "decoder_only"))
         _normalise_score_options(self)
         super().check()
+        _check_rotary_heads(self)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)

@@ -54,24 +54,98 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def _check_search(bos: Any, max_steps: Any, eos: Any) -> tuple[np.ndarray, int, int | None]:
-    """The start tokens as an int64 ``(B,)`` array, and the checked ``max_steps`` and ``eos``."""
-    first = np.asarray(host_array(bos))
-    if first.ndim != 1 or first.dtype.kind not in "iu":
-        raise ValueError(f"bos must be integer start tokens of shape (B,), got dtype "
-                         f"{first.dtype} and shape {first.shape}")
+def _check_token_id(name: str, value: Any, vocab_size: int | None) -> int | None:
+    """Checks an id argument: None, or an integer (any framework's scalar) in ``[0, V)``."""
+    value = plain(value)
+    if getattr(value, "shape", None) == () and not isinstance(value, (int, float)):
+        array = np.asarray(host_array(value))  # a 0-d array of any framework
+        value = int(array) if array.dtype.kind in "iu" else value
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be None or an int token id, got {type(value).__name__}")
+    return _in_vocabulary(name, value, value, vocab_size)
+
+
+def _in_vocabulary(name: str, low: int, high: int, vocab_size: int | None) -> int:
+    """Checks ids ``low .. high`` (their least and greatest) against ``[0, vocab_size)``."""
+    if low < 0 and vocab_size is None:
+        raise ValueError(f"{name} must be in [0, vocab_size), got {low}")
+    if vocab_size is not None and (low < 0 or high >= vocab_size):
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} must be in [0, vocab_size) = [0, {vocab_size}), got {bad}")
+    return low
+
+
+def _start_tokens(bos: Any, vocab_size: int | None) -> np.ndarray:
+    """``bos`` as an int64 ``(B,)`` array: integers of any framework, NumPy or a list."""
+    try:
+        first = np.asarray(host_array(bos))
+    except (TypeError, ValueError):  # a ragged list (NumPy 2), an object that is no array
+        first = np.empty(0, object)
+    if first.dtype == object:  # a ragged list (NumPy 1), any other object
+        raise TypeError(f"bos must be integer start tokens of shape (B,), got "
+                        f"{type(bos).__name__}")
+    if first.dtype.kind not in "iu":
+        raise TypeError(f"bos must be integer start tokens of shape (B,), got dtype {first.dtype}")
+    if first.ndim != 1 or first.size == 0:
+        raise ValueError(f"bos must be integer start tokens of shape (B,) with B >= 1, got shape "
+                         f"{first.shape}")
+    _in_vocabulary("bos", int(first.min()), int(first.max()), vocab_size)
+    return first.astype(np.int64)
+
+
+class _Search(NamedTuple):
+    """The checked arguments of a search."""
+
+    first: np.ndarray
+    steps: int
+    size: int
+    eos: int | None
+    alpha: float
+    vocab_size: int | None
+
+
+def _check_search(bos: Any, max_steps: Any, beam_size: Any, eos: Any, length_penalty: Any,
+                  vocab_size: Any) -> _Search:
+    """Checks every argument of a search before its first step.
+
+    Ids are checked against ``vocab_size`` when given; else against the first step's V, by
+    :func:`_check_vocabulary`.
+    """
+    vocab = None if vocab_size is None else checks.check_positive_int("vocab_size", vocab_size)
     steps = checks.check_positive_int("max_steps", max_steps)
-    eos = plain(eos)
-    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
-        raise ValueError(f"eos must be None or a token id >= 0, got {eos!r}")
-    return first.astype(np.int64), steps, eos
+    size = checks.check_positive_int("beam_size", beam_size)
+    alpha = plain(length_penalty)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"length_penalty must be a real number >= 0, got "
+                        f"{type(alpha).__name__}")
+    if not 0 <= alpha < np.inf:
+        raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty!r}")
+    return _Search(_start_tokens(bos, vocab), steps, size, _check_token_id("eos", eos, vocab),
+                   float(alpha), vocab)
 
 
-def _last_row(logits: Any, rows: int) -> np.ndarray:
-    """The last position's logits ``(N, V)`` of a step's ``(N, t, V)`` output, on the host."""
+def _check_vocabulary(search: _Search, vocab: int) -> None:
+    """Checks the first step's V against ``vocab_size``, or the ids against it."""
+    if search.vocab_size is not None and vocab != search.vocab_size:
+        raise ValueError(f"the step must return logits of shape (N, t, V) with V = vocab_size "
+                         f"= {search.vocab_size}, got V = {vocab}")
+    _in_vocabulary("bos", int(search.first.min()), int(search.first.max()), vocab)
+    if search.eos is not None:
+        _in_vocabulary("eos", search.eos, search.eos, vocab)
+
+
+def _last_row(logits: Any, rows: int, vocab: int | None) -> np.ndarray:
+    """The last position's logits ``(N, V)`` of a step's ``(N, t, V)`` output, on the host.
+
+    ``vocab``: the V of the first step's logits, which every later step must keep.
+    """
     values = np.asarray(host_array(logits))
-    if values.ndim != 3 or values.shape[0] != rows:
-        raise ValueError(f"the step must return logits of shape (N, t, V) with N = {rows}, got "
+    if values.ndim != 3 or values.shape[0] != rows or 0 in values.shape or (
+            vocab is not None and values.shape[2] != vocab):
+        want = f"N = {rows}" + ("" if vocab is None else f", V = {vocab}")
+        raise ValueError(f"the step must return logits of shape (N, t, V) with {want}, got "
                          f"shape {values.shape}")
     return values[:, -1]
 
@@ -90,20 +164,26 @@ def _ids_like(x: Any, ids: np.ndarray) -> Any:
     return _like(x, ids.astype(np.int32)[:, None])
 
 
-def greedy_search(step: Step, bos: Any, max_steps: int, *, eos: int | None = None) -> Generated:
+def greedy_search(step: Step, bos: Any, max_steps: int, *, eos: int | None = None,
+                  vocab_size: int | None = None) -> Generated:
     """Decodes by taking the most likely token at each step: a beam search of one beam.
 
     Args:
         step: The decoding step (see the module's docstring).
-        bos: The start token of each sequence, ``(B,)`` integers (any framework).
-        max_steps: The most tokens to generate.
-        eos: The end token: a sequence that emits it is finished (its later tokens are
-            ``eos``); the search stops when all are. None to always generate ``max_steps``.
+        bos: The start token of each sequence, ``(B,)`` integers: an array of any framework,
+            a NumPy array or a list (see :func:`beam_search`).
+        max_steps: The most tokens to generate, a positive int.
+        eos: The end token, an int in ``[0, V)``: a sequence that emits it is finished (its
+            later tokens are ``eos``); the search stops when all are. None to always
+            generate ``max_steps``.
+        vocab_size: V, to check ``bos`` and ``eos`` against before the first step; None to
+            check them against the first step's logits.
 
     Returns:
         A :class:`Generated`; ``scores`` holds each sequence's log-probability up to its end.
     """
-    return beam_search(step, bos, max_steps, beam_size=1, eos=eos, length_penalty=0.0)
+    return beam_search(step, bos, max_steps, beam_size=1, eos=eos, length_penalty=0.0,
+                       vocab_size=vocab_size)
 
 
 def repeat_rows(x: Any, times: int) -> Any:
@@ -141,6 +221,7 @@ def beam_search(
     beam_size: int = 4,
     eos: int | None = None,
     length_penalty: float = 0.75,
+    vocab_size: int | None = None,
 ) -> Generated:
     """Decodes by keeping the ``beam_size`` most likely hypotheses of each example.
 
@@ -154,21 +235,29 @@ def beam_search(
     Args:
         step: The decoding step, called on ``B * beam_size`` rows, example-major (see the
             module's docstring; :func:`repeat_rows` for its other inputs).
-        bos: The start token of each example, ``(B,)``.
-        max_steps: The most tokens to generate.
-        beam_size: Hypotheses per example; 1 is greedy search.
-        eos: The end token, or None.
-        length_penalty: The exponent of the length that divides a finished score; 0 ranks by
-            log-probability alone.
+        bos: The start token of each example, ``(B,)`` integers in ``[0, V)``: an array of
+            any framework, a NumPy array or a list. The first step gets its ids as an array
+            of ``bos``'s framework (a NumPy array for a list), the later steps as one of the
+            logits' framework.
+        max_steps: The most tokens to generate, a positive int.
+        beam_size: Hypotheses per example, a positive int; 1 is greedy search.
+        eos: The end token, an int in ``[0, V)``, or None.
+        length_penalty: The exponent of the length that divides a finished score, a real
+            number >= 0; 0 ranks by log-probability alone.
+        vocab_size: V, to check ``bos`` and ``eos`` against before the first step; None to
+            check them against the first step's logits (before any is read).
 
     Returns:
         A :class:`Generated` of the best hypothesis of each example.
+
+    Raises:
+        TypeError: An argument of the wrong type (``bos`` not integers, ``eos`` not an int,
+            ``length_penalty`` not a real number).
+        ValueError: An argument out of its range, ``bos`` not of shape ``(B,)``, or logits
+            not ``(N, t, V)``.
     """
-    first, steps, eos = _check_search(bos, max_steps, eos)
-    size = checks.check_positive_int("beam_size", beam_size)
-    alpha = float(plain(length_penalty))
-    if not np.isfinite(alpha) or alpha < 0:
-        raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty!r}")
+    search = _check_search(bos, max_steps, beam_size, eos, length_penalty, vocab_size)
+    first, steps, size, eos = search.first, search.steps, search.size, search.eos
     batch = first.shape[0]
     rows = batch * size
     logits, cache = step(_ids_like(bos, np.repeat(first, size)), None, 0)
@@ -176,12 +265,16 @@ def beam_search(
     tokens = np.zeros((rows, 0), np.int64)
     done = np.zeros(rows, bool)
     lengths = np.full(rows, steps, np.int64)
+    vocab = None
     for t in range(steps):
-        logp = log_softmax(_last_row(logits, rows))
+        last = _last_row(logits, rows, vocab)
+        if vocab is None:
+            vocab = last.shape[1]
+            _check_vocabulary(search, vocab)
+        logp = log_softmax(last)
         if eos is not None:  # a finished hypothesis extends by eos alone, at no cost
             logp[done] = -np.inf
             logp[done, eos] = 0.0
-        vocab = logp.shape[1]
         total = (scores[:, None] + logp).reshape(batch, size * vocab)
         best = np.argsort(-total, axis=1, kind="stable")[:, :size]  # (B, K)
         parent = (best // vocab + np.arange(batch)[:, None] * size).reshape(rows)
@@ -199,6 +292,6 @@ def beam_search(
             cache = reorder_cache(cache, parent)
         logits, cache = step(_ids_like(logits, chosen), cache, t + 1)
     lengths = np.minimum(lengths, tokens.shape[1])
-    ranked = (scores / lengths.astype(np.float64) ** alpha).reshape(batch, size)
+    ranked = (scores / lengths.astype(np.float64) ** search.alpha).reshape(batch, size)
     pick = np.arange(batch) * size + ranked.argmax(axis=1)
     return Generated(tokens[pick], lengths[pick], ranked.max(axis=1))

@@ -187,13 +187,16 @@ def rotary_frequencies(depth: int, base: float) -> np.ndarray:
     return 1.0 / np.power(float(base), np.arange(0, depth, 2, dtype=np.float64) / depth)
 
 
-def check_rotary(depth: Any, base: Any) -> tuple[int, float]:
-    """Checks a rotary head depth (even) and base (> 1); returns them as int and float."""
+def check_rotary(depth: Any, base: Any, base_name: str = "rotary_base") -> tuple[int, float]:
+    """Checks a rotary head depth (even) and base (> 1); returns them as int and float.
+
+    ``base_name``: the base's argument as the caller takes it.
+    """
     depth = checks.check_positive_int("depth", depth)
     if depth % 2:
         raise ValueError(f"rotary positions need an even depth per head, got {depth}: the "
                          "rotation turns pairs of features")
-    return depth, checks.check_rotary_base(base)
+    return depth, checks.check_rotary_base(base, base_name)
 
 
 def rotated_heads(ops: Ops, x: Array, start: Any, base: float) -> Array:
@@ -308,16 +311,24 @@ def rotary_embedding(
         base: The base of the frequencies ``base^(-2t/d)``.
         ops: The backend's ops; found from ``X`` when omitted.
     """
-    ops = ops or ops_for(X, "X")
+    return rotate_at(X, start, positions, base, ops or ops_for(X, "X"), ("start", "base"))
+
+
+def rotate_at(X: Array, start: Any, positions: Any, base: float, ops: Ops,
+              names: tuple[str, str]) -> Array:
+    """:func:`rotary_embedding`, its messages naming ``start`` and ``base`` by ``names``.
+
+    The layer takes ``start_index`` where the function takes ``start``.
+    """
     shape = checks.check_rank(ops, "X", X, (3, 4), "(B, T, d) or (B, T, H, d)")
     checks.check_floating(ops, "X", X)
-    depth, base = check_rotary(fixed_width(ops, X), base)
+    depth, base = check_rotary(fixed_width(ops, X), base, names[1])
     if positions is None:
-        first = check_start(ops, 0 if start is None else start, 0, ROTARY_MAX_POSITIONS)
+        first = check_start(ops, 0 if start is None else start, 0, ROTARY_MAX_POSITIONS, names[0])
         cos, sin = rotary_angles(ops, first, shape[1], depth, base, X)  # (T, d/2)
     else:
         if start is not None:
-            raise ValueError("give start_index or positions, not both")
+            raise ValueError(f"give {names[0]} or positions, not both")
         cos, sin = rotary_table(ops, _positions(ops, positions, shape), depth, base, X)
     if len(shape) == 4:  # (..., T, 1, d/2): the heads axis after the sequence
         cos, sin = ops.expand_dims(cos, -2), ops.expand_dims(sin, -2)

@@ -497,13 +497,13 @@ CATALOGUE: list[Bad] = [
     Bad("negative_softcap", "sizes", lambda c: c.h.module.DotProductAttention(softcap=-1.0),
         ValueError, "softcap must be None or a positive finite number, got -1.0"),
     Bad("rotary_base_one", "sizes", lambda c: c.h.module.RotaryEmbedding(base=1.0), ValueError,
-        "rotary_base must be a finite number > 1, got 1.0"),
+        "base must be a finite number > 1, got 1.0"),
     Bad("layer_rotary_odd_width", "mismatch", lambda c: call(c.h, c.layer, arr((2, 3, 5))),
         ValueError, "rotary positions need an even depth per head, got 5: the rotation turns "
         "pairs of features", rotary),
     Bad("layer_rotary_negative_start", "mismatch",
         lambda c: call(c.h, c.layer, arr((2, 3, 4)), start_index=-1), ValueError,
-        "start must be >= 0, got -1", rotary),
+        "start_index must be >= 0, got -1", rotary),
     Bad("layer_score_bias_shape", "mismatch",
         lambda c: call(c.h, c.layer, *qkv(), score_bias=arr((3, 4, 6))), ValueError,
         "score_bias must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
@@ -1164,7 +1164,93 @@ BATCH_ROWS: list[Bad] = [
 
 
 # -- greedy and beam search, rotary options
+
+#: The decoder the search rows decode with (V = 11), made and called once.
+SEARCH_DECODER = {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 8, "num_heads": 2,
+                  "num_blks": 1, "decoder_only": True, "keep_attention_weights": False}
+
+
+def search_decoder(h: Harness) -> Any:
+    layer = h.make("TransformerDecoder", SEARCH_DECODER)
+    call(h, layer, np.array([[1, 2, 3], [4, 5, 6]]))
+    return layer
+
+
+def search(c: Ctx, bos: Any = (1, 2), *, beam: bool = False, **kwargs: Any) -> Any:
+    """A greedy (or, with ``beam``, a beam) search of 3 tokens with the row's decoder and its
+    cache; ``bos`` as the backend's array when a tuple, else as given."""
+    def step(ids: Any, cache: Any, start: int) -> Any:
+        if cache is None:
+            return c.h.call(c.layer, ids, capacity=4)
+        return c.h.call(c.layer, ids, cache=cache, start=start)
+
+    first = c.h.array(np.array(bos)) if isinstance(bos, tuple) else bos
+    if beam:
+        return ac.beam_search(step, first, kwargs.pop("max_steps", 3), **kwargs)
+    return ac.greedy_search(step, first, kwargs.pop("max_steps", 3), **kwargs)
+
+
+def made(c: Ctx, name: str, config: dict[str, Any]) -> Any:
+    """A layer made by the backend's class itself (its ``check`` runs at construction)."""
+    return getattr(c.h.module, name)(**config)
+
+
+ODD_ROTARY = {"num_hiddens": 6, "ffn_num_hiddens": 8, "num_heads": 2, "positional": "rotary"}
+ODD_ROTARY_MESSAGE = ("rotary positions need an even depth per head, got 3: the rotation turns "
+                      "pairs of features")
+VOCAB = "[0, vocab_size) = [0, 11)"
+
+
 GENERATION_ROWS: list[Bad] = [
+    # ids against the vocabulary: the step's V, or vocab_size before any step
+    Bad("search_eos_past_vocabulary", "tokens", lambda c: search(c, eos=11), ValueError,
+        f"eos must be in {VOCAB}, got 11", search_decoder),
+    Bad("beam_eos_past_vocabulary", "tokens", lambda c: search(c, beam=True, beam_size=2, eos=11),
+        ValueError, f"eos must be in {VOCAB}, got 11", search_decoder),
+    Bad("search_eos_past_vocab_size", "tokens", lambda c: search(c, eos=11, vocab_size=11),
+        ValueError, f"eos must be in {VOCAB}, got 11", search_decoder),
+    Bad("search_eos_negative", "tokens", lambda c: search(c, eos=-1), ValueError,
+        "eos must be in [0, vocab_size), got -1", search_decoder),
+    Bad("search_eos_float", "tokens", lambda c: search(c, eos=2.0), TypeError,
+        "eos must be None or an int token id, got float", search_decoder),
+    Bad("search_eos_bool", "tokens", lambda c: search(c, beam=True, eos=True), TypeError,
+        "eos must be None or an int token id, got bool", search_decoder),
+    Bad("search_bos_past_vocab_size", "tokens", lambda c: search(c, (1, 12), vocab_size=11),
+        ValueError, f"bos must be in {VOCAB}, got 12", search_decoder),
+    Bad("search_bos_list_past_vocab_size", "tokens",
+        lambda c: search(c, [1, 12], beam=True, vocab_size=11), ValueError,
+        f"bos must be in {VOCAB}, got 12", search_decoder),
+    Bad("search_bos_negative", "tokens", lambda c: search(c, (1, -1)), ValueError,
+        "bos must be in [0, vocab_size), got -1", search_decoder),
+    Bad("search_bos_float", "dtype", lambda c: search(c, [1.0, 2.0]), TypeError,
+        "bos must be integer start tokens of shape (B,), got dtype float64", search_decoder),
+    Bad("search_bos_matrix", "tokens", lambda c: search(c, [[1], [2]]), ValueError,
+        "bos must be integer start tokens of shape (B,) with B >= 1, got shape (2, 1)",
+        search_decoder),
+    Bad("search_bos_ragged", "tokens", lambda c: search(c, [1, [2, 3]]), TypeError,
+        "bos must be integer start tokens of shape (B,), got list", search_decoder),
+    # the other arguments, each by type and range
+    Bad("search_length_penalty_str", "sizes",
+        lambda c: search(c, beam=True, length_penalty="0.75"), TypeError,
+        "length_penalty must be a real number >= 0, got str", search_decoder),
+    Bad("search_length_penalty_bool", "sizes",
+        lambda c: search(c, beam=True, length_penalty=True), TypeError,
+        "length_penalty must be a real number >= 0, got bool", search_decoder),
+    Bad("search_vocab_size_zero", "sizes", lambda c: search(c, vocab_size=0), ValueError,
+        "vocab_size must be a positive int, got 0", search_decoder),
+    Bad("search_vocab_size_not_the_steps", "sizes", lambda c: search(c, vocab_size=12),
+        ValueError, "the step must return logits of shape (N, t, V) with V = vocab_size = 12, "
+        "got V = 11", search_decoder),
+    # rotary: odd heads refused when made, as MultiHeadAttention does; names as passed
+    Bad("decoder_rotary_odd_depth", "sizes",
+        lambda c: made(c, "TransformerDecoder", {"vocab_size": 11, "num_blks": 1, **ODD_ROTARY}),
+        ValueError, ODD_ROTARY_MESSAGE, search_decoder),
+    Bad("decoder_block_rotary_odd_depth", "sizes",
+        lambda c: made(c, "TransformerDecoderBlock", ODD_ROTARY), ValueError, ODD_ROTARY_MESSAGE,
+        search_decoder),
+    Bad("functional_rotary_base_one", "sizes",
+        lambda c: ac.rotary_embedding(c.h.array(arr((2, 3, 4))), base=1.0), ValueError,
+        "base must be a finite number > 1, got 1.0"),
 ]
 
 
@@ -1188,15 +1274,17 @@ assert len({row.name for row in CATALOGUE}) == len(CATALOGUE), "row names must b
 
 def state(h: Harness, layer: Any) -> tuple[dict[str, np.ndarray] | str, list[np.ndarray | None]]:
     """The canonical weights (or the error saying there are none yet) and the kept attention
-    weights (a list: the encoder keeps one per block)."""
+    weights (a list: the encoder keeps one per block, a decoder one per kind and block)."""
     try:
         weights: dict[str, np.ndarray] | str = layer.get_weights()
     except ValueError as err:
         weights = f"not built: {err}"
-    def flat(kept: Any) -> list[Any]:  # a decoder keeps lists of per-block lists
-        return [a for part in kept for a in flat(part)] if isinstance(kept, list) else [kept]
-
     return weights, [None if a is None else h.numpy(a) for a in flat(h.attention_weights(layer))]
+
+
+def flat(kept: Any) -> list[Any]:
+    """Kept attention weights as one list (a decoder keeps lists of lists)."""
+    return [a for part in kept for a in flat(part)] if isinstance(kept, (list, tuple)) else [kept]
 
 
 def assert_same_state(before: Any, after: Any) -> None:

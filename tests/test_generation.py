@@ -106,19 +106,75 @@ def test_search_stops_when_every_sequence_ended() -> None:
 
 
 def test_search_errors_name_the_argument() -> None:
-    model = Markov(np.random.default_rng(21))
-    with pytest.raises(ValueError, match=r"bos must be integer start tokens of shape \(B,\)"):
-        G.greedy_search(model, np.zeros((2, 1), int), 3)
-    with pytest.raises(ValueError, match="max_steps must be a positive int, got 0"):
-        G.greedy_search(model, np.array([0]), 0)
-    with pytest.raises(ValueError, match="beam_size must be a positive int, got 0"):
-        G.beam_search(model, np.array([0]), 3, beam_size=0)
-    with pytest.raises(ValueError, match="length_penalty must be a finite number >= 0"):
-        G.beam_search(model, np.array([0]), 3, length_penalty=-1.0)
-    with pytest.raises(ValueError, match="eos must be None or a token id >= 0, got -1"):
-        G.greedy_search(model, np.array([0]), 3, eos=-1)
-    with pytest.raises(ValueError, match=r"logits of shape \(N, t, V\) with N = 3"):
-        G.greedy_search(lambda ids, c, s: (np.zeros((2, 1, 4)), c), np.array([0, 1, 2]), 3)
+    """Every argument is checked before anything indexes with it (the catalogue in
+    tests/test_errors.py holds the same refusals with a decoder on each backend)."""
+    model = Markov(np.random.default_rng(21))  # V = 4
+    bos = np.array([0])
+    refusals: list[tuple[type[Exception], str, Any]] = [
+        (ValueError, r"bos must be integer start tokens of shape \(B,\) with B >= 1, got shape "
+         r"\(2, 1\)", lambda: G.greedy_search(model, np.zeros((2, 1), int), 3)),
+        (TypeError, r"bos must be integer start tokens of shape \(B,\), got dtype float64",
+         lambda: G.greedy_search(model, [0.0], 3)),
+        (ValueError, r"bos must be in \[0, vocab_size\) = \[0, 4\), got 4",
+         lambda: G.greedy_search(model, [1, 4], 3, vocab_size=4)),
+        (ValueError, "max_steps must be a positive int, got 0", lambda: G.greedy_search(model, bos, 0)),
+        (ValueError, "beam_size must be a positive int, got 0",
+         lambda: G.beam_search(model, bos, 3, beam_size=0)),
+        (ValueError, "length_penalty must be a finite number >= 0, got -1.0",
+         lambda: G.beam_search(model, bos, 3, length_penalty=-1.0)),
+        (TypeError, "length_penalty must be a real number >= 0, got str",
+         lambda: G.beam_search(model, bos, 3, length_penalty="1")),
+        (ValueError, r"eos must be in \[0, vocab_size\), got -1",
+         lambda: G.greedy_search(model, bos, 3, eos=-1)),
+        (ValueError, r"eos must be in \[0, vocab_size\) = \[0, 4\), got 4",
+         lambda: G.beam_search(model, bos, 3, eos=4)),
+        (TypeError, "eos must be None or an int token id, got float",
+         lambda: G.greedy_search(model, bos, 3, eos=3.0)),
+        (ValueError, r"logits of shape \(N, t, V\) with N = 3",
+         lambda: G.greedy_search(lambda ids, c, s: (np.zeros((2, 1, 4)), c), np.array([0, 1, 2]), 3)),
+    ]
+    for exc, message, act in refusals:
+        with pytest.raises(exc, match=message):
+            act()
+    assert model.calls == [0]  # only the search that checks eos against the step's V
+    with pytest.raises(ValueError, match=r"eos must be in \[0, vocab_size\) = \[0, 4\), got 4"):
+        G.greedy_search(model, bos, 3, eos=4, vocab_size=4)
+    assert model.calls == [0]  # with vocab_size: before the first step
+
+
+def test_numpy_ids_of_the_search_are_accepted() -> None:
+    """eos as a NumPy integer or 0-d array, vocab_size as a NumPy integer."""
+    model = Markov(np.random.default_rng(23), vocab=4, steps=3)
+    want = G.greedy_search(model, np.array([0, 1]), 3, eos=EOS)
+    for eos in (np.int64(EOS), np.array(EOS, np.int32)):
+        got = G.greedy_search(model, np.array([0, 1]), 3, eos=eos, vocab_size=np.int32(4))
+        assert np.array_equal(got.tokens, want.tokens)
+
+
+def decoder_step(hb: Harness, layer: Any) -> Any:
+    """A decoding step with a decoder layer and its cache."""
+    def step(ids: Any, cache: Any, start: int) -> Any:
+        if cache is None:
+            return hb.call(layer, ids, capacity=6)
+        return hb.call(layer, ids, cache=cache, start=start)
+    return step
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_start_tokens_as_a_list_or_numpy(backend: str, search: str) -> None:
+    """``bos`` as a list, a tuple or a NumPy array generates what the backend's array does."""
+    hb = Harness(backend)
+    layer = hb.make("TransformerDecoder", {"vocab_size": 9, "num_hiddens": 8, "ffn_num_hiddens": 8,
+                                           "num_heads": 2, "num_blks": 1, "decoder_only": True})
+    hb.call(layer, hb.array(np.array([[1, 2]])))
+    run = (G.greedy_search if search == "greedy"
+           else lambda *a, **k: G.beam_search(*a, beam_size=2, **k))
+    want = run(decoder_step(hb, layer), hb.array(np.array([1, 5])), 5, eos=0)
+    for bos in ([1, 5], (1, 5), np.array([1, 5]), np.array([1, 5], np.int32)):
+        got = run(decoder_step(hb, layer), bos, 5, eos=0)
+        assert np.array_equal(got.tokens, want.tokens), type(bos)
+        assert np.array_equal(got.lengths, want.lengths)
+        assert np.allclose(got.scores, want.scores, atol=1e-5)
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])

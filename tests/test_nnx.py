@@ -161,7 +161,8 @@ def test_dropout_from_rngs_in_training_and_off_after_eval() -> None:
     np.testing.assert_array_equal(np.asarray(layer(q, k, v, training=False)), np.asarray(c))
     np.testing.assert_array_equal(np.asarray(nnx.view(layer, deterministic=True)(q, k, v)),
                                   np.asarray(c))
-    with pytest.raises(ValueError, match="deterministic=True contradicts training=True"):
+    with pytest.raises(ValueError, match="training=True and deterministic=True disagree: "
+                                         "deterministic means training=False; give one of them"):
         layer(q, k, v, deterministic=True, training=True)
 
 

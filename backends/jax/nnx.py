@@ -61,7 +61,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
-from attention_core import checks
+from attention_core import checks, conventions
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.jax.ops import OPS, JaxOps, floats_on_device
@@ -235,14 +235,10 @@ class Layer(D.Declaration, nnx.Module):
 
     def _deterministic(self, deterministic: bool | None, training: bool | None) -> bool:
         """Whether a call runs without dropout (see the module's docstring)."""
-        if deterministic is not None and training is not None and deterministic == training:
-            raise ValueError(f"deterministic={deterministic} contradicts training={training}: "
-                             "give one of them")
-        if deterministic is not None:
-            return bool(deterministic)
-        if training is not None:
-            return not training
-        return bool(self.deterministic)
+        if deterministic is None and training is None:
+            return bool(self.deterministic)
+        return not conventions.training_mode(
+            training, None if deterministic is None else not deterministic)
 
     def _dropout_key(self, rngs: nnx.Rngs | jax.Array | None) -> jax.Array:
         """This call's dropout key: from ``rngs`` if given, else the layer's stream."""
