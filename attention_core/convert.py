@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import checks, declarations, registry
+from attention_core.host import host_array
 from attention_core import weights as W
 
 #: Canonical projection names, in order, and the einsum-layout (Flax) names of the same.
@@ -91,6 +92,24 @@ def multi_head_config(weights: Mapping[str, Any], num_heads: int) -> dict[str, A
     checked = check_multi_head(weights, num_heads, "multi_head_config")
     return {"num_hiddens": int(checked["W_o.kernel"].shape[1]), "num_heads": num_heads,
             "bias": "W_q.bias" in checked}
+
+
+def check_biases(present: Mapping[str, bool], where: str) -> bool:
+    """Whether a native attention layer has its biases; ValueError when it has some only.
+
+    Args:
+        present: The native layer's bias names (``in_proj_bias``, ``query.bias``, ...) ->
+            whether it has that bias.
+        where: The caller's name, for the message.
+    """
+    have = [name for name, on in present.items() if on]
+    if have and len(have) < len(present):
+        lacking = [name for name, on in present.items() if not on]
+        raise ValueError(
+            f"{where}: biases on {have} only, none on {lacking}; this library's "
+            "MultiHeadAttention has biases on all four projections or none"
+        )
+    return bool(have)
 
 
 # -- torch's layout: (out, in) matrices ------------------------------------------------------
@@ -154,11 +173,8 @@ def from_einsum(params: Mapping[str, Any], where: str = "from_einsum") -> dict[s
     kernels = [f"{EINSUM_NAMES[n]}.kernel" for n in PROJECTIONS]
     biases = [f"{EINSUM_NAMES[n]}.bias" for n in PROJECTIONS]
     has_bias = [name in flat for name in biases]
-    if any(has_bias) and not all(has_bias) and all(name in flat for name in kernels):
-        raise ValueError(
-            f"{where}: biases on {[b for b, has in zip(biases, has_bias, strict=True) if has]} "
-            "only; this library's MultiHeadAttention has biases on all four projections or none"
-        )
+    if all(name in flat for name in kernels):
+        check_biases(dict(zip(biases, has_bias, strict=True)), where)
     expected = set(kernels) | (set(biases) if any(has_bias) else set())
     missing, unexpected = sorted(expected - set(flat)), sorted(set(flat) - expected)
     if missing or unexpected:
@@ -359,12 +375,13 @@ def check_biased_encoder_block(
 
 
 def _host_mapping(weights: Any, where: str) -> dict[str, np.ndarray]:
-    """A mapping of canonical weights as NumPy arrays; TypeError naming ``where`` otherwise."""
+    """Canonical weights as NumPy copies (none shares memory with ``weights``); TypeError
+    naming ``where`` when ``weights`` is not a mapping."""
     if not isinstance(weights, Mapping):
         raise TypeError(
             f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"
         )
-    return {name: np.asarray(value) for name, value in weights.items()}
+    return {name: np.array(host_array(value)) for name, value in weights.items()}
 
 
 def _check_biased(host: Mapping[str, Any], prefixes: tuple[str, ...], where: str, why: str) -> None:
