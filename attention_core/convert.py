@@ -128,6 +128,10 @@ def from_out_in(
     out = {f"{name}.kernel": np.asarray(matrices[name]).T for name in PROJECTIONS}
     if biases is not None:
         out.update({f"{name}.bias": np.asarray(biases[name]) for name in PROJECTIONS})
+    for name in PROJECTIONS:
+        if out[f"{name}.kernel"].ndim != 2:
+            raise ValueError(f"{where}: {name}.kernel has shape "
+                             f"{checks.fmt_shape(out[f'{name}.kernel'].shape)}, expected (in, h)")
     h = out["W_o.kernel"].shape[1]
     spec = W.multi_head_spec(h, 1, biases is not None)
     return W.check_weights(spec, out, where)
@@ -340,9 +344,23 @@ def check_biased_decoder_block(
     host = _host_mapping(weights, where)
     crossed = f"{ATTENTIONS[1]}.W_q.kernel" in host
     _check_biased(host, ATTENTIONS[:1 + crossed], where, why)
+    return check_decoder_block(host, num_heads, where), crossed
+
+
+def check_decoder_block(weights: Mapping[str, Any], num_heads: int,
+                        where: str) -> dict[str, np.ndarray]:
+    """Checks canonical ``TransformerDecoderBlock`` weights (what a converter read, say).
+
+    Returns:
+        NumPy copies of the weights.
+
+    Raises:
+        TypeError, ValueError: As :func:`check_biased_decoder_block`, biases aside.
+    """
+    host = _host_mapping(weights, where)
     W.check_call_weights(registry.get_ops("numpy"), where, host,
                          lambda size: W.decoder_block_call_spec(size, host, num_heads))
-    return host, crossed
+    return host
 
 
 def check_biased_encoder_block(
@@ -366,10 +384,27 @@ def check_biased_encoder_block(
     """
     host = _host_mapping(weights, where)
     _check_biased(host, ("attention",), where, why)
+    return check_encoder_block(host, num_heads, where)
+
+
+def check_encoder_block(weights: Mapping[str, Any], num_heads: int,
+                        where: str) -> dict[str, np.ndarray]:
+    """Checks canonical ``TransformerEncoderBlock`` weights (what a converter read, say).
+
+    Returns:
+        NumPy copies of the weights, in canonical order.
+
+    Raises:
+        TypeError, ValueError: As :func:`check_biased_encoder_block`, biases aside.
+    """
+    host = _host_mapping(weights, where)
     if "ffn.dense1.kernel" not in host:
         raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    if host["ffn.dense1.kernel"].ndim != 2:
+        raise ValueError(f"{where}: ffn.dense1.kernel has shape "
+                         f"{checks.fmt_shape(host['ffn.dense1.kernel'].shape)}, expected (h, ffn)")
     h, ffn = host["ffn.dense1.kernel"].shape
-    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
+    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias="attention.W_q.bias" in host)
     block.check()
     return W.check_weights(block.weight_shapes(), host, where)
 

@@ -355,7 +355,8 @@ def _read_kerashub_decoder(layer: Any, where: str) -> tuple[dict[str, np.ndarray
     weights: dict[str, np.ndarray] = {}
     for attr, prefix in zip(_KERASHUB_ATTENTIONS, C.ATTENTIONS[:1 + crossed], strict=False):
         weights.update(_read_biased_attention(layer, attr, prefix, where))
-    return {**weights, **_read_leaves(layer, _kerashub_leaves(crossed), where)}, crossed
+    weights.update(_read_leaves(layer, _kerashub_leaves(crossed), where))
+    return C.check_decoder_block(weights, layer.num_heads, where), crossed
 
 
 def to_kerashub(
@@ -459,7 +460,8 @@ def _read_kerashub_encoder(layer: Any, where: str) -> dict[str, np.ndarray]:
     """A checked KerasHub encoder's canonical weights."""
     _check_kerashub_encoder(layer, where)
     weights = _read_biased_attention(layer, "_self_attention_layer", "attention", where)
-    return {**weights, **_read_leaves(layer, _kerashub_leaves(False), where)}
+    weights.update(_read_leaves(layer, _kerashub_leaves(False), where))
+    return C.check_encoder_block(weights, layer.num_heads, where)
 
 
 def to_kerashub_encoder(

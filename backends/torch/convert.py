@@ -231,7 +231,9 @@ def _read_layer(layer: nn.Module, attentions: Mapping[str, str], norms: Mapping[
             f"{[a for a, on in biased.items() if not on]}; this library's block has biases on "
             "all its attention projections or none (bias)"
         )
-    return {**weights, **_read_ffn_and_norms(layer, norms, where)}
+    weights.update(_read_ffn_and_norms(layer, norms, where))
+    check = C.check_decoder_block if len(attentions) > 1 else C.check_encoder_block
+    return check(weights, int(layer.self_attn.num_heads), where)
 
 
 def _write_ffn_and_norms(layer: nn.Module, host: Mapping[str, np.ndarray],
