@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from attention_core import checks, declarations, registry
-from attention_core.host import host_array
 from attention_core import weights as W
+from attention_core.host import host_array
 
 #: Canonical projection names, in order, and the einsum-layout (Flax) names of the same.
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
@@ -410,8 +410,11 @@ def check_encoder_block(weights: Mapping[str, Any], num_heads: int,
 
 
 def _host_mapping(weights: Any, where: str) -> dict[str, np.ndarray]:
-    """Canonical weights as NumPy copies (none shares memory with ``weights``); TypeError
-    naming ``where`` when ``weights`` is not a mapping."""
+    """Canonical weights as NumPy copies (none shares memory with ``weights``).
+
+    Raises:
+        TypeError: ``weights`` is not a mapping (the message names ``where``).
+    """
     if not isinstance(weights, Mapping):
         raise TypeError(
             f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"

@@ -117,8 +117,11 @@ def from_keras(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarray]:
 
 
 def _read_attention(layer: Any, where: str) -> dict[str, np.ndarray]:
-    """The canonical weights of a Keras MultiHeadAttention: each projection's kernel (LoRA
-    included, as Keras computes it) and bias (where it has one: all four or none)."""
+    """The canonical weights of a Keras MultiHeadAttention.
+
+    Each projection's kernel as Keras computes it (LoRA included), and its bias where it has
+    one (all four or none).
+    """
     _check_layer(layer, where)
     params: dict[str, dict[str, np.ndarray]] = {}
     for name in _SUBLAYERS:
@@ -343,8 +346,9 @@ def from_kerashub(layer: Any) -> dict[str, np.ndarray]:
     Raises:
         TypeError: ``layer`` is not a KerasHub TransformerDecoder.
         ValueError: Not built yet, ``normalize_first=True``, another activation than relu,
-            a ``layer_norm_epsilon`` other than this library's (1e-5), or a width that
-            ``num_heads`` does not divide.
+            a ``layer_norm_epsilon`` other than this library's (1e-5), a width that
+            ``num_heads`` does not divide, attention without biases, or a bias, ``gamma`` or
+            ``beta`` set to None (or what :func:`from_keras` refuses of an attention layer).
     """
     return _read_kerashub_decoder(layer, "from_kerashub")[0]
 
@@ -450,8 +454,9 @@ def from_kerashub_encoder(layer: Any) -> dict[str, np.ndarray]:
     Raises:
         TypeError: ``layer`` is not a KerasHub TransformerEncoder.
         ValueError: Not built yet, ``normalize_first=True``, another activation than relu,
-            a ``layer_norm_epsilon`` other than this library's (1e-5), or a width that
-            ``num_heads`` does not divide.
+            a ``layer_norm_epsilon`` other than this library's (1e-5), a width that
+            ``num_heads`` does not divide, attention without biases, or a bias, ``gamma`` or
+            ``beta`` set to None (or what :func:`from_keras` refuses of an attention layer).
     """
     return _read_kerashub_encoder(layer, "from_kerashub_encoder")
 

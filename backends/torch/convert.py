@@ -52,8 +52,10 @@ def _required(value: torch.Tensor | None, name: str, canonical: str, where: str)
 
 
 def _check_module(module: Any, where: str, path: str = "") -> nn.MultiheadAttention:
-    """Checks that a torch MultiheadAttention has a counterpart here (``path``: its name in a
-    larger layer, for the messages)."""
+    """Checks that a torch MultiheadAttention has a counterpart here.
+
+    ``path`` is its name in a larger layer (``self_attn.``), for the messages.
+    """
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(f"{where}: expected a torch.nn.MultiheadAttention, got "
                         f"{type(module).__name__}")
@@ -207,7 +209,7 @@ def _read_ffn_and_norms(layer: nn.Module, norms: Mapping[str, str],
     return weights
 
 
-def _read_layer(layer: nn.Module, attentions: Mapping[str, str], norms: Mapping[str, str],
+def _read_layer(layer: Any, attentions: Mapping[str, str], norms: Mapping[str, str],
                 where: str) -> dict[str, np.ndarray]:
     """The canonical block weights of a checked torch encoder or decoder layer.
 
@@ -233,7 +235,8 @@ def _read_layer(layer: nn.Module, attentions: Mapping[str, str], norms: Mapping[
         )
     weights.update(_read_ffn_and_norms(layer, norms, where))
     check = C.check_decoder_block if len(attentions) > 1 else C.check_encoder_block
-    return check(weights, int(layer.self_attn.num_heads), where)
+    heads = int(layer.self_attn.num_heads)
+    return check(weights, heads, where)
 
 
 def _write_ffn_and_norms(layer: nn.Module, host: Mapping[str, np.ndarray],
@@ -310,8 +313,9 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> dict[str, np.
 
     Raises:
         TypeError: ``layer`` is not a ``torch.nn.TransformerDecoderLayer``.
-        ValueError: ``norm_first=True``, another activation than ReLU, ``bias=False``, or a
-            layer norm whose eps is not 1e-5.
+        ValueError: ``norm_first=True``, another activation than ReLU, ``bias=False``, a
+            layer norm whose eps is not 1e-5, attention sublayers with biases and without,
+            or what :func:`from_torch` refuses of either.
     """
     where = "from_torch_decoder_layer"
     return _read_layer(_check_decoder_layer(layer, where), _DECODER_ATTENTIONS, _DECODER_NORMS,
@@ -400,8 +404,9 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> dict[str, np.
     Raises:
         TypeError: ``layer`` is not a ``torch.nn.TransformerEncoderLayer``.
         ValueError: ``norm_first=True``, another activation than ReLU, a ``layer_norm_eps``
-            other than 1e-5, or ``bias=False`` (torch's ``bias`` covers the FFN and the layer
-            norms too, which always have biases here).
+            other than 1e-5, ``bias=False`` (torch's ``bias`` covers the FFN and the layer
+            norms too, which always have biases here), a weight set to None or of another
+            shape, or what :func:`from_torch` refuses of ``self_attn``.
     """
     where = "from_torch_encoder_layer"
     return _read_layer(_check_encoder_layer(layer, where), _ENCODER_ATTENTIONS, _ENCODER_NORMS,
