@@ -40,6 +40,7 @@ import numpy as np
 
 from attention_core import checks, declarations, registry
 from attention_core import weights as W
+from attention_core.host import host_array
 
 #: Canonical projection names, in order, and the einsum-layout (Flax) names of the same.
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
@@ -93,6 +94,24 @@ def multi_head_config(weights: Mapping[str, Any], num_heads: int) -> dict[str, A
             "bias": "W_q.bias" in checked}
 
 
+def check_biases(present: Mapping[str, bool], where: str) -> bool:
+    """Whether a native attention layer has its biases; ValueError when it has some only.
+
+    Args:
+        present: The native layer's bias names (``in_proj_bias``, ``query.bias``, ...) ->
+            whether it has that bias.
+        where: The caller's name, for the message.
+    """
+    have = [name for name, on in present.items() if on]
+    if have and len(have) < len(present):
+        lacking = [name for name, on in present.items() if not on]
+        raise ValueError(
+            f"{where}: biases on {have} only, none on {lacking}; this library's "
+            "MultiHeadAttention has biases on all four projections or none"
+        )
+    return bool(have)
+
+
 # -- torch's layout: (out, in) matrices ------------------------------------------------------
 
 
@@ -109,6 +128,10 @@ def from_out_in(
     out = {f"{name}.kernel": np.asarray(matrices[name]).T for name in PROJECTIONS}
     if biases is not None:
         out.update({f"{name}.bias": np.asarray(biases[name]) for name in PROJECTIONS})
+    for name in PROJECTIONS:
+        if out[f"{name}.kernel"].ndim != 2:
+            raise ValueError(f"{where}: {name}.kernel has shape "
+                             f"{checks.fmt_shape(out[f'{name}.kernel'].shape)}, expected (in, h)")
     h = out["W_o.kernel"].shape[1]
     spec = W.multi_head_spec(h, 1, biases is not None)
     return W.check_weights(spec, out, where)
@@ -154,11 +177,8 @@ def from_einsum(params: Mapping[str, Any], where: str = "from_einsum") -> dict[s
     kernels = [f"{EINSUM_NAMES[n]}.kernel" for n in PROJECTIONS]
     biases = [f"{EINSUM_NAMES[n]}.bias" for n in PROJECTIONS]
     has_bias = [name in flat for name in biases]
-    if any(has_bias) and not all(has_bias) and all(name in flat for name in kernels):
-        raise ValueError(
-            f"{where}: biases on {[b for b, has in zip(biases, has_bias, strict=True) if has]} "
-            "only; this library's MultiHeadAttention has biases on all four projections or none"
-        )
+    if all(name in flat for name in kernels):
+        check_biases(dict(zip(biases, has_bias, strict=True)), where)
     expected = set(kernels) | (set(biases) if any(has_bias) else set())
     missing, unexpected = sorted(expected - set(flat)), sorted(set(flat) - expected)
     if missing or unexpected:
@@ -324,9 +344,23 @@ def check_biased_decoder_block(
     host = _host_mapping(weights, where)
     crossed = f"{ATTENTIONS[1]}.W_q.kernel" in host
     _check_biased(host, ATTENTIONS[:1 + crossed], where, why)
+    return check_decoder_block(host, num_heads, where), crossed
+
+
+def check_decoder_block(weights: Mapping[str, Any], num_heads: int,
+                        where: str) -> dict[str, np.ndarray]:
+    """Checks canonical ``TransformerDecoderBlock`` weights (what a converter read, say).
+
+    Returns:
+        NumPy copies of the weights.
+
+    Raises:
+        TypeError, ValueError: As :func:`check_biased_decoder_block`, biases aside.
+    """
+    host = _host_mapping(weights, where)
     W.check_call_weights(registry.get_ops("numpy"), where, host,
                          lambda size: W.decoder_block_call_spec(size, host, num_heads))
-    return host, crossed
+    return host
 
 
 def check_biased_encoder_block(
@@ -350,21 +384,42 @@ def check_biased_encoder_block(
     """
     host = _host_mapping(weights, where)
     _check_biased(host, ("attention",), where, why)
+    return check_encoder_block(host, num_heads, where)
+
+
+def check_encoder_block(weights: Mapping[str, Any], num_heads: int,
+                        where: str) -> dict[str, np.ndarray]:
+    """Checks canonical ``TransformerEncoderBlock`` weights (what a converter read, say).
+
+    Returns:
+        NumPy copies of the weights, in canonical order.
+
+    Raises:
+        TypeError, ValueError: As :func:`check_biased_encoder_block`, biases aside.
+    """
+    host = _host_mapping(weights, where)
     if "ffn.dense1.kernel" not in host:
         raise ValueError(f"{where}: missing weights: ffn.dense1.kernel")
+    if host["ffn.dense1.kernel"].ndim != 2:
+        raise ValueError(f"{where}: ffn.dense1.kernel has shape "
+                         f"{checks.fmt_shape(host['ffn.dense1.kernel'].shape)}, expected (h, ffn)")
     h, ffn = host["ffn.dense1.kernel"].shape
-    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias=True)
+    block = declarations.TransformerEncoderBlock(h, ffn, num_heads, bias="attention.W_q.bias" in host)
     block.check()
     return W.check_weights(block.weight_shapes(), host, where)
 
 
 def _host_mapping(weights: Any, where: str) -> dict[str, np.ndarray]:
-    """A mapping of canonical weights as NumPy arrays; TypeError naming ``where`` otherwise."""
+    """Canonical weights as NumPy copies (none shares memory with ``weights``).
+
+    Raises:
+        TypeError: ``weights`` is not a mapping (the message names ``where``).
+    """
     if not isinstance(weights, Mapping):
         raise TypeError(
             f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"
         )
-    return {name: np.asarray(value) for name, value in weights.items()}
+    return {name: np.array(host_array(value)) for name, value in weights.items()}
 
 
 def _check_biased(host: Mapping[str, Any], prefixes: tuple[str, ...], where: str, why: str) -> None:

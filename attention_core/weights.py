@@ -353,7 +353,9 @@ def check_weights(
             value's dtype, in native byte order.
 
     Returns:
-        The weights as C-contiguous native-byte-order NumPy arrays, in the spec's order.
+        The weights as C-contiguous native-byte-order NumPy arrays, in the spec's order: new
+        arrays, sharing no memory with the values given (writing into those later changes
+        nothing here, nor in a layer that keeps these).
 
     Raises:
         TypeError: ``weights`` is not a mapping, or an entry is not floating point.
@@ -366,7 +368,7 @@ def check_weights(
     for name, value in arrays.items():
         want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
         target = value.dtype.newbyteorder("=") if want is None else host_dtype(want)
-        out[name] = np.ascontiguousarray(value.astype(target, copy=False))
+        out[name] = np.array(value, dtype=target, order="C", copy=True)
     return out
 
 

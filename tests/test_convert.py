@@ -25,6 +25,7 @@ import pytest
 import attention_core as ac
 import backends.numpy as numpy_layers
 from attention_core import convert as C
+from attention_core import weights as W
 from conftest import test_backends
 from tests.harness import TOLERANCE, max_diff
 
@@ -631,3 +632,337 @@ def test_flax_errors() -> None:
     with pytest.raises(ValueError, match=re.escape(
             "from_flax: the output width (6) must equal num_heads * head size (2 * 4 = 8)")):
         flax_convert.from_flax(wide_vars, wide)
+
+
+# -- every native parameter counts, and what a converter returns is a copy -------------------
+#
+# A converter that drops a weight gives a silent wrong answer only when that weight is not
+# zero: these tests add an offset to each parameter of the source in turn (in place), and the
+# converted layer must move exactly as the source does. The source's earlier conversion must
+# not move at all: it is a copy. Then each parameter is removed in turn (set to None, or made
+# zero-size): the converter must represent what is left exactly or refuse it by name.
+
+#: A key bias adds the same amount to every score of a query, which softmax ignores: offsets
+#: on these names leave every output as it was, in each framework alike.
+KEY_BIASES = ("W_k.bias", "key/bias", "key.bias", "key_dense.bias")
+
+
+def offset(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0.0, 0.5, shape).astype(np.float32)
+
+
+def assert_follows(source: Any, convert: Any, run: Any, bumps: dict[str, Any]) -> None:
+    """Adds an offset to each parameter of the source in turn, in place.
+
+    Args:
+        source: ``() -> output`` of the source layer (native, or this library's).
+        convert: ``() -> converted`` (canonical weights, or a native layer).
+        run: ``(converted) -> output``, on the same inputs.
+        bumps: Parameter name -> ``()`` adding an offset to it in place.
+    """
+    first = convert()
+    before = run(first)
+    new = source()
+    check(before, new, "as converted")
+    for name, bump in bumps.items():
+        old = new
+        bump()
+        new = source()
+        if not name.endswith(KEY_BIASES):
+            assert max_diff(new, old) > 1e-3, f"{name}: the offset moved nothing"
+        np.testing.assert_array_equal(run(first), before,
+                                      err_msg=f"{name}: the earlier conversion shares its memory")
+        check(run(convert()), new, f"converted after an offset on {name}")
+
+
+def assert_exact_or_refused(where: str, source: Any, convert_and_run: Any, what: str) -> None:
+    """The converter represents the source exactly, or refuses it with its own message."""
+    try:
+        got = convert_and_run()
+    except (ValueError, TypeError) as err:
+        assert str(err).startswith(f"{where}: "), f"{what}: {type(err).__name__}: {err}"
+        return
+    check(got, source(), f"{what}: converted")
+
+
+def assert_each_refused(where: str, weights: dict[str, np.ndarray], convert: Any) -> None:
+    """Canonical weights without any one of them are refused by name (none is optional)."""
+    for name in weights:
+        with pytest.raises(ValueError, match=f"^{re.escape(where)}: "):
+            convert({k: v for k, v in weights.items() if k != name})
+
+
+def torch_bumps(module: Any) -> dict[str, Any]:
+    def bump(param: Any, seed: int) -> None:
+        with torch.no_grad():
+            param.add_(torch.from_numpy(offset(tuple(param.shape), seed)))
+
+    return {name: (lambda p=p, i=i: bump(p, i))
+            for i, (name, p) in enumerate(module.named_parameters())}
+
+
+def array_bumps(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Offsets added in place to NumPy arrays (canonical weights, or Flax leaves)."""
+    def bump(name: str, seed: int) -> None:
+        arrays[name] += offset(arrays[name].shape, seed)
+
+    return {name: (lambda n=name, i=i: bump(n, i)) for i, name in enumerate(arrays)}
+
+
+def torch_removals(make: Any) -> dict[str, Any]:
+    """Name -> a fresh module from ``make()`` with that parameter set to None or zero-size."""
+    def removed(name: str, empty: bool) -> Any:
+        module = make()
+        owner, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(owner)
+        setattr(parent, leaf, torch.nn.Parameter(torch.zeros(0)) if empty else None)
+        return module
+
+    names = [name for name, _ in make().named_parameters()]
+    return {f"{name} {how}": (lambda n=name, e=empty: removed(n, e))
+            for name in names for how, empty in (("None", False), ("zero-size", True))}
+
+
+@needs_torch
+@pytest.mark.parametrize("variant", ["stacked_bias", "separate_bias", "separate_nobias"])
+def test_torch_mha_converters_follow_every_parameter(variant: str) -> None:
+    """from_torch: an offset on each torch parameter moves our layer alike; to_torch: an
+    offset on each canonical weight moves torch's module alike, each one removed is refused."""
+    module = torch_native(variant)
+    xs = inputs(1, h, module.kdim, module.vdim)
+    assert_follows(lambda: torch_run(module, xs, "valid_lens")[0],
+                   lambda: torch_convert.from_torch(module),
+                   lambda weights: numpy_mha(weights)(*xs, LENS), torch_bumps(module))
+    weights = torch_convert.from_torch(torch_native(variant, seed=2))
+    assert_follows(lambda: numpy_mha(weights)(*xs, LENS),
+                   lambda: torch_convert.to_torch(weights, H, batch_first=module.batch_first),
+                   lambda native: torch_run(native.eval(), xs, "valid_lens")[0],
+                   array_bumps(weights))
+    assert_each_refused("to_torch", weights, lambda w: torch_convert.to_torch(w, H))
+
+
+def _from_torch_run(module: Any, xs: list[np.ndarray]) -> np.ndarray:
+    config = torch_convert.torch_config(module)
+    weights = torch_convert.from_torch(module)
+    assert config["bias"] == ("W_q.bias" in weights)
+    return numpy_mha(weights)(*xs, LENS)
+
+
+@needs_torch
+@pytest.mark.parametrize("variant", ["stacked_bias", "separate_bias"])
+def test_from_torch_refuses_what_it_cannot_represent(variant: str) -> None:
+    """Each parameter set to None or made zero-size: exact, or refused by name (a bias on
+    the input projections or the output one only is refused: biases are on all four or
+    none here); the module is left as it was."""
+    xs = inputs(1, h, *(d or h for d in TORCH_VARIANTS[variant][:2]))
+    for what, make in torch_removals(lambda: torch_native(variant)).items():
+        module = make()
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        assert_exact_or_refused("torch_config", lambda m=module: torch_run(m, xs, "valid_lens")[0],
+                                lambda m=module: _from_torch_run(m, xs), what)
+        after = module.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), what
+    partial = torch_native(variant)
+    partial.in_proj_bias = None
+    with pytest.raises(ValueError, match=re.escape(
+            "from_torch: biases on ['out_proj.bias'] only, none on ['in_proj_bias']; this "
+            "library's MultiHeadAttention has biases on all four projections or none")):
+        torch_convert.from_torch(partial)
+
+
+def torch_encoder_run(layer: Any, X: np.ndarray) -> np.ndarray:
+    padded = torch.from_numpy(np.arange(T)[None, :] >= LENS[:, None])
+    with torch.no_grad():
+        return layer(torch.from_numpy(X), src_key_padding_mask=padded).numpy()
+
+
+def torch_decoder_layer(seed: int = 0) -> Any:
+    """A batch-first torch decoder layer with every parameter random (biases, norms too)."""
+    layer = torch.nn.TransformerDecoderLayer(h, H, FFN, 0.0, batch_first=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return layer.eval()
+
+
+def torch_decoder_run(layer: Any, X: np.ndarray, memory: np.ndarray) -> np.ndarray:
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+    with torch.no_grad():
+        return layer(torch.from_numpy(X), torch.from_numpy(memory), tgt_mask=causal).numpy()
+
+
+#: torch's Transformer layers: (make, run the native layer on X and memory, the converter,
+#: its config function, run the canonical weights on NumPy).
+TORCH_LAYERS: dict[str, Any] = {
+    "encoder": (lambda: torch_encoder_layer(),
+                lambda layer, X, memory: torch_encoder_run(layer, X),
+                "from_torch_encoder_layer", "encoder_layer_config",
+                lambda w, X, memory: ac.transformer_encoder_block(X, w, H, LENS)),
+    "decoder": (lambda: torch_decoder_layer(),
+                torch_decoder_run, "from_torch_decoder_layer", "decoder_layer_config",
+                lambda w, X, memory: ac.transformer_decoder_block(X, w, H, memory)),
+}
+
+
+def _read_torch_layer(layer: Any, where: str, X: np.ndarray, memory: np.ndarray) -> np.ndarray:
+    """The output of what ``where`` (a reader or a config function) accepts of ``layer``."""
+    _, _, reader, config, run_ours = TORCH_LAYERS["decoder" if "decoder" in where else "encoder"]
+    if where == config:
+        getattr(torch_convert, config)(layer)
+    return np.asarray(run_ours(getattr(torch_convert, reader)(layer), X, memory))
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", list(TORCH_LAYERS))
+def test_torch_layer_converters_follow_every_parameter(kind: str) -> None:
+    """torch's Transformer layers -> canonical weights -> back: an offset on each parameter
+    (attention, FFN, layer norms) moves both sides alike; each one removed is refused."""
+    make, run_native, reader, config, run_ours = TORCH_LAYERS[kind]
+    convert = getattr(torch_convert, reader)
+    X, memory = inputs(4, h, h, h)[:2]
+    native = make()
+    assert_follows(lambda: run_native(native, X, memory), lambda: convert(native),
+                   lambda w: run_ours(w, X, memory), torch_bumps(native))
+    for what, fresh in torch_removals(make).items():
+        layer = fresh()
+        for where in (reader, config):
+            assert_exact_or_refused(where, lambda m=layer: run_native(m, X, memory),
+                                    lambda m=layer, w=where: _read_torch_layer(m, w, X, memory),
+                                    what)
+    # the other way: canonical weights -> torch's layer, each weight moved, each removed
+    weights = {k: np.array(v) for k, v in convert(make()).items()}
+    writer = getattr(torch_convert, reader.replace("from_", "to_"))
+    assert_follows(lambda: np.asarray(run_ours(weights, X, memory)),
+                   lambda: writer(weights, H).eval(), lambda m: run_native(m, X, memory),
+                   array_bumps(weights))
+    assert_each_refused(writer.__name__, weights, lambda w: writer(w, H))
+
+
+def keras_bumps(layer: Any) -> dict[str, Any]:
+    def bump(variable: Any, seed: int) -> None:
+        variable.assign(np.asarray(variable.numpy()) + offset(tuple(variable.shape), seed))
+
+    return {v.path: (lambda v=v, i=i: bump(v, i)) for i, v in enumerate(layer.weights)}
+
+
+def keras_removals(make: Any) -> dict[str, Any]:
+    """Sublayer attribute -> a fresh layer from ``make()`` with that bias, scale or offset
+    set to None (Keras' Dense, EinsumDense and LayerNormalization then compute without it)."""
+    def removed(index: int, attr: str) -> Any:
+        layer = make()
+        setattr(list(layer._flatten_layers(include_self=False))[index], attr, None)
+        return layer
+
+    subs = list(make()._flatten_layers(include_self=False))
+    return {f"{sub.name}.{attr}": (lambda i=i, a=attr: removed(i, a))
+            for i, sub in enumerate(subs) for attr in ("bias", "gamma", "beta")
+            if getattr(sub, attr, None) is not None}
+
+
+def keras_lora(seed: int = 0) -> Any:
+    """A Keras MultiHeadAttention whose four projections have LoRA kernels (random)."""
+    layer = keras_native("square_bias", seed)
+    rng = np.random.default_rng(seed + 100)
+    for name in ("query", "key", "value", "output"):
+        dense = getattr(layer, f"_{name}_dense")
+        dense.enable_lora(2)
+        for v in (dense.lora_kernel_a, dense.lora_kernel_b):
+            v.assign(rng.normal(0, 0.3, tuple(v.shape)).astype(np.float32))
+    return layer
+
+
+KERAS_MAKERS: dict[str, Any] = {"square_bias": lambda seed=0: keras_native("square_bias", seed),
+                                "narrow_query_nobias": lambda seed=0: keras_native(
+                                    "narrow_query_nobias", seed),
+                                "lora": keras_lora}
+
+
+@needs_tf
+@pytest.mark.parametrize("variant", list(KERAS_MAKERS))
+def test_keras_mha_converters_follow_every_parameter(variant: str) -> None:
+    """from_keras: an offset on each Keras variable (LoRA kernels too) moves our layer alike,
+    each bias removed is represented or refused; to_keras: an offset on each canonical weight
+    moves Keras' layer alike, each one removed is refused."""
+    make = KERAS_MAKERS[variant]
+    layer = make()
+    q_in = int(layer._query_dense.kernel.shape[0])
+    xs = inputs(1, q_in, 6, 3)
+    assert_follows(lambda: keras_run(layer, xs, "valid_lens")[0],
+                   lambda: keras_convert.from_keras(layer),
+                   lambda weights: numpy_mha(weights)(*xs, LENS), keras_bumps(layer))
+    for what, fresh in keras_removals(make).items():
+        native = fresh()
+        for where in ("from_keras", "keras_config"):
+            assert_exact_or_refused(
+                where, lambda n=native: keras_run(n, xs, "valid_lens")[0],
+                lambda n=native, w=where: numpy_mha(keras_convert.from_keras(n))(*xs, LENS)
+                if getattr(keras_convert, w)(n) else None, what)
+    weights = keras_convert.from_keras(make(seed=2))
+    assert_follows(lambda: numpy_mha(weights)(*xs, LENS), lambda: keras_convert.to_keras(weights, H),
+                   lambda native: keras_run(native, xs, "valid_lens")[0], array_bumps(weights))
+    assert_each_refused("to_keras", weights, lambda w: keras_convert.to_keras(w, H))
+
+
+@needs_tf
+def test_from_keras_refuses_partial_biases_and_quantized_projections() -> None:
+    layer = keras_native("square_bias")
+    layer._output_dense.bias = None
+    with pytest.raises(ValueError, match=re.escape(
+            "from_keras: biases on ['query.bias', 'key.bias', 'value.bias'] only, none on "
+            "['out.bias']; this library's MultiHeadAttention has biases on all four "
+            "projections or none")):
+        keras_convert.from_keras(layer)
+    quantized = keras_native("square_bias")
+    quantized._value_dense.quantize("int8")
+    with pytest.raises(ValueError, match=re.escape(
+            "keras_config: value is quantized (int8): this library's weights are floating point; "
+            "convert the layer before quantizing it")):
+        keras_convert.keras_config(quantized)
+
+
+def flax_leaves(variables: Any) -> dict[str, np.ndarray]:
+    """Writable NumPy copies of Flax params, by dotted name (Flax applies NumPy params too)."""
+    return {name: np.array(value) for name, value in W.flatten_tree(variables["params"]).items()}
+
+
+def flax_variables(leaves: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``{"params": ...}`` nested from dotted names, holding the same arrays."""
+    params: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in leaves.items():
+        part, _, leaf = name.partition(".")
+        params.setdefault(part, {})[leaf] = value
+    return {"params": params}
+
+
+@needs_jax
+@pytest.mark.parametrize("variant", ["default_width_bias", "narrow_query_nobias"])
+def test_flax_converters_follow_every_parameter(variant: str) -> None:
+    """from_flax: an offset on each Flax param moves our layer alike (params held as NumPy
+    arrays, offset in place: what was converted before must not move); each one removed, or
+    the module's biases switched off, is refused; to_flax: an offset on each canonical weight
+    moves Flax's module alike (the variables it returned are copies), each one removed is
+    refused."""
+    module, variables = flax_native(variant)
+    xs = inputs(1, FLAX_VARIANTS[variant][0], 6, 3)
+    leaves = flax_leaves(variables)
+    native = flax_variables(leaves)  # shares the leaves: offsets in place reach it
+    assert_follows(lambda: flax_run(module, native, xs, "valid_lens")[0],
+                   lambda: flax_convert.from_flax(native, module),
+                   lambda weights: numpy_mha(weights)(*xs, LENS), array_bumps(leaves))
+    for name in leaves:
+        fewer = flax_variables({k: v for k, v in leaves.items() if k != name})
+        for where in ("from_flax", "flax_config"):
+            with pytest.raises(ValueError, match=f"^{where}: "):
+                getattr(flax_convert, where)(fewer, module)
+    other = module.clone(use_bias=not module.use_bias)
+    for where in ("from_flax", "flax_config"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"{where}: the params are those of {H} heads "
+                f"{'with' if module.use_bias else 'without'} biases, but the module has "
+                f"num_heads={H}, use_bias={not module.use_bias}: pass the module that made them")):
+            getattr(flax_convert, where)(variables, other)
+    weights = flax_convert.from_flax(flax_native(variant, seed=2)[1])
+    assert_follows(lambda: numpy_mha(weights)(*xs, LENS), lambda: flax_convert.to_flax(weights, H),
+                   lambda made: flax_run(*made, xs, "valid_lens")[0], array_bumps(weights))
+    assert_each_refused("to_flax", weights, lambda w: flax_convert.to_flax(w, H))

@@ -305,3 +305,69 @@ def test_kerashub_encoder_refusals() -> None:
         convert.to_kerashub_encoder(missing, H)
     with pytest.raises(TypeError, match="to_kerashub_encoder: weights must be a mapping"):
         convert.to_kerashub_encoder([1, 2], H)
+
+
+# -- every KerasHub variable counts, and what a converter returns is a copy ------------------
+
+#: KerasHub's layers: (make, run the native layer on X and encoder outputs, the converter, its
+#: config function, run canonical weights on NumPy, the converter back).
+LAYERS: dict[str, Any] = {
+    "decoder-cross": (lambda: kerashub_native(True), lambda n, X, enc: kerashub_run(n, X, enc),
+                      "from_kerashub", "kerashub_decoder_config",
+                      lambda w, X, enc: core_run(w, X, enc), "to_kerashub"),
+    "decoder-only": (lambda: kerashub_native(False), lambda n, X, enc: kerashub_run(n, X, None),
+                     "from_kerashub", "kerashub_decoder_config",
+                     lambda w, X, enc: core_run(w, X, None), "to_kerashub"),
+    "encoder": (lambda: kerashub_encoder(), lambda n, X, enc: np.asarray(n(X, padding_mask=PADDING)),
+                "from_kerashub_encoder", "kerashub_encoder_config",
+                lambda w, X, enc: np.asarray(ac.transformer_encoder_block(X, w, H, LENS)),
+                "to_kerashub_encoder"),
+}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_kerashub_converters_follow_every_variable(kind: str) -> None:
+    """An offset on each KerasHub variable moves the converted block alike (and not what was
+    converted before); each bias, scale and offset removed is refused by name; an offset on
+    each canonical weight moves the KerasHub layer made of them, each one removed is refused."""
+    from tests.test_convert import (
+        array_bumps,
+        assert_each_refused,
+        assert_exact_or_refused,
+        assert_follows,
+        keras_bumps,
+        keras_removals,
+    )
+
+    make, run_native, reader, config, run_ours, writer = LAYERS[kind]
+    X, enc = inputs(12)
+    native = make()
+    assert_follows(lambda: run_native(native, X, enc), lambda: getattr(convert, reader)(native),
+                   lambda w: run_ours(w, X, enc), keras_bumps(native))
+    for what, fresh in keras_removals(make).items():
+        layer = fresh()
+        for where in (reader, config):
+            assert_exact_or_refused(
+                where, lambda n=layer: run_native(n, X, enc),
+                lambda n=layer, w=where: run_ours(getattr(convert, reader)(n), X, enc)
+                if getattr(convert, w)(n) else None, what)
+    weights = getattr(convert, reader)(make())
+    to_native = getattr(convert, writer)
+    assert_follows(lambda: run_ours(weights, X, enc), lambda: to_native(weights, H),
+                   lambda n: run_native(n, X, enc), array_bumps(weights))
+    assert_each_refused(writer, weights, lambda w: to_native(w, H))
+
+
+def test_kerashub_refuses_a_removed_layer_norm_offset() -> None:
+    layer = kerashub_native(True)
+    layer._cross_attention_layer_norm.beta = None
+    with pytest.raises(ValueError, match=re.escape(
+            "from_kerashub: cross_attention_layer_norm.beta is None, but this library's layer "
+            "has it (addnorm2.ln.beta)")):
+        convert.from_kerashub(layer)
+    rms = kerashub_encoder()
+    rms._feedforward_layer_norm.rms_scaling = True
+    with pytest.raises(ValueError, match=re.escape(
+            "kerashub_encoder_config: feedforward_layer_norm must be a LayerNormalization with "
+            "epsilon=1e-05 and no rms_scaling")):
+        convert.kerashub_encoder_config(rms)

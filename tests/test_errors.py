@@ -1260,7 +1260,88 @@ HOST_ROWS: list[Bad] = [
 
 
 # -- converters of native layers
+
+#: The backends whose envs have the native layers' frameworks.
+_NATIVE_ENVS = ("numpy", "torch", "tensorflow", "jax", "mxnet")
+
+
+def _only(backend: str) -> tuple[tuple[str, str], ...]:
+    """``without`` for a converter row: it runs in the env of ``backend`` alone."""
+    return tuple((other, f"the converter of {backend}'s layers runs in the {backend} env")
+                 for other in _NATIVE_ENVS if other != backend)
+
+
+def _torch_mha(removed: str) -> Any:
+    """A torch MultiheadAttention (8 wide, 2 heads) with the parameter ``removed`` set to None."""
+    import torch
+
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    owner, _, leaf = removed.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, None)
+    return module
+
+
+def _torch_encoder_layer(removed: str) -> Any:
+    import torch
+
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 12, batch_first=True)
+    owner, _, leaf = removed.rpartition(".")
+    setattr(layer.get_submodule(owner), leaf, None)
+    return layer
+
+
+def _keras_mha_without_output_bias() -> Any:
+    import keras
+
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    layer.build((None, None, 8), (None, None, 8))
+    layer._output_dense.bias = None
+    return layer
+
+
+def _flax_params_for(use_bias: bool) -> tuple[Any, Any]:
+    """Params of a biased Flax attention layer, and a module with ``use_bias``."""
+    import flax.linen as nn
+    import jax
+
+    x = np.zeros((1, 3, 8), np.float32)
+    variables = nn.MultiHeadDotProductAttention(num_heads=2).init(jax.random.key(0), x, x)
+    return variables, nn.MultiHeadDotProductAttention(num_heads=2, use_bias=use_bias)
+
+
+_PARTIAL = "; this library's MultiHeadAttention has biases on all four projections or none"
+
 CONVERTER_ROWS: list[Bad] = [
+    Bad("from_torch_in_proj_bias_none", "converter",
+        lambda c: importlib.import_module("backends.torch.convert").from_torch(
+            _torch_mha("in_proj_bias")), ValueError,
+        "from_torch: biases on ['out_proj.bias'] only, none on ['in_proj_bias']" + _PARTIAL,
+        without=_only("torch")),
+    Bad("torch_config_out_proj_bias_none", "converter",
+        lambda c: importlib.import_module("backends.torch.convert").torch_config(
+            _torch_mha("out_proj.bias")), ValueError,
+        "torch_config: biases on ['in_proj_bias'] only, none on ['out_proj.bias']" + _PARTIAL,
+        without=_only("torch")),
+    Bad("from_torch_out_proj_weight_none", "converter",
+        lambda c: importlib.import_module("backends.torch.convert").from_torch(
+            _torch_mha("out_proj.weight")), ValueError,
+        "from_torch: out_proj.weight is None, but this library's layer has it (W_o.kernel)",
+        without=_only("torch")),
+    Bad("from_torch_encoder_layer_linear_weight_none", "converter",
+        lambda c: importlib.import_module("backends.torch.convert").from_torch_encoder_layer(
+            _torch_encoder_layer("linear2.weight")), ValueError,
+        "from_torch_encoder_layer: linear2.weight is None, but this library's layer has it "
+        "(ffn.dense2.kernel)", without=_only("torch")),
+    Bad("from_keras_output_bias_none", "converter",
+        lambda c: importlib.import_module("backends.keras.convert").from_keras(
+            _keras_mha_without_output_bias()), ValueError,
+        "from_keras: biases on ['query.bias', 'key.bias', 'value.bias'] only, none on "
+        "['out.bias']" + _PARTIAL, without=_only("tensorflow")),
+    Bad("from_flax_module_without_bias", "converter",
+        lambda c: importlib.import_module("backends.jax.convert").from_flax(
+            *_flax_params_for(use_bias=False)), ValueError,
+        "from_flax: the params are those of 2 heads with biases, but the module has "
+        "num_heads=2, use_bias=False: pass the module that made them", without=_only("jax")),
 ]
 
 

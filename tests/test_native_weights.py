@@ -154,6 +154,43 @@ def test_native_file_holds_the_names_in_order(backend: str, case: str, tmp_path:
     np.testing.assert_array_equal(output(h, fresh, args), out)
 
 
+def aligned(value: np.ndarray) -> np.ndarray:
+    """A copy of ``value`` at an address that is a multiple of 64 bytes: JAX on the CPU takes
+    such a NumPy array without copying it (others it copies), so a layer that kept the
+    caller's array would show it."""
+    buffer = np.empty(value.nbytes + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    out = buffer[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    out[...] = value
+    return out
+
+
+@pytest.mark.parametrize("called", [False, True], ids=["fresh", "called"])
+def test_set_and_get_weights_hold_copies(backend: str, called: bool) -> None:
+    """``set_weights`` keeps no reference to the caller's arrays (writing into them later
+    changes neither the weights nor the output), and ``get_weights`` returns copies (writing
+    into them changes nothing either); before the first call and after it."""
+    h = Harness(backend)
+    name, config, shapes, expected = LAYOUTS["MultiHeadAttention-bias"]
+    args = inputs(h, shapes, "float32")
+    layer = built(h, name, config, shapes, "float32") if called else h.make(name, config)
+    rng = np.random.default_rng(1)
+    given = {weight: aligned(rng.normal(0.0, 0.5, shape).astype(np.float32))
+             for weight, shape in expected.items()}
+    kept = {weight: value.copy() for weight, value in given.items()}
+    layer.set_weights(given)
+    out = output(h, layer, args)
+    for value in given.values():
+        value += 1.0
+    got = layer.get_weights()
+    for weight, value in got.items():
+        np.testing.assert_array_equal(value, kept[weight], err_msg=weight)
+        value += 1.0
+    for weight, value in layer.get_weights().items():
+        np.testing.assert_array_equal(value, kept[weight], err_msg=weight)
+    np.testing.assert_array_equal(output(h, layer, args), out)
+
+
 # -- initial values -------------------------------------------------------------------------
 
 

@@ -41,6 +41,10 @@ def _check_module(module: Any, where: str) -> None:
         or module.qkv_dot_general_cls is not None,
         "out_dot_general": module.out_dot_general is not None
         or module.out_dot_general_cls is not None,
+        "qk_attn_weights_einsum_cls":
+            getattr(module, "qk_attn_weights_einsum_cls", None) is not None,
+        "attn_weights_value_einsum_cls":
+            getattr(module, "attn_weights_value_einsum_cls", None) is not None,
     }
     used = [name for name, on in unsupported.items() if on]
     if used:
@@ -70,11 +74,9 @@ def flax_config(variables: Mapping[str, Any],
     Returns:
         ``{"num_hiddens", "num_heads", "dropout", "bias"}``.
     """
-    params = _params(variables, "flax_config")
-    if module is not None:
-        _check_module(module, "flax_config")
-    config = C.multi_head_config(C.from_einsum(params, "flax_config"),
-                                 int(np.shape(params["query"]["kernel"])[1]))
+    weights = _read(variables, module, "flax_config")
+    heads = int(np.shape(_params(variables, "flax_config")["query"]["kernel"])[1])
+    config = C.multi_head_config(weights, heads)
     return {**config, "dropout": float(module.dropout_rate) if module is not None else 0.0}
 
 
@@ -91,12 +93,32 @@ def from_flax(variables: Mapping[str, Any],
         Canonical name -> NumPy array, for ``MultiHeadAttention(**flax_config(variables))``.
 
     Raises:
-        ValueError: Params of another layout, ``out_features`` other than ``qkv_features``.
+        ValueError: Params of another layout, ``out_features`` other than ``qkv_features``,
+            biases on some projections only; with ``module``, params that the module would not
+            use as they are (biases with ``use_bias=False`` or none with ``use_bias=True``,
+            another number of heads).
     """
-    params = _params(variables, "from_flax")
+    return _read(variables, module, "from_flax")
+
+
+def _read(variables: Any, module: nn.MultiHeadDotProductAttention | None,
+          where: str) -> dict[str, np.ndarray]:
+    """The canonical weights of Flax params, checked against the module when it is given."""
+    params = _params(variables, where)
     if module is not None:
-        _check_module(module, "from_flax")
-    return C.from_einsum(params, "from_flax")
+        _check_module(module, where)
+    weights = C.from_einsum(params, where)
+    if module is None:
+        return weights
+    heads = int(np.shape(params["query"]["kernel"])[1])
+    biased = "W_q.bias" in weights
+    if module.num_heads != heads or bool(module.use_bias) != biased:
+        raise ValueError(
+            f"{where}: the params are those of {heads} heads {'with' if biased else 'without'} "
+            f"biases, but the module has num_heads={module.num_heads}, "
+            f"use_bias={module.use_bias}: pass the module that made them"
+        )
+    return weights
 
 
 def to_flax(

@@ -95,9 +95,10 @@ def keras_config(layer: keras.layers.MultiHeadAttention) -> dict[str, Any]:
         ``{"num_hiddens": num_heads * key_dim, "num_heads", "dropout", "bias": use_bias}``.
     """
     config = _check_layer(layer, "keras_config")
+    weights = _read_attention(layer, "keras_config")
     return {"num_hiddens": int(config["num_heads"] * config["key_dim"]),
             "num_heads": int(config["num_heads"]), "dropout": float(config["dropout"]),
-            "bias": bool(config["use_bias"])}
+            "bias": "W_q.bias" in weights}
 
 
 def from_keras(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarray]:
@@ -109,20 +110,35 @@ def from_keras(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarray]:
         TypeError: ``layer`` is not a Keras MultiHeadAttention.
         ValueError: Not built yet, or a feature without a counterpart here (``value_dim``
             other than ``key_dim``, an output width other than ``num_heads * key_dim``,
-            ``use_gate``, ``sliding_window``, other ``attention_axes``).
+            ``use_gate``, ``sliding_window``, other ``attention_axes``, biases on some
+            projections only, a quantized projection).
     """
     return _read_attention(layer, "from_keras")
 
 
 def _read_attention(layer: Any, where: str) -> dict[str, np.ndarray]:
-    config = _check_layer(layer, where)
+    """The canonical weights of a Keras MultiHeadAttention.
+
+    Each projection's kernel as Keras computes it (LoRA included), and its bias where it has
+    one (all four or none).
+    """
+    _check_layer(layer, where)
     params: dict[str, dict[str, np.ndarray]] = {}
     for name in _SUBLAYERS:
-        dense = _sublayer(layer, name)
+        dense = _check_dense(_sublayer(layer, name), where)
         params[name] = {"kernel": _host(dense.kernel)}
-        if config["use_bias"]:
+        if dense.bias is not None:
             params[name]["bias"] = _host(dense.bias)
     return C.from_einsum(params, where)
+
+
+def _check_dense(dense: Any, where: str) -> Any:
+    """A Keras ``Dense`` or ``EinsumDense`` whose kernel is floating point (not quantized)."""
+    mode = getattr(dense, "quantization_mode", None)
+    if mode is not None:
+        raise ValueError(f"{where}: {dense.name} is quantized ({mode}): this library's weights "
+                         "are floating point; convert the layer before quantizing it")
+    return dense
 
 
 def _host(variable: Any) -> np.ndarray:
@@ -200,10 +216,39 @@ def _kerashub_leaves(crossed: bool) -> dict[str, dict[str, str]]:
     return leaves
 
 
-def _read_leaves(layer: Any, leaves: Mapping[str, Mapping[str, str]]) -> dict[str, np.ndarray]:
-    """The variables named in ``leaves`` (:func:`_kerashub_leaves`), by canonical name."""
-    return {name: _host(getattr(getattr(layer, attr), leaf))
-            for attr, names in leaves.items() for leaf, name in names.items()}
+def _read_leaves(layer: Any, leaves: Mapping[str, Mapping[str, str]],
+                 where: str) -> dict[str, np.ndarray]:
+    """The variables named in ``leaves`` (:func:`_kerashub_leaves`), by canonical name.
+
+    Raises:
+        ValueError: One of them is None (a bias, scale or offset removed), a dense layer is
+            quantized, or a layer norm is not this library's (RMS scaling, another epsilon).
+    """
+    weights = {}
+    for attr, names in leaves.items():
+        sub = getattr(layer, attr)
+        if "kernel" in names:
+            _check_dense(sub, where)
+        elif sub.rms_scaling or sub.epsilon != LAYER_NORM_EPS:
+            raise ValueError(f"{where}: {attr.lstrip('_')} must be a LayerNormalization with "
+                             f"epsilon={LAYER_NORM_EPS} and no rms_scaling, as this library's "
+                             f"AddNorm, got epsilon={sub.epsilon}, rms_scaling={sub.rms_scaling}")
+        for leaf, name in names.items():
+            value = getattr(sub, leaf)
+            if value is None:
+                raise ValueError(f"{where}: {attr.lstrip('_')}.{leaf} is None, but this "
+                                 f"library's layer has it ({name})")
+            weights[name] = _host(value)
+    return weights
+
+
+def _read_biased_attention(layer: Any, attr: str, prefix: str, where: str) -> dict[str, np.ndarray]:
+    """The canonical weights of a KerasHub layer's attention sublayer, which must have biases."""
+    weights = _read_attention(getattr(layer, attr), where)
+    if "W_q.bias" not in weights:
+        raise ValueError(f"{where}: {attr.lstrip('_')} has no biases: this library's block "
+                         "takes KerasHub's attention with its biases (bias=True)")
+    return W.prefixed(weights, prefix)
 
 
 def _write_leaves(layer: Any, leaves: Mapping[str, Mapping[str, str]],
@@ -265,7 +310,7 @@ def kerashub_decoder_config(layer: Any) -> dict[str, Any]:
             functional ``attention_core.transformer_decoder_block`` takes either).
     """
     where = "kerashub_decoder_config"
-    crossed = _check_kerashub_decoder(layer, where)
+    _, crossed = _read_kerashub_decoder(layer, where)
     attention = keras_config(layer._self_attention_layer)
     h = attention["num_hiddens"]
     if crossed and layer._encoder_sequence_shape[-1] != h:
@@ -301,14 +346,21 @@ def from_kerashub(layer: Any) -> dict[str, np.ndarray]:
     Raises:
         TypeError: ``layer`` is not a KerasHub TransformerDecoder.
         ValueError: Not built yet, ``normalize_first=True``, another activation than relu,
-            a ``layer_norm_epsilon`` other than this library's (1e-5), or a width that
-            ``num_heads`` does not divide.
+            a ``layer_norm_epsilon`` other than this library's (1e-5), a width that
+            ``num_heads`` does not divide, attention without biases, or a bias, ``gamma`` or
+            ``beta`` set to None (or what :func:`from_keras` refuses of an attention layer).
     """
-    crossed = _check_kerashub_decoder(layer, "from_kerashub")
+    return _read_kerashub_decoder(layer, "from_kerashub")[0]
+
+
+def _read_kerashub_decoder(layer: Any, where: str) -> tuple[dict[str, np.ndarray], bool]:
+    """A checked KerasHub decoder's canonical weights, and whether it has cross-attention."""
+    crossed = _check_kerashub_decoder(layer, where)
     weights: dict[str, np.ndarray] = {}
     for attr, prefix in zip(_KERASHUB_ATTENTIONS, C.ATTENTIONS[:1 + crossed], strict=False):
-        weights.update(W.prefixed(_read_attention(getattr(layer, attr), "from_kerashub"), prefix))
-    return {**weights, **_read_leaves(layer, _kerashub_leaves(crossed))}
+        weights.update(_read_biased_attention(layer, attr, prefix, where))
+    weights.update(_read_leaves(layer, _kerashub_leaves(crossed), where))
+    return C.check_decoder_block(weights, layer.num_heads, where), crossed
 
 
 def to_kerashub(
@@ -380,7 +432,7 @@ def kerashub_encoder_config(layer: Any) -> dict[str, Any]:
     Raises:
         TypeError, ValueError: As :func:`from_kerashub_encoder`.
     """
-    _check_kerashub_encoder(layer, "kerashub_encoder_config")
+    _read_kerashub_encoder(layer, "kerashub_encoder_config")
     attention = keras_config(layer._self_attention_layer)
     return {"num_hiddens": attention["num_hiddens"], "ffn_num_hiddens": int(layer.intermediate_dim),
             "num_heads": attention["num_heads"], "dropout": float(layer.dropout), "bias": True}
@@ -402,13 +454,19 @@ def from_kerashub_encoder(layer: Any) -> dict[str, np.ndarray]:
     Raises:
         TypeError: ``layer`` is not a KerasHub TransformerEncoder.
         ValueError: Not built yet, ``normalize_first=True``, another activation than relu,
-            a ``layer_norm_epsilon`` other than this library's (1e-5), or a width that
-            ``num_heads`` does not divide.
+            a ``layer_norm_epsilon`` other than this library's (1e-5), a width that
+            ``num_heads`` does not divide, attention without biases, or a bias, ``gamma`` or
+            ``beta`` set to None (or what :func:`from_keras` refuses of an attention layer).
     """
-    _check_kerashub_encoder(layer, "from_kerashub_encoder")
-    weights = W.prefixed(_read_attention(layer._self_attention_layer, "from_kerashub_encoder"),
-                         "attention")
-    return {**weights, **_read_leaves(layer, _kerashub_leaves(False))}
+    return _read_kerashub_encoder(layer, "from_kerashub_encoder")
+
+
+def _read_kerashub_encoder(layer: Any, where: str) -> dict[str, np.ndarray]:
+    """A checked KerasHub encoder's canonical weights."""
+    _check_kerashub_encoder(layer, where)
+    weights = _read_biased_attention(layer, "_self_attention_layer", "attention", where)
+    weights.update(_read_leaves(layer, _kerashub_leaves(False), where))
+    return C.check_encoder_block(weights, layer.num_heads, where)
 
 
 def to_kerashub_encoder(

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention_core import checks
 from attention_core import convert as C
 from attention_core import weights as W
 from attention_core.linear import LAYER_NORM_EPS
@@ -38,10 +39,23 @@ _L = TypeVar("_L", bound=nn.Module)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    return np.asarray(OPS.to_numpy(t.detach()))
+    """A NumPy copy of a parameter (``Tensor.numpy()`` would share its memory)."""
+    return np.array(OPS.to_numpy(t.detach()), copy=True)
 
 
-def _check_module(module: Any, where: str) -> nn.MultiheadAttention:
+def _required(value: torch.Tensor | None, name: str, canonical: str, where: str) -> torch.Tensor:
+    """``value``, or a ValueError naming the native parameter that is None."""
+    if value is None:
+        raise ValueError(f"{where}: {name} is None, but this library's layer has it "
+                         f"({canonical})")
+    return value
+
+
+def _check_module(module: Any, where: str, path: str = "") -> nn.MultiheadAttention:
+    """Checks that a torch MultiheadAttention has a counterpart here.
+
+    ``path`` is its name in a larger layer (``self_attn.``), for the messages.
+    """
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(f"{where}: expected a torch.nn.MultiheadAttention, got "
                         f"{type(module).__name__}")
@@ -51,7 +65,18 @@ def _check_module(module: Any, where: str) -> nn.MultiheadAttention:
     if module.add_zero_attn:
         raise ValueError(f"{where}: add_zero_attn=True is not supported: this library's "
                          "MultiHeadAttention adds no zero key and value")
+    C.check_biases({f"{path}in_proj_bias": module.in_proj_bias is not None,
+                    f"{path}out_proj.bias": module.out_proj.bias is not None}, where)
     return module
+
+
+def _thirds(stacked: torch.Tensor, name: str, h: int, where: str) -> list[np.ndarray]:
+    """The query, key and value parts of a stacked ``(3h, ...)`` parameter, as NumPy copies."""
+    if stacked.ndim not in (1, 2) or stacked.shape[0] != 3 * h:
+        want = f"({3 * h},)" if stacked.ndim == 1 else f"({3 * h}, {h})"
+        raise ValueError(f"{where}: {name} has shape {checks.fmt_shape(tuple(stacked.shape))}, "
+                         f"expected {want}")
+    return [_host(part) for part in stacked.chunk(3)]
 
 
 def torch_config(module: nn.MultiheadAttention) -> dict[str, Any]:
@@ -59,10 +84,13 @@ def torch_config(module: nn.MultiheadAttention) -> dict[str, Any]:
 
     Returns:
         ``{"num_hiddens": embed_dim, "num_heads", "dropout", "bias"}``.
+
+    Raises:
+        TypeError, ValueError: As :func:`from_torch`.
     """
-    module = _check_module(module, "torch_config")
+    weights = _read_mha(module, "torch_config")
     return {"num_hiddens": int(module.embed_dim), "num_heads": int(module.num_heads),
-            "dropout": float(module.dropout), "bias": module.in_proj_bias is not None}
+            "dropout": float(module.dropout), "bias": "W_q.bias" in weights}
 
 
 def from_torch(module: nn.MultiheadAttention) -> dict[str, np.ndarray]:
@@ -73,20 +101,30 @@ def from_torch(module: nn.MultiheadAttention) -> dict[str, np.ndarray]:
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
-        ValueError: ``add_bias_kv`` or ``add_zero_attn``, which have no counterpart here.
+        ValueError: ``add_bias_kv`` or ``add_zero_attn``, which have no counterpart here; a
+            bias on the input projections (``in_proj_bias``) but none on the output one
+            (``out_proj.bias``), or the other way round; a weight that is None.
     """
-    module = _check_module(module, "from_torch")
+    return _read_mha(module, "from_torch")
+
+
+def _read_mha(module: Any, where: str, path: str = "") -> dict[str, np.ndarray]:
+    """The canonical weights of a torch MultiheadAttention, checked (see :func:`from_torch`)."""
+    module = _check_module(module, where, path)
     if module._qkv_same_embed_dim:
-        q, k, v = (_host(w) for w in module.in_proj_weight.chunk(3))
+        stacked = _required(module.in_proj_weight, f"{path}in_proj_weight",
+                            "W_q.kernel, W_k.kernel, W_v.kernel", where)
+        q, k, v = _thirds(stacked, f"{path}in_proj_weight", module.embed_dim, where)
     else:
-        q, k, v = (_host(w) for w in (module.q_proj_weight, module.k_proj_weight,
-                                      module.v_proj_weight))
-    matrices = {"W_q": q, "W_k": k, "W_v": v, "W_o": _host(module.out_proj.weight)}
+        q, k, v = (_host(_required(getattr(module, f"{x}_proj_weight"), f"{path}{x}_proj_weight",
+                                   f"W_{x}.kernel", where)) for x in "qkv")
+    out = _required(module.out_proj.weight, f"{path}out_proj.weight", "W_o.kernel", where)
+    matrices = {"W_q": q, "W_k": k, "W_v": v, "W_o": _host(out)}
     biases = None
     if module.in_proj_bias is not None:
-        bq, bk, bv = (_host(b) for b in module.in_proj_bias.chunk(3))
+        bq, bk, bv = _thirds(module.in_proj_bias, f"{path}in_proj_bias", module.embed_dim, where)
         biases = {"W_q": bq, "W_k": bk, "W_v": bv, "W_o": _host(module.out_proj.bias)}
-    return C.from_out_in(matrices, biases, "from_torch")
+    return C.from_out_in(matrices, biases, where)
 
 
 def to_torch(
@@ -152,20 +190,53 @@ def _copy(param: torch.Tensor, value: np.ndarray) -> None:
 #: Sublayers of ``nn.TransformerDecoderLayer`` and the canonical names they map to.
 _DECODER_NORMS = {"norm1": "addnorm1", "norm2": "addnorm2", "norm3": "addnorm3"}
 _DECODER_LINEARS = {"linear1": "ffn.dense1", "linear2": "ffn.dense2"}
+_DECODER_ATTENTIONS = {"self_attn": "self_attention", "multihead_attn": "cross_attention"}
 
 
-def _read_ffn_and_norms(layer: nn.Module, norms: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """The canonical FFN and layer-norm weights of a torch encoder or decoder layer."""
+def _read_ffn_and_norms(layer: nn.Module, norms: Mapping[str, str],
+                        where: str) -> dict[str, np.ndarray]:
+    """The canonical FFN and layer-norm weights of a torch encoder or decoder layer (copies)."""
     weights = {}
     for name, canonical in _DECODER_LINEARS.items():
         linear = getattr(layer, name)
-        weights[f"{canonical}.kernel"] = _host(linear.weight).T.copy()
+        kernel = _required(linear.weight, f"{name}.weight", f"{canonical}.kernel", where)
+        weights[f"{canonical}.kernel"] = _host(kernel).T.copy()
         weights[f"{canonical}.bias"] = _host(linear.bias)
     for name, canonical in norms.items():
         norm = getattr(layer, name)
         weights[f"{canonical}.ln.gamma"] = _host(norm.weight)
         weights[f"{canonical}.ln.beta"] = _host(norm.bias)
     return weights
+
+
+def _read_layer(layer: Any, attentions: Mapping[str, str], norms: Mapping[str, str],
+                where: str) -> dict[str, np.ndarray]:
+    """The canonical block weights of a checked torch encoder or decoder layer.
+
+    Args:
+        layer: The torch layer.
+        attentions: Its attention sublayers (``self_attn`` ...) -> their canonical prefixes.
+        norms: Its layer norms -> their canonical add & norms.
+        where: The caller's name, for the messages.
+
+    Raises:
+        ValueError: Attention sublayers with biases and without in one layer (the block's
+            ``bias`` covers them all), or what :func:`from_torch` refuses.
+    """
+    weights: dict[str, np.ndarray] = {}
+    for attr, prefix in attentions.items():
+        weights.update(W.prefixed(_read_mha(getattr(layer, attr), where, f"{attr}."), prefix))
+    biased = {attr: f"{prefix}.W_q.bias" in weights for attr, prefix in attentions.items()}
+    if len(set(biased.values())) > 1:
+        raise ValueError(
+            f"{where}: biases on {[a for a, on in biased.items() if on]} only, none on "
+            f"{[a for a, on in biased.items() if not on]}; this library's block has biases on "
+            "all its attention projections or none (bias)"
+        )
+    weights.update(_read_ffn_and_norms(layer, norms, where))
+    check = C.check_decoder_block if len(attentions) > 1 else C.check_encoder_block
+    heads = int(layer.self_attn.num_heads)
+    return check(weights, heads, where)
 
 
 def _write_ffn_and_norms(layer: nn.Module, host: Mapping[str, np.ndarray],
@@ -217,12 +288,18 @@ def decoder_layer_config(layer: nn.TransformerDecoderLayer) -> dict[str, Any]:
         ``{"num_hiddens": d_model, "ffn_num_hiddens": dim_feedforward, "num_heads", "dropout",
         "bias"}``.
     """
-    layer = _check_decoder_layer(layer, "decoder_layer_config")
-    attention = torch_config(layer.self_attn)
-    return {"num_hiddens": attention["num_hiddens"],
-            "ffn_num_hiddens": int(layer.linear1.out_features),
-            "num_heads": attention["num_heads"], "dropout": float(layer.dropout.p),
-            "bias": attention["bias"]}
+    where = "decoder_layer_config"
+    weights = _read_layer(_check_decoder_layer(layer, where), _DECODER_ATTENTIONS, _DECODER_NORMS,
+                          where)
+    return _layer_config(layer, weights)
+
+
+def _layer_config(layer: Any, weights: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The block's constructor arguments, from a torch layer and its canonical weights."""
+    h, ffn = weights["ffn.dense1.kernel"].shape
+    return {"num_hiddens": int(h), "ffn_num_hiddens": int(ffn),
+            "num_heads": int(layer.self_attn.num_heads), "dropout": float(layer.dropout.p),
+            "bias": any(name.endswith("W_q.bias") for name in weights)}
 
 
 def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> dict[str, np.ndarray]:
@@ -236,13 +313,13 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> dict[str, np.
 
     Raises:
         TypeError: ``layer`` is not a ``torch.nn.TransformerDecoderLayer``.
-        ValueError: ``norm_first=True``, another activation than ReLU, ``bias=False``, or a
-            layer norm whose eps is not 1e-5.
+        ValueError: ``norm_first=True``, another activation than ReLU, ``bias=False``, a
+            layer norm whose eps is not 1e-5, attention sublayers with biases and without,
+            or what :func:`from_torch` refuses of either.
     """
-    layer = _check_decoder_layer(layer, "from_torch_decoder_layer")
-    weights = {**W.prefixed(from_torch(layer.self_attn), "self_attention"),
-               **W.prefixed(from_torch(layer.multihead_attn), "cross_attention")}
-    return {**weights, **_read_ffn_and_norms(layer, _DECODER_NORMS)}
+    where = "from_torch_decoder_layer"
+    return _read_layer(_check_decoder_layer(layer, where), _DECODER_ATTENTIONS, _DECODER_NORMS,
+                       where)
 
 
 def to_torch_decoder_layer(
@@ -292,6 +369,7 @@ def to_torch_decoder_layer(
 
 #: The layer norms of ``nn.TransformerEncoderLayer`` and the canonical names they map to.
 _ENCODER_NORMS = {"norm1": "addnorm1", "norm2": "addnorm2"}
+_ENCODER_ATTENTIONS = {"self_attn": "attention"}
 
 
 def _check_encoder_layer(layer: Any, where: str) -> nn.TransformerEncoderLayer:
@@ -308,12 +386,10 @@ def encoder_layer_config(layer: nn.TransformerEncoderLayer) -> dict[str, Any]:
     Raises:
         TypeError, ValueError: As :func:`from_torch_encoder_layer`.
     """
-    layer = _check_encoder_layer(layer, "encoder_layer_config")
-    attention = torch_config(layer.self_attn)
-    return {"num_hiddens": attention["num_hiddens"],
-            "ffn_num_hiddens": int(layer.linear1.out_features),
-            "num_heads": attention["num_heads"], "dropout": float(layer.dropout.p),
-            "bias": attention["bias"]}
+    where = "encoder_layer_config"
+    weights = _read_layer(_check_encoder_layer(layer, where), _ENCODER_ATTENTIONS, _ENCODER_NORMS,
+                          where)
+    return _layer_config(layer, weights)
 
 
 def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> dict[str, np.ndarray]:
@@ -328,12 +404,13 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> dict[str, np.
     Raises:
         TypeError: ``layer`` is not a ``torch.nn.TransformerEncoderLayer``.
         ValueError: ``norm_first=True``, another activation than ReLU, a ``layer_norm_eps``
-            other than 1e-5, or ``bias=False`` (torch's ``bias`` covers the FFN and the layer
-            norms too, which always have biases here).
+            other than 1e-5, ``bias=False`` (torch's ``bias`` covers the FFN and the layer
+            norms too, which always have biases here), a weight set to None or of another
+            shape, or what :func:`from_torch` refuses of ``self_attn``.
     """
-    layer = _check_encoder_layer(layer, "from_torch_encoder_layer")
-    weights = W.prefixed(from_torch(layer.self_attn), "attention")
-    return {**weights, **_read_ffn_and_norms(layer, _ENCODER_NORMS)}
+    where = "from_torch_encoder_layer"
+    return _read_layer(_check_encoder_layer(layer, where), _ENCODER_ATTENTIONS, _ENCODER_NORMS,
+                       where)
 
 
 def to_torch_encoder_layer(
