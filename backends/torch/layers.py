@@ -217,6 +217,8 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """Calls the declared forward (see the class's call signature)."""
         bound = self.bind_call(args, kwargs)
         first = next((a for a in bound.values() if isinstance(a, Tensor)), None)
+        if first is None:  # host data only (NumPy token ids): the layer's device
+            first = next(self.parameters(), None)
         ops = TorchOps(None if first is None else first.device)
         prepared = self.prepare(ops, self._compute_dtype(), bound)
         params = dict(self.named_parameters())
