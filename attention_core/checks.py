@@ -173,10 +173,16 @@ def check_rank(ops: Ops, name: str, x: Array, ranks: Sequence[int], legend: str)
         ranks: The allowed ranks.
         legend: The expected shapes in words, e.g. ``"(B, Q, D) or (B, H, Q, D)"``.
     """
-    shape = ops.shape(x)
+    check_rank_of(name, tuple(ops.shape(x)), ranks, legend)
+    return check_not_empty(ops, name, x)
+
+
+def check_rank_of(name: str, shape: tuple[Any, ...], ranks: Sequence[int], legend: str) -> None:
+    """:func:`check_rank` and :func:`check_not_empty` of a shape (host data's, read on the host)."""
     if len(shape) not in ranks:
         raise ValueError(f"{name} must have shape {legend}, got {fmt_shape(shape)}")
-    return check_not_empty(ops, name, x)
+    if any(_known(d) and d == 0 for d in shape):
+        raise ValueError(f"{name} must not have an empty dimension, got {fmt_shape(shape)}")
 
 
 def check_not_empty(ops: Ops, name: str, x: Array) -> tuple[Any, ...]:

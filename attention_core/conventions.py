@@ -33,6 +33,7 @@ torch    ``need_weights``,              return torch's ``(out, weights)``: weigh
 Keras    ``query``, ``value``, ``key``  Keras' names (``key`` defaults to ``value``; without
                                         ``value=``, as the shorthand: keys = queries)
 Keras    ``attention_mask``             bool, True = may attend: the canonical ``mask``
+                                        (its errors name ``attention_mask``)
 Keras    ``use_causal_mask``            query i sees keys j <= i
 Keras    ``return_attention_scores``    return ``(out, scores)``, scores ``(B, H, Q, K)``
 Keras    ``padding_mask``               the encoder block's ``(B, T)``, True = a real token
@@ -74,15 +75,17 @@ from attention_core.checks import fmt_shape
 from attention_core.host import host_array
 from attention_core.ops import Array, Ops
 
-#: The kinds of keywords: another name for a canonical argument; torch's masks (True = hidden,
-#: or float scores); Keras' padding masks of the keys and of the queries (True = a real token);
-#: a causal flag; torch's return form; Flax's ``deterministic``.
-ALIAS, BLOCKED, PADDING, KEPT, ROWS, CAUSAL, WEIGHTS, AVERAGE, DETERMINISTIC = (
-    "alias", "blocked", "padding", "kept", "rows", "causal", "weights", "average",
+#: The kinds of keywords: another name for a canonical argument; another name for the canonical
+#: ``mask`` (True = may attend); torch's masks (True = hidden, or float scores); Keras' padding
+#: masks of the keys and of the queries (True = a real token); a causal flag; torch's return
+#: form; Flax's ``deterministic``.
+ALIAS, ALLOWED, BLOCKED, PADDING, KEPT, ROWS, CAUSAL, WEIGHTS, AVERAGE, DETERMINISTIC = (
+    "alias", "allowed", "blocked", "padding", "kept", "rows", "causal", "weights", "average",
     "deterministic")
 
-#: The kinds whose values are arrays, converted by :func:`convert` (with the backend's ops).
-ARRAY_KINDS = (BLOCKED, PADDING, KEPT, ROWS)
+#: The kinds whose values are arrays, converted by :func:`convert` (with the backend's ops), so
+#: that their errors name the keyword given.
+ARRAY_KINDS = (ALLOWED, BLOCKED, PADDING, KEPT, ROWS)
 #: The kinds of boolean padding masks, True = a real token.
 _REAL = (KEPT, ROWS)
 
@@ -147,7 +150,7 @@ CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
     ),
     "keras": (
         *_aliases("Keras'", ("query", "key", "value"), value_fills="keys"),
-        Keyword("attention_mask", ALIAS, "mask", "Keras' name for mask", ("mask",)),
+        Keyword("attention_mask", ALLOWED, "mask", "Keras' name for mask", ("mask",)),
         Keyword("padding_mask", KEPT, "valid_lens",
                 "KerasHub's padding mask, True = a real token", ("X", "mask"), _BLOCK),
         Keyword("query_mask", ROWS, "", "Keras' padding mask of the queries, True = a real "
@@ -357,18 +360,18 @@ def convert(layer: Any, ops: Ops, arguments: dict[str, Any]) -> tuple[dict[str, 
 
 def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
            given: list[tuple[Keyword, Any]]) -> None:
-    first = _first(arguments)
-    q_shape = ops.shape(first)
-    k_shape = ops.shape(_keys(arguments, first))
-    B, Q, K = q_shape[0], q_shape[-2], k_shape[-2]
+    B, Q, K = _sizes(ops, arguments)
     H = int(getattr(layer, "num_heads", 1))
-    scores = (B, None, Q, K)
+    first = _first(arguments)
+    heads = _shape(ops, first)[1] if first is not None and len(_shape(ops, first)) == 4 else H
+    scores = (B, heads, Q, K)
     kinds = {}
     for keyword, value in given:
         dtype = _dtype(ops, value)
         floating = dtype.startswith(("float", "bfloat"))
-        if dtype != "bool" and not (floating and keyword.kind not in _REAL):
+        if dtype != "bool" and not (floating and keyword.kind in (BLOCKED, PADDING)):
             expected = ("boolean (True = a real token)" if keyword.kind in _REAL else
+                        "boolean (True = may attend)" if keyword.kind == ALLOWED else
                         "boolean (True = may not attend) or floating point (added to the scores)")
             raise TypeError(f"{keyword.name} must be {expected}, got {dtype}")
         kinds[keyword.name] = dtype
@@ -383,7 +386,9 @@ def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
     for keyword, value in given:
         array = masks.as_backend_array(ops, value)
         shape = tuple(ops.shape(array))
-        if keyword.kind == BLOCKED:
+        if keyword.kind == ALLOWED:
+            array = masks.lifted(ops, keyword.name, array, shape, scores)
+        elif keyword.kind == BLOCKED:
             array = _lifted_attention_mask(ops, keyword.name, array, shape, (B, H, Q, K))
         else:
             axis, want = ("Q", (B, Q)) if keyword.kind == ROWS else ("K", (B, K))
@@ -395,7 +400,8 @@ def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
             else:  # (B, 1, 1, K)
                 array = ops.expand_dims(ops.expand_dims(array, 1), 1)
         if kinds[keyword.name] == "bool":
-            bool_parts.append(array if keyword.kind in _REAL else _inverted(ops, array))
+            blocked = keyword.kind in (BLOCKED, PADDING)
+            bool_parts.append(_inverted(ops, array) if blocked else array)
         else:
             float_parts.append(array)
     if float_parts and "score_bias" not in arguments:
@@ -407,6 +413,21 @@ def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
         arguments["mask"] = functools.reduce(ops.logical_and, bool_parts)
     if float_parts:
         arguments["score_bias"] = functools.reduce(lambda a, b: a + b, float_parts)
+
+
+def _sizes(ops: Ops, arguments: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """``(B, Q, K)`` of a bound call: a stack's token ids ``(B, T)`` attend over themselves."""
+    first = _first(arguments)
+    if first is None:
+        B, T = _shape(ops, arguments["tokens"])[:2]
+        return B, T, T
+    q_shape, k_shape = _shape(ops, first), _shape(ops, _keys(arguments, first))
+    return q_shape[0], q_shape[-2], k_shape[-2]
+
+
+def _shape(ops: Ops, x: Any) -> tuple[Any, ...]:
+    """The shape of the backend's array, or of host data (checked by the call later)."""
+    return tuple(ops.shape(x)) if masks.own(ops, x) else np.shape(x)
 
 
 def _first(arguments: Mapping[str, Any]) -> Any:

@@ -186,6 +186,8 @@ class Declaration:
     Attributes:
         cast_inputs: The array inputs that follow the dtype rule of
             :func:`attention_core.checks.compute_inputs` (token ids do not).
+        id_inputs: The token ids among the inputs: host data like lengths and masks (NumPy,
+            nested lists, another framework's arrays), checked as given, then converted.
         sizes: Input sizes learnt on the first call (``q_in`` ...), each with the call argument
             and the weight that hold it (:class:`Size`).
         sequences: Inputs whose second axis is a sequence (Keras padding masks apply to them).
@@ -209,6 +211,7 @@ class Declaration:
     """
 
     cast_inputs: ClassVar[tuple[str, ...]] = ()
+    id_inputs: ClassVar[tuple[str, ...]] = ()
     sizes: ClassVar[Mapping[str, Size]] = {}
     sequences: ClassVar[tuple[str, ...]] = ()
     attention_kind: ClassVar[str | None] = None
@@ -410,7 +413,12 @@ class Declaration:
             dtype: The layer's compute dtype; None to compute in the inputs' own dtype.
             arguments: The bound call (:meth:`bind_call`).
         """
-        arguments, training = conventions.convert(self, ops, dict(arguments))
+        arguments = dict(arguments)
+        ids = [n for n in self.id_inputs if arguments.get(n) is not None]
+        for name in ids:  # token ids from the host: read as given, checked by check_inputs
+            if not masks.own(ops, arguments[name]):
+                arguments[name] = transformer.host_ids(name, arguments[name])
+        arguments, training = conventions.convert(self, ops, arguments)
         return_attention = arguments.pop("return_attention", False)
         if isinstance(return_attention, conventions.Returned):
             return_attention = dataclasses.replace(return_attention, ops=ops)
@@ -421,6 +429,7 @@ class Declaration:
         cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
         arguments.update(zip(names, cast, strict=True))
         self.check_inputs(ops, **arguments)
+        arguments.update({name: transformer.backend_ids(ops, arguments[name]) for name in ids})
         # an input's width is fixed by the weights, also under tracing (ops.fixed_shape); a
         # width unknown until run time (a traced Keras layer) is left to the built weights
         sizes = {dim: fixed_shape(ops, arguments[size.argument])[-1]
@@ -1017,6 +1026,7 @@ class TransformerEncoder(Declaration):
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
+    id_inputs: ClassVar[tuple[str, ...]] = ("tokens",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens",)
     attention_kind: ClassVar[str | None] = "blocks"
 
@@ -1274,6 +1284,7 @@ class TransformerDecoder(Declaration):
     window: int | None = None
     softcap: float | None = None
     cast_inputs: ClassVar[tuple[str, ...]] = ("enc_outputs",)
+    id_inputs: ClassVar[tuple[str, ...]] = ("tokens",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
     cache_arguments: ClassVar[tuple[str, ...]] = CACHE_ARGUMENTS
@@ -1377,6 +1388,7 @@ class Transformer(Declaration):
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
+    id_inputs: ClassVar[tuple[str, ...]] = ("src_tokens", "tgt_tokens")
     attention_kind: ClassVar[str | None] = "nested"
 
     def check(self) -> None:

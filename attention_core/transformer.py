@@ -10,9 +10,12 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from attention_core import cache as kv_cache
 from attention_core import checks, masks
 from attention_core import weights as W
+from attention_core.host import host_array
 from attention_core.linear import dense, layer_norm
 from attention_core.multihead import (
     CLASSIC,
@@ -168,7 +171,8 @@ def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "")
     """Checks token ids ``(B, T)``: integers, each in ``[0, vocab_size)`` when the values are known.
 
     Args:
-        tokens: The ids.
+        tokens: The ids: an array of the backend, or host data (NumPy, another framework's
+            array, nested lists: :func:`host_ids`), checked as given.
         vocab_size: V.
         ops: The backend's ops.
         side: ``"src"`` or ``"tgt"`` for an encoder-decoder's inputs (the messages then name
@@ -178,15 +182,41 @@ def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "")
         The ids' dtype name.
     """
     name, vocab = (f"{side}_tokens", f"{side}_vocab_size") if side else ("tokens", "vocab_size")
-    checks.check_rank(ops, name, tokens, (2,), "(B, T) token ids")
-    dtype = ops.dtype_name(tokens)
+    host = None if masks.own(ops, tokens) else host_ids(name, tokens)
+    shape = tuple(ops.shape(tokens)) if host is None else host.shape
+    checks.check_rank_of(name, shape, (2,), "(B, T) token ids")
+    dtype = ops.dtype_name(tokens) if host is None else host.dtype.name
     if not dtype.startswith(("int", "uint")):
         raise TypeError(f"{name} must be integer token ids, got dtype {dtype}")
-    values = ops.concrete(tokens)
+    values = ops.concrete(tokens) if host is None else host
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
         raise ValueError(f"{name} must be in [0, {vocab}) = [0, {vocab_size}), got {bad}")
     return dtype
+
+
+def host_ids(name: str, tokens: Any) -> np.ndarray:
+    """Token ids given as host data (NumPy, nested lists, another framework's array) as NumPy.
+
+    Raises:
+        ValueError: Nested lists whose rows differ in length.
+    """
+    ragged = ValueError(f"{name} must have shape (B, T) token ids, got nested lists whose rows "
+                        "differ in length")
+    if isinstance(tokens, (list, tuple)) and len({
+            len(row) if isinstance(row, (list, tuple)) else None for row in tokens}) > 1:
+        raise ragged  # NumPy before 2 would make an object array of them
+    try:
+        return host_array(tokens)
+    except ValueError:  # NumPy refuses ragged nested lists
+        raise ragged from None
+
+
+def backend_ids(ops: Ops, tokens: Any) -> Array:
+    """Checked token ids as the backend's array: host data become int32 (each id < V)."""
+    if masks.own(ops, tokens):
+        return tokens
+    return ops.from_numpy(np.asarray(host_array(tokens)).astype(np.int32))
 
 
 def embed_tokens(tokens: Array, table: Array, *, ops: Ops, side: str | None = "") -> Array:

@@ -250,13 +250,14 @@ def check_names(spec: Spec, weights: Any, where: str) -> None:
     """Checks that ``weights`` is a mapping holding exactly the names of ``spec``.
 
     Raises:
-        TypeError: ``weights`` is not a mapping.
+        TypeError: ``weights`` is not a mapping, or has keys that are not str.
         ValueError: Missing or unexpected names (both listed, with the expected ones).
     """
     if not isinstance(weights, Mapping):
         raise TypeError(
             f"{where}: weights must be a mapping of name -> array, got {type(weights).__name__}"
         )
+    check_keys(weights, where)
     missing = sorted(set(spec) - set(weights))
     unexpected = sorted(set(weights) - set(spec))
     if missing or unexpected:
@@ -264,6 +265,17 @@ def check_names(spec: Spec, weights: Any, where: str) -> None:
             f"{where}: missing weights {missing}, unexpected weights {unexpected}; "
             f"expected exactly {sorted(spec)}"
         )
+
+
+def check_keys(weights: Mapping[Any, Any], where: str) -> None:
+    """Checks that every key of a weights mapping is a str (a name); lists the others.
+
+    Raises:
+        TypeError: Some keys are not str (``set_weights: weight names must be str, got None, 1``).
+    """
+    bad = [key for key in weights if not isinstance(key, str)]
+    if bad:
+        raise TypeError(f"{where}: weight names must be str, got {', '.join(map(repr, bad))}")
 
 
 def is_float_dtype(name: str) -> bool:
@@ -650,7 +662,8 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.nda
         ValueError: A tensor is named ``__metadata__``, the key the format reserves.
         TypeError: A tensor's dtype is not one of float64, float32, float16, bfloat16, int64
             and int32.
-        OSError: The file cannot be written.
+        OSError: The file cannot be written (a path that is a directory, or whose directory
+            does not exist, is named in the message: :func:`attention_core.files.check_writable`).
     """
     header: dict[str, Any] = {METADATA_KEY: {"format": "attention-core"}}
     blobs, offset = [], 0
@@ -674,7 +687,7 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.nda
         offset += len(raw)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    with files.atomic_write(path) as f:
+    with files.atomic_write(path, "save_weights") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
         for raw in blobs:
@@ -827,17 +840,21 @@ def _decode(code: str, raw: memoryview, shape: tuple[int, ...]) -> np.ndarray:
         return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def flatten_tree(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_tree(tree: Mapping[str, Any], prefix: str = "", where: str = "weights"
+                 ) -> dict[str, Any]:
     """Nested mappings -> canonical names: ``{"W_q": {"kernel": a}}`` -> ``{"W_q.kernel": a}``.
 
     Flat entries pass through unchanged, so a flat canonical mapping is its own result.
+
+    Raises:
+        TypeError: A key at any level is not a str (:func:`check_keys`; ``where`` names the
+            caller).
     """
+    check_keys(tree, where)
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        if not isinstance(key, str):
-            raise TypeError(f"weight names must be str, got {type(key).__name__} {key!r}")
         if isinstance(value, Mapping):
-            out.update(flatten_tree(value, f"{prefix}{key}."))
+            out.update(flatten_tree(value, f"{prefix}{key}.", where))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -878,7 +895,7 @@ def canonical_weights(
                     "the canonical layout has weights (params) only"
                 )
             tree = source["params"]
-        flat = flatten_tree(tree)
+        flat = flatten_tree(tree, where=where)
     elif callable(getattr(source, "get_weights", None)):
         flat = dict(source.get_weights())
     else:
@@ -913,7 +930,9 @@ def save_weights(
         TypeError: ``layer`` is neither a layer nor a mapping, or a weight has a dtype the
             file cannot hold.
         ValueError: The layer has no weights yet, or a weight is named ``__metadata__``.
-        OSError: The file cannot be written.
+        OSError: The file cannot be written: ``IsADirectoryError`` for a directory,
+            ``FileNotFoundError`` for a path whose directory does not exist, each naming the
+            path given.
     """
     write_safetensors(path, canonical_weights(layer, "save_weights"))
 

@@ -16,6 +16,7 @@ thread test and the asyncio test replace the loading by stand-in adapter modules
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
@@ -171,9 +172,10 @@ def test_asyncio_tasks_each_see_their_own_backend(fakes: dict[str, ModuleType]) 
     assert problems == []
 
 
-def run_worker(script: str, *args: str) -> dict[str, Any]:
-    """Runs ``python -m tests.distributed.<script> args`` from the repository; its measurements."""
-    env = {k: v for k, v in os.environ.items() if k != registry.ENV_VAR}
+def run_worker(script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Runs ``python -m tests.distributed.<script> args`` from the repository, with ``env``
+    added to the environment; its measurements."""
+    env = {**{k: v for k, v in os.environ.items() if k != registry.ENV_VAR}, **(env or {})}
     done = subprocess.run([sys.executable, "-m", f"tests.distributed.{script}", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
@@ -211,3 +213,20 @@ def test_a_loaded_backend_does_not_wait_for_another_first_load(backend: str) -> 
     assert result["numpy_user_result"] == ["numpy"]
     assert result["loaded"] == [f"backends.{backend}"]
     to_report(backend, "concurrency", {"loaded_backend_waits_for_first_load": False})
+
+
+#: The Keras backends whose ops class ``backends.keras`` makes (TensorFlow's is its own class).
+MADE_OPS = {"jax": ("jax", "flax"), "torch": ("torch",)}
+
+
+@pytest.mark.parametrize("keras_backend", sorted(MADE_OPS))
+def test_keras_layers_made_first_in_many_threads_share_one_ops_class(keras_backend: str) -> None:
+    """Each Keras backend installed here, in an interpreter of its own (``KERAS_BACKEND``): threads
+    that make their first ``backends.keras`` layers at once get ops of one class."""
+    needed = ("keras", *MADE_OPS[keras_backend])
+    if any(importlib.util.find_spec(m) is None for m in needed):
+        pytest.skip(f"Keras on {keras_backend} needs {', '.join(needed)}, not all installed here")
+    result = run_worker("keras_first_ops", env={"KERAS_BACKEND": keras_backend})
+    assert result["keras_backend"] == keras_backend
+    assert result["layers"] == 8
+    assert len(result["ops_classes"]) == 1, result["ops_classes"]

@@ -1255,7 +1255,70 @@ GENERATION_ROWS: list[Bad] = [
 
 
 # -- token ids and other inputs as NumPy arrays or Python lists, keys and paths of weights
+
+
+def save_in_tmp(c: Ctx, path: str, layer: Any) -> None:
+    """``save_weights`` to ``path`` relative to the row's directory (as a user types it)."""
+    c.monkeypatch.chdir(c.tmp)
+    ac.save_weights(path, layer)
+
+
+def with_bad_keys(weights: dict[str, Any], *keys: Any) -> dict[Any, Any]:
+    """``weights`` with entries under keys that are not names (the first entry's value)."""
+    first = next(iter(weights.values()))
+    return {**weights, **dict.fromkeys(keys, first)}
+
+
+def ids_call(c: Ctx, tokens: Any, *host: Any) -> Any:
+    """Calls the row's layer on token ids (and lengths) as the user gives them: lists, NumPy."""
+    return c.h.call(c.layer, tokens, *host)
+
+
 HOST_ROWS: list[Bad] = [
+    # token ids as nested lists or NumPy arrays on every backend: read as given, then checked
+    Bad("tokens_ragged_lists", "tokens", lambda c: ids_call(c, [[1, 2, 3], [4, 5]]), ValueError,
+        "tokens must have shape (B, T) token ids, got nested lists whose rows differ in length",
+        encoder),
+    Bad("tokens_float_lists", "tokens", lambda c: ids_call(c, [[1.0, 2.0], [3.0, 4.0]]), TypeError,
+        "tokens must be integer token ids, got dtype float64", encoder),
+    Bad("tokens_list_out_of_range", "tokens", lambda c: ids_call(c, [[1, 2], [3, 11]], [2, 1]),
+        ValueError, "tokens must be in [0, vocab_size) = [0, 11), got 11", encoder),
+    Bad("tokens_list_rank", "tokens", lambda c: ids_call(c, [1, 2, 3]), ValueError,
+        "tokens must have shape (B, T) token ids, got (3,)", encoder),
+    Bad("tokens_numpy_beyond_int32", "tokens", lambda c: ids_call(c, np.array([[1, 2**32 + 3]])),
+        ValueError, "tokens must be in [0, vocab_size) = [0, 11), got 4294967299", encoder),
+    # inputs computed on must be arrays: nested lists are refused by name, before any weight
+    Bad("queries_nested_lists_unbuilt", "framework",
+        lambda c: c.h.call(c.layer, arr((2, 4, 8)).tolist(), *(c.h.array(a) for a in qkv()[1:])),
+        TypeError, f"queries must be an array of {BACKENDS.replace(', mxnet', ' or mxnet')}, "
+        "got list", fresh_mha),
+    Bad("keys_nested_lists_unbuilt", "framework",
+        lambda c: c.h.call(c.layer, c.h.array(arr((2, 4, 8))), arr((2, 6, 8)).tolist(),
+                           c.h.array(arr((2, 6, 5)))),
+        TypeError, "keys must be a {backend} array like queries, got list", fresh_mha),
+    # weights files: the path the user gave is named, not the library's temporary file
+    Bad("save_to_directory", "save_weights", lambda c: save_in_tmp(c, "sub", c.layer),
+        IsADirectoryError, "save_weights: path 'sub' is a directory, expected a file path", mha,
+        files=lambda p: (p.parent / "sub").mkdir()),
+    Bad("save_into_missing_directory", "save_weights",
+        lambda c: save_in_tmp(c, "missing/w.safetensors", c.layer), FileNotFoundError,
+        "save_weights: cannot write 'missing/w.safetensors': the directory 'missing' does not "
+        "exist", mha),
+    Bad("save_under_a_file", "save_weights",
+        lambda c: save_in_tmp(c, "w.safetensors/w.safetensors", c.layer), NotADirectoryError,
+        "save_weights: cannot write 'w.safetensors/w.safetensors': 'w.safetensors' is not a "
+        "directory", mha, files=good_file),
+    # weights mappings: keys must be names
+    Bad("set_weights_keys_not_str", "set_weights",
+        lambda c: c.layer.set_weights(with_bad_keys(c.layer.get_weights(), None, 1)), TypeError,
+        "set_weights: weight names must be str, got None, 1", mha),
+    Bad("fn_weights_keys_not_str", "functional_weights",
+        lambda c: ac.multi_head_attention(*(c.h.array(a) for a in qkv()),
+                                          with_bad_keys(fn_weights(c.h, MHA), None, b"W_q"), 2),
+        TypeError, "multi_head_attention: weight names must be str, got None, b'W_q'"),
+    Bad("save_weights_keys_not_str", "save_weights",
+        lambda c: ac.save_weights(c.file(), with_bad_keys({"w": arr((2,))}, 3)), TypeError,
+        "save_weights: weight names must be str, got 3", files=good_file),
 ]
 
 

@@ -377,3 +377,27 @@ def test_kept_weights_in_a_jax_trace_are_formed_only_when_read(
     assert asked == [False, True]
     assert max_diff(host(weights), host(eager)) <= 1e-6
     assert np.all(host(weights)[1] == 0)  # the example of length 0 sees no key
+
+
+@pytest.mark.parametrize(("mask", "error", "message"), [
+    (np.ones((2, 4, 4), np.int32), TypeError,
+     "attention_mask must be boolean (True = may attend), got int32"),
+    (np.ones((2, 3, 4), bool), ValueError,
+     "attention_mask must have shape (Q, K), (B, Q, K) or (B, H, Q, K), broadcastable to "
+     "(B, H, Q, K) = (2, 2, 4, 4), got (2, 3, 4)"),
+], ids=["integer", "shape"])
+@pytest.mark.parametrize("layer", ["MultiHeadAttention", "TransformerEncoder"])
+def test_bad_attention_mask_is_named_as_given(layer: str, mask: np.ndarray, error: type,
+                                              message: str) -> None:
+    """Keras' ``attention_mask`` is checked as itself (the canonical ``mask`` it stands for is
+    not what the user gave); the layer is unchanged."""
+    if layer == "MultiHeadAttention":
+        made, inputs = keras_layers.MultiHeadAttention(8, 2), draw((2, 4, 8))
+    else:
+        made, inputs = keras_layers.TransformerEncoder(11, 8, 12, 2, 1), [np.ones((2, 4), np.int32)]
+    made(*inputs)
+    before = made.get_weights()
+    with pytest.raises(error) as info:
+        made(*inputs, attention_mask=mask)
+    assert str(info.value) == message
+    assert all(np.array_equal(v, made.get_weights()[k]) for k, v in before.items())

@@ -104,3 +104,22 @@ def test_encoder_token_ids_of_every_integer_dtype(backend: str) -> None:
                                                      for k, v in weights.items()}, 2)
         assert max_diff(h.numpy(functional), want) <= 1e-4, dtype
     assert {"int8", "uint8", "int32", "int64"} <= set(tried) or h.arrays == "jax"
+
+
+def test_token_ids_from_the_host_are_taken_on_every_backend(backend: str) -> None:
+    """Token ids as NumPy arrays of any integer dtype, nested lists, with lengths as NumPy or
+    lists: read on the host like lengths and masks, they give the reference's answer."""
+    h = Harness(backend)
+    config = {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 12, "num_heads": 2,
+              "num_blks": 1}
+    encoder = h.make("TransformerEncoder", config)
+    ids, lens = np.array([[1, 2, 3, 10], [0, 0, 5, 9]]), np.array([4, 2])
+    h.call(encoder, h.array(ids.astype(np.int32)))
+    weights = {name: np.asarray(w, np.float64) for name, w in encoder.get_weights().items()}
+    vis = np.broadcast_to(np.arange(4) < lens[:, None, None, None], (2, 2, 4, 4))
+    want, _ = naive.transformer_encoder(ids, weights, 2, vis)
+    for tokens, valid_lens in ((ids, lens), (ids.tolist(), lens.tolist()),
+                               (ids.astype(np.uint8), lens.astype(np.int32))):
+        got = h.call(encoder, tokens, valid_lens)
+        assert ac.registry.backend_of(got) == h.arrays
+        assert max_diff(h.numpy(got), want) <= 1e-4, type(tokens).__name__

@@ -31,6 +31,7 @@ from keras.src.backend import set_keras_mask
 from attention_core import attention, checks
 from attention_core import declarations as D
 from attention_core import weights as W
+from attention_core.host import framework_of
 from backends.keras.ops import backend_ops, keras_ops
 
 _P = inspect.Parameter
@@ -191,6 +192,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         args, kwargs = self.canonical_call(args, kwargs)  # Keras builds from canonical names
         args = tuple(self._converted(x) for x in args)
         kwargs = self._with_padding_masks(args, {k: self._converted(x) for k, x in kwargs.items()})
+        self._check_arrays(args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
         except BaseException as err:
@@ -216,6 +218,19 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         if mask is not None and converted is not x:
             set_keras_mask(converted, mask)
         return converted
+
+    def _check_arrays(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuses inputs computed on that are not arrays (nested lists), as the core does.
+
+        Before Keras builds the weights from their shapes, which lists do not have.
+        """
+        try:
+            bound = self._call_signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return  # Keras raises its own error for a call that does not bind
+        given = {name: bound[name] for name in self.cast_inputs if bound.get(name) is not None}
+        if any(framework_of(x) is None for x in given.values()):
+            checks.check_inputs_framework(**given)
 
     def _with_padding_masks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Moves the inputs' padding masks (``_keras_mask``) into ``<name>_mask`` arguments.

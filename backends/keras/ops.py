@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from typing import Any
 
 import keras
@@ -63,16 +64,29 @@ def _module() -> Any:
     return importlib.import_module(_OPS[backend][0])
 
 
-@functools.cache
-def ops_class() -> type:
-    """The ops class for Keras' current backend (made once per process).
+#: The ops class made for Keras' backend (one per process), and the lock it is made under.
+_made: list[type] = []
+_making = threading.Lock()
 
+
+def ops_class() -> type:
+    """The ops class for Keras' current backend, made once per process.
+
+    Threads that make their first layers at the same moment get this one class too.
     TensorFlow's ops draw from a Keras ``SeedGenerator`` themselves; JAX's and torch's take
     :class:`KerasDropout` first.
 
     Raises:
         ImportError: Keras runs on a backend other than TensorFlow, JAX and torch.
     """
+    if not _made:
+        with _making:
+            if not _made:
+                _made.append(_new_ops_class())
+    return _made[0]
+
+
+def _new_ops_class() -> type:
     base: type = getattr(_module(), _OPS[keras.backend.backend()][1])
     if keras.backend.backend() == "tensorflow":
         return base

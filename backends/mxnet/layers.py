@@ -20,7 +20,7 @@ import numpy as np
 from mxnet import autograd, npx
 from mxnet.gluon import Parameter
 
-from attention_core import checks, masks
+from attention_core import checks, masks, transformer
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.mxnet.ops import OPS, MXNetOps
@@ -222,6 +222,9 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         # before converting: NumPy inputs (all of one framework), lengths and masks from anywhere
         checks.check_inputs_framework(**{n: bound[n] for n in self.cast_inputs})
         masks.check_dtypes(OPS, bound)
+        for n in self.id_inputs:  # nested lists of ids: NumPy's rules, checked by the core
+            if bound[n] is not None and not masks.own(OPS, bound[n]):
+                bound[n] = transformer.host_ids(n, bound[n])
         for n in self._arrays:
             bound[n] = None if bound[n] is None else masks.as_backend_array(OPS, bound[n])
         params = list(self._weights.values())

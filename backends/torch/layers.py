@@ -215,8 +215,10 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the declared forward (see the class's call signature)."""
-        bound = self._tensor_ids(self.bind_call(args, kwargs))
+        bound = self.bind_call(args, kwargs)
         first = next((a for a in bound.values() if isinstance(a, Tensor)), None)
+        if first is None:  # host data only (NumPy token ids): the layer's device
+            first = next(self.parameters(), None)
         ops = TorchOps(None if first is None else first.device)
         prepared = self.prepare(ops, self._compute_dtype(), bound)
         params = dict(self.named_parameters())
@@ -242,18 +244,6 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         if self.attention_kind and not torch.compiler.is_exporting():
             self._keep(kept)
         return returned
-
-    def _tensor_ids(self, bound: dict[str, Any]) -> dict[str, Any]:
-        """Token ids given as NumPy integers as tensors, on the parameters' device.
-
-        As the other backends' layers take them (a search's first step gets them so).
-        """
-        for name in ("tokens", "src_tokens", "tgt_tokens"):
-            ids = bound.get(name)
-            if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
-                device = next((p.device for p in self.parameters()), None)
-                bound[name] = TorchOps(device).from_numpy(ids)
-        return bound
 
     def _keep(self, kept: Any) -> None:
         """Keeps a call's attention weights, and each part in the sublayer it belongs to.
