@@ -3,17 +3,19 @@
 One section per framework, each run only in the env whose backend it is
 (``ATTENTION_CORE_TEST_BACKENDS``): ``torch.export`` and ONNX in onnxruntime; a Keras model's
 ``export()`` reloaded with ``tf.saved_model.load``, and its TFLite conversion; ``jax.export`` of
-a pure function ``f(params, *inputs)``, serialised and deserialised; Gluon's ``export()`` and
-``SymbolBlock.imports``. A backend that is named is imported at collection, so a missing one
-fails loudly; it is never skipped.
+a pure function ``f(params, *inputs)``, serialised and deserialised (Flax NNX modules too, in
+the nnx env, their state as plain arrays); Gluon's ``export()`` and ``SymbolBlock.imports``. A
+backend that is named is imported at collection, so a missing one fails loudly; it is never
+skipped.
 
 Every path runs the same four cases: ``MultiHeadAttention(12, 3, bias=True)`` as self-attention
 with ``valid_lens`` as an input, with a boolean ``(B, Q, K)`` mask as an input, with
 ``causal=True``, and ``TransformerEncoderBlock`` with ``valid_lens``. One example of each batch
 has no visible key (valid length 0, an all-False mask), so its rows must come out as zeros.
-Where the format has a dynamic sequence length, the program is traced at length 5 and run at
-3 and 9; the expected values are the eager layer's on the same inputs, in float32, within
-``TOLERANCE["float32"]`` (1e-5). Each check prints its max |diff| (``pytest -s``): the figures
+torch adds grouped-query heads (plain and rotary; a decoder too). Where the format has a
+dynamic sequence length, the program is traced at length 5 and run at 3 and 9; the expected
+values are the eager layer's on the same inputs, in float32, within ``TOLERANCE["float32"]``
+(1e-5). Each check prints its max |diff| (``pytest -s``): the figures
 of docs/export.md come from these lines.
 """
 
