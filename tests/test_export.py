@@ -3,17 +3,19 @@
 One section per framework, each run only in the env whose backend it is
 (``ATTENTION_CORE_TEST_BACKENDS``): ``torch.export`` and ONNX in onnxruntime; a Keras model's
 ``export()`` reloaded with ``tf.saved_model.load``, and its TFLite conversion; ``jax.export`` of
-a pure function ``f(params, *inputs)``, serialised and deserialised; Gluon's ``export()`` and
-``SymbolBlock.imports``. A backend that is named is imported at collection, so a missing one
-fails loudly; it is never skipped.
+a pure function ``f(params, *inputs)``, serialised and deserialised (Flax NNX modules too, in
+the nnx env, their state as plain arrays); Gluon's ``export()`` and ``SymbolBlock.imports``. A
+backend that is named is imported at collection, so a missing one fails loudly; it is never
+skipped.
 
 Every path runs the same four cases: ``MultiHeadAttention(12, 3, bias=True)`` as self-attention
 with ``valid_lens`` as an input, with a boolean ``(B, Q, K)`` mask as an input, with
 ``causal=True``, and ``TransformerEncoderBlock`` with ``valid_lens``. One example of each batch
 has no visible key (valid length 0, an all-False mask), so its rows must come out as zeros.
-Where the format has a dynamic sequence length, the program is traced at length 5 and run at
-3 and 9; the expected values are the eager layer's on the same inputs, in float32, within
-``TOLERANCE["float32"]`` (1e-5). Each check prints its max |diff| (``pytest -s``): the figures
+torch adds grouped-query heads (plain and rotary; a decoder too). Where the format has a
+dynamic sequence length, the program is traced at length 5 and run at 3 and 9; the expected
+values are the eager layer's on the same inputs, in float32, within ``TOLERANCE["float32"]``
+(1e-5). Each check prints its max |diff| (``pytest -s``): the figures
 of docs/export.md come from these lines.
 """
 
@@ -44,11 +46,15 @@ if "tensorflow" in TESTED:
     import tensorflow as tf
 
     import backends.tensorflow as keras_layers
-if "jax" in TESTED:
+if "jax" in TESTED or "nnx" in TESTED:
     import jax
     import jax.numpy as jnp
-
+if "jax" in TESTED:
     import backends.jax as flax_layers
+if "nnx" in TESTED:
+    from flax import nnx
+
+    import backends.jax.nnx as nnx_layers
 if "mxnet" in TESTED:
     import mxnet as mx
 
@@ -59,8 +65,11 @@ B, WIDTH, TRACED, LENGTHS = 3, 12, 5, (3, 9)
 BOUND = TOLERANCE["float32"]
 #: The cases of every path: what the layer is called with besides ``x``.
 CASES = ("valid_lens", "mask", "causal", "block")
+#: torch's extra cases: ``MultiHeadAttention(12, 6, bias=True, num_kv_heads=2)`` (grouped-query
+#: heads, three query heads per key/value head), plain and with rotary positions, with ``valid_lens``.
+GROUPED = {"grouped": None, "grouped_rotary": "rotary"}
 #: The cases whose last example sees no key (its output rows are zeros).
-EMPTY_ROW = ("valid_lens", "mask")
+EMPTY_ROW = ("valid_lens", "mask", *GROUPED)
 
 
 def section(name: str) -> pytest.MarkDecorator:
@@ -109,7 +118,9 @@ def torch_module(case: str) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.layer = (torch_layers.TransformerEncoderBlock(WIDTH, 20, 3, bias=True) if case == "block"
-                          else torch_layers.MultiHeadAttention(WIDTH, 3, bias=True))
+                          else torch_layers.MultiHeadAttention(WIDTH, 6, bias=True, num_kv_heads=2,
+                                                               positional=GROUPED[case])
+                          if case in GROUPED else torch_layers.MultiHeadAttention(WIDTH, 3, bias=True))
 
         def forward(self, x: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
             if case == "block":
@@ -136,10 +147,11 @@ def torch_dynamic_shapes(case: str) -> dict[str, Any]:
 
 
 @section("torch")
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + tuple(GROUPED))
 def test_torch_export_with_a_dynamic_length(case: str) -> None:
     """``torch.export.export`` with a dynamic length; the layer keeps nothing of the export (no
-    "tensor attribute assigned during export" warning)."""
+    "tensor attribute assigned during export" warning). Grouped-query heads too: their
+    reshapes once guarded the length to its traced value ("Constraints violated")."""
     module = torch_module(case)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "The tensor attribute", UserWarning)
@@ -152,7 +164,7 @@ def test_torch_export_with_a_dynamic_length(case: str) -> None:
 
 
 @section("torch")
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "grouped_rotary"])
 def test_torch_onnx_export_in_onnxruntime(tmp_path: Path, case: str) -> None:
     """``torch.onnx.export`` (the dynamo exporter), the masks as inputs, run in onnxruntime."""
     pytest.importorskip("onnxscript", reason="onnxscript is in the torch tox env's deps")
@@ -198,6 +210,22 @@ def test_encoder_torch_export_with_a_dynamic_length(kind: str) -> None:
         tokens = torch.randint(0, 11, (2, length))
         got = program.module()(tokens).detach().numpy()
         assert max_diff(got, naive.encoder_of(encoder, tokens.numpy())) <= 1e-4
+
+
+@section("torch")
+def test_grouped_decoder_torch_export_with_a_dynamic_length() -> None:
+    """A decoder-only ``TransformerDecoder`` with grouped-query heads and rotary positions."""
+    torch.manual_seed(0)
+    decoder = torch_layers.TransformerDecoder(11, 12, 16, 6, 2, decoder_only=True, num_kv_heads=2,
+                                              positional="rotary").eval()
+    program = torch.export.export(decoder, (torch.randint(0, 11, (2, TRACED)),), dynamic_shapes={
+        "tokens": {1: torch.export.Dim("steps", min=2, max=64)}})
+    with torch.no_grad():
+        for length in (3, 17):
+            tokens = torch.randint(0, 11, (2, length))
+            diff = max_diff(program.module()(tokens).numpy(), decoder(tokens).numpy())
+            print(f"max |diff| torch.export grouped decoder T={length}: {diff:.1e}")
+            assert diff <= BOUND
 
 
 @section("torch")
@@ -312,18 +340,50 @@ def linen_case(case: str) -> tuple[Callable[..., Any], Any]:
     return (lambda p, x, lens: mha.apply({"params": p}, x, x, x, lens)), params
 
 
+def nnx_case(case: str) -> tuple[Callable[..., Any], Any, Callable[..., Any]]:
+    """The case as a pure ``f(params, *inputs)`` over an NNX module (in eval mode), its params
+    as a pure dict (plain arrays, as docs/export.md gives them), and the module's eager call."""
+    rngs = nnx.Rngs(0)
+    module = (nnx_layers.TransformerEncoderBlock(WIDTH, 20, 3, bias=True, rngs=rngs) if case == "block"
+              else nnx_layers.MultiHeadAttention(WIDTH, 3, bias=True, rngs=rngs))
+    module.eval()
+    graphdef, state = nnx.split(module)
+    call: Callable[..., Any] = {
+        "block": lambda m, x, lens: m(x, lens), "mask": lambda m, x, mask: m(x, x, x, mask=mask),
+        "causal": lambda m, x: m(x, x, x, causal=True)}.get(case, lambda m, x, lens: m(x, x, x, lens))
+    return ((lambda p, *inputs: call(nnx.merge(graphdef, p), *inputs)), nnx.to_pure_dict(state),
+            lambda *inputs: call(module, *inputs))
+
+
+def symbolic_inputs(case: str) -> list[Any]:
+    """The case's input specs, of any batch ``b`` and length ``t``."""
+    b, t = jax.export.symbolic_shape("b, t")
+    given = {"mask": [jax.ShapeDtypeStruct((b, t, t), jnp.bool_)], "causal": []}.get(
+        case, [jax.ShapeDtypeStruct((b,), jnp.int32)])
+    return [jax.ShapeDtypeStruct((b, t, WIDTH), jnp.float32), *given]
+
+
 @section("jax")
 @pytest.mark.parametrize("case", CASES)
 def test_jax_export_of_linen_with_symbolic_shapes(case: str) -> None:
     """Exported for any batch ``b`` and length ``t``, called at lengths not traced."""
     f, params = linen_case(case)
-    b, t = jax.export.symbolic_shape("b, t")
-    given = {"mask": [jax.ShapeDtypeStruct((b, t, t), jnp.bool_)], "causal": []}.get(
-        case, [jax.ShapeDtypeStruct((b,), jnp.int32)])
-    call = exported(f, params, jax.ShapeDtypeStruct((b, t, WIDTH), jnp.float32), *given)
+    call = exported(f, params, *symbolic_inputs(case))
     for length in LENGTHS:
         args = [jnp.asarray(a) for a in inputs_of(case, length)]
         check("jax.export", case, length, call(params, *args), f(params, *args))
+
+
+@section("nnx")
+@pytest.mark.parametrize("case", CASES)
+def test_jax_export_of_nnx_with_symbolic_shapes(case: str) -> None:
+    """The same for an NNX module, through ``nnx.split`` and its state as a pure dict (the
+    ``nnx.Param`` nodes of ``nnx.State`` do not serialise); the eager module is the reference."""
+    f, params, eager = nnx_case(case)
+    call = exported(f, params, *symbolic_inputs(case))
+    for length in LENGTHS:
+        args = [jnp.asarray(a) for a in inputs_of(case, length)]
+        check("jax.export nnx", case, length, call(params, *args), eager(*args))
 
 
 # -- Gluon: export() and SymbolBlock.imports ------------------------------------------------------

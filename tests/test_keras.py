@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +56,14 @@ def host(x: Any) -> np.ndarray:
 
 
 def every_layer_model() -> keras.Model:
-    """A functional model using each layer (but the decoders'), unknown batch size."""
+    """A functional model using each layer (but the decoders'), unknown batch size; the
+    sequences (``x``, ``tokens``) of unknown length too, below the positional tables' max_len
+    (20) but not Keras on torch's stand-in length (83)."""
     h = 8
-    x = keras.Input((5, h))
+    x = keras.Input((None, h))
     lens = keras.Input((), dtype="int32")
     xq, xk, xv = keras.Input((3,)), keras.Input((6,)), keras.Input((6,))
-    tokens = keras.Input((5,), dtype="int32")
+    tokens = keras.Input((None,), dtype="int32")
     y = keras_layers.PositionalEncoding(h, 0.1, max_len=20)(x)
     y = keras_layers.LearnedPositionalEncoding(h, 0.1, max_len=20)(y)
     y = keras_layers.MultiHeadAttention(h, 2, 0.1, bias=True)(y, y, y, lens)
@@ -338,6 +341,58 @@ def test_encoder_in_a_functional_model_of_unknown_length(tmp_path: Path) -> None
     tokens = rng.integers(0, 10, (2, 7))
     np.testing.assert_allclose(loaded.predict(tokens, verbose=0), model.predict(tokens, verbose=0),
                                rtol=1e-6, atol=1e-6)
+
+
+#: Each layer holding ``max_len`` rows (6, below Keras on torch's stand-in length, 83): how
+#: to make it, its inputs of unknown length, and the first input's message past max_len.
+MAX_LEN = 6
+MAX_LEN_LAYERS: dict[str, tuple[Any, list[tuple[tuple[int, ...], str]], str]] = {
+    "PositionalEncoding": (lambda: keras_layers.PositionalEncoding(8, max_len=MAX_LEN),
+                           [((None, 8), "float32")], "X has {} positions"),
+    "LearnedPositionalEncoding": (lambda: keras_layers.LearnedPositionalEncoding(8, max_len=MAX_LEN),
+                                  [((None, 8), "float32")], "X has {} positions"),
+    "TransformerEncoder": (lambda: keras_layers.TransformerEncoder(**ENC, max_len=MAX_LEN),
+                           [((None,), "int32")], "tokens have {} positions"),
+    "TransformerDecoder": (lambda: keras_layers.TransformerDecoder(**ENC, max_len=MAX_LEN,
+                                                                   decoder_only=True),
+                           [((None,), "int32")], "tokens have {} positions"),
+    "Transformer": (lambda: keras_layers.Transformer(10, 10, 8, 12, 2, 2, max_len=MAX_LEN),
+                    [((None,), "int32"), ((None,), "int32")], "tokens have {} positions"),
+}
+
+
+def max_len_inputs(specs: list[tuple[tuple[int, ...], str]], steps: int) -> list[np.ndarray]:
+    """Real inputs of ``steps`` positions, batch 2, for the specs of :data:`MAX_LEN_LAYERS`."""
+    rng = np.random.default_rng(steps)
+    return [rng.integers(0, 10, (2, steps)).astype(np.int32) if dtype == "int32"
+            else rng.standard_normal((2, steps, *shape[1:])).astype(np.float32)
+            for shape, dtype in specs]
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")
+@pytest.mark.parametrize("name", list(MAX_LEN_LAYERS))
+def test_max_len_layer_in_a_model_of_unknown_length(tmp_path: Path, name: str) -> None:
+    """Built from ``keras.Input`` of unknown length (Keras on torch builds it at a stand-in
+    length, 83, which is no length to check); a real call past max_len raises the library's
+    message; the model's ``.keras`` file reloads and predicts alike."""
+    make, specs, message = MAX_LEN_LAYERS[name]
+    inputs = [keras.Input(shape, dtype=dtype) for shape, dtype in specs]
+    layer = make()
+    model = keras.Model(inputs, layer(*inputs))
+    assert tuple(model.output.shape)[:2] == (None, None)
+    real = max_len_inputs(specs, MAX_LEN)
+    want = host(layer(*real))
+    np.testing.assert_allclose(host(model(real)), want, rtol=1e-6, atol=1e-6)
+    too_long = max_len_inputs(specs, MAX_LEN + 1)
+    refusal = f"{message.format(MAX_LEN + 1)}, more than max_len ({MAX_LEN})"
+    with pytest.raises(ValueError) as raised:
+        layer(*too_long)
+    assert str(raised.value) == refusal
+    with pytest.raises(ValueError, match=re.escape(refusal)):  # Keras' Functional adds the call
+        model(too_long)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    np.testing.assert_allclose(host(loaded(real)), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(COLUMN != "keras-jax", reason="JAX traces Python: Keras on JAX only")

@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # Keras has no types: a base of Any attributes, so mypy sees 
     class _Keras:
         call: Any
         build: Any
+        compute_output_spec: Any
         def __getattr__(self, name: str) -> Any: ...
         def __setattr__(self, name: str, value: Any) -> None: ...
         def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -202,6 +203,21 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
             if original is err:
                 raise
         raise original  # outside the except block: the original's own context is kept
+
+    def compute_output_spec(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras' output spec; on torch, a ``max_len`` layer's unknown sizes stand at 1, then 2.
+
+        Keras on torch finds a spec by calling the layer on stand-in tensors, each unknown size
+        made 83 (then 89), which a table of ``max_len`` rows would refuse as too long: no
+        length is known yet, so no length is checked. Here each unknown size but the batch's
+        stands at 1, then 2, and an output size that differs between the two is unknown; the
+        real call checks the real length.
+        """
+        spec = super().compute_output_spec
+        if not (_ON_TORCH and getattr(self, "max_len", 0) >= 2 and _unknown_sizes((args, kwargs))):
+            return spec(*args, **kwargs)
+        one, two = (spec(*_standing_at(args, n), **_standing_at(kwargs, n)) for n in (1, 2))
+        return keras.tree.map_structure(_unknown_where_unequal, one, two)
 
     def _converted(self, x: Any) -> Any:
         """Keras' conversion of an array argument, but for integers the backend would narrow.
@@ -375,6 +391,30 @@ def _padding_mask(value: Any) -> Any:
     if value is None or isinstance(value, (int, float, bool, str, list, tuple)):
         return None
     return _get_keras_mask(value)
+
+
+def _unknown_sizes(inputs: Any) -> bool:
+    """Whether a symbolic input has an unknown size other than its batch (its first)."""
+    return any(isinstance(x, keras.KerasTensor) and None in x.shape[1:]
+               for x in keras.tree.flatten(inputs))
+
+
+def _standing_at(inputs: Any, size: int) -> Any:
+    """The symbolic inputs with each unknown size but the batch's made ``size``."""
+    def stand(x: Any) -> Any:
+        if not isinstance(x, keras.KerasTensor):
+            return x
+        shape = (x.shape[0], *(size if d is None else d for d in x.shape[1:])) if x.shape else x.shape
+        return keras.KerasTensor(shape, dtype=x.dtype, sparse=x.sparse)
+    return keras.tree.map_structure(stand, inputs)
+
+
+def _unknown_where_unequal(one: Any, two: Any) -> Any:
+    """The spec of two stand-in calls' outputs: a size that differs between them is unknown."""
+    if not isinstance(one, keras.KerasTensor):
+        return one
+    shape = tuple(a if a == b else None for a, b in zip(one.shape, two.shape, strict=True))
+    return keras.KerasTensor(shape, dtype=one.dtype, sparse=one.sparse)
 
 
 def _rounded(table: np.ndarray, dtype: str) -> Any:

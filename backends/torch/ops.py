@@ -74,6 +74,18 @@ class TorchOps(NamespaceOps):
     def shape(self, x: torch.Tensor) -> tuple[Any, ...]:
         return tuple(x.shape)
 
+    def reshape(self, x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
+        """``torch.reshape``; by way of the flat array while ``torch.export`` records a length.
+
+        Reshaping ``(B, H, T, T)`` to ``(B, Hkv, G * T, T)`` (grouped-query heads), torch
+        gives the view a stride ``Min(T, T * T)`` whose check guards a symbolic ``T`` to the
+        traced value ("Constraints violated"). A flat array's views have plain strides; the
+        result is the same (a reshape reads the elements in row-major order either way).
+        """
+        if torch.compiler.is_exporting() and not all(isinstance(d, int) for d in x.shape):
+            x = torch.reshape(x, (-1,))
+        return torch.reshape(x, shape)
+
     def fixed_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """``x.shape`` as ints, also under ``torch.jit.trace``, which gives dimensions as tensors.
 
