@@ -184,15 +184,20 @@ def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "")
     name, vocab = (f"{side}_tokens", f"{side}_vocab_size") if side else ("tokens", "vocab_size")
     host = None if masks.own(ops, tokens) else host_ids(name, tokens)
     shape = tuple(ops.shape(tokens)) if host is None else host.shape
-    checks.check_rank_of(name, shape, (2,), "(B, T) token ids")
     dtype = ops.dtype_name(tokens) if host is None else host.dtype.name
-    if not dtype.startswith(("int", "uint")):
-        raise TypeError(f"{name} must be integer token ids, got dtype {dtype}")
+    check_ids_form(name, shape, dtype)
     values = ops.concrete(tokens) if host is None else host
     if values is not None and values.size and (values.min() < 0 or values.max() >= vocab_size):
         bad = int(values.min()) if values.min() < 0 else int(values.max())
         raise ValueError(f"{name} must be in [0, {vocab}) = [0, {vocab_size}), got {bad}")
     return dtype
+
+
+def check_ids_form(name: str, shape: tuple[Any, ...], dtype: str) -> None:
+    """Checks that token ids ``name`` of ``shape`` and ``dtype`` are integers ``(B, T)``."""
+    checks.check_rank_of(name, shape, (2,), "(B, T) token ids")
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"{name} must be integer token ids, got dtype {dtype}")
 
 
 def host_ids(name: str, tokens: Any) -> np.ndarray:

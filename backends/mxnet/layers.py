@@ -225,6 +225,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         for n in self.id_inputs:  # nested lists of ids: NumPy's rules, checked by the core
             if bound[n] is not None and not masks.own(OPS, bound[n]):
                 bound[n] = transformer.host_ids(n, bound[n])
+                transformer.check_ids_form(n, bound[n].shape, bound[n].dtype.name)
         for n in self._arrays:
             bound[n] = None if bound[n] is None else masks.as_backend_array(OPS, bound[n])
         params = list(self._weights.values())
