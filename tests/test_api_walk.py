@@ -173,3 +173,14 @@ def test_functional_arguments_of_the_wrong_kind(backend: str) -> None:
             for value in WRONG_ARRAYS.values():
                 wrong = h.array(value) if isinstance(value, np.ndarray) else value
                 assert_named(argument, function, **{**good, argument: wrong})
+
+
+@pytest.mark.parametrize("layer", ["MultiHeadAttention", "TransformerEncoderBlock", "AddNorm"])
+def test_numpy_inputs_are_taken_as_the_backends_arrays(backend: str, layer: str) -> None:
+    """A layer called on NumPy arrays (inputs, lengths, masks) gives what it gives on the
+    backend's own arrays, on every backend (torch's layers raised torch's matmul error)."""
+    h = Harness(backend)
+    made = h.make(layer, CONFIGS[layer])
+    given = {name: value for name, value in CALLS[layer].items()}
+    own = h.numpy(h.call(made, **{name: h.array(value) for name, value in given.items()}))
+    assert np.array_equal(h.numpy(h.call(made, **given)), own)

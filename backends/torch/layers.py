@@ -220,6 +220,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         if first is None:  # host data only (NumPy token ids): the layer's device
             first = next(self.parameters(), None)
         ops = TorchOps(None if first is None else first.device)
+        bound = self._numpy_inputs(ops, bound)
         prepared = self.prepare(ops, self._compute_dtype(), bound)
         params = dict(self.named_parameters())
         fresh = self._build(prepared.dims, params)
@@ -244,6 +245,15 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         if self.attention_kind and not torch.compiler.is_exporting():
             self._keep(kept)
         return returned
+
+    def _numpy_inputs(self, ops: TorchOps, bound: dict[str, Any]) -> dict[str, Any]:
+        """Inputs computed on that are all NumPy arrays as tensors, as the other backends'
+        layers take them (NumPy and torch mixed stay refused by name)."""
+        given = [bound[n] for n in self.cast_inputs if bound.get(n) is not None]
+        if given and all(isinstance(x, np.ndarray) and x.dtype.kind in "fciub" for x in given):
+            bound.update({n: ops.from_numpy(bound[n]) for n in self.cast_inputs
+                          if bound.get(n) is not None})
+        return bound
 
     def _keep(self, kept: Any) -> None:
         """Keeps a call's attention weights, and each part in the sublayer it belongs to.
