@@ -247,8 +247,10 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         return returned
 
     def _numpy_inputs(self, ops: TorchOps, bound: dict[str, Any]) -> dict[str, Any]:
-        """Inputs computed on that are all NumPy arrays as tensors, as the other backends'
-        layers take them (NumPy and torch mixed stay refused by name)."""
+        """Inputs computed on that are all NumPy arrays, as tensors on the layer's device.
+
+        As the other backends' layers take them; NumPy beside torch stays refused by name.
+        """
         given = [bound[n] for n in self.cast_inputs if bound.get(n) is not None]
         if given and all(isinstance(x, np.ndarray) and x.dtype.kind in "fciub" for x in given):
             bound.update({n: ops.from_numpy(bound[n]) for n in self.cast_inputs
