@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import threading
@@ -123,8 +124,33 @@ def module_version(module: str) -> str | None:
 
 
 def available_backends() -> list[str]:
-    """Returns the canonical names of the backends whose frameworks are installed."""
-    return [b for b in BACKENDS if is_installed(b) and importlib.util.find_spec(f"backends.{b}")]
+    """Returns the canonical names of the backends whose frameworks are installed.
+
+    ``tensorflow`` is left out while Keras is set to another of its backends (its layers are
+    Keras layers on TensorFlow; ``backends.keras`` serves the others).
+    """
+    return [b for b in BACKENDS if is_installed(b) and importlib.util.find_spec(f"backends.{b}")
+            and not (b == "tensorflow" and keras_backend() not in (None, "tensorflow"))]
+
+
+def keras_backend() -> str | None:
+    """The backend Keras runs on, or will when first imported; None when nothing says.
+
+    Read without importing Keras: Keras' own answer once imported, else ``KERAS_BACKEND``,
+    else ``"backend"`` in ``$KERAS_HOME/keras.json`` (``~/.keras`` by default).
+    """
+    if "keras" in sys.modules and hasattr(sys.modules["keras"], "backend"):
+        return str(sys.modules["keras"].backend.backend())
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = config.get("backend") if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def load(name: str) -> ModuleType:

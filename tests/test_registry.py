@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,3 +142,22 @@ def test_a_backend_imported_by_the_user_is_found_while_torch_compile_traces(back
         "print(float((f(q) - ac.dot_product_attention(q, q, q)).abs().max()))\n")
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) <= 1e-6
+
+
+def test_tensorflow_is_unavailable_while_keras_runs_elsewhere(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``backends.tensorflow`` holds Keras layers on TensorFlow: while Keras is set to JAX or
+    torch (``KERAS_BACKEND`` or ``keras.json``), it is not offered as available (loading it
+    would raise ImportError), so code that takes every available backend works there."""
+    monkeypatch.delitem(sys.modules, "keras", raising=False)  # what Keras would choose
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    assert registry.keras_backend() == "jax"
+    assert "tensorflow" not in ac.available_backends()
+    monkeypatch.delenv("KERAS_BACKEND")
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    assert registry.keras_backend() is None  # no keras.json: Keras' default, TensorFlow
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert registry.keras_backend() == "torch"
+    assert "tensorflow" not in ac.available_backends()
+    (tmp_path / "keras.json").write_text('{"backend": "tensorflow"}')
+    assert ("tensorflow" in ac.available_backends()) == registry.is_installed("tensorflow")
