@@ -74,6 +74,16 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
+def check_mode_flag(name: str, value: Any) -> Any:
+    """:func:`check_flag` of a call's ``training`` or ``deterministic``, when given as a value.
+
+    None and a framework's tensor (Keras' symbolic ``training``) are returned as they are.
+    """
+    if value is None or (hasattr(value, "shape") and framework_of(value) != "numpy"):
+        return value
+    return check_flag(name, value)
+
+
 def check_scale(scale: Any) -> float | None:
     """Checks a ``scale`` argument: None, or a positive finite number (Python or NumPy).
 
@@ -261,7 +271,10 @@ def check_batch(ops: Ops, name: str, x: Array, like_name: str, like: Array) -> N
     An argument paired with another example by example (a decoder's encoder outputs and its
     tokens, a cache and the step's input) must have its batch size exactly, never 1 for all.
     """
-    got, want = ops.shape(x)[0], ops.shape(like)[0]
+    x_shape, like_shape = ops.shape(x), ops.shape(like)
+    if not x_shape or not like_shape:
+        return  # a scalar: refused for its rank where it is read
+    got, want = x_shape[0], like_shape[0]
     check_equal(functools.partial("{0} batch size ({1}) must equal {2} batch size ({3})".format,
                                   name, got, like_name, want), got, want)
 

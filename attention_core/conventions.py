@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from attention_core import masks
-from attention_core.checks import fmt_shape
+from attention_core.checks import check_mode_flag, fmt_shape
 from attention_core.host import host_array
 from attention_core.ops import Array, Ops
 
@@ -350,7 +350,7 @@ def convert(layer: Any, ops: Ops, arguments: dict[str, Any]) -> tuple[dict[str, 
         ValueError: A mask of the wrong shape.
     """
     offered = _offered(layer)
-    deterministic = arguments.pop("deterministic", None)
+    deterministic = check_mode_flag("deterministic", arguments.pop("deterministic", None))
     found = [(k, arguments.pop(k.name, None)) for k in offered if k.kind in ARRAY_KINDS]
     given = [(k, value) for k, value in found if value is not None]
     if given:
@@ -480,6 +480,7 @@ def training_mode(training: bool | None, deterministic_training: bool | None) ->
     Raises:
         ValueError: Both given and they disagree.
     """
+    training = check_mode_flag("training", training)
     if training is not None and deterministic_training is not None \
             and bool(training) != deterministic_training:
         raise ValueError(f"training={bool(training)} and deterministic="

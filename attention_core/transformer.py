@@ -27,7 +27,7 @@ from attention_core.multihead import (
 )
 from attention_core.ops import Array, Ops, fixed_shape
 from attention_core.positional import add_positions, positional_encoding, sinusoidal_encoding
-from attention_core.registry import ops_for
+from attention_core.registry import backend_of, ops_for
 from attention_core.weights import subset
 
 
@@ -494,8 +494,8 @@ def cached_decoder_block(
     if cache is not None:
         kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
     cached_cross = cache is not None and crossed
-    if cached_cross and enc_outputs is not None:  # not read, but they must be of this batch
-        checks.check_batch(ops, "enc_outputs", enc_outputs, "X", X)
+    if cached_cross:  # enc_outputs are not read, but if given they must be of this batch
+        check_encoder_outputs(ops, enc_outputs, None, like=("X", X))
     weights = _checked_block(ops, X, weights, num_heads,
                              None if cached_cross else enc_outputs, cached_cross=cached_cross,
                              num_kv_heads=options.num_kv_heads)
@@ -573,16 +573,23 @@ def _decoder_sublayers(
     return out, kept
 
 
-def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool,
+def check_encoder_outputs(ops: Ops, enc_outputs: Array | None, crossed: bool | None,
                           like: tuple[str, Array]) -> None:
     """Checks that ``enc_outputs`` are given exactly when the block attends to them.
 
-    ``like`` is the decoder's input and its name (``X``, ``tokens``): its batch is theirs.
+    Args:
+        ops: The backend's ops.
+        enc_outputs: ``(B, S, h)`` or None.
+        crossed: Whether the decoder attends to them; None when it may do without (a cached
+            call whose cache holds their projections).
+        like: The decoder's input and its name (``X``, ``tokens``): its batch is theirs.
     """
+    if enc_outputs is not None:
+        backend_of(enc_outputs, "enc_outputs")  # an array, before its shape is read
     if crossed and enc_outputs is None:
         raise ValueError("enc_outputs is required: this decoder has cross-attention "
                          "(cross_attention.* weights); got None")
-    if not crossed and enc_outputs is not None:
+    if crossed is False and enc_outputs is not None:
         raise ValueError("enc_outputs must be None for a decoder-only block (no "
                          "cross_attention.* weights), got an array of shape "
                          f"{checks.fmt_shape(ops.shape(enc_outputs))}")
@@ -667,8 +674,8 @@ def transformer_decoder(
         ops, "transformer_decoder", weights,
         lambda size: W.decoder_call_spec(size, weights, num_heads,
                                          num_kv_heads=options.num_kv_heads))
-    if enc_outputs is not None:
-        checks.check_batch(ops, "enc_outputs", enc_outputs, "tokens", tokens)
+    check_encoder_outputs(ops, enc_outputs, "blks.0.cross_attention.W_q.kernel" in weights,
+                          like=("tokens", tokens))
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len, 0,
                        side, options)
     kept: list[list[Array]] = []
@@ -771,8 +778,7 @@ def cached_decoder(
     crossed = "blks.0.cross_attention.W_q.kernel" in weights
     for i, block_cache in enumerate(cache or ()):
         kv_cache.check_block_cache(ops, f"cache[{i}]", block_cache, crossed, ("tokens", tokens))
-    if enc_outputs is not None:
-        checks.check_batch(ops, "enc_outputs", enc_outputs, "tokens", tokens)
+    check_encoder_outputs(ops, enc_outputs, None if cache else crossed, like=("tokens", tokens))
     held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
     start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
                                  kv_cache.capacity_of(ops, held, capacity))

@@ -12,6 +12,7 @@ common mistakes are in the catalogue of ``tests/test_errors.py``; this walk cove
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -121,7 +122,8 @@ def assert_named(argument: str, act: Callable[..., Any], *args: Any, **kwargs: A
     try:
         act(*args, **kwargs)
     except (ValueError, TypeError) as err:
-        assert argument in str(err), f"{type(err).__name__} not naming {argument}: {err}"
+        named = re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", str(err))
+        assert named, f"{type(err).__name__} not naming {argument}: {err}"
     except Exception as err:  # what the walk is for: a framework's own error
         pytest.fail(f"{type(err).__module__}.{type(err).__name__} reached the user: {err}")
     else:
@@ -147,10 +149,37 @@ def test_call_arguments_of_the_wrong_kind(backend: str, layer: str) -> None:
             assert_named(argument, h.call, made, **{**good, argument: wrong})
 
 
+def numpy_weights(h: Harness, layer: str, **call: Any) -> dict[str, Any]:
+    """The weights of the NumPy layer of :data:`CONFIGS` after a good call, as backend arrays."""
+    from backends import numpy as numpy_layers
+
+    made = getattr(numpy_layers, layer)(**CONFIGS[layer], seed=0)
+    made(**call)
+    return {name: h.array(value) for name, value in made.get_weights().items()}
+
+
 def functions(h: Harness) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """Functional entry points and a good call of each, as the backend's arrays."""
     q, k, v = (h.array(x) for x in (arr(2, 3, 8), arr(2, 4, 8), arr(2, 4, 8)))
+    decoder = {name: CALLS["TransformerDecoder"][name] for name in ("tokens", "enc_outputs",
+                                                                    "enc_valid_lens")}
+    block = {name: CALLS["TransformerDecoderBlock"][name] for name in ("X", "enc_outputs",
+                                                                       "enc_valid_lens")}
+    pair = {name: CALLS["Transformer"][name] for name in ("src_tokens", "tgt_tokens",
+                                                          "src_valid_lens")}
     return {
+        "transformer_decoder": (ac.transformer_decoder, {
+            "weights": numpy_weights(h, "TransformerDecoder", **decoder), "num_heads": 2,
+            **{name: h.array(value) for name, value in decoder.items()}}),
+        "cached_decoder": (ac.cached_decoder, {
+            "weights": numpy_weights(h, "TransformerDecoder", **decoder), "num_heads": 2,
+            "capacity": 3, **{name: h.array(value) for name, value in decoder.items()}}),
+        "transformer_decoder_block": (ac.transformer_decoder_block, {
+            "weights": numpy_weights(h, "TransformerDecoderBlock", **block), "num_heads": 2,
+            **{name: h.array(value) for name, value in block.items()}}),
+        "transformer_encoder_decoder": (ac.transformer_encoder_decoder, {
+            "weights": numpy_weights(h, "Transformer", **pair), "num_heads": 2,
+            **{name: h.array(value) for name, value in pair.items()}}),
         "dot_product_attention": (ac.dot_product_attention, {
             "queries": q, "keys": k, "values": v, "valid_lens": h.array(LENS),
             "mask": h.array(np.ones((3, 4), bool))}),
@@ -169,7 +198,7 @@ def test_functional_arguments_of_the_wrong_kind(backend: str) -> None:
     h = Harness(backend)
     for function, good in functions(h).values():
         function(**good)
-        for argument in good:
+        for argument in (name for name in good if name not in ("weights", "num_heads", "capacity")):
             for value in WRONG_ARRAYS.values():
                 wrong = h.array(value) if isinstance(value, np.ndarray) else value
                 assert_named(argument, function, **{**good, argument: wrong})
@@ -184,3 +213,26 @@ def test_numpy_inputs_are_taken_as_the_backends_arrays(backend: str, layer: str)
     given = {name: value for name, value in CALLS[layer].items()}
     own = h.numpy(h.call(made, **{name: h.array(value) for name, value in given.items()}))
     assert np.array_equal(h.numpy(h.call(made, **given)), own)
+
+
+#: The call keywords of a mode, by backend (torch and Gluon set it on the layer or by a scope).
+MODE_KEYWORDS = {"numpy": ("training",), "tensorflow": ("training",),
+                 "jax": ("training", "deterministic")}
+
+
+@pytest.mark.parametrize("value", ["no", 2])
+def test_training_flag_of_the_wrong_kind(backend: str, value: Any) -> None:
+    """A call's ``training`` (and Flax's ``deterministic``) given as a string or a number is
+    refused by name where the call takes it: ``training="no"`` ran with dropout on."""
+    h = Harness(backend)
+    made = h.make("MultiHeadAttention", {**CONFIGS["MultiHeadAttention"], "dropout": 0.5})
+    good = {name: h.array(value) for name, value in CALLS["MultiHeadAttention"].items()}
+    h.call(made, **good)
+    taken = MODE_KEYWORDS.get(COLUMNS[backend].arrays if backend in COLUMNS else backend, ())
+    if backend.startswith("keras"):
+        taken = ("training",)
+    if not taken:
+        pytest.skip(f"{backend}'s layers take no training keyword (the framework's own mode)")
+    for name in taken:
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got {value!r}"):
+            h.call(made, **good, **{name: value})

@@ -237,6 +237,7 @@ class Layer(D.Declaration, nnx.Module):
         """Whether a call runs without dropout (see the module's docstring)."""
         if deterministic is None and training is None:
             return bool(self.deterministic)
+        deterministic = checks.check_mode_flag("deterministic", deterministic)
         return not conventions.training_mode(
             training, None if deterministic is None else not deterministic)
 

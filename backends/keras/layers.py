@@ -264,6 +264,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
 
     def _forward(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
         """The generic ``call``: the declared call, ``training`` and the padding masks."""
+        training = checks.check_mode_flag("training", training)
         paddings = {name: kwargs.pop(f"{name}_mask", None) for name in self.sequences}
         prepared = self.prepare(self._ops, self.compute_dtype, self.bind_call(args, kwargs))
         for dim, size in prepared.dims.items():

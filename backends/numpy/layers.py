@@ -95,6 +95,7 @@ class Layer(NumpyArguments, D.KeptAttention, D.Declaration):
         return W.init_weights(self.weight_shapes(**dims), self._ops.rng, self.dtype)
 
     def __call__(self, *args: Any, training: bool = False, **kwargs: Any) -> Any:
+        training = checks.check_flag("training", training)
         prepared = self.prepare(self._ops, self.dtype, self.bind_call(args, kwargs))
         weights = self._current(**prepared.dims)
         need = self.needs_attention(prepared.return_attention)
