@@ -57,13 +57,14 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def _check_token_id(name: str, value: Any, vocab_size: int | None) -> int | None:
     """Checks an id argument: None, or an integer (any framework's scalar) in ``[0, V)``."""
     value = plain(value)
+    got = type(value).__name__
     if getattr(value, "shape", None) == () and not isinstance(value, (int, float)):
         array = np.asarray(host_array(value))  # a 0-d array of any framework
-        value = int(array) if array.dtype.kind in "iu" else value
+        value, got = (int(array), got) if array.dtype.kind in "iu" else (value, f"a {array.dtype} array")
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be None or an int token id, got {type(value).__name__}")
+        raise TypeError(f"{name} must be None or an int token id, got {got}")
     return _in_vocabulary(name, value, value, vocab_size)
 
 
