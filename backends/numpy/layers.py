@@ -123,7 +123,7 @@ class Layer(NumpyArguments, D.KeptAttention, D.Declaration):
         checked and converted before the layer changes.
         """
         checked = W.check_weights(self.spec(), weights, dtype=np.dtype(self.dtype).name)
-        staged = {name: OPS.from_numpy(value).copy() for name, value in checked.items()}
+        staged = {name: OPS.from_numpy(value) for name, value in checked.items()}  # new arrays
         self._dims.update(self.dims_from_weights(staged))
         self._weights = staged
 
