@@ -42,12 +42,29 @@ IMPLEMENTATIONS = ("direct", "blockwise", "fused")
 
 
 def check_implementation(implementation: Any) -> str | None:
-    """Checks an ``implementation`` argument: None, ``"direct"``, ``"blockwise"`` or ``"fused"``."""
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
+    """Checks an ``implementation`` argument: None, or the name of a kernel.
+
+    The names are ``"direct"``, ``"blockwise"``, ``"fused"`` and those registered with
+    :func:`attention_core.kernels.register_kernel`; whether the backend has it is checked when
+    the call runs.
+    """
+    from attention_core.kernels import registered_names
+
+    if implementation is not None and implementation not in {*IMPLEMENTATIONS,
+                                                             *registered_names()}:
         raise ValueError(
-            f"implementation must be None, 'direct', 'blockwise' or 'fused', got {implementation!r}"
+            f"implementation must be None, 'direct', 'blockwise', 'fused' or a registered "
+            f"kernel's name, got {implementation!r}"
         )
     return implementation
+
+
+def check_causal(causal: Any) -> bool:
+    """Checks ``causal``: True or False (NumPy's bool too)."""
+    causal = plain(causal)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return causal
 
 
 def check_return_weights(return_weights: Any) -> None:

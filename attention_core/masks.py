@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_core.checks import check_window, fmt_shape
-from attention_core.host import framework_of, host_array, plain
+from attention_core.checks import fmt_shape
+from attention_core.host import framework_of, host_array
 from attention_core.ops import Array, Ops
 
 #: Score given to masked keys before the max is taken: the most negative finite value of the
@@ -176,168 +176,6 @@ def lifted(ops: Ops, name: str, x: Array, shape: tuple[Any, ...],
     return x
 
 
-class Visibility:
-    """The checked masks of one call, turned into boolean tiles on demand.
-
-    The direct path asks for the whole ``(B, H, Q, K)`` mask once; the blockwise path asks
-    for one tile of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn`` at a time, so the
-    full mask is never formed. ``q0`` and ``k0`` may be run-time scalars (a loop index under
-    ``jax.lax.fori_loop``); ``qn`` and ``kn`` are ints.
-
-    Args:
-        ops: The backend's ops.
-        scores_shape: ``(B, H, Q, K)`` of the scores the masks apply to.
-        valid_lens: Optional integer lengths, ``(B,)`` or ``(B, Q)``.
-        mask: Optional boolean mask, True = may attend.
-        causal: Whether query ``i`` may only see keys ``j <= p_i``.
-        window: Query ``i`` sees only keys ``j`` with ``|p_i - j| < window``; None for all.
-        offset: ``p_i - i``, an int or a run-time scalar; None for ``K - Q``.
-    """
-
-    def __init__(
-        self,
-        ops: Ops,
-        scores_shape: tuple[Any, ...],
-        valid_lens: Any = None,
-        mask: Any = None,
-        causal: bool = False,
-        window: int | None = None,
-        offset: Any = None,
-    ) -> None:
-        causal = plain(causal)  # np.bool_ -> bool
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        self.ops, self.shape, self.causal = ops, tuple(scores_shape), bool(causal)
-        self.window = check_window(window)
-        _, _, Q, K = self.shape
-        #: Query ``i`` stands at position ``i + offset``.
-        self.offset: Any = K - Q if offset is None else offset
-        self.lens: Array | None = None
-        #: ``(shortest, longest)`` valid length when known now (not under tracing), else None.
-        self.lens_bounds: tuple[int, int] | None = None
-        if valid_lens is not None:
-            self.lens, self.lens_bounds = lens_column(ops, valid_lens, scores_shape)
-        self.mask = None if mask is None else boolean_mask(ops, mask, scores_shape)
-
-    def key_limit(self, q0: Any, qn: int) -> int:
-        """Keys from this index on are hidden from every query ``q0 : q0 + qn``.
-
-        As far as is known now: the longest valid length, and the causal edge and the window
-        of the block's last query (when ``q0`` and the offset are ints).
-
-        Returns:
-            An int in ``[1, K]`` (at least 1, so that a block with nothing visible still
-            yields its zero rows).
-        """
-        K = self.shape[3]
-        limit = K
-        if self.lens_bounds is not None:
-            limit = min(limit, self.lens_bounds[1])
-        if isinstance(q0, int) and isinstance(self.offset, int):
-            last = q0 + qn - 1 + self.offset  # the block's last query's position
-            if self.causal:  # it sees keys j <= last
-                limit = min(limit, last + 1)
-            if self.window is not None:  # and j < last + window
-                limit = min(limit, last + self.window)
-        return max(1, limit)
-
-    def key_span(self, q0: Any, qn: int) -> tuple[Any, int] | None:
-        """``(first, count)``: the keys a window leaves to queries ``q0 : q0 + qn``.
-
-        None without a window. Keys before ``first`` and from ``first + count`` on are hidden
-        from the whole block; ``count`` is an int, ``first`` is a run-time scalar when ``q0``
-        or the offset is (clipped so that the span stays inside ``[0, K)``).
-        """
-        if self.window is None:
-            return None
-        K = self.shape[3]
-        ahead = 0 if self.causal else self.window - 1  # keys a query may see after its own
-        lowest = q0 + self.offset - (self.window - 1)  # the first query's first key
-        if isinstance(q0, int) and isinstance(self.offset, int):
-            end = min(self.key_limit(q0, qn), K)  # at least 1
-            first = min(max(0, lowest), end - 1)
-            return first, end - first
-        count = min(K, qn + self.window - 1 + ahead) if isinstance(K, int) else None
-        if count is None:
-            return None
-        ops = self.ops
-        first = ops.maximum(ops.astype(lowest, "int32"), 0)
-        return -ops.maximum(-first, -(K - count)), count  # min(first, K - count)
-
-    def local(self) -> tuple[int, int] | None:
-        """The window as ``(left, right)``: query index ``i`` sees keys ``i - left .. i + right``.
-
-        The form of a fused kernel's local window (``jax.nn.dot_product_attention``'s
-        ``local_window_size``); None without a window, with a run-time offset, or when either
-        side would be negative (the window then lies wholly before or after the query's index).
-        """
-        if self.window is None or not isinstance(self.offset, int):
-            return None
-        left, right = self.window - 1 - self.offset, self.window - 1 + self.offset
-        return (left, right) if left >= 0 and right >= 0 else None
-
-    @property
-    def empty(self) -> bool:
-        """True when nothing is masked."""
-        return (self.lens is None and self.mask is None and not self.causal
-                and self.window is None)
-
-    def full(self) -> Array | None:
-        """The whole mask, broadcastable to ``(B, H, Q, K)``; None when nothing is masked."""
-        _, _, Q, K = self.shape
-        return self.tile(0, Q, 0, K)
-
-    def tile(self, q0: Any, qn: int, k0: Any, kn: int) -> Array | None:
-        """The mask of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``.
-
-        Parts known now to hide nothing in the tile (every key below the shortest valid
-        length, or below the causal edge of the tile's first query) are left out.
-
-        Returns:
-            Boolean, broadcastable to ``(B, H, qn, kn)``; None when nothing is masked.
-        """
-        ops, (_, _, Q, K) = self.ops, self.shape
-        static = all(isinstance(d, int) for d in (q0, k0, qn, kn, Q, K))
-        parts = []
-        shortest = None if self.lens_bounds is None else self.lens_bounds[0]
-        if self.lens is not None and not (static and shortest is not None and k0 + kn <= shortest):
-            lens = tile_rows(ops, self.lens, q0, qn, Q)  # (B, 1, 1 or qn, 1)
-            parts.append(_offset(ops, ops.arange(kn), k0) < lens)
-        if self.mask is not None:
-            parts.append(tile_rows(ops, tile_columns(ops, self.mask, k0, kn, K), q0, qn, Q))
-        # the tile's first query's position, when known now
-        first = q0 + self.offset if static and isinstance(self.offset, int) else None
-        if self.causal and not (first is not None and k0 + kn - 1 <= first):  # j <= p_i
-            parts.append(distances(ops, q0, qn, k0, kn, self.offset) <= 0)
-        w = self.window
-        inside = first is not None and w is not None and (k0 > first + qn - 1 - w
-                                                           and k0 + kn - 1 < first + w)
-        if w is not None and not inside:
-            distance = distances(ops, q0, qn, k0, kn, self.offset)
-            parts.append(ops.logical_and(distance > -w, distance < w))
-        if not parts:
-            return None
-        combined = parts[0]
-        for part in parts[1:]:
-            combined = ops.logical_and(combined, part)
-        return combined
-
-
-def distances(ops: Ops, q0: Any, qn: int, k0: Any, kn: int, offset: Any) -> Array:
-    """``(qn, kn)`` int32: ``j - p_i`` for queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``.
-
-    ``p_i = i + offset`` is the query's position, ``j`` the key's; the causal rule, the window
-    and ALiBi read them.
-    """
-    rows = ops.expand_dims(_offset(ops, ops.arange(qn), q0 + offset), -1)  # (qn, 1)
-    return ops.expand_dims(_offset(ops, ops.arange(kn), k0), 0) - rows
-
-
-def _offset(ops: Ops, index: Array, start: Any) -> Array:
-    """``index + start``, skipping the addition for a start of 0."""
-    return index if isinstance(start, int) and start == 0 else index + start
-
-
 def tile_rows(ops: Ops, x: Array, q0: Any, qn: int, Q: Any) -> Array:
     """Rows ``q0 : q0 + qn`` (axis 2) of a rank-4 array, unless it broadcasts or is all ``Q``."""
     return x if _broadcasts(ops.shape(x)[2]) or _whole(q0, qn, Q) else ops.slice(x, 2, q0, qn)
@@ -361,30 +199,6 @@ def _whole(start: Any, size: Any, total: Any) -> bool:
     if not (isinstance(start, int) and start == 0):
         return False
     return size is total or (isinstance(size, int) and isinstance(total, int) and size == total)
-
-
-def combine(
-    ops: Ops,
-    scores_shape: tuple[Any, ...],
-    valid_lens: Any = None,
-    mask: Any = None,
-    causal: bool = False,
-    window: int | None = None,
-) -> Array | None:
-    """Reduces ``valid_lens``, ``mask``, ``causal`` and ``window`` to one boolean mask (AND).
-
-    Args:
-        ops: The backend's ops.
-        scores_shape: ``(B, H, Q, K)`` of the scores the mask will apply to.
-        valid_lens: Optional integer lengths, ``(B,)`` or ``(B, Q)``.
-        mask: Optional boolean mask, True = may attend.
-        causal: Whether query ``i`` may only see keys ``j <= i + (K - Q)``.
-        window: Query ``i`` sees only keys ``j`` with ``|i + (K - Q) - j| < window``.
-
-    Returns:
-        A boolean array broadcastable to ``scores_shape``, or None when nothing is masked.
-    """
-    return Visibility(ops, scores_shape, valid_lens, mask, causal, window).full()
 
 
 def with_padding(

@@ -16,15 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention_core import cache as kv_cache
-from attention_core import checks, masks
+from attention_core import checks
 from attention_core import weights as W
 from attention_core.attention import (
     check_projected_inputs,
     dot_product_attention,
-    known_finite,
-    non_finite_rows,
     softmax_visible,
-    values_onto_keys,
+    visibility,
 )
 from attention_core.linear import dense
 from attention_core.ops import Array, Ops, fixed_shape, matmul_transposed
@@ -408,9 +406,6 @@ def relative_multi_head_attention(
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, d)
-    if not known_finite(ops, q, k, v):
-        q, k = non_finite_rows(ops, q), non_finite_rows(ops, k)
-        k, v = values_onto_keys(ops, k, v)
     B, H, Q, _ = ops.shape(q)
     K = ops.shape(k)[2]
     offsets = relative_offsets(ops, Q, K, (fixed_shape(ops, table_k)[0] - 1) // 2, like=q)  # (Q,K,R)
@@ -418,7 +413,7 @@ def relative_multi_head_attention(
     scores = matmul_transposed(ops, q, k)  # (B, H, Q, K)
     by_offset = ops.matmul(q, ops.transpose(table_k, (1, 0)))  # (B, H, Q, R)
     scores = scores + per_query(ops, by_offset, ops.transpose(offsets, (0, 2, 1)))
-    visible = masks.Visibility(ops, (B, H, Q, K), valid_lens, mask, causal).full()
+    visible = visibility(ops, (B, H, Q, K), valid_lens, mask, causal)
     attn = softmax_visible(ops, scores, visible)  # (B, H, Q, K)
     dropped = ops.dropout(attn, dropout) if dropout > 0 else attn
     out = ops.matmul(dropped, v)  # (B, H, Q, d)

@@ -43,6 +43,9 @@ class NamespaceOps:
     def sqrt(self, x: Array) -> Array:
         return self.xp.sqrt(x)
 
+    def log(self, x: Array) -> Array:
+        return self.xp.log(x)
+
     def logical_and(self, a: Array, b: Array) -> Array:
         return self.xp.logical_and(a, b)
 
@@ -109,11 +112,18 @@ class Ops(Protocol):
         ...
 
     def concrete(self, x: Array) -> np.ndarray | None:
-        """Returns the values of ``x`` if they are known now, else ``None``.
+        """Returns the values of ``x`` if reading them costs no transfer, else ``None``.
 
-        ``None`` under tracing (``jax.jit``, ``tf.function``, ``torch.compile``, a hybridized
-        Gluon block): value checks are then skipped, shape checks still run.
+        Values are read only when they are known now and already in host memory (NumPy, a
+        torch or TensorFlow tensor on the CPU). ``None`` under tracing (``jax.jit``,
+        ``tf.function``, ``torch.compile``, a hybridized Gluon block), for arrays on an
+        accelerator, and for every JAX array: value checks are then skipped (or done on the
+        device), shape checks still run. No default call waits for a device because of it.
         """
+        ...
+
+    def traced(self, x: Array) -> bool:
+        """Whether ``x`` is a placeholder of a program being traced (no values, ever)."""
         ...
 
     def shape(self, x: Array) -> tuple[Any, ...]:
@@ -136,6 +146,10 @@ class Ops(Protocol):
 
     def tanh(self, x: Array) -> Array:
         """Returns ``np.tanh(x)``."""
+        ...
+
+    def log(self, x: Array) -> Array:
+        """Natural logarithm, elementwise (``log 0 = -inf``)."""
         ...
 
     def sqrt(self, x: Array) -> Array:
@@ -228,70 +242,9 @@ class Ops(Protocol):
         ...
 
 
-class FusedAttentionOps(Ops, Protocol):
-    """Optional: ops that pool attention in one fused kernel, never forming the weights.
-
-    The core looks for ``fused_attention`` with ``getattr`` (so tracing stays cheap) and uses it
-    when the weights are not asked for; backends without it take the direct path. Two optional
-    attributes refine that:
-
-    * ``prefers_fused(shape) -> bool``: whether the automatic choice should take the kernel for
-      scores of ``shape`` ``(B, H, Q, K)`` (True when absent);
-    * ``fused_zeroes_empty_rows: bool``: False when the kernel does not zero the rows with no
-      visible key (then the core zeroes them; True when absent).
-    * ``fused_propagates_nan: bool``: False when a NaN in the queries or keys reaches other rows
-      than on the direct path (a masked key's NaN everywhere, say); the core then gives the
-      kernel finite inputs and puts the NaN in itself (True when absent).
-
-    An eager call whose scores may overflow the dtype does not use the kernel (see
-    :func:`attention_core.attention.dot_product_attention`): a kernel that adds the mask to the
-    scores, or fills them with a finite value of its own, cannot mask an overflowed score.
-
-    And any ops may set ``blockwise_min_scores: int``, the number of scores from which the
-    automatic choice pools blockwise (see :func:`attention_core.attention.choose_implementation`),
-    and define ``softmax(x)`` (over the last axis, ``scipy.special.softmax(x, -1)``), a
-    one-kernel softmax the direct path then uses.
-
-    Any ops may also define ``cond(pred, if_true, if_false)``: ``if_true()`` when the
-    one-element boolean array ``pred`` is True, else ``if_false()``, running only that branch,
-    in the graph under tracing (``tf.cond``, ``jax.lax.cond``); both branches return arrays of
-    the same shape and dtype. Traced calls, which cannot be probed, then decide in the graph
-    from a bound on the inputs (:func:`attention_core.attention.dot_product_attention`): when
-    it holds, the inputs are used as given (the fused kernel may run, and the direct path's
-    softmax kernel needs no pass over the scores to find the rows it leaves uniform); when it
-    fails, the inputs are mended and the unfused path runs.
-
-    Ops that can trace a program where no ``cond`` branches (torch's, in a compiled training
-    step) may define ``attend_out_of_range(q, k, v, visible, factor, dropout)`` instead: one
-    operation of the program that checks the bound when the program runs, returning a
-    one-element boolean array (True when the bound fails) and then the eager call's output,
-    else zeros, with a gradient of its own. The fused kernel then runs on the inputs where
-    the bound holds (zeros otherwise), and the output is picked by the boolean.
-
-    The bound is one number for the whole batch. Ops whose traced programs may span devices
-    that split the batch (``jax.jit`` over a sharded batch) set ``batch_spans_devices = True``:
-    the bound then needs a collective across the devices, so it guards only the fused kernel,
-    and the direct path mends its inputs in every program, each example on its own device.
-    """
-
-    def fused_attention(
-        self, queries: Array, keys: Array, values: Array, visible: Array | None, scale: float,
-        dropout: float,
-    ) -> Array:
-        """Returns ``matmul(dropout(softmax_visible(queries @ keys^T * scale, visible)), values)``.
-
-        Args:
-            queries: ``(B, H, Q, D)``.
-            keys: ``(B, H, K, D)``.
-            values: ``(B, H, K, Dv)``.
-            visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``, or None.
-            scale: Multiplies the scores.
-            dropout: Rate of inverted dropout on the weights; 0 for none.
-
-        Returns:
-            ``(B, H, Q, Dv)``; rows with no visible key must be zero, never NaN.
-        """
-        ...
+# A framework's fused attention kernel is not an ops method: its adapter registers it as a
+# kernel ("fused") with its capabilities (attention_core.kernels.register_kernel). Any ops may
+# define ``softmax(x)`` (over the last axis), a one-kernel softmax the direct kernel then uses.
 
 
 class LoopOps(Ops, Protocol):

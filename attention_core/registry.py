@@ -273,5 +273,11 @@ def get_ops(name: str | None = None) -> Ops:
 
 
 def ops_for(x: Any, name: str | None = None) -> Ops:
-    """Returns the default Ops of the backend that owns the array ``x`` (argument ``name``)."""
-    return get_ops(backend_of(x, name))
+    """Returns the Ops of the backend that owns the array ``x`` (argument ``name``).
+
+    The backend's default ops, or, where it has ``OPS.placed(x)``, ops that make new arrays
+    where ``x`` lives (torch's device).
+    """
+    ops = get_ops(backend_of(x, name))
+    placed = getattr(ops, "placed", None)
+    return ops if placed is None else placed(x)

@@ -5,14 +5,8 @@ heads (grouped-query attention, Ainslie et al., 2023), query head ``h`` uses key
 ``h // G``, ``G = H / Hkv``. The products take the queries of a group as rows of one matrix,
 ``(B, Hkv, G * Q, D) @ (B, Hkv, D, K)``, so keys and values are never repeated in memory.
 
-Before masking, a call may change the scores, in this order (:class:`ScoreTerms`):
-
-1. soft-capping (Gemma 2): ``s = c * tanh(s / c)``;
-2. ALiBi (Press et al., 2022): ``s -= slope_h * |p_i - j|``, ``p_i`` the query's position;
-3. ``score_bias``: any float array broadcastable to ``(B, H, Q, K)``.
-
-Masks are applied after them, so a hidden key stays hidden whatever its bias; a visible
-score of ``-inf`` weighs 0, like a hidden one.
+What a call adds to or changes in the scores is a score modifier
+(:mod:`attention_core.modifiers`); ``score_bias`` is checked here.
 
 Shape legend: B batch, H query heads, Hkv key/value heads, G = H / Hkv, Q queries, K keys,
 D depth, Dv value depth.
@@ -24,11 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from attention_core import checks
 from attention_core.host import host_array
-from attention_core.masks import distances, lifted, own, tile_columns, tile_rows
+from attention_core.masks import lifted, own
 from attention_core.ops import FLOAT_DTYPES, Array, Ops, matmul_transposed
-from attention_core.positional import alibi_slopes
 
 
 def groups(ops: Ops, queries: Array, keys: Array) -> int:
@@ -82,60 +74,6 @@ def score_bias_array(ops: Ops, score_bias: Any, scores_shape: tuple[Any, ...]) -
     shape = ops.shape(score_bias) if host is None else host.shape
     bias = score_bias if host is None else ops.from_numpy(host)
     return lifted(ops, "score_bias", bias, shape, scores_shape)
-
-
-class ScoreTerms:
-    """What one call adds to its scores before masking, by tiles (see the module docstring).
-
-    Args:
-        ops: The backend's ops.
-        scores_shape: ``(B, H, Q, K)``.
-        offset: Query ``i`` stands at position ``i + offset`` (keys at ``j``): ``K - Q`` in a
-            plain call, the first new position in a cached one. An int or a run-time scalar.
-        softcap: c of ``c * tanh(s / c)``, or None.
-        alibi: Whether to add the ALiBi biases of the H heads.
-        score_bias: A float array broadcastable to ``(B, H, Q, K)``, or None.
-    """
-
-    def __init__(self, ops: Ops, scores_shape: tuple[Any, ...], offset: Any,
-                 softcap: float | None = None, alibi: bool = False,
-                 score_bias: Any = None) -> None:
-        self.ops, self.shape, self.offset = ops, tuple(scores_shape), offset
-        self.softcap = checks.check_softcap(softcap)
-        heads = scores_shape[1]
-        if alibi and not isinstance(heads, int):
-            raise ValueError("ALiBi needs the number of heads to be known when the call is traced")
-        self.slopes = alibi_slopes(heads) if alibi else None
-        self.bias = None if score_bias is None else score_bias_array(ops, score_bias, scores_shape)
-
-    @property
-    def empty(self) -> bool:
-        """True when the scores are left as they are."""
-        return self.softcap is None and self.slopes is None and self.bias is None
-
-    def apply(self, s: Array, q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        """The tile ``s`` ``(B, H, qn, kn)`` of queries ``q0 :`` and keys ``k0 :``, changed."""
-        ops = self.ops
-        dtype = ops.dtype_name(s)
-        if self.softcap is not None:
-            s = ops.tanh(s * (1.0 / self.softcap)) * self.softcap
-        if self.slopes is not None:
-            s = s + ops.astype(self._alibi(q0, qn, k0, kn, s), dtype)
-        if self.bias is not None:
-            bias = tile_rows(ops, tile_columns(ops, self.bias, k0, kn, self.shape[3]), q0, qn,
-                             self.shape[2])
-            s = s + (bias if ops.dtype_name(bias) == dtype else ops.astype(bias, dtype))
-        return s
-
-    def _alibi(self, q0: Any, qn: int, k0: Any, kn: int, like: Array) -> Array:
-        """``-slope_h * |p_i - j|`` ``(1, H, qn, kn)``, in float32 (float64 for float64 scores)."""
-        ops, slopes = self.ops, self.slopes
-        assert slopes is not None
-        wide = "float64" if ops.dtype_name(like) == "float64" else "float32"
-        distance = ops.astype(distances(ops, q0, qn, k0, kn, self.offset), wide)  # (qn, kn)
-        distance = ops.maximum(distance, -distance)
-        column = ops.from_numpy(-slopes.astype(wide)[:, None, None])  # (H, 1, 1)
-        return ops.expand_dims(column * distance, 0)
 
 
 def repeat_heads(ops: Ops, x: Array, heads: Any) -> Array:

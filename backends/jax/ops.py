@@ -7,6 +7,7 @@ the user set it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -15,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_core.attention import dot_product_attention
+from attention_core.kernels import Capabilities, Request, Result, register_kernel
+from attention_core.kernels.direct import visible
+from attention_core.modifiers import Window
 from attention_core.ops import NamespaceOps
 
 #: Largest ``B * H * Q * K`` for which the automatic choice takes the fused kernel off CPU
-#: (16 MiB of float32 logits); see :meth:`JaxOps.prefers_fused`.
+#: (16 MiB of float32 logits); see :func:`prefers_fused`.
 FUSED_MAX_SCORES = 2**22
 
 
@@ -36,8 +39,8 @@ class JaxOps(NamespaceOps):
 
     Beyond the protocol it has the optional hooks of :class:`attention_core.ops.LoopOps`
     (``fold`` as ``jax.lax.fori_loop``, ``map_concat`` as ``jax.lax.map``), so the blockwise
-    path compiles to loops instead of unrolling, and of
-    :class:`attention_core.ops.FusedAttentionOps` (``jax.nn.dot_product_attention``).
+    path compiles to loops instead of unrolling. ``jax.nn.dot_product_attention`` is
+    registered as the ``"fused"`` kernel (:func:`fused`).
 
     Example:
         ``ac.dot_product_attention(q, k, v, dropout=0.1, ops=JaxOps(rng=jax.random.key(0)))``
@@ -58,7 +61,11 @@ class JaxOps(NamespaceOps):
         return np.asarray(x)
 
     def concrete(self, x: Any) -> np.ndarray | None:
-        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+        """None: a JAX array's values are never read (reading one waits for its device)."""
+        return None
+
+    def traced(self, x: Any) -> bool:
+        return isinstance(x, jax.core.Tracer)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(jnp.shape(x))
@@ -80,88 +87,6 @@ class JaxOps(NamespaceOps):
 
     def arange(self, n: Any) -> jax.Array:
         return jnp.arange(n, dtype=jnp.int32)
-
-    #: A jitted program may split the batch over devices (a sharded batch): a bound over the
-    #: whole batch would need a collective there, so it guards only the fused kernel.
-    batch_spans_devices = True
-
-    def cond(self, pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
-        """``jax.lax.cond`` on the one-element ``pred``.
-
-        Traced calls pick their path in the program: the fused kernel only for scores that
-        cannot overflow.
-        """
-        return jax.lax.cond(jnp.reshape(pred, ()), if_true, if_false)
-
-    # -- the fused kernel (attention_core.ops.FusedAttentionOps) -----------------------------
-
-    #: ``jax.nn.dot_product_attention`` gives a row with no visible key the mean of the values
-    #: (its softmax over all-masked logits is uniform); the core then zeroes those rows.
-    fused_zeroes_empty_rows = False
-
-    #: ``jax.nn.dot_product_attention`` takes a sliding window (``local_window_size``).
-    fused_local_window = True
-
-    def fused_attention(
-        self, queries: jax.Array, keys: jax.Array, values: jax.Array, visible: Any,
-        scale: float, dropout: float, local_window: tuple[int, int] | None = None,
-    ) -> jax.Array:
-        """Pools with ``jax.nn.dot_product_attention`` (XLA's kernel on CPU), ``(B, H, Q, Dv)``.
-
-        That function has no dropout and needs ``Dv == D``; otherwise this is the core's direct
-        path, :func:`attention_core.attention.dot_product_attention` with
-        ``implementation="direct"``, on the same mask. ``local_window`` (``(left, right)``
-        keys of each query index) repeats a sliding window the mask holds, for the kernel.
-        """
-        # XLA on CPU has no float16 dot_general accumulating in float32, which the kernel asks for
-        # under jax.jit ("The precision 'F16_F16_F32' is not supported by dot_general on CPU").
-        cpu_half = queries.dtype == jnp.float16 and jax.default_backend() == "cpu"
-        if dropout > 0 or values.shape[-1] != queries.shape[-1] or cpu_half:
-            out: Any = dot_product_attention(
-                queries, keys, values, mask=visible, scale=scale, dropout=dropout,
-                implementation="direct", ops=self,
-            )
-            return out
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (queries, keys, values))  # (B, N, H, D)
-        # a window is in the mask too: the kernel is told of it, to skip the keys outside it
-        out = jax.nn.dot_product_attention(q, k, v, mask=visible, scale=scale,
-                                           local_window_size=local_window)
-        return jnp.swapaxes(out, 1, 2)
-
-    def prefers_fused(self, shape: tuple[Any, ...]) -> bool:
-        """Whether the automatic choice should take :meth:`fused_attention` for these scores.
-
-        The rule: never on CPU; elsewhere when ``B * H * Q * K <= FUSED_MAX_SCORES`` (16 MiB
-        of float32 scores). ``jax.nn.dot_product_attention`` without cuDNN is XLA's plain
-        attention: it forms the ``(B, H, Q, K)`` logits like the direct path, so above that
-        size the blockwise path, whose memory stays flat, is taken instead.
-
-        Measured under ``jax.jit`` on a 2-core CPU (jax 0.10.2, fp32, B=1, H=8, D=64,
-        ``valid_lens`` on; best of 3 interleaved rounds, ms, on a machine shared with other
-        jobs (other runs gave the same order); temporary memory from XLA's
-        ``memory_analysis``):
-
-        ===== ====== ========= ====== ===========================
-        n     fused  blockwise direct temp MiB fused/block/direct
-        ===== ====== ========= ====== ===========================
-        128   0.65   0.58      0.52   1 / 1 / 1
-        256   3.0    2.2       2.1    4 / 4 / 4
-        512   12.0   9.2       9.9    16 / 16 / 16
-        1024  88     46        85     64 / 20 / 64
-        2048  305    182       271    256 / 44 / 256
-        4096  726    354       647    1024 / 35 / 1024
-        ===== ====== ========= ====== ===========================
-
-        The fused kernel was slower than the direct path at every size on CPU (also without a
-        mask), so on CPU the core's own rule (direct, then blockwise from 2**22 scores)
-        decides. At n=16384, H=4 the fused and direct paths need 8 GiB of temporaries, the
-        blockwise path 50 MiB. GPU and TPU were not measured: there the bound above keeps the
-        fused kernel to the sizes whose logits fit comfortably.
-        """
-        if jax.default_backend() == "cpu" or not all(isinstance(d, int) for d in shape):
-            return False
-        B, H, Q, K = shape
-        return bool(B * H * Q * K <= FUSED_MAX_SCORES)
 
     # -- compiled loops for the blockwise path (attention_core.ops.LoopOps) ------------------
     #
@@ -247,3 +172,65 @@ def floats_on_device(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """
     return {name: jnp.asarray(x) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
             for name, x in arguments.items()}
+
+
+def fused(ops: Any, q: jax.Array, k: jax.Array, v: jax.Array, request: Request) -> Result:
+    """Pools with ``jax.nn.dot_product_attention`` (XLA's kernel on CPU): ``(B, H, Q, Dv)``.
+
+    The call's masks go in as one boolean mask; a window also as ``local_window_size``, so that
+    the kernel may skip the keys outside it. The kernel gives a row with no visible key the
+    mean of the values (its softmax over all-masked logits is uniform): those rows are zeroed,
+    found from the mask.
+    """
+    windows = [m for m in request.masks if isinstance(m, Window)]
+    local = windows[0].local(request.call) if len(windows) == 1 else None
+    mask = visible(request)
+    while mask is not None and mask.ndim < 4:
+        mask = mask[None]
+    qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, N, H, D)
+    out = jnp.swapaxes(jax.nn.dot_product_attention(
+        qt, kt, vt, mask=mask, scale=request.scale, local_window_size=local), 1, 2)
+    return Result(out if mask is None else jnp.where(jnp.any(mask, -1, keepdims=True), out, 0))
+
+
+def prefers_fused(ops: Any, request: Request) -> bool:
+    """Whether the automatic choice should take :func:`fused` for these scores.
+
+    The rule: never on CPU; elsewhere when ``B * H * Q * K <= FUSED_MAX_SCORES`` (16 MiB
+    of float32 scores). ``jax.nn.dot_product_attention`` without cuDNN is XLA's plain
+    attention: it forms the ``(B, H, Q, K)`` logits like the direct kernel, so above that
+    size the blockwise kernel, whose memory stays flat, is taken instead.
+
+    Measured under ``jax.jit`` on a 2-core CPU (jax 0.10.2, fp32, B=1, H=8, D=64,
+    ``valid_lens`` on; best of 3 interleaved rounds, ms; temporary memory from XLA's
+    ``memory_analysis``):
+
+    ===== ====== ========= ====== ===========================
+    n     fused  blockwise direct temp MiB fused/block/direct
+    ===== ====== ========= ====== ===========================
+    128   0.65   0.58      0.52   1 / 1 / 1
+    256   3.0    2.2       2.1    4 / 4 / 4
+    512   12.0   9.2       9.9    16 / 16 / 16
+    1024  88     46        85     64 / 20 / 64
+    2048  305    182       271    256 / 44 / 256
+    4096  726    354       647    1024 / 35 / 1024
+    ===== ====== ========= ====== ===========================
+
+    The fused kernel was slower than the direct one at every size on CPU, so on CPU the
+    core's own rule decides. GPU and TPU were not measured: there the bound keeps the fused
+    kernel to the sizes whose logits fit comfortably.
+    """
+    shape = request.call.shape
+    if jax.default_backend() == "cpu" or not all(isinstance(d, int) for d in shape):
+        return False
+    return bool(math.prod(shape) <= FUSED_MAX_SCORES)
+
+
+# XLA on CPU has no float16 dot_general accumulating in float32, which the kernel asks for
+# under jax.jit ("The precision 'F16_F16_F32' is not supported by dot_general on CPU"); the
+# kernel has no dropout and needs values as deep as the keys.
+_DTYPES = frozenset({"bfloat16", "float32", "float64"} | (
+    set() if jax.default_backend() == "cpu" else {"float16"}))
+register_kernel("fused", fused, Capabilities(scores=frozenset(), dropout=False, dtypes=_DTYPES,
+                                             value_depth=False),
+                backend="jax", priority=20, prefers=prefers_fused)

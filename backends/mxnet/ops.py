@@ -18,7 +18,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from attention_core.attention import BLOCKWISE_MIN_SCORES
+from attention_core.kernels import blockwise, register_kernel
 from attention_core.ops import NamespaceOps
 
 Symbol = mx.sym.Symbol
@@ -48,7 +48,7 @@ class MXNetOps(NamespaceOps):
         backward recomputes each block in Python (``recompute_blocks``).
         """
         if not self.symbolic and mx.autograd.is_recording() and mx.autograd.is_training():
-            return BLOCKWISE_MIN_SCORES
+            return blockwise.MIN_SCORES
         return 0
 
     def __init__(self, symbols: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
@@ -105,7 +105,10 @@ class MXNetOps(NamespaceOps):
         return x.asnumpy() if isinstance(x, mx.np.ndarray) else np.asarray(x)
 
     def concrete(self, x: Any) -> np.ndarray | None:
-        return None if isinstance(x, Symbol) else self.to_numpy(x)
+        return None if isinstance(x, Symbol) or x.ctx.device_type != "cpu" else self.to_numpy(x)
+
+    def traced(self, x: Any) -> bool:
+        return isinstance(x, Symbol)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         if not isinstance(x, Symbol):
@@ -277,3 +280,8 @@ def _settle(x: Any) -> None:
 
 #: The default MXNet ops, on imperative ``mxnet.numpy`` arrays (used by the functional API).
 OPS = MXNetOps()
+
+
+register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="mxnet",
+                priority=10, prefers=lambda ops, request: blockwise.enough_scores(
+                    request, ops.blockwise_min_scores))

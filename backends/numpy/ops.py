@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from attention_core.kernels import blockwise, register_kernel
 from attention_core.ops import NamespaceOps
 
 
@@ -14,12 +15,6 @@ class NumpyOps(NamespaceOps):
 
     name = "numpy"
     xp = np
-
-    #: The blockwise path is the faster one here from the smallest sizes measured on
-    #: (n = 128, 8 heads: 49 against 34 GFLOP/s, see the README's benchmarks), because its
-    #: tiles stay in cache and it exponentiates them in place; so it is taken whenever the
-    #: weights are not wanted (see :func:`attention_core.attention.choose_implementation`).
-    blockwise_min_scores = 0
 
     def __init__(self, rng: np.random.Generator | None = None) -> None:
         self.rng = rng if rng is not None else np.random.default_rng()
@@ -35,6 +30,13 @@ class NumpyOps(NamespaceOps):
 
     def concrete(self, x: Any) -> np.ndarray:
         return np.asarray(x)
+
+    def traced(self, x: Any) -> bool:
+        return False
+
+    def log(self, x: Any) -> np.ndarray:
+        with np.errstate(divide="ignore"):  # log 0 = -inf, the lse of a row with nothing visible
+            return np.log(x)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(np.shape(x))
@@ -70,3 +72,10 @@ class NumpyOps(NamespaceOps):
 
 #: The default NumPy ops (used by the functional API for NumPy arrays).
 OPS = NumpyOps()
+
+
+# The blockwise kernel is the faster one here from the smallest sizes measured on (n = 128,
+# 8 heads: 49 against 34 GFLOP/s, see docs/speed.md), because its tiles stay in cache and it
+# exponentiates them in place; so it is taken whenever the call allows it.
+register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="numpy",
+                priority=10, prefers=lambda ops, request: blockwise.enough_scores(request, 0))

@@ -16,6 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from attention_core.kernels import blockwise, register_kernel
+
 if keras.backend.backend() != "tensorflow":
     raise ImportError(
         "backends.tensorflow needs the TensorFlow backend of Keras, but Keras is set to "
@@ -59,12 +61,6 @@ class TensorFlowOps:
 
     name = "tensorflow"
 
-    #: TensorFlow's blockwise loops (``tf.while_loop``) run one tile after another, while the
-    #: direct path with ``tf.nn.softmax`` uses both cores on one large kernel: in the
-    #: benchmark's ``tf.function`` (MHA 512/8, n = 1024 and 4096) direct was the faster, so
-    #: blockwise is taken only from 2**28 scores (1 GiB of float32), where memory decides.
-    blockwise_min_scores = 2**28
-
     def __init__(self, seed_generator: keras.random.SeedGenerator | None = None) -> None:
         self.seed_generator = seed_generator
 
@@ -78,8 +74,13 @@ class TensorFlowOps:
     def concrete(self, x: Any) -> np.ndarray | None:
         if isinstance(x, keras.KerasTensor):
             return None
+        if tf.executing_eagerly() and "CPU" not in getattr(x, "device", "CPU"):
+            return None  # on an accelerator: not read
         value = tf.get_static_value(x)  # values of eager tensors and graph constants, else None
         return None if value is None else np.asarray(value)
+
+    def traced(self, x: Any) -> bool:
+        return isinstance(x, keras.KerasTensor) or not tf.executing_eagerly()
 
     def shape(self, x: Any) -> tuple[Any, ...]:
         static = tuple(x.shape)
@@ -103,6 +104,9 @@ class TensorFlowOps:
     def sqrt(self, x: Any) -> tf.Tensor:
         return tf.sqrt(x)
 
+    def log(self, x: Any) -> tf.Tensor:
+        return tf.math.log(x)
+
     def relu(self, x: Any) -> tf.Tensor:
         return tf.nn.relu(x)
 
@@ -111,9 +115,6 @@ class TensorFlowOps:
 
     def softmax(self, x: Any) -> tf.Tensor:
         return tf.nn.softmax(x)  # optional hook: one kernel for the direct path's softmax
-
-    def cond(self, pred: Any, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
-        return tf.cond(tf.reshape(pred, ()), if_true, if_false)  # optional hook: one branch runs
 
     def logical_and(self, a: Any, b: Any) -> tf.Tensor:
         return tf.logical_and(a, b)
@@ -350,3 +351,11 @@ class TensorFlowOps:
 
 #: The default TensorFlow ops (used by the functional API for TensorFlow tensors).
 OPS = TensorFlowOps()
+
+
+# TensorFlow's blockwise loops (``tf.while_loop``) run one tile after another, while the direct
+# kernel with ``tf.nn.softmax`` uses both cores on one large kernel: in the benchmark's
+# ``tf.function`` (MHA 512/8, n = 1024 and 4096) direct was the faster, so blockwise is taken
+# only from 2**28 scores (1 GiB of float32), where memory decides.
+register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="tensorflow",
+                priority=10, prefers=lambda ops, request: blockwise.enough_scores(request, 2**28))

@@ -12,7 +12,9 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-from attention_core.attention import BLOCKWISE_MIN_SCORES
+from attention_core.kernels import Capabilities, Request, Result, blockwise, register_kernel
+from attention_core.kernels.direct import visible
+from attention_core.modifiers import Causal
 from attention_core.ops import NamespaceOps
 
 
@@ -38,7 +40,10 @@ class TorchOps(NamespaceOps):
         dtypes meet in the core; it then lets them (see :class:`attention_core.ops.Ops`).
         """
         if self.device is not None:
-            return bool(torch.is_autocast_enabled(self.device.type))
+            try:
+                return bool(torch.is_autocast_enabled(self.device.type))
+            except RuntimeError:  # a device type autocast does not know (meta)
+                return False
         return bool(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
 
     def from_numpy(self, x: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,8 +68,7 @@ class TorchOps(NamespaceOps):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def concrete(self, x: torch.Tensor) -> np.ndarray | None:
-        jit_tracing = torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
-        if torch.compiler.is_compiling() or jit_tracing:
+        if x.device.type != "cpu" or self.traced(x):  # on an accelerator (or meta): not read
             return None
         try:
             return self.to_numpy(x)
@@ -153,261 +157,76 @@ class TorchOps(NamespaceOps):
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
         return F.dropout(x, rate, training=True)
 
-    @property
-    def cond(self) -> Callable[..., Any] | None:
-        """``torch.cond`` where it can branch (see :func:`_can_cond`), None otherwise.
+    def traced(self, x: torch.Tensor) -> bool:
+        return _tracing() or _functorch(x)
 
-        A compiled call cannot probe its inputs, so the core checks its bound on the scores in
-        the graph and this picks the branch (see :class:`attention_core.ops.Ops`). Eager calls
-        probe instead; ``torch.jit.trace`` and ``torch.func`` have no ``torch.cond``.
-        """
-        return _compiled_cond if _can_cond() else None
-
-    def prefers_fused(self, shape: tuple[Any, ...]) -> bool:
-        """SDPA, except in a program recorded for export (``torch.export``, ``torch.jit.trace``).
-
-        There no branch can be taken on the bound, and an exported program holds only
-        torch's own operators: the direct path, which masks the scores it forms, is chosen
-        (an explicit ``implementation="fused"`` is taken as given).
-        """
-        return not _exporting()
-
-    @property
-    def blockwise_min_scores(self) -> float:
-        """Scores from which the automatic choice pools blockwise (none in some programs).
-
-        None inside ``torch.cond`` or in an exported program. There the path taken is the
-        direct one: Dynamo would unroll the blockwise loops into the program, and Inductor
-        cannot lay out their blocks once the lengths are symbolic (a compiled layer called
-        with a second length).
-        """
-        return math.inf if _can_cond() or _exporting() else BLOCKWISE_MIN_SCORES
-
-    @property
-    def attend_out_of_range(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-        """:func:`_attend_out_of_range` where ``torch.cond`` cannot branch, None otherwise.
-
-        That is while ``torch.compile`` traces a call that ``torch.cond`` cannot branch in
-        (see :func:`_can_cond`). Not under ``torch.export``: an exported program holds only
-        torch's own operators, so ONNX and other runtimes can take it.
-        """
-        compiling = torch.compiler.is_compiling() and not _exporting()
-        return _attend_out_of_range if compiling and not _can_cond() else None
-
-    #: SDPA adds the mask to the scores, so a NaN in a masked key spreads to every row (NaN + -inf);
-    #: without a mask it gives a row whose query is NaN zeros. The core mends both.
-    fused_propagates_nan = False
-
-    def fused_attention(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        visible: torch.Tensor | None,
-        scale: float | torch.Tensor,
-        dropout: float,
-    ) -> torch.Tensor:
-        """``matmul(dropout(softmax_visible(q k^T * scale, visible)), v)`` in one fused kernel.
-
-        Args:
-            queries: ``(B, H, Q, D)``.
-            keys: ``(B, Hkv, K, D)``, Hkv dividing H.
-            values: ``(B, Hkv, K, Dv)``.
-            visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
-            scale: Multiplies the scores; a float, or a 0-d tensor when the depth is a run-time
-                size (then folded into the queries).
-            dropout: Dropout rate on the weights (0 for none).
-
-        Returns:
-            ``(B, H, Q, Dv)``; rows with no visible key are zero (torch's SDPA gives zeros
-            there, checked by tests/test_torch.py).
-        """
-        if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
-            queries, scale = queries * scale, 1.0
-        if queries.shape[1] != keys.shape[1]:  # fewer key/value heads: SDPA's own GQA
-            return F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale,
-                enable_gqa=True,
-            )
-        return F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=visible, dropout_p=dropout, scale=scale
-        )
+    def placed(self, x: torch.Tensor) -> TorchOps:
+        """Ops that make new arrays on ``x``'s device (these ones when that is theirs)."""
+        device = x.device if isinstance(x, torch.Tensor) else None
+        if device is None or device == self.device or (self.device is None
+                                                        and device.type == "cpu"):
+            return self
+        return TorchOps(device)
 
 
-def _exporting() -> bool:
-    """Whether ``torch.export`` or ``torch.jit.trace`` is recording the call."""
-    return bool(torch.compiler.is_exporting()
+def _tracing() -> bool:
+    """Whether ``torch.compile``, ``torch.export`` or ``torch.jit.trace`` records the call."""
+    return bool(torch.compiler.is_compiling() or torch.compiler.is_exporting()
                 or torch.jit.is_tracing())  # type: ignore[attr-defined, no-untyped-call]
 
 
-def _can_cond() -> bool:
-    """Whether ``torch.cond`` can pick the branch now: in a static ``torch.compile`` program.
+def _functorch(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a ``torch.func`` transform's tensor (no storage to read)."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(wrapped is not None and wrapped(x))
 
-    Only while ``torch.compile`` traces a call whose gradients are not wanted
-    (``torch.no_grad``, ``torch.inference_mode``). Not where autograd records the call: the
-    gradients of SDPA's inputs are laid out otherwise than the direct path's, which
-    ``torch.cond``'s backward refuses. Not with ``dynamic=True``: Dynamo then makes the scale
-    and the dropout rate symbolic floats, which ``torch.cond`` does not take from its branches.
+
+def fused(ops: TorchOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          request: Request) -> Result:
+    """Pools with torch's ``scaled_dot_product_attention`` (SDPA): ``(B, H, Q, Dv)``.
+
+    A call whose only mask is ``causal`` over as many queries as keys goes in as
+    ``is_causal=True``, letting SDPA pick its fastest kernel; any other masks as one boolean
+    ``attn_mask``. Fewer key/value heads go in as SDPA's own grouped-query heads. Rows with no
+    visible key come out as zeros (torch's SDPA gives zeros there, checked by
+    tests/test_torch.py).
     """
-    if not torch.compiler.is_compiling():  # every eager call asks: answered by this alone
-        return False
-    static = getattr(torch._dynamo.config, "assume_static_by_default", True)
-    return bool(static and not torch.is_grad_enabled())
+    masks, (_, H, Q, K) = request.masks, request.call.shape
+    causal = len(masks) == 1 and isinstance(masks[0], Causal) and request.call.offset == 0
+    mask = None if causal else visible(request)
+    scale = request.scale
+    if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
+        q, scale = q * scale, 1.0
+    dropout = request.dropout if request.dropout > 0 else 0.0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                         is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return Result(out)
 
 
-def _compiled_cond(pred: torch.Tensor, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
-    """``torch.cond`` on the one-element ``pred``; each branch's tensors made contiguous.
+def prefers_fused(ops: TorchOps, request: Request) -> bool:
+    """SDPA, except in a program recorded for export (``torch.export``, ``torch.jit.trace``).
 
-    ``torch.cond`` needs both branches to give tensors of one layout, and SDPA lays out its
-    output otherwise than a matrix product does.
+    An exported program then holds the direct kernel's plain operators, which ONNX and other
+    runtimes take (``implementation="fused"`` is taken as given).
     """
-    def dense(branch: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            result = branch()
-            if isinstance(result, tuple):
-                return tuple(x.contiguous() for x in result)
-            return result.contiguous()
-        return run
-
-    return torch.cond(torch.reshape(pred, ()), dense(if_true), dense(if_false))
+    return not (torch.compiler.is_exporting()
+                or torch.jit.is_tracing())  # type: ignore[attr-defined, no-untyped-call]
 
 
-def _attend_out_of_range(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    visible: torch.Tensor | None, scale: float | torch.Tensor, dropout: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out_of_range, output)``: the core's bound failed, and the eager call then, else 0.
+def prefers_blockwise(ops: TorchOps, request: Request) -> bool:
+    """From :data:`~attention_core.kernels.blockwise.MIN_SCORES` scores, in eager calls only.
 
-    ``output`` is the eager ``dot_product_attention`` of the inputs where the bound fails,
-    zeros where it holds.
-    One operator of the traced program (``attention_core::attend_out_of_range``), which
-    checks the bound when it runs, on the host. Its gradient is zero for inputs in range;
-    for others it runs the eager call again, under autograd, on the saved inputs. Dropout
-    there draws its mask from a seed taken in the program, so both passes draw one mask.
-
-    Args:
-        queries: ``(B, H, Q, D)``.
-        keys: ``(B, H, K, D)``.
-        values: ``(B, H, K, Dv)``.
-        visible: Boolean, True = may attend, broadcastable to ``(B, H, Q, K)``; or None.
-        scale: Multiplies the scores; a 0-d tensor when it is ``1 / sqrt(D)`` of a depth
-            traced as a size.
-        dropout: Dropout rate on the weights (0 for none).
-
-    Returns:
-        A 0-d boolean tensor, and ``(B, H, Q, Dv)``.
+    In a traced program the direct kernel is taken: Dynamo would unroll the blockwise loops
+    into the program, and Inductor cannot lay out their blocks once the lengths are symbolic.
     """
-    B, H, Q, _ = queries.shape
-    if visible is not None:
-        visible = visible.expand(B, H, Q, keys.shape[2])
-    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout > 0 else torch.zeros(
-        (), dtype=torch.int64)
-    factor = None if isinstance(scale, torch.Tensor) else scale  # None: 1 / sqrt(D) again
-    out, out_of_range = torch.ops.attention_core.attend_out_of_range(
-        queries, keys, values, visible, factor, dropout, seed)
-    return out_of_range, out
+    return not _tracing() and blockwise.enough_scores(request, blockwise.MIN_SCORES)
 
 
-@torch.library.custom_op("attention_core::attend_out_of_range", mutates_args=())
-def _attend(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    visible: torch.Tensor | None, scale: float | None, dropout: float, seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`_attend_out_of_range`."""
-    if _in_range(queries, keys, values, scale):
-        return _output_like(queries, values, 0.0), torch.zeros((), dtype=torch.bool)
-    with torch.no_grad():  # contiguous, as the fake says (SDPA lays its output out otherwise)
-        out = _eager_call(queries, keys, values, visible, scale, dropout, seed).contiguous()
-    return out, torch.ones((), dtype=torch.bool)
-
-
-@_attend.register_fake
-def _(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-      visible: torch.Tensor | None, scale: float | None, dropout: float,
-      seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _output_like(queries, values, None), torch.empty((), dtype=torch.bool)
-
-
-@torch.library.custom_op("attention_core::attend_out_of_range_backward", mutates_args=())
-def _attend_backward(
-    grad: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    visible: torch.Tensor | None, scale: float | None, dropout: float, seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`_attend`'s inputs: zeros in range, else by its eager call.
-
-    Out of range, the eager call runs again, under autograd. An operator's body runs below
-    autograd's dispatch keys; the eager call is recorded by letting autograd back in for its
-    span (a private torch guard: tests/test_torch.py's compiled training steps fail if it
-    stops doing so).
-    """
-    if _in_range(queries, keys, values, scale):
-        return queries.new_zeros(queries.shape), keys.new_zeros(keys.shape), values.new_zeros(
-            values.shape)
-    autograd_back = torch._C._SetExcludeDispatchKeyGuard(
-        torch._C.DispatchKey.AutogradFunctionality, False)
-    with autograd_back, torch.enable_grad():
-        leaves = [x.detach().requires_grad_() for x in (queries, keys, values)]
-        out = _eager_call(leaves[0], leaves[1], leaves[2], visible, scale, dropout, seed)
-        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()  # as the fake says
-
-
-@_attend_backward.register_fake
-def _(grad: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-      visible: torch.Tensor | None, scale: float | None, dropout: float,
-      seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return queries.new_empty(queries.shape), keys.new_empty(keys.shape), values.new_empty(
-        values.shape)
-
-
-def _attend_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    queries, keys, values, visible, scale, dropout, seed = inputs
-    ctx.save_for_backward(queries, keys, values, visible, seed)
-    ctx.scale, ctx.dropout = scale, dropout
-
-
-def _attend_gradient(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:
-    queries, keys, values, visible, seed = ctx.saved_tensors
-    dq, dk, dv = _attend_backward(grad, queries, keys, values, visible, ctx.scale, ctx.dropout,
-                                  seed)
-    return dq, dk, dv, None, None, None, None
-
-
-_attend.register_autograd(_attend_gradient, setup_context=_attend_context)
-
-
-def _output_like(queries: torch.Tensor, values: torch.Tensor, fill: float | None) -> torch.Tensor:
-    """``(B, H, Q, Dv)`` of the queries' dtype and device: ``fill``, or empty when None."""
-    shape = (*queries.shape[:-1], values.shape[-1])
-    return queries.new_empty(shape) if fill is None else queries.new_full(shape, fill)
-
-
-def _in_range(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              scale: float | None) -> bool:
-    """The core's bound (``_inputs_in_range``), read on the host."""
-    from attention_core.attention import _inputs_in_range, _scale_factor
-
-    factor = _scale_factor(OPS, queries, scale)
-    return bool(_inputs_in_range(OPS, queries, keys, values, factor).reshape(()))
-
-
-def _eager_call(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    visible: torch.Tensor | None, scale: float | None, dropout: float, seed: torch.Tensor,
-) -> torch.Tensor:
-    """The library's eager call, its dropout drawn from ``seed``.
-
-    With dropout, the global generator is seeded from ``seed`` for the call's span, then put
-    back as it was.
-    """
-    from attention_core.attention import dot_product_attention
-
-    devices = [queries.device] if queries.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=dropout > 0):
-        if dropout > 0:
-            torch.manual_seed(int(seed))
-        return cast(torch.Tensor, dot_product_attention(queries, keys, values, mask=visible,
-                                                        scale=scale, dropout=dropout, ops=OPS))
+register_kernel("fused", fused, Capabilities(scores=frozenset()), backend="torch", priority=20,
+                prefers=prefers_fused)
+register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="torch",
+                priority=10, prefers=prefers_blockwise)
 
 
 #: Dtypes torch's layer norm kernel computes as the core does (statistics in the same dtype).

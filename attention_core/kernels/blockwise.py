@@ -8,9 +8,9 @@ the running maximum ``m``, the running sum ``l`` of ``exp(s - m)`` and the runni
 and ``acc`` are rescaled by ``exp(m - m')``. At the end ``out = acc / l``, which is the
 softmax-weighted sum of the values, exactly as on the direct path.
 
-Masked scores are replaced by the dtype's most negative value, as on the direct path, so their
-exponential is exactly 0; a row with no visible key keeps ``l = 0`` and ``acc = 0`` and comes
-out as zeros. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
+Hidden scores are selected away, as on the direct path, so their exponential is exactly 0; a
+row with no visible key keeps ``l = 0`` and ``acc = 0`` and comes out as zeros, its
+log-sum-exp ``m + log l`` as ``-inf``. float16 and bfloat16 are scored and pooled in float32. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
 state ``(B, H, q_block, Dv)``, whatever the sequence length.
 
 Under a tape (TensorFlow's, eager or in ``tf.function``, and MXNet's) the ops'
@@ -28,9 +28,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attention_core.masks import FILL_VALUE, Visibility
+from attention_core.kernels import Capabilities, Request, Result
+from attention_core.kernels.rows import accumulation_dtype, hidden, sink_column, widened
+from attention_core.masks import FILL_VALUE
+from attention_core.modifiers import AllMasks
 from attention_core.ops import Array, Ops
-from attention_core.scores import ScoreTerms, pooled, products
+from attention_core.scores import pooled, products
 
 #: Largest number of scores in one tile, ``B * H * q_block * k_block``: 2**21 floats is 8 MiB
 #: in float32, small enough to stay near the caches and to keep peak memory flat in n.
@@ -47,6 +50,11 @@ KEY_BLOCK = 1024
 
 #: Fewest queries per block: below this the matrix products get too thin to be efficient.
 MIN_QUERY_BLOCK = 16
+
+#: Scores ``B * H * Q * K`` from which the automatic choice stops forming the weights (16 MiB
+#: of float32): below it the direct path's few large kernels are quickest, above it the
+#: blockwise path is as fast or faster and its memory stays flat (see docs/speed.md).
+MIN_SCORES = 2**22
 
 Carry = tuple[Array, Array, Array]
 
@@ -91,47 +99,64 @@ def recompute_sizes(batch_heads: int, num_queries: int, num_keys: int) -> tuple[
     return q_block, k_block
 
 
+CAPABILITIES = Capabilities(lse=True, sinks=True, exact_non_finite=True)
+
+
+def prefers(ops: Ops, request: Request) -> bool:
+    """From :data:`MIN_SCORES` scores on, with Q and K known now."""
+    return enough_scores(request, MIN_SCORES)
+
+
+def enough_scores(request: Request, least: float) -> bool:
+    """Whether Q and K are known now and the call has at least ``least`` scores."""
+    shape = request.call.shape
+    return all(isinstance(d, int) for d in shape) and least <= math.prod(shape)
+
+
+def blockwise(ops: Ops, q: Array, k: Array, v: Array, request: Request) -> Result:
+    """The kernel: :func:`blockwise_attention` with the request's modifiers."""
+    out, lse = blockwise_attention(ops, q, k, v, request)
+    return Result(out, None, lse)
+
+
 def blockwise_attention(
     ops: Ops,
     queries: Array,
     keys: Array,
     values: Array,
-    visible: Visibility,
-    dropout: float = 0.0,
+    request: Request,
     q_block: int | None = None,
     k_block: int | None = None,
-    *,
-    scale: Any = 1.0,
-    terms: ScoreTerms | None = None,
-) -> Array:
-    """``softmax_visible(queries @ keys^T) @ values``, one tile of scores at a time.
+) -> tuple[Array, Array | None]:
+    """``softmax(queries @ keys^T) @ values`` over the visible keys, one tile of scores at a time.
 
-    Key blocks hidden from a whole query block are not visited: those past the longest valid
-    length, the causal edge or the window, and, with a window, those before it, so that a
-    window of w keys costs O(Q w), not O(Q K).
+    Key blocks that the mask modifiers hide from a whole query block are not visited (see
+    :meth:`~attention_core.modifiers.MaskMod.span`): past the longest length, the causal
+    edge, outside a window or a block's own segments, so that a window of w keys costs
+    O(Q w), not O(Q K).
 
     Args:
         ops: The backend's ops.
         queries: ``(B, H, Q, D)``.
         keys: ``(B, Hkv, K, D)``; Hkv divides H (grouped-query heads).
         values: ``(B, Hkv, K, Dv)``.
-        visible: The call's masks (see :class:`~attention_core.masks.Visibility`).
-        dropout: Rate of inverted dropout on the weights (0 for none).
+        request: The call's modifiers, scale, dropout, sinks.
         q_block: Queries per block; chosen by :func:`block_sizes` when None.
         k_block: Keys per block; chosen by :func:`block_sizes` when None.
-        scale: Multiplies the scores; folded into each block of queries, so no scaled copy
-            of all the queries is made.
-        terms: What is added to each tile of scores before masking (soft-capping, ALiBi,
-            ``score_bias``), or None.
 
     Returns:
-        ``(B, H, Q, Dv)``; rows with no visible key are zeros.
+        ``(B, H, Q, Dv)`` in the inputs' dtype (rows with no visible key are zeros), and the
+        rows' log-sum-exp ``(B, H, Q)`` when the request asks for it, else None.
     """
     B, H, Q, _ = ops.shape(queries)
     K = ops.shape(keys)[2]
+    call, mask, scale = request.call, AllMasks(request.masks), request.scale
     batch_heads = math.prod([d if isinstance(d, int) else 1 for d in (B, H)])  # unknown: 1
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
+    keys, values = widened(ops, keys), widened(ops, values)
+    low = FILL_VALUE[accumulation_dtype(request.dtype)]  # the running max never drops below
+    sinks = None if request.sinks is None else sink_column(ops, request.sinks)
 
     def part(x: Array | list[Array], k0: Any, kn: int) -> Array:
         """Keys or values ``k0 .. k0 + kn``, from the array or from a recomputation's blocks.
@@ -145,82 +170,98 @@ def blockwise_attention(
         return block if ops.shape(block)[2] == kn else ops.slice(block, 2, 0, kn)
 
     def scores(q: Array, keys: Array | list[Array], q0: Any, qn: int, k0: Any, kn: int) -> Array:
-        s = products(ops, q, part(keys, k0, kn))  # (B, H, qn, kn)
-        if terms is not None:
-            s = terms.apply(s, q0, qn, k0, kn)
-        mask = visible.tile(q0, qn, k0, kn)
-        # the fill of the scores' dtype, which is not the queries' under torch.autocast
-        return s if mask is None else ops.where(mask, s, FILL_VALUE[ops.dtype_name(s)])
+        """The tile's scores, modified, with the hidden ones at ``-inf``."""
+        s = products(ops, q, widened(ops, part(keys, k0, kn)))  # (B, H, qn, kn)
+        tile = call.tile(q0, qn, k0, kn)
+        for mod in request.scores:
+            s = mod.apply(s, tile)
+        return hidden(ops, s, mask.visible(tile))
 
     exp_diff = getattr(ops, "exp_diff", None) or (lambda x, y: ops.exp(x - y))
     constant = getattr(ops, "stop_gradient", None) or (lambda x: x)  # StopGradientOps
 
     def row_max(s: Array) -> Array:
-        """The rows' largest scores, at least the fill; no gradient flows through them.
+        """The rows' largest scores, at least the dtype's lowest; no gradient flows through them.
 
-        A row of ``-inf`` scores (unmasked) must not give ``m = -inf``, whose rescale
-        ``exp(m - m_new)`` would be NaN. The output does not depend on ``m`` (it cancels
-        between ``acc`` and ``l``), so its gradient through ``m`` is zero.
+        A row of ``-inf`` scores must not give ``m = -inf``, whose rescale ``exp(m - m_new)``
+        would be NaN. The output does not depend on ``m`` (it cancels between ``acc`` and
+        ``l``), so its gradient through ``m`` is zero.
         """
         m = ops.max(constant(s), -1)
-        fill = FILL_VALUE[ops.dtype_name(m)]
-        return ops.where(m > fill, m, fill)  # a NaN row stays NaN through its weights
-
-    def weigh(s: Array, m: Array) -> Array:
-        """``exp(s - m)``, exactly 0 where ``s`` is the fill, also while ``m`` is the fill."""
-        return exp_diff(s, ops.where(m > FILL_VALUE[ops.dtype_name(m)], m, 0.0))  # s not read again
+        return ops.where(m > low, m, low)  # a NaN row stays NaN through its weights
 
     def pool(p: Array, values: Array | list[Array], k0: Any, kn: int) -> Array:
-        p = ops.dropout(p, dropout) if dropout > 0 else p
-        return pooled(ops, p, part(values, k0, kn))  # (B, H, qn, Dv)
+        p = ops.dropout(p, request.dropout) if request.dropout > 0 else p
+        return pooled(ops, p, widened(ops, part(values, k0, kn)))  # (B, H, qn, Dv)
+
+    def span(q0: Any, qn: int, aligned: int | None) -> tuple[Any, int]:
+        """``(first, count)`` of the keys the block visits; ``first`` a multiple of ``aligned``."""
+        found = mask.span(call, q0, qn)
+        if found is None:
+            return 0, K
+        first, count = found
+        if aligned is None:
+            return first, count
+        if not isinstance(first, int):
+            return 0, K
+        return first - first % aligned, count + first % aligned
 
     def pooled_block(q: Array, keys: Array | list[Array], values: Array | list[Array], q0: Any,
-               qn: int, k_block: int = k_block) -> Array:
-        """The block of queries ``q`` (``(B, H, qn, D)``, from row ``q0``) pooled over the keys."""
-        q = q * scale
-        span = visible.key_span(q0, qn)  # a window's keys: the others are hidden from the block
-        # keys from base + limit on are hidden from the whole block
-        base, limit = (0, visible.key_limit(q0, qn)) if span is None else span
+                     qn: int, k_block: int = k_block) -> tuple[Array, Array]:
+        """The block of queries ``q`` (from row ``q0``) pooled over the keys, and its lse."""
+        q = widened(ops, q) * scale
+        base, limit = span(q0, qn, k_block if isinstance(keys, list) else None)
         kn = min(k_block, limit)
         s = scores(q, keys, q0, qn, base, kn)  # the first key block starts the running state
         m = row_max(s)  # (B, H, qn, 1)
-        p = weigh(s, m)
+        p = exp_diff(s, m)  # exactly 0 where hidden
         start: Carry = (m, ops.sum(p, -1), pool(p, values, base, kn))
 
         def step(carry: Carry, k0: Any, kn: int) -> Carry:
             m, total, acc = carry
             s = scores(q, keys, q0, qn, k0, kn)
             m_new = ops.maximum(m, row_max(s))
-            rescale = ops.exp(m - m_new)  # 0 when m was the fill and m_new is not
-            p = weigh(s, m_new)
+            rescale = ops.exp(m - m_new)
+            p = exp_diff(s, m_new)
             return m_new, total * rescale + ops.sum(p, -1), acc * rescale + pool(p, values, k0, kn)
 
-        _, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block, base)
-        return acc / ops.where(total > 0, total, 1.0)
+        m, total, acc = _fold_blocks(ops, step, start, kn, limit, k_block, base)
+        if sinks is not None:  # one more key, of score sink_h and value 0
+            m_new = ops.maximum(m, sinks)
+            rescale = ops.exp(m - m_new)
+            m, total, acc = m_new, total * rescale + ops.exp(sinks - m_new), acc * rescale
+        return acc / ops.where(total > 0, total, 1.0), m + ops.log(total)  # accumulation dtype
 
     def query_block(q0: Any, qn: int) -> Array:
-        return pooled_block(ops.slice(queries, 2, q0, qn), keys, values, q0, qn)
+        out, lse = pooled_block(ops.slice(queries, 2, q0, qn), keys, values, q0, qn)
+        return ops.concatenate([out, lse], -1) if request.lse else narrow(out)
+
+    def narrow(x: Array) -> Array:
+        return x if ops.dtype_name(x) == request.dtype else ops.astype(x, request.dtype)
 
     # Recomputed in the backward pass, one query block at a time, where the ops can; not under
-    # dropout, whose recomputation would draw another mask (every tile is then kept), nor with
-    # a window, whose tiles are O(Q w) in all and whose key blocks start anywhere.
-    plain = dropout == 0 and visible.window is None
-    recompute = getattr(ops, "recompute_blocks", None) if plain else None
-    if recompute is not None:
+    # dropout, whose recomputation would draw another mask (every tile is then kept).
+    recompute = getattr(ops, "recompute_blocks", None)
+    if recompute is not None and request.dropout == 0 and not request.lse:
         size, key_size = recompute_sizes(batch_heads, Q, K)
         blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
 
         def block(b: Any, q: Array, k: Array | list[Array], v: Array | list[Array]) -> Array:
             """Block ``b``'s output; a run-time ``b`` stands for a full block of ``size``."""
             q0, qn = blocks[b] if isinstance(b, int) else (b * size, size)
-            return pooled_block(q, k, v, q0, qn, key_size)
+            return narrow(pooled_block(q, k, v, q0, qn, key_size)[0])
 
         # the masks, the block's place and the scale reach it by closure: they get no gradient
         out = recompute(block, blocks, key_size, queries, keys, values)
         if out is not None:
-            return out
+            return out, None
 
-    return _map_blocks(ops, query_block, Q, q_block, axis=2)
+    both = _map_blocks(ops, query_block, Q, q_block, axis=2)
+    if not request.lse:
+        return both, None
+    Dv = ops.shape(values)[3]
+    lse = ops.slice(both, 3, Dv, 1)[:, :, :, 0]
+    return narrow(ops.slice(both, 3, 0, Dv)), ops.astype(lse, "float32")
 
 
 def _fold_blocks(

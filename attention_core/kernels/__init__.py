@@ -1,0 +1,231 @@
+"""Kernels: the ways to pool attention, registered by name with what each can do.
+
+Every kernel has one signature, ``kernel(ops, queries, keys, values, request) -> Result``, and
+declares its :class:`Capabilities`. The core registers ``"direct"`` (forms the weights) and
+``"blockwise"`` (an online softmax over key blocks) for every backend; an adapter registers its
+framework's fused kernel as ``"fused"``; a user may register their own. :func:`choose` is the
+one rule that picks: the kernel named by ``implementation=`` (refused with the reason when it
+cannot do what the call asks), else the first kernel, by priority, that can do everything the
+call asks and prefers the call's shape. Which kernel ran, and why the others were passed over,
+is logged at DEBUG level on the ``attention_core.kernels`` logger, and :func:`explain` says it
+for a call without running it.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, Q queries, K keys, D depth, Dv value
+depth.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from attention_core.modifiers import Call, MaskMod, ScoreMod
+from attention_core.ops import FLOAT_DTYPES, Array, Ops
+
+LOG = logging.getLogger("attention_core.kernels")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one call of attention asks of a kernel, its modifiers bound to the call.
+
+    Attributes:
+        call: The backend, the scores' shape ``(B, H, Q, K)`` and the queries' positions.
+        masks: The mask modifiers, ANDed (empty for none).
+        scores: The score modifiers, in order (empty for none).
+        scale: Multiplies ``q . k``; a float, or a run-time scalar.
+        dropout: Rate of dropout on the weights (0 for none).
+        sinks: Per-head sink logits ``(H,)``, or None.
+        weights: Whether the weights ``(B, H, Q, K)`` are wanted.
+        lse: Whether each row's log-sum-exp ``(B, H, Q)`` is wanted.
+        dtype: The inputs' dtype.
+        traced: Whether the call is being traced into a program.
+        value_depth: Whether Dv differs from D.
+        check_numerics: Whether NaN and inf must reach exactly the rows that see them.
+    """
+
+    call: Call
+    masks: tuple[MaskMod, ...] = ()
+    scores: tuple[ScoreMod, ...] = ()
+    scale: Any = 1.0
+    dropout: float = 0.0
+    sinks: Array | None = None
+    weights: bool = False
+    lse: bool = False
+    dtype: str = "float32"
+    traced: bool = False
+    value_depth: bool = False
+    check_numerics: bool = False
+
+
+@dataclass(frozen=True)
+class Result:
+    """A kernel's answer: the output ``(B, H, Q, Dv)``, and the weights and log-sum-exp if asked."""
+
+    out: Array
+    weights: Array | None = None
+    lse: Array | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kernel can do; anything a call asks beyond it passes the kernel over.
+
+    Attributes:
+        masks: The mask modifier types it takes (None: any).
+        scores: The score modifier types it takes (None: any).
+        weights: Returns the attention weights.
+        lse: Returns each row's log-sum-exp.
+        sinks: Takes per-head sink logits.
+        dropout: Takes dropout on the weights.
+        dtypes: The input dtypes it takes.
+        traceable: Runs in a traced program.
+        value_depth: Takes values deeper or shallower than the keys (Dv != D).
+        exact_non_finite: NaN and inf reach exactly the rows that see them.
+    """
+
+    masks: frozenset[type] | None = None
+    scores: frozenset[type] | None = None
+    weights: bool = False
+    lse: bool = False
+    sinks: bool = False
+    dropout: bool = True
+    dtypes: frozenset[str] = frozenset(FLOAT_DTYPES)
+    traceable: bool = True
+    value_depth: bool = True
+    exact_non_finite: bool = False
+
+    def missing(self, request: Request) -> list[str]:
+        """What ``request`` asks that this kernel cannot do, in words (empty: nothing)."""
+        why = [_untaken("mask", self.masks, request.masks),
+               _untaken("score", self.scores, request.scores)]
+        for asked, can, words in (
+            (request.weights, self.weights, "never forms the attention weights"),
+            (request.lse, self.lse, "does not return the log-sum-exp"),
+            (request.sinks is not None, self.sinks, "does not take sinks"),
+            (request.dropout > 0, self.dropout, "does not take dropout"),
+            (request.dtype not in self.dtypes, False, f"does not take {request.dtype} inputs"),
+            (request.traced, self.traceable, "does not run in a traced program"),
+            (request.value_depth, self.value_depth, "needs values as deep as the keys"),
+            (request.check_numerics, self.exact_non_finite, "does not check numerics"),
+        ):
+            why.append(words if asked and not can else "")
+        return [w for w in why if w]
+
+
+def _untaken(kind: str, taken: frozenset[type] | None, mods: tuple[Any, ...]) -> str:
+    """Words for the modifiers of ``mods`` outside ``taken`` ('' when it takes them all)."""
+    left = [] if taken is None else sorted({type(m).__name__ for m in mods if type(m) not in taken})
+    return f"does not take the {kind} modifiers {', '.join(left)}" if left else ""
+
+
+Kernel = Callable[[Ops, Array, Array, Array, Request], Result]
+Prefers = Callable[[Ops, Request], bool]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered kernel."""
+
+    name: str
+    kernel: Kernel
+    capabilities: Capabilities
+    backend: str | None = None
+    priority: int = 0
+    prefers: Prefers = field(default=lambda ops, request: True)
+
+
+_REGISTRY: dict[tuple[str, str | None], Entry] = {}
+_LOCK = threading.Lock()
+
+
+def register_kernel(name: str, kernel: Kernel, capabilities: Capabilities, *,
+                    backend: str | None = None, priority: int = 0,
+                    prefers: Prefers | None = None) -> None:
+    """Registers ``kernel`` under ``name`` for one backend (None: every backend).
+
+    A backend's own entry of a name shadows the entry for every backend. The automatic choice
+    tries kernels by descending ``priority``, each only where ``prefers(ops, request)`` holds.
+
+    Raises:
+        TypeError: ``capabilities`` is not a :class:`Capabilities`, or ``kernel`` not callable.
+    """
+    if not isinstance(capabilities, Capabilities):
+        raise TypeError(f"capabilities must be a Capabilities, got {type(capabilities).__name__}")
+    if not callable(kernel):
+        raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
+    entry = Entry(name, kernel, capabilities, backend, priority,
+                  prefers or (lambda ops, request: True))
+    with _LOCK:
+        _REGISTRY[name, backend] = entry
+
+
+def registered_names() -> set[str]:
+    """The names of every registered kernel, of any backend."""
+    with _LOCK:
+        return {name for name, _ in _REGISTRY}
+
+
+def kernels(backend: str) -> list[Entry]:
+    """The kernels a backend can run, by descending priority."""
+    with _LOCK:
+        entries = dict(_REGISTRY)
+    names = {name for name, owner in entries if owner in (None, backend)}
+    found = [entries.get((n, backend)) or entries[n, None] for n in names]
+    return sorted(found, key=lambda e: (-e.priority, e.name))
+
+
+def choose(ops: Ops, request: Request, implementation: str | None = None
+           ) -> tuple[Entry, dict[str, str]]:
+    """The kernel for ``request``, and why each kernel tried before it was passed over.
+
+    Raises:
+        ValueError: ``implementation`` names no kernel of this backend, or one that cannot do
+            what the call asks (the message says what).
+    """
+    available = kernels(ops.name)
+    if implementation is not None:
+        entry = next((e for e in available if e.name == implementation), None)
+        if entry is None:
+            names = ", ".join(repr(e.name) for e in available)
+            raise ValueError(f"implementation={implementation!r}: the {ops.name} backend has "
+                             f"no kernel of that name; its kernels are {names}")
+        why = entry.capabilities.missing(request)
+        if why:
+            able = [repr(e.name) for e in available if not e.capabilities.missing(request)]
+            raise ValueError(f"implementation={implementation!r} {'; '.join(why)}: this call "
+                             f"needs implementation=None or {' or '.join(able)}")
+        return entry, {}
+    passed: dict[str, str] = {}
+    for entry in available:
+        why = entry.capabilities.missing(request)
+        if not why and entry.prefers(ops, request):
+            return entry, passed
+        passed[entry.name] = "; ".join(why) or "not preferred for this call"
+    raise ValueError(f"no kernel of the {ops.name} backend can run this call: "
+                     + "; ".join(f"{k}: {v}" for k, v in passed.items()))
+
+
+def run(ops: Ops, q: Array, k: Array, v: Array, request: Request,
+        implementation: str | None = None) -> Result:
+    """Chooses the kernel for ``request`` and runs it (logged at DEBUG level)."""
+    entry, passed = choose(ops, request, implementation)
+    if LOG.isEnabledFor(logging.DEBUG):
+        LOG.debug("%s kernel %r for (B, H, Q, K) = %s%s", ops.name, entry.name,
+                  request.call.shape, "".join(f"; passed over {n!r}: {w}" for n, w in passed.items()))
+    return entry.kernel(ops, q, k, v, request)
+
+
+def _register_core() -> None:
+    """The kernels every backend has: the direct one last, as it can do everything."""
+    from attention_core.kernels import blockwise, direct
+
+    register_kernel("direct", direct.direct, direct.CAPABILITIES, priority=0)
+    register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, priority=10,
+                    prefers=blockwise.prefers)
+
+
+_register_core()
