@@ -20,12 +20,12 @@ from typing import Any
 from attention_core import checks, kernels
 from attention_core import modifiers as mods
 from attention_core import weights as W
+from attention_core.host import host_array
 from attention_core.kernels import Request, Result
 from attention_core.kernels.rows import softmax_weights, widened
 from attention_core.linear import dense
 from attention_core.masks import own
-from attention_core.host import host_array
-from attention_core.ops import Array, Ops
+from attention_core.ops import FLOAT_DTYPES, Array, Ops
 from attention_core.positional import rotated_heads
 from attention_core.registry import ops_for
 from attention_core.scores import pooled
@@ -337,7 +337,7 @@ def _sinks(ops: Ops, sinks: Any, heads: Any) -> Array | None:
         return None
     host = None if own(ops, sinks) else host_array(sinks)
     dtype = ops.dtype_name(sinks) if host is None else host.dtype.name
-    if dtype not in checks.FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise TypeError(f"sinks must be floating point, got {dtype}")
     shape = ops.shape(sinks) if host is None else host.shape
     if len(shape) != 1 or (isinstance(heads, int) and isinstance(shape[0], int)

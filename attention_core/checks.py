@@ -50,6 +50,9 @@ def check_implementation(implementation: Any) -> str | None:
     """
     from attention_core.kernels import registered_names
 
+    if implementation is not None and not isinstance(implementation, str):
+        raise TypeError(f"implementation must be None or a kernel's name (str), got "
+                        f"{type(implementation).__name__}")
     if implementation is not None and implementation not in {*IMPLEMENTATIONS,
                                                              *registered_names()}:
         raise ValueError(

@@ -61,18 +61,25 @@ def dpa(h: Harness, arrays: list[np.ndarray], **kwargs: Any) -> Any:
     return ac.dot_product_attention(*(h.array(a) for a in arrays), **backend_kwargs(h, kwargs))
 
 
-def encode(h: Harness, tokens: np.ndarray) -> Any:
-    """The functional encoder (vocabulary of 11, one block) on ``tokens``."""
+def encode(h: Harness, tokens: np.ndarray | list[Any]) -> Any:
+    """The functional encoder (vocabulary of 11, one block) on ``tokens``.
+
+    Token ids given as a list stay on the host as a NumPy array, where their values are
+    checked on every backend (a JAX array's values are never read).
+    """
     spec = W.transformer_encoder_spec(11, 12, 16, 3, 1)
     weights = {k: h.array(v) for k, v in W.init_weights(spec, R).items()}
-    return ac.transformer_encoder(h.array(tokens), weights, 3)
+    return ac.transformer_encoder(np.array(tokens) if isinstance(tokens, list) else h.array(tokens),
+                                  weights, 3)
 
 
 # -- the layers rows act on: made, and called once with good input where ``built`` ----------
 
 
-def call(h: Harness, layer: Any, *arrays: np.ndarray, **kwargs: Any) -> Any:
-    return h.call(layer, *(h.array(a) for a in arrays), **backend_kwargs(h, kwargs))
+def call(h: Harness, layer: Any, *arrays: np.ndarray | list[Any], **kwargs: Any) -> Any:
+    """``layer`` called on backend arrays made from the NumPy ones; lists stay on the host."""
+    return h.call(layer, *(h.array(a) if isinstance(a, np.ndarray) else a for a in arrays),
+                  **backend_kwargs(h, kwargs))
 
 
 def mha(h: Harness, built: bool = True) -> Any:
@@ -512,10 +519,10 @@ CATALOGUE: list[Bad] = [
         lambda c: call(c.h, c.layer, *qkv(), score_bias=arr((4, 6), "int32")), TypeError,
         "score_bias must be floating point (float16, bfloat16, float32, float64), got int32",
         mha),
-    Bad("fused_score_bias", "sizes",
-        lambda c: dpa(c.h, qkv(v=(2, 6, 8)), score_bias=arr((4, 6)), implementation="fused"),
-        ValueError, "implementation='fused': soft-capping, ALiBi and score_bias are not given "
-        "to a fused kernel; use None, 'direct' or 'blockwise'"),
+    Bad("blockwise_weights", "sizes",
+        lambda c: dpa(c.h, qkv(), return_weights=True, implementation="blockwise"),
+        ValueError, "implementation='blockwise' never forms the attention weights: this call "
+        "needs implementation=None or 'direct'"),
     Bad("zero_hiddens", "sizes", lambda c: c.h.module.AdditiveAttention(0), ValueError,
         "num_hiddens must be a positive int, got 0"),
     Bad("relative_zero_offsets", "sizes", lambda c: c.h.module.RelativeMultiHeadAttention(12, 3, 0),
@@ -524,7 +531,8 @@ CATALOGUE: list[Bad] = [
         ValueError, "num_blks must be a positive int, got 0"),
     Bad("unknown_implementation", "sizes",
         lambda c: c.h.module.DotProductAttention(implementation="flash"), ValueError,
-        "implementation must be None, 'direct', 'blockwise' or 'fused', got 'flash'"),
+        "implementation must be None, 'direct', 'blockwise', 'fused' or a registered kernel's "
+        "name, got 'flash'"),
     Bad("scale_negative", "sizes", lambda c: dpa(c.h, qkv(), scale=-1.0), ValueError,
         "scale must be a positive finite float or None, got -1.0"),
     # -- valid_lens
@@ -536,18 +544,18 @@ CATALOGUE: list[Bad] = [
     Bad("valid_lens_float", "valid_lens",
         lambda c: dpa(c.h, qkv(), valid_lens=np.array([1.0, 2.0], F32)), TypeError,
         "valid_lens must have an integer dtype, got float32"),
-    Bad("valid_lens_negative", "valid_lens", lambda c: dpa(c.h, qkv(), valid_lens=np.array([-1, 2])),
+    Bad("valid_lens_negative", "valid_lens", lambda c: dpa(c.h, qkv(), valid_lens=[-1, 2]),
         ValueError, "valid_lens must be >= 0, got -1"),
-    Bad("valid_lens_too_long", "valid_lens", lambda c: dpa(c.h, qkv(), valid_lens=np.array([7, 2])),
+    Bad("valid_lens_too_long", "valid_lens", lambda c: dpa(c.h, qkv(), valid_lens=[7, 2]),
         ValueError, "valid_lens must be <= the number of keys (6), got 7"),
     Bad("layer_valid_lens_too_long", "valid_lens",
-        lambda c: call(c.h, c.layer, *qkv(), np.array([7, 2])), ValueError,
+        lambda c: call(c.h, c.layer, *qkv(), [7, 2]), ValueError,
         "valid_lens must be <= the number of keys (6), got 7", mha),
     Bad("layer_first_call_valid_lens", "valid_lens",
-        lambda c: call(c.h, c.layer, *qkv(), np.array([9, 9])), ValueError,
+        lambda c: call(c.h, c.layer, *qkv(), [9, 9]), ValueError,
         "valid_lens must be <= the number of keys (6), got 9", fresh_mha),
     Bad("layer_additive_valid_lens_negative", "valid_lens",
-        lambda c: call(c.h, c.layer, *qkv(q=(2, 4, 3)), np.array([3, -4])), ValueError,
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 4, 3)), [3, -4]), ValueError,
         "valid_lens must be >= 0, got -4", additive),
     Bad("layer_block_valid_lens_float", "valid_lens",
         lambda c: call(c.h, c.layer, arr((2, 5, 12)), np.array([5.0, 3.0], F32)), TypeError,
@@ -646,14 +654,14 @@ CATALOGUE: list[Bad] = [
     # -- token ids
     Bad("tokens_float", "tokens", lambda c: encode(c.h, np.ones((2, 5), F32)), TypeError,
         "tokens must be integer token ids, got dtype float32"),
-    Bad("tokens_too_large", "tokens", lambda c: encode(c.h, np.array([[1, 2, 11], [0, 0, 0]])),
+    Bad("tokens_too_large", "tokens", lambda c: encode(c.h, [[1, 2, 11], [0, 0, 0]]),
         ValueError, "tokens must be in [0, vocab_size) = [0, 11), got 11"),
-    Bad("tokens_negative", "tokens", lambda c: encode(c.h, np.array([[1, -2, 3]])), ValueError,
+    Bad("tokens_negative", "tokens", lambda c: encode(c.h, [[1, -2, 3]]), ValueError,
         "tokens must be in [0, vocab_size) = [0, 11), got -2"),
     Bad("tokens_rank", "tokens", lambda c: encode(c.h, np.array([1, 2, 3])), ValueError,
         "tokens must have shape (B, T) token ids, got (3,)"),
     Bad("layer_encoder_tokens_too_large", "tokens",
-        lambda c: call(c.h, c.layer, np.array([[1, 2, 30]])), ValueError,
+        lambda c: call(c.h, c.layer, [[1, 2, 30]]), ValueError,
         "tokens must be in [0, vocab_size) = [0, 11), got 30", encoder),
     # -- get_weights / set_weights
     Bad("get_weights_before_first_call", "set_weights", lambda c: c.layer.get_weights(), ValueError,
@@ -1118,7 +1126,7 @@ BATCH_ROWS: list[Bad] = [
         lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), np.array([1, 2, 3])), ValueError,
         "enc_valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 3), got (3,)", decoder),
     Bad("decoder_enc_valid_lens_range", "batch",
-        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), np.array([1, 9])), ValueError,
+        lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), [1, 9]), ValueError,
         "enc_valid_lens must be <= the number of keys (4), got 9", decoder),
     Bad("decoder_enc_valid_lens_dtype", "batch",
         lambda c: call(c.h, c.layer, DEC_TOKENS, arr((2, 4, 8)), np.array([1.0, 2.0], F32)),
@@ -1408,7 +1416,52 @@ CONVERTER_ROWS: list[Bad] = [
 ]
 
 
-CATALOGUE += BATCH_ROWS + GENERATION_ROWS + HOST_ROWS + CONVERTER_ROWS
+def _not_bool(b: Any, h: Any, q: Any, k: Any) -> Any:
+    """A mask_mod that returns integers, not booleans."""
+    return q - k
+
+
+#: The open core's arguments: segment ids, sinks, user modifiers, the new flags.
+MODIFIER_ROWS: list[Bad] = [
+    Bad("segment_ids_float", "dtype",
+        lambda c: dpa(c.h, qkv(), segment_ids=arr((2, 6))), TypeError,
+        "segment_ids must have an integer dtype, got float32"),
+    Bad("segment_ids_shape", "sizes",
+        lambda c: dpa(c.h, qkv(), segment_ids=np.zeros((2, 5), np.int32)), ValueError,
+        "segment_ids must have shape (2, 6), got (2, 5)"),
+    Bad("segment_ids_pair_shape", "sizes",
+        lambda c: dpa(c.h, qkv(), segment_ids=(np.zeros((2, 6), np.int32),
+                                               np.zeros((2, 6), np.int32))), ValueError,
+        "segment_ids[0] must have shape (2, 4), got (2, 6)"),
+    Bad("sinks_shape", "sizes",
+        lambda c: dpa(c.h, [arr((2, 3, 4, 8)), arr((2, 3, 6, 8)), arr((2, 3, 6, 5))],
+                      sinks=arr((2,))), ValueError,
+        "sinks must have shape (H,) = (3,), got (2,)"),
+    Bad("sinks_integer", "dtype",
+        lambda c: dpa(c.h, qkv(), sinks=np.zeros((1,), np.int32)), TypeError,
+        "sinks must be floating point, got int32"),
+    Bad("mask_mod_not_callable", "mask",
+        lambda c: dpa(c.h, qkv(), mask_mod="causal"), TypeError,
+        "mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx), a mask modifier or a list "
+        "of them, got str"),
+    Bad("mask_mod_not_boolean", "mask", lambda c: dpa(c.h, qkv(), mask_mod=_not_bool), TypeError,
+        "mask_mod must return a boolean array (True = may attend), got int32"),
+    Bad("score_mod_not_callable", "sizes", lambda c: dpa(c.h, qkv(), score_mod=3.0), TypeError,
+        "score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx), a score modifier "
+        "or a list of them, got float"),
+    Bad("return_lse_not_bool", "sizes", lambda c: dpa(c.h, qkv(), return_lse="yes"), TypeError,
+        "return_lse must be True or False, got 'yes'"),
+    Bad("check_numerics_not_bool", "sizes", lambda c: dpa(c.h, qkv(), check_numerics=1),
+        TypeError, "check_numerics must be True or False, got 1"),
+    Bad("lse_from_a_weightless_kernel", "sizes",
+        lambda c: dpa(c.h, qkv(), return_weights=True, return_lse=True,
+                      implementation="blockwise"), ValueError,
+        "implementation='blockwise' never forms the attention weights: this call needs "
+        "implementation=None or 'direct'"),
+]
+
+
+CATALOGUE += BATCH_ROWS + GENERATION_ROWS + HOST_ROWS + CONVERTER_ROWS + MODIFIER_ROWS
 
 assert len({row.name for row in CATALOGUE}) == len(CATALOGUE), "row names must be unique"
 
@@ -1560,7 +1613,7 @@ def test_failed_first_call_leaves_input_sizes_open(backend: str) -> None:
     """A first call that fails builds nothing: the next good call may choose any input width."""
     h = Harness(backend)
     layer = fresh_mha(h)
-    for bad in (lambda: call(h, layer, *qkv(), np.array([9, 9])),
+    for bad in (lambda: call(h, layer, *qkv(), [9, 9]),
                 lambda: call(h, layer, *qkv(dtypes=("int32", F32, F32)))):
         with pytest.raises((ValueError, TypeError)):
             bad()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from attention_core.modifiers.base import Call, ScoreMod, Tile
 from attention_core.ops import Array
 from attention_core.positional import alibi_slopes
@@ -11,7 +13,7 @@ class Alibi(ScoreMod):
     """Linear biases by distance, one slope per head."""
 
     def __init__(self) -> None:
-        self.slopes = None
+        self.slopes: np.ndarray | None = None
 
     def bind(self, call: Call) -> Alibi:
         heads = call.shape[1]

@@ -65,6 +65,7 @@ class Tile:
 
     @property
     def ops(self) -> Ops:
+        """The call's backend ops."""
         return self.call.ops
 
     def b(self) -> Array:

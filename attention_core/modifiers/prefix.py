@@ -26,7 +26,7 @@ class PrefixLM(MaskMod):
 
     def bind(self, call: Call) -> PrefixLM:
         bound = PrefixLM(None)
-        B, H, Q, K = call.shape
+        B, H, _, K = call.shape
         bound.lens, bounds = lens_column(call.ops, self.lens, (B, H, 1, K), name="prefix_lens")
         bound.longest = None if bounds is None else bounds[1]
         return bound

@@ -66,8 +66,11 @@ class Segments(MaskMod):
 
 
 def _checked(ops: Ops, name: str, ids: Any, want: tuple[Any, ...]) -> tuple[Array, np.ndarray | None]:
-    """Checks integer ids of shape ``want``; returns them as a backend array, and their values
-    when they are on the host."""
+    """Checks integer ids of shape ``want``.
+
+    Returns:
+        The ids as a backend array, and their values when they are on the host, else None.
+    """
     host = None if own(ops, ids) else host_array(ids)
     dtype = ops.dtype_name(ids) if host is None else host.dtype.name
     if not dtype.startswith(("int", "uint")):

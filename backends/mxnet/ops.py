@@ -282,6 +282,10 @@ def _settle(x: Any) -> None:
 OPS = MXNetOps()
 
 
+def _prefers_blockwise(ops: Any, request: blockwise.Request) -> bool:
+    """From :attr:`MXNetOps.blockwise_min_scores` scores on."""
+    return blockwise.enough_scores(request, ops.blockwise_min_scores)
+
+
 register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="mxnet",
-                priority=10, prefers=lambda ops, request: blockwise.enough_scores(
-                    request, ops.blockwise_min_scores))
+                priority=10, prefers=_prefers_blockwise)

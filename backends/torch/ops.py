@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,7 +179,7 @@ def _functorch(x: torch.Tensor) -> bool:
     return bool(wrapped is not None and wrapped(x))
 
 
-def fused(ops: TorchOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           request: Request) -> Result:
     """Pools with torch's ``scaled_dot_product_attention`` (SDPA): ``(B, H, Q, Dv)``.
 
@@ -191,7 +189,7 @@ def fused(ops: TorchOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     visible key come out as zeros (torch's SDPA gives zeros there, checked by
     tests/test_torch.py).
     """
-    masks, (_, H, Q, K) = request.masks, request.call.shape
+    masks = request.masks
     causal = len(masks) == 1 and isinstance(masks[0], Causal) and request.call.offset == 0
     mask = None if causal else visible(request)
     scale = request.scale
@@ -204,7 +202,7 @@ def fused(ops: TorchOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return Result(out)
 
 
-def prefers_fused(ops: TorchOps, request: Request) -> bool:
+def prefers_fused(ops: Any, request: Request) -> bool:
     """SDPA, except in a program recorded for export (``torch.export``, ``torch.jit.trace``).
 
     An exported program then holds the direct kernel's plain operators, which ONNX and other
@@ -214,7 +212,7 @@ def prefers_fused(ops: TorchOps, request: Request) -> bool:
                 or torch.jit.is_tracing())  # type: ignore[attr-defined, no-untyped-call]
 
 
-def prefers_blockwise(ops: TorchOps, request: Request) -> bool:
+def prefers_blockwise(ops: Any, request: Request) -> bool:
     """From :data:`~attention_core.kernels.blockwise.MIN_SCORES` scores, in eager calls only.
 
     In a traced program the direct kernel is taken: Dynamo would unroll the blockwise loops
