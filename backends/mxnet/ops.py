@@ -18,7 +18,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from attention_core.kernels import blockwise, register_kernel
+from attention_core.kernels import Request, blockwise, register_kernel
 from attention_core.ops import NamespaceOps
 
 Symbol = mx.sym.Symbol
@@ -282,7 +282,7 @@ def _settle(x: Any) -> None:
 OPS = MXNetOps()
 
 
-def _prefers_blockwise(ops: Any, request: blockwise.Request) -> bool:
+def _prefers_blockwise(ops: Any, request: Request) -> bool:
     """From :attr:`MXNetOps.blockwise_min_scores` scores on."""
     return blockwise.enough_scores(request, ops.blockwise_min_scores)
 
