@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attention_core.ops import Array, Ops
+from attention_core.ops import FLOAT_DTYPES, Array, Ops
 
 #: ``(first, count)``: the keys a block of queries may see are ``first .. first + count - 1``;
 #: ``count`` is an int, ``first`` an int or a run-time scalar.
@@ -167,11 +167,11 @@ class ScoreFunction(ScoreMod):
 
     def apply(self, scores: Array, tile: Tile) -> Array:
         out = self.fn(scores, tile.b(), tile.h(), tile.q_idx(), tile.kv_idx())
-        dtype = tile.ops.dtype_name(out) if hasattr(out, "dtype") else type(out).__name__
-        if dtype != tile.ops.dtype_name(scores):
-            raise TypeError(f"score_mod must return scores of their dtype "
-                            f"({tile.ops.dtype_name(scores)}), got {dtype}")
-        return out
+        ops, dtype = tile.ops, tile.ops.dtype_name(scores)
+        got = ops.dtype_name(out) if hasattr(out, "dtype") else type(out).__name__
+        if got not in FLOAT_DTYPES:
+            raise TypeError(f"score_mod must return floating-point scores, got {got}")
+        return out if got == dtype else ops.astype(out, dtype)  # NumPy promotes to float64
 
 
 class AllMasks(MaskMod):
