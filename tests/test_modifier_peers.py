@@ -20,7 +20,6 @@ shift it by ``K - Q`` themselves. Blockwise calls run in tiles of 2 queries by 3
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,8 +47,11 @@ if "torch" in TESTED:
 
 needs_torch = pytest.mark.skipif("torch" not in TESTED,
                                  reason="the torch backend is not tested in this env")
-HAS_MODIFIERS = importlib.util.find_spec("attention_core.modifiers") is not None
-needs_core = pytest.mark.skipif(not HAS_MODIFIERS, reason="attention_core.modifiers is not there yet")
+try:
+    from attention_core import modifiers
+except ImportError:  # the open core is not there yet
+    modifiers = None
+needs_core = pytest.mark.skipif(modifiers is None, reason="attention_core.modifiers is not there yet")
 pytestmark = pytest.mark.filterwarnings(
     "ignore:flex_attention called without torch.compile:UserWarning")
 
@@ -204,7 +206,7 @@ def run_flex(case: FlexCase, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tup
     block_mask = None
     if case.mask_mod is not None:
         block_mask = create_block_mask(case.mask_mod, B, H, case.Q, case.K, device="cpu")
-    out, aux = flex_attention(*(torch.from_numpy(a) for a in (q, k, v)), score_mod=case.score_mod,
+    out, aux = flex_attention(*[torch.from_numpy(a) for a in (q, k, v)], score_mod=case.score_mod,
                               block_mask=block_mask, scale=case.scale, enable_gqa=True,
                               return_aux=AuxRequest(lse=True))
     return out.numpy(), aux.lse.numpy()
@@ -317,8 +319,9 @@ def test_library_sinks_equal_gpt_oss(name: str, dtype: str) -> None:
                                          torch.float64)
     t = getattr(torch, dtype)
     args = [torch.tensor(a, dtype=t) for a in (q, k, v)]
-    kw = {"valid_lens": torch.tensor(lens), "causal": True, "sinks": torch.tensor(SINKS, dtype=t),
-          "window": None if name == "causal" else GPT_OSS_WINDOW}
+    kw: dict[str, Any] = {"valid_lens": torch.tensor(lens), "causal": True,
+                          "sinks": torch.tensor(SINKS, dtype=t),
+                          "window": None if name == "causal" else GPT_OSS_WINDOW}
     out, weights = ac.dot_product_attention(*args, **kw, return_weights=True,
                                             implementation="direct")
     assert max_diff(weights.numpy(), expected_weights) <= TOL[dtype]
@@ -365,13 +368,12 @@ def test_reference_packed_equals_each_document_alone(causal: bool, pair: bool) -
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_library_packed_equals_separate_calls(implementation: str | None, form: str) -> None:
     """Packed documents (causal, with ALiBi) give what each document gives in a call of its own."""
-    from attention_core import modifiers
-
     q, k, v = (torch.tensor(a, dtype=torch.float32) for a in draw(8, 8, seed=41))
     ids = torch.tensor(PACKED)
-    packing: dict[str, Any] = {"keyword": {"segment_ids": ids},
-                               "pair": {"segment_ids": (ids, ids)},
-                               "modifier": {"mask_mod": modifiers.segments(ids)}}[form]
+    forms: dict[str, dict[str, Any]] = {"keyword": {"segment_ids": ids},
+                                        "pair": {"segment_ids": (ids, ids)},
+                                        "modifier": {"mask_mod": modifiers.segments(ids)}}
+    packing = forms[form]
     out, lse = ac.dot_product_attention(q, k, v, causal=True, positional="alibi", return_lse=True,
                                         implementation=implementation, **packing)
     for b, start, stop in documents(PACKED):
