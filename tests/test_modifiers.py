@@ -5,11 +5,11 @@ Each modifier (lengths, a boolean mask, causal, a window, segment ids alone or a
 ``score_mod`` written with plain operators, lists of them, sinks) runs alone, as its keyword
 and as its :mod:`attention_core.modifiers` object, and with every mask kind of the reference
 cases (tests/reference/cases.py), through ``dot_product_attention`` with ``return_lse=True`` on
-the automatic choice, the direct path (which also returns the weights), the blockwise path in
-small tiles and the fused kernel where the backend has one (which may refuse what it is not
-given, by a ValueError naming the fused path; see :data:`SLOW_EAGER` for JAX). Output,
-weights and log-sum-exp must equal the float64 reference of tests/reference/attention64.py
-within 1e-5 (float32 inputs).
+the direct path (which also returns the weights), the blockwise path in small tiles and the
+fused kernel where the backend has one (which may refuse what it is not given, by a ValueError
+naming the fused path), and alone also on the automatic choice (see :data:`SLOW_EAGER` for
+JAX). Output, weights and log-sum-exp must equal the float64 reference of
+tests/reference/attention64.py within 1e-5 (float32 inputs).
 
 A float16 case checks the numeric policy: ``|q| = |k| = 100`` in every element at depth 64
 (scores of tens of thousands, far beyond float16), a padded batch: the output equals the
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
-from attention_core import blockwise
+from attention_core.kernels import blockwise
 from tests.harness import DTYPES, TOLERANCE, Harness, max_diff
 from tests.reference.attention64 import attention64, visible
 from tests.reference.cases import MASK_KINDS, mask_arguments
@@ -180,11 +180,13 @@ def small_blocks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(blockwise, name, value)
 
 
-def implementations(h: Harness, every: bool = True) -> list[str | None]:
-    """The paths a cell runs: every one the backend has, or the automatic choice only."""
-    if not every:
-        return [None]
-    return [None, "direct", "blockwise"] + (["fused"] if hasattr(h.ops, "fused_attention") else [])
+def implementations(h: Harness, kind: str = "none") -> list[str | None]:
+    """The paths a cell runs: alone, the automatic choice and every path the backend has;
+    with a mask kind, every path (the automatic choice only on :data:`SLOW_EAGER`)."""
+    fused = ["fused"] if hasattr(h.ops, "fused_attention") else []
+    if kind == "none":
+        return [None, "direct", "blockwise", *fused]
+    return [None] if h.name in SLOW_EAGER else ["direct", "blockwise", *fused]
 
 
 def refused(implementation: str | None, err: ValueError) -> bool:
@@ -229,7 +231,7 @@ def test_modifier_matches_reference(backend: str, name: str, kind: str, form: st
               **make(h)}
     expected, expected_weights, expected_lse = attention64(q, k, v, **reference(m, kind_args))
     arrays = [h.array(x) for x in (q, k, v)]
-    for implementation in implementations(h, kind == "none" or backend not in SLOW_EAGER):
+    for implementation in implementations(h, kind):
         try:
             out, weights, lse = attend(h, arrays, kwargs, implementation)
         except ValueError as err:
