@@ -280,9 +280,7 @@ def dot_product_attention(
         checks.check_qkv(ops, queries, keys, values)
     rank = len(ops.shape(queries))
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
-    (B, H, Q, _), K = ops.shape(q), ops.shape(k)[2]
-    call = mods.Call(ops, (B, H, Q, K), 0 if _offset is None else _offset,
-                     K - Q if _offset is None else _offset)
+    call = mods.Call.of(ops, (*ops.shape(q)[:3], ops.shape(k)[2]), _offset)
     if checks.check_positional(positional) == "rotary":
         q = rotated_heads(ops, q, call.offset, rotary_base)
         k = rotated_heads(ops, k, 0, rotary_base)
@@ -292,16 +290,13 @@ def dot_product_attention(
         call, _masks(call, valid_lens, mask, causal, window, segment_ids, mask_mod),
         _scores(call, softcap, positional == "alibi", score_bias, score_mod),
         _scale_factor(ops, queries, scale), checks.check_dropout(dropout),
-        _sinks(ops, sinks, H), bool(return_weights) and not on_read,
+        _sinks(ops, sinks, call.shape[1]), bool(return_weights) != on_read,
         checks.check_flag("return_lse", return_lse), ops.dtype_name(q), ops.traced(q),
         ops.shape(v)[3] != ops.shape(q)[3], checks.check_flag("check_numerics", check_numerics))
     if request.check_numerics:
         q, k, v = mended(ops, q, k, v)
     result = kernels.run(ops, q, k, v, request, checks.check_implementation(implementation))
-    weights = result.weights
-    if on_read:  # the direct kernel's weights, from the inputs as this call had them
-        kept = (q, k, v) if _heads else tuple(_snapshot(x) for x in (q, k, v))
-        weights = WeightsOnRead(lambda: _direct_weights(ops, kept, request))
+    weights = _weights_on_read(ops, (q, k, v), request, _heads) if on_read else result.weights
     return _returned(result, weights, rank, bool(return_weights), request.lse)
 
 
@@ -353,6 +348,17 @@ def _returned(result: Result, weights: Any, rank: int, with_weights: bool, with_
     out = result.out if rank == 4 else result.out[:, 0]
     extra = [x for x, wanted in ((weights, with_weights), (result.lse, with_lse)) if wanted]
     return (out, *extra) if extra else out
+
+
+def _weights_on_read(ops: Ops, qkv: tuple[Array, Array, Array], request: Request,
+                     heads: bool) -> WeightsOnRead:
+    """The direct kernel's weights, formed when read, from the inputs as the call had them.
+
+    A layer's own heads are kept as they are; a caller's arrays as copies (see
+    :func:`_snapshot`), which a change in place does not reach.
+    """
+    kept = qkv if heads else (_snapshot(qkv[0]), _snapshot(qkv[1]), _snapshot(qkv[2]))
+    return WeightsOnRead(lambda: _direct_weights(ops, kept, request))
 
 
 def _snapshot(x: Array) -> Array:

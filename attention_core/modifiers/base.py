@@ -43,6 +43,13 @@ class Call:
     start: Any = 0
     offset: Any = 0
 
+    @classmethod
+    def of(cls, ops: Ops, shape: tuple[Any, ...], start: Any = None) -> Call:
+        """A plain call (``start`` None: queries aligned with the last keys) or a cached one."""
+        _, _, Q, K = shape
+        return cls(ops, tuple(shape), 0, K - Q) if start is None else cls(ops, tuple(shape),
+                                                                          start, start)
+
     def tile(self, q0: Any, qn: int, k0: Any, kn: int) -> Tile:
         """The tile of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``."""
         return Tile(self, q0, qn, k0, kn)
