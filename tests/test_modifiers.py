@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+from attention_core import kernels
 from attention_core.kernels import blockwise
 from tests.harness import DTYPES, TOLERANCE, Harness, max_diff
 from tests.reference.attention64 import attention64, visible
@@ -183,7 +184,7 @@ def small_blocks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def implementations(h: Harness, kind: str = "none") -> list[str | None]:
     """The paths a cell runs: alone, the automatic choice and every path the backend has;
     with a mask kind, every path (the automatic choice only on :data:`SLOW_EAGER`)."""
-    fused = ["fused"] if hasattr(h.ops, "fused_attention") else []
+    fused = ["fused"] if "fused" in {e.name for e in kernels.kernels(h.ops.name)} else []
     if kind == "none":
         return [None, "direct", "blockwise", *fused]
     return [None] if h.name in SLOW_EAGER else ["direct", "blockwise", *fused]

@@ -219,6 +219,32 @@ def run(ops: Ops, q: Array, k: Array, v: Array, request: Request,
     return entry.kernel(ops, q, k, v, request)
 
 
+def query_spans(request: Request, block: int) -> list[tuple[int, int, int, int]] | None:
+    """``(q0, qn, k0, kn)`` per block of ``block`` queries: the keys each block may see.
+
+    From the mask modifiers' spans (:meth:`~attention_core.modifiers.MaskMod.span`); None when
+    the sizes are not known now or when the spans leave more than half of the scores, where
+    cutting the call into blocks is not worth its overhead. A kernel that forms whole calls
+    (a fused one) can then run one call per block on its keys alone: every key a block may see
+    is in its span, so the blocks' outputs need no merging.
+    """
+    from attention_core.modifiers import AllMasks
+
+    call, mask = request.call, AllMasks(request.masks)
+    _, _, Q, K = call.shape
+    if not (isinstance(Q, int) and isinstance(K, int) and request.masks):
+        return None
+    spans = []
+    for q0 in range(0, Q, block):
+        qn = min(block, Q - q0)
+        found = mask.span(call, q0, qn)
+        if found is None or not isinstance(found[0], int):
+            return None
+        spans.append((q0, qn, found[0], found[1]))
+    kept = sum(qn * kn for _, qn, _, kn in spans)
+    return spans if 2 * kept <= Q * K else None
+
+
 def _register_core() -> None:
     """The kernels every backend has: the direct one last, as it can do everything."""
     from attention_core.kernels import blockwise, direct

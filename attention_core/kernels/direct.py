@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from attention_core.kernels import Capabilities, Request, Result
 from attention_core.kernels.rows import sink_column, softmax_rows, softmax_weights, widened
+from attention_core.modifiers import Tile
 from attention_core.ops import Array, Ops
 from attention_core.scores import pooled, products
 
@@ -25,8 +26,12 @@ def scores(ops: Ops, q: Array, k: Array, request: Request) -> Array:
 
 def visible(request: Request) -> Array | None:
     """The AND of the mask modifiers over every query and key; None when nothing is hidden."""
-    whole = request.call.whole()
-    parts = [p for p in (m.visible(whole) for m in request.masks) if p is not None]
+    return tile_visible(request, request.call.whole())
+
+
+def tile_visible(request: Request, tile: Tile) -> Array | None:
+    """The AND of the mask modifiers over one tile; None when it hides nothing."""
+    parts = [p for p in (m.visible(tile) for m in request.masks) if p is not None]
     ops = request.call.ops
     for part in parts[1:]:
         parts[0] = ops.logical_and(parts[0], part)

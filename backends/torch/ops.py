@@ -10,8 +10,15 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-from attention_core.kernels import Capabilities, Request, Result, blockwise, register_kernel
-from attention_core.kernels.direct import visible
+from attention_core.kernels import (
+    Capabilities,
+    Request,
+    Result,
+    blockwise,
+    query_spans,
+    register_kernel,
+)
+from attention_core.kernels.direct import tile_visible, visible
 from attention_core.modifiers import Causal
 from attention_core.ops import NamespaceOps
 
@@ -185,21 +192,39 @@ def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     A call whose only mask is ``causal`` over as many queries as keys goes in as
     ``is_causal=True``, letting SDPA pick its fastest kernel; any other masks as one boolean
-    ``attn_mask``. Fewer key/value heads go in as SDPA's own grouped-query heads. Rows with no
-    visible key come out as zeros (torch's SDPA gives zeros there, checked by
-    tests/test_torch.py).
+    ``attn_mask``. Where the masks hide most key blocks from whole query blocks (packed
+    documents, a window), SDPA runs once per query block on the keys it may see
+    (:func:`attention_core.kernels.query_spans`). Fewer key/value heads go in as SDPA's own
+    grouped-query heads. Rows with no visible key come out as zeros (torch's SDPA gives
+    zeros there, checked by tests/test_torch.py).
     """
     masks = request.masks
-    causal = len(masks) == 1 and isinstance(masks[0], Causal) and request.call.offset == 0
-    mask = None if causal else visible(request)
+    if len(masks) == 1 and isinstance(masks[0], Causal) and request.call.offset == 0:
+        return Result(_sdpa(q, k, v, None, request, causal=True))
+    spans = None if _tracing() else query_spans(request, SPAN_BLOCK)
+    if spans is None:
+        return Result(_sdpa(q, k, v, visible(request), request))
+    parts = []
+    for q0, qn, k0, kn in spans:
+        mask = tile_visible(request, request.call.tile(q0, qn, k0, kn))
+        parts.append(_sdpa(q[:, :, q0:q0 + qn], k[:, :, k0:k0 + kn], v[:, :, k0:k0 + kn],
+                           mask, request))
+    return Result(torch.cat(parts, 2))
+
+
+#: Queries per block when SDPA runs block by block on each block's keys.
+SPAN_BLOCK = 128
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          request: Request, causal: bool = False) -> torch.Tensor:
+    """One SDPA call with the request's scale and dropout."""
     scale = request.scale
     if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
         q, scale = q * scale, 1.0
-    dropout = request.dropout if request.dropout > 0 else 0.0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                         is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return Result(out)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=request.dropout,
+                                          is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def prefers_fused(ops: Any, request: Request) -> bool:
