@@ -60,6 +60,10 @@ def keyword_parameters(arguments: type) -> tuple[inspect.Parameter, ...]:
     )
 
 
+#: The attribute where an adapter keeps the constructor arguments whose attribute a weight of
+#: the same name took (:meth:`Declaration.argument`).
+HELD_ARGUMENTS = "_held_arguments"
+
 #: The declared layers, by their public name, in the order declared: every public declaration
 #: of this module (see :meth:`Declaration.__init_subclass__`) and those given to :func:`register`.
 LAYERS: dict[str, type[Declaration]] = {}
@@ -202,6 +206,9 @@ class Declaration:
         cache_arguments: The call arguments of a cached call (a nested key/value cache, its
             position and capacity): not array inputs of a graph; a call that gives one runs
             imperatively where a framework builds graphs of array inputs (Gluon).
+        function_arguments: Call arguments that take functions (``mask_mod``, ``score_mod``),
+            not arrays: where a framework builds graphs of array inputs (Gluon) they are
+            options of the graph, as the flags are.
         shorthand: Call arguments that default to another's value when not given: the
             self-attention shorthand (``mha(X)`` is ``mha(X, X, X)``, ``mha(Q, KV)`` is
             ``mha(Q, KV, KV)``).
@@ -218,6 +225,7 @@ class Declaration:
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
     cache_arguments: ClassVar[tuple[str, ...]] = ()
+    function_arguments: ClassVar[tuple[str, ...]] = ()
     shorthand: ClassVar[Mapping[str, str]] = {}
     convention: ClassVar[str | None] = None
 
@@ -309,16 +317,25 @@ class Declaration:
             {k: v for k, v in values.items() if k not in names},
         )
 
+    def argument(self, name: str) -> Any:
+        """The value of constructor argument ``name``.
+
+        Its attribute, unless a weight of the same name holds that attribute (``sinks`` of an
+        NNX module): then the value :data:`HELD_ARGUMENTS` keeps.
+        """
+        held = vars(self).get(HELD_ARGUMENTS) or {}
+        return held[name] if name in held else getattr(self, name)
+
     def arguments(self) -> dict[str, Any]:
         """The constructor arguments and their values (a layer's config)."""
-        return {name: getattr(self, name) for name in self.argument_names()}
+        return {name: self.argument(name) for name in self.argument_names()}
 
     def describe(self) -> str:
         """The arguments as ``name=value, ...`` for reprs: keyword-only ones when not default."""
         shown = [
-            f"{f.name}={getattr(self, f.name)!r}"
+            f"{f.name}={self.argument(f.name)!r}"
             for f in dataclasses.fields(self.declared())
-            if not f.kw_only or getattr(self, f.name) != f.default
+            if not f.kw_only or self.argument(f.name) != f.default
         ]
         return ", ".join(shown)
 
@@ -605,6 +622,8 @@ class _ScoredAttention(_Attention):
     Their declarations carry the fields :data:`SCORE_OPTIONS` (keyword-only).
     """
 
+    function_arguments: ClassVar[tuple[str, ...]] = ("mask_mod", "score_mod")
+
     def check(self) -> None:
         _normalise_score_options(self)
         super().check()
@@ -767,7 +786,8 @@ class MultiHeadAttention(_ScoredAttention):
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.multi_head_spec(
             self.num_hiddens, self.num_heads, self.bias,
-            dims.get("q_in"), dims.get("k_in"), dims.get("v_in"), self.num_kv_heads, self.sinks,
+            dims.get("q_in"), dims.get("k_in"), dims.get("v_in"), self.num_kv_heads,
+            self.argument("sinks"),
         )
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
