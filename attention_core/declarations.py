@@ -1460,9 +1460,11 @@ class Transformer(Declaration):
     def sublayers(self) -> dict[str, Sublayer]:
         sizes = (self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.num_blks,
                  self.dropout, self.bias)
-        options = {"keep_attention_weights": self.keep_attention_weights,
-                   "implementation": self.implementation, "max_len": self.max_len,
-                   "scale": self.scale, "sinks": self.sinks}
+        options: dict[str, Any] = {
+            "keep_attention_weights": self.keep_attention_weights,
+            "implementation": self.implementation, "max_len": self.max_len,
+            "scale": self.scale, "sinks": self.sinks,
+        }
         encoder = TransformerEncoder(self.src_vocab_size, *sizes, **options)
         decoder = TransformerDecoder(self.tgt_vocab_size, *sizes, **options)
         return {"encoder": Sublayer(encoder), "decoder": Sublayer(decoder)}
