@@ -407,4 +407,5 @@ SCORE_OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "rotary_base": check_rotary_base,
     "window": check_window,
     "softcap": check_softcap,
+    "scale": check_scale,
 }

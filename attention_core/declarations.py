@@ -60,6 +60,10 @@ def keyword_parameters(arguments: type) -> tuple[inspect.Parameter, ...]:
     )
 
 
+#: The attribute where an adapter keeps the constructor arguments whose attribute a weight of
+#: the same name took (:meth:`Declaration.argument`).
+HELD_ARGUMENTS = "_held_arguments"
+
 #: The declared layers, by their public name, in the order declared: every public declaration
 #: of this module (see :meth:`Declaration.__init_subclass__`) and those given to :func:`register`.
 LAYERS: dict[str, type[Declaration]] = {}
@@ -202,6 +206,9 @@ class Declaration:
         cache_arguments: The call arguments of a cached call (a nested key/value cache, its
             position and capacity): not array inputs of a graph; a call that gives one runs
             imperatively where a framework builds graphs of array inputs (Gluon).
+        function_arguments: Call arguments that take functions (``mask_mod``, ``score_mod``),
+            not arrays: where a framework builds graphs of array inputs (Gluon) they are
+            options of the graph, as the flags are.
         shorthand: Call arguments that default to another's value when not given: the
             self-attention shorthand (``mha(X)`` is ``mha(X, X, X)``, ``mha(Q, KV)`` is
             ``mha(Q, KV, KV)``).
@@ -218,6 +225,7 @@ class Declaration:
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
     cache_arguments: ClassVar[tuple[str, ...]] = ()
+    function_arguments: ClassVar[tuple[str, ...]] = ()
     shorthand: ClassVar[Mapping[str, str]] = {}
     convention: ClassVar[str | None] = None
 
@@ -255,7 +263,8 @@ class Declaration:
         """Validates the arguments (raising as every backend does) and normalises them."""
         self.normalise("dropout", checks.check_dropout)
         self.normalise("implementation", checks.check_implementation)
-        for name in ("keep_attention_weights", "bias", "relative_values", "parametric"):
+        self.normalise("scale", checks.check_scale)
+        for name in ("keep_attention_weights", "bias", "relative_values", "parametric", "sinks"):
             self.normalise(name, functools.partial(checks.check_flag, name))
         self.weight_shapes()  # the shape rules check the sizes
 
@@ -308,16 +317,25 @@ class Declaration:
             {k: v for k, v in values.items() if k not in names},
         )
 
+    def argument(self, name: str) -> Any:
+        """The value of constructor argument ``name``.
+
+        Its attribute, unless a weight of the same name holds that attribute (``sinks`` of an
+        NNX module): then the value :data:`HELD_ARGUMENTS` keeps.
+        """
+        held = vars(self).get(HELD_ARGUMENTS) or {}
+        return held[name] if name in held else getattr(self, name)
+
     def arguments(self) -> dict[str, Any]:
         """The constructor arguments and their values (a layer's config)."""
-        return {name: getattr(self, name) for name in self.argument_names()}
+        return {name: self.argument(name) for name in self.argument_names()}
 
     def describe(self) -> str:
         """The arguments as ``name=value, ...`` for reprs: keyword-only ones when not default."""
         shown = [
-            f"{f.name}={getattr(self, f.name)!r}"
+            f"{f.name}={self.argument(f.name)!r}"
             for f in dataclasses.fields(self.declared())
-            if not f.kw_only or getattr(self, f.name) != f.default
+            if not f.kw_only or self.argument(f.name) != f.default
         ]
         return ", ".join(shown)
 
@@ -604,6 +622,8 @@ class _ScoredAttention(_Attention):
     Their declarations carry the fields :data:`SCORE_OPTIONS` (keyword-only).
     """
 
+    function_arguments: ClassVar[tuple[str, ...]] = ("mask_mod", "score_mod")
+
     def check(self) -> None:
         _normalise_score_options(self)
         super().check()
@@ -611,18 +631,21 @@ class _ScoredAttention(_Attention):
     def compute(
         self, run: Run, queries: Array, keys: Array | None = None, values: Array | None = None,
         valid_lens: Any = None, *, mask: Any = None, causal: bool = False,
-        score_bias: Any = None,
+        score_bias: Any = None, mask_mod: Any = None, score_mod: Any = None,
     ) -> Any:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
 
         Keys default to the queries and values to the keys (``mha(X)``: self-attention).
         ``score_bias``, float and broadcastable to ``(B, H, Q, K)``, is added to the scores
-        before masking.
+        before masking. ``mask_mod`` and ``score_mod`` go to
+        :func:`~attention_core.attention.dot_product_attention` as they are.
         """
+        modifiers = {"mask_mod": mask_mod, "score_mod": score_mod}
         options = {
             "mask": mask, "causal": causal, "dropout": run.dropout, "return_weights": run.need,
             "score_bias": score_bias, "ops": run.ops,
             **{name: getattr(self, name) for name in SCORE_OPTIONS},
+            **{name: value for name, value in modifiers.items() if value is not None},
         }
         return self.attend(run, queries, keys, values, valid_lens, **options)
 
@@ -650,7 +673,7 @@ def _check_rotary_heads(layer: Any) -> None:
 def _head_options(layer: Any) -> multihead.HeadOptions:
     """The self-attention options of a decoder layer (its ``num_kv_heads`` and score options)."""
     return multihead.HeadOptions(layer.num_kv_heads, layer.positional, layer.rotary_base,
-                                 layer.window, layer.softcap)
+                                 layer.window, layer.softcap, layer.scale)
 
 
 @dataclass(eq=False)
@@ -671,6 +694,8 @@ class DotProductAttention(_ScoredAttention):
         window: Each query sees only the keys less than ``window`` positions from its own
             (with ``causal``, the ``window`` keys ending at it); None for all.
         softcap: Soft-caps the scores: ``softcap * tanh(s / softcap)``; None for none.
+        scale: Multiplies the scores ``Q K^T``: a finite number > 0; None for
+            ``1 / sqrt(D)``, D the depth of the queries (of a head).
     """
 
     dropout: float = 0.0
@@ -681,6 +706,7 @@ class DotProductAttention(_ScoredAttention):
     rotary_base: float = 10000.0
     window: int | None = None
     softcap: float | None = None
+    scale: float | None = None
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         return attention.dot_product_attention(
@@ -728,6 +754,10 @@ class MultiHeadAttention(_ScoredAttention):
         rotary_base: See :class:`DotProductAttention`.
         window: See :class:`DotProductAttention`.
         softcap: See :class:`DotProductAttention`.
+        scale: See :class:`DotProductAttention` (None: ``1 / sqrt(h/H)``).
+        sinks: Learn an attention sink per head: the weight ``sinks (H,)``, zeros at first,
+            a logit each head's softmax also sums over (``exp(sinks[h])`` joins the
+            denominator, not scaled, pooling no value).
     """
 
     num_hiddens: int
@@ -742,6 +772,8 @@ class MultiHeadAttention(_ScoredAttention):
     rotary_base: float = 10000.0
     window: int | None = None
     softcap: float | None = None
+    scale: float | None = None
+    sinks: bool = False
     sizes: ClassVar[Mapping[str, Size]] = QKV_SIZES
 
     def check(self) -> None:
@@ -755,6 +787,7 @@ class MultiHeadAttention(_ScoredAttention):
         return W.multi_head_spec(
             self.num_hiddens, self.num_heads, self.bias,
             dims.get("q_in"), dims.get("k_in"), dims.get("v_in"), self.num_kv_heads,
+            self.argument("sinks"),
         )
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
@@ -951,6 +984,8 @@ class TransformerEncoderBlock(Declaration):
         keep_attention_weights: Keep each call's self-attention weights; False lets the core
             pool without forming them.
         implementation: See :class:`DotProductAttention`.
+        scale: The self-attention's (see :class:`MultiHeadAttention`).
+        sinks: Whether the self-attention learns sinks (see :class:`MultiHeadAttention`).
     """
 
     num_hiddens: int
@@ -961,13 +996,16 @@ class TransformerEncoderBlock(Declaration):
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
+    scale: float | None = None
+    sinks: bool = False
     cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
     attention_kind: ClassVar[str | None] = "single"
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
-        mha = MultiHeadAttention(h, self.num_heads, dropout, self.bias)
+        mha = MultiHeadAttention(h, self.num_heads, dropout, self.bias, scale=self.scale,
+                                 sinks=self.sinks)
         return {
             "attention": Sublayer(mha, {"q_in": h, "k_in": h, "v_in": h}),
             "addnorm1": Sublayer(AddNorm(h, dropout)),
@@ -991,7 +1029,7 @@ class TransformerEncoderBlock(Declaration):
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, causal=causal,
             score_bias=score_bias, dropout=run.dropout,
-            return_weights=run.need, implementation=self.pooling(run),
+            return_weights=run.need, implementation=self.pooling(run), scale=self.scale,
             ops=run.ops,
         )
 
@@ -1013,6 +1051,8 @@ class TransformerEncoder(Declaration):
         implementation: See :class:`DotProductAttention`.
         max_len: Rows of the sinusoidal table ``P`` ``(1, max_len, h)``, the longest sequence
             the encoder takes.
+        scale: Every block's (see :class:`TransformerEncoderBlock`).
+        sinks: Every block's (see :class:`TransformerEncoderBlock`).
     """
 
     vocab_size: int
@@ -1026,6 +1066,8 @@ class TransformerEncoder(Declaration):
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
+    scale: float | None = None
+    sinks: bool = False
     id_inputs: ClassVar[tuple[str, ...]] = ("tokens",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens",)
     attention_kind: ClassVar[str | None] = "blocks"
@@ -1046,7 +1088,7 @@ class TransformerEncoder(Declaration):
         block = TransformerEncoderBlock(
             self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
             keep_attention_weights=self.keep_attention_weights,
-            implementation=self.implementation,
+            implementation=self.implementation, scale=self.scale, sinks=self.sinks,
         )
         return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
 
@@ -1060,7 +1102,7 @@ class TransformerEncoder(Declaration):
         return transformer.transformer_encoder(
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
             return_weights=run.need, implementation=self.pooling(run),
-            positions=run.constants["P"], ops=run.ops,
+            positions=run.constants["P"], scale=self.scale, ops=run.ops,
         )
 
 
@@ -1095,6 +1137,8 @@ class TransformerDecoderBlock(Declaration):
         rotary_base: See :class:`DotProductAttention`.
         window: The self-attention's sliding window (see :class:`DotProductAttention`).
         softcap: The self-attention's soft-capping (see :class:`DotProductAttention`).
+        scale: Both attentions' (see :class:`MultiHeadAttention`).
+        sinks: Whether both attentions learn sinks (see :class:`MultiHeadAttention`).
     """
 
     num_hiddens: int
@@ -1111,6 +1155,8 @@ class TransformerDecoderBlock(Declaration):
     rotary_base: float = 10000.0
     window: int | None = None
     softcap: float | None = None
+    scale: float | None = None
+    sinks: bool = False
     cast_inputs: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     sequences: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
@@ -1126,12 +1172,12 @@ class TransformerDecoderBlock(Declaration):
         h, dropout = self.num_hiddens, self.dropout
         dims = {"q_in": h, "k_in": h, "v_in": h}
         attention = MultiHeadAttention(h, self.num_heads, dropout, self.bias,
-                                       **_head_options(self).kwargs())
+                                       sinks=self.sinks, **_head_options(self).kwargs())
         parts = {"self_attention": Sublayer(attention, dims),
                  "addnorm1": Sublayer(AddNorm(h, dropout))}
         if not self.decoder_only:
-            parts["cross_attention"] = Sublayer(
-                MultiHeadAttention(h, self.num_heads, dropout, self.bias), dims)
+            parts["cross_attention"] = Sublayer(MultiHeadAttention(
+                h, self.num_heads, dropout, self.bias, scale=self.scale, sinks=self.sinks), dims)
             parts["addnorm2"] = Sublayer(AddNorm(h, dropout))
         parts["ffn"] = Sublayer(PositionWiseFFN(self.ffn_num_hiddens, h), {"d_in": h})
         parts[f"addnorm{2 if self.decoder_only else 3}"] = Sublayer(AddNorm(h, dropout))
@@ -1264,6 +1310,8 @@ class TransformerDecoder(Declaration):
         rotary_base: See :class:`DotProductAttention`.
         window: Every block's self-attention window.
         softcap: Every block's self-attention soft-capping.
+        scale: Every block's (see :class:`TransformerDecoderBlock`).
+        sinks: Every block's (see :class:`TransformerDecoderBlock`).
     """
 
     vocab_size: int
@@ -1283,6 +1331,8 @@ class TransformerDecoder(Declaration):
     rotary_base: float = 10000.0
     window: int | None = None
     softcap: float | None = None
+    scale: float | None = None
+    sinks: bool = False
     cast_inputs: ClassVar[tuple[str, ...]] = ("enc_outputs",)
     id_inputs: ClassVar[tuple[str, ...]] = ("tokens",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens", "enc_outputs")
@@ -1310,7 +1360,7 @@ class TransformerDecoder(Declaration):
         block = TransformerDecoderBlock(
             self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
             decoder_only=self.decoder_only, keep_attention_weights=self.keep_attention_weights,
-            implementation=self.implementation, **_head_options(self).kwargs(),
+            implementation=self.implementation, sinks=self.sinks, **_head_options(self).kwargs(),
         )
         return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
 
@@ -1374,6 +1424,8 @@ class Transformer(Declaration):
             decoder cross]``, one list of per-block weights each.
         implementation: See :class:`DotProductAttention`.
         max_len: Rows of the sinusoidal table, the longest source or target.
+        scale: Every attention's (see :class:`MultiHeadAttention`).
+        sinks: Whether every attention learns sinks (see :class:`MultiHeadAttention`).
     """
 
     src_vocab_size: int
@@ -1388,6 +1440,8 @@ class Transformer(Declaration):
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
+    scale: float | None = None
+    sinks: bool = False
     id_inputs: ClassVar[tuple[str, ...]] = ("src_tokens", "tgt_tokens")
     attention_kind: ClassVar[str | None] = "nested"
 
@@ -1406,11 +1460,13 @@ class Transformer(Declaration):
     def sublayers(self) -> dict[str, Sublayer]:
         sizes = (self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.num_blks,
                  self.dropout, self.bias)
-        keep, implementation = self.keep_attention_weights, self.implementation
-        encoder = TransformerEncoder(self.src_vocab_size, *sizes, keep_attention_weights=keep,
-                                     implementation=implementation, max_len=self.max_len)
-        decoder = TransformerDecoder(self.tgt_vocab_size, *sizes, keep_attention_weights=keep,
-                                     implementation=implementation, max_len=self.max_len)
+        options: dict[str, Any] = {
+            "keep_attention_weights": self.keep_attention_weights,
+            "implementation": self.implementation, "max_len": self.max_len,
+            "scale": self.scale, "sinks": self.sinks,
+        }
+        encoder = TransformerEncoder(self.src_vocab_size, *sizes, **options)
+        decoder = TransformerDecoder(self.tgt_vocab_size, *sizes, **options)
         return {"encoder": Sublayer(encoder), "decoder": Sublayer(decoder)}
 
     def unkept(self) -> list[list[None]]:
@@ -1430,7 +1486,8 @@ class Transformer(Declaration):
         return transformer.transformer_encoder_decoder(
             src_tokens, tgt_tokens, run.weights, self.num_heads, src_valid_lens,
             tgt_valid_lens=tgt_valid_lens, dropout=run.dropout, return_weights=run.need,
-            implementation=self.pooling(run), positions=run.constants["P"], ops=run.ops,
+            implementation=self.pooling(run), positions=run.constants["P"], scale=self.scale,
+            ops=run.ops,
         )
 
 

@@ -41,6 +41,7 @@ class HeadOptions:
         rotary_base: The base of the rotary frequencies.
         window: Each query sees only the keys within this distance of its position, or None.
         softcap: c of the scores' soft-capping ``c * tanh(s / c)``, or None.
+        scale: Multiplies the scores; None for ``1 / sqrt(h/H)``.
     """
 
     num_kv_heads: int | None = None
@@ -48,6 +49,7 @@ class HeadOptions:
     rotary_base: float = 10000.0
     window: int | None = None
     softcap: float | None = None
+    scale: float | None = None
 
     def checked(self, num_heads: int) -> HeadOptions:
         """The options checked (as every backend raises), numbers made plain."""
@@ -122,6 +124,9 @@ def multi_head_attention(
     window: int | None = None,
     softcap: float | None = None,
     score_bias: Any = None,
+    scale: float | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """Multi-head scaled dot-product attention with input and output projections.
@@ -134,9 +139,11 @@ def multi_head_attention(
         keys: ``(B, K, Dk)``.
         values: ``(B, K, Dv)``.
         weights: ``W_q.kernel (Dq, h)``, ``W_k.kernel (Dk, Hkv*h/H)``, ``W_v.kernel (Dv,
-            Hkv*h/H)``, ``W_o.kernel (h, h)`` and, with biases, ``W_q.bias (h,)`` etc.;
-            checked like ``set_weights`` checks a layer's (names, dtypes, shapes, and the
-            inputs' widths against the kernels).
+            Hkv*h/H)``, ``W_o.kernel (h, h)``, with biases ``W_q.bias (h,)`` etc., and with
+            attention sinks ``sinks (H,)`` (each head's sink logit, see
+            :func:`~attention_core.attention.dot_product_attention`); checked like
+            ``set_weights`` checks a layer's (names, dtypes, shapes, and the inputs' widths
+            against the kernels).
         num_heads: H; must divide h.
         valid_lens: Integer lengths, ``(B,)`` or ``(B, Q)``, shared by every head.
         mask: Boolean, True = may attend: ``(Q, K)``, ``(B, Q, K)`` or ``(B, H, Q, K)``.
@@ -152,18 +159,22 @@ def multi_head_attention(
         window: Each query sees only the keys within ``window`` of its position.
         softcap: Soft-caps the scores at ``softcap``.
         score_bias: Float, broadcastable to ``(B, H, Q, K)``, added to the scores.
+        scale: Multiplies the scores; None for ``1 / sqrt(h/H)``.
+        mask_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
+        score_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
         The output ``(B, Q, h)``, and the weights if asked.
     """
     ops = ops or ops_for(queries, "queries")
-    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap)
+    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
                                           weights, num_heads, options)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
                       causal=causal, dropout=dropout, return_weights=return_weights,
-                      implementation=implementation, options=options, score_bias=score_bias)
+                      implementation=implementation, options=options, score_bias=score_bias,
+                      mask_mod=mask_mod, score_mod=score_mod)
 
 
 def _keys_values(
@@ -179,8 +190,10 @@ def _keys_values(
     checks.check_positive_int("num_heads", num_heads)
     options = options.checked(num_heads)
     weights = _checked(ops, name, weights,
-                       lambda size: W.multi_head_call_spec(size, weights, num_heads,
-                                                           num_kv_heads=options.num_kv_heads),
+                       lambda size: W.with_sinks(
+                           W.multi_head_call_spec(size, weights, num_heads,
+                                                  num_kv_heads=options.num_kv_heads),
+                           weights, num_heads),
                        (queries, keys, values))
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     checks.check_heads(num_hiddens, num_heads)
@@ -212,6 +225,8 @@ def pool_heads(
     options: HeadOptions = CLASSIC,
     score_bias: Any = None,
     offset: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
@@ -220,7 +235,8 @@ def pool_heads(
         queries: ``(B, Q, Dq)``, not projected yet.
         pair: The keys and values, projected and split into heads, ``(B, Hkv, K, h/H)`` each
             (a cache's), the keys already rotated under rotary positions.
-        weights: Checked weights of :func:`multi_head_attention` (``W_q``, ``W_o``).
+        weights: Checked weights of :func:`multi_head_attention` (``W_q``, ``W_o``, and
+            ``sinks`` if it has them).
         num_heads: H.
         valid_lens: See :func:`multi_head_attention`.
         mask: See :func:`multi_head_attention`.
@@ -231,17 +247,20 @@ def pool_heads(
         options: Checked :class:`HeadOptions`.
         score_bias: See :func:`multi_head_attention`.
         offset: Query ``i`` stands at position ``i + offset``; None for ``K - Q``.
+        mask_mod: See :func:`multi_head_attention`.
+        score_mod: See :func:`multi_head_attention`.
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     if options.positional == "rotary":
         first = ops.shape(pair[0])[2] - ops.shape(q)[2] if offset is None else offset
         q = rotated_heads(ops, q, first, options.rotary_base)
+    given = {"sinks": weights.get("sinks"), "mask_mod": mask_mod, "score_mod": score_mod}
     pooled = dot_product_attention(
         q, *pair, valid_lens, mask=mask, causal=causal, dropout=dropout,
         return_weights=return_weights, implementation=implementation, window=options.window,
-        softcap=options.softcap, score_bias=score_bias,
+        softcap=options.softcap, score_bias=score_bias, scale=options.scale,
         positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
-        _offset=offset,
+        _offset=offset, **{name: value for name, value in given.items() if value is not None},
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
@@ -266,6 +285,7 @@ def cached_multi_head_attention(
     rotary_base: float = 10000.0,
     window: int | None = None,
     softcap: float | None = None,
+    scale: float | None = None,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
     """Causal multi-head attention of ``t`` new positions against a key/value cache.
@@ -295,6 +315,7 @@ def cached_multi_head_attention(
         rotary_base: See :func:`multi_head_attention`.
         window: See :func:`multi_head_attention`.
         softcap: See :func:`multi_head_attention`.
+        scale: See :func:`multi_head_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
@@ -302,7 +323,7 @@ def cached_multi_head_attention(
         ``(output, weights)``, if asked) and the updated cache.
     """
     ops = ops or ops_for(queries, "queries")
-    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap)
+    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
     return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
                         capacity=capacity, dropout=dropout, return_weights=return_weights,
                         implementation=implementation, options=options)

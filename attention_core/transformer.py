@@ -112,6 +112,7 @@ def transformer_encoder_block(
     dropout: float = 0.0,
     return_weights: bool | str = False,
     implementation: str | None = None,
+    scale: float | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
     """One post-norm Transformer encoder block.
@@ -121,8 +122,9 @@ def transformer_encoder_block(
     Args:
         X: ``(B, T, h)``.
         weights: ``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*`` (DESIGN section 5),
-            all of width h = the output size of ``attention.W_q.kernel``; checked like
-            ``set_weights`` checks a layer's (and ``X``'s width against h).
+            all of width h = the output size of ``attention.W_q.kernel`` (``attention.sinks
+            (H,)`` too for attention sinks); checked like ``set_weights`` checks a layer's
+            (and ``X``'s width against h).
         num_heads: Heads of the self-attention.
         valid_lens: Integer lengths of ``X``, ``(B,)`` or ``(B, T)``.
         mask: Boolean self-attention mask, True = may attend.
@@ -134,6 +136,7 @@ def transformer_encoder_block(
             :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
+        scale: Multiplies the self-attention's scores; None for ``1 / sqrt(h/H)``.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
@@ -143,12 +146,13 @@ def transformer_encoder_block(
     checks.check_floating(ops, "X", X)
     weights = W.check_call_weights(
         ops, "transformer_encoder_block", weights,
-        lambda size: W.block_call_spec(size, weights, num_heads), {"X": (X, "attention.W_q.kernel")},
+        lambda size: W.with_sinks(W.block_call_spec(size, weights, num_heads), weights,
+                                  num_heads), {"X": (X, "attention.W_q.kernel")},
     )
     result = multi_head_attention(
         X, X, X, subset(weights, "attention"), num_heads, valid_lens,
         mask=mask, causal=causal, score_bias=score_bias, dropout=dropout,
-        return_weights=return_weights, implementation=implementation, ops=ops,
+        return_weights=return_weights, implementation=implementation, scale=scale, ops=ops,
     )
     attended, attn = result if return_weights else (result, None)
     Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
@@ -304,6 +308,7 @@ def transformer_encoder(
     implementation: str | None = None,
     positions: Array | None = None,
     max_len: int | None = None,
+    scale: float | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
@@ -329,6 +334,7 @@ def transformer_encoder(
             rows (the layers hold one of ``max_len`` rows); made here when None.
         max_len: Rows of the table made here when ``positions`` is None: by default T rows
             when T is known, else 1000 (a run-time length under tracing or export).
+        scale: Multiplies every block's attention scores; None for ``1 / sqrt(h/H)``.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -336,15 +342,17 @@ def transformer_encoder(
     """
     ops = ops or ops_for(tokens, "tokens")
     side = _ids_side(weights)
-    weights = W.check_call_weights(ops, "transformer_encoder", weights,
-                                   lambda size: W.encoder_call_spec(size, weights, num_heads))
+    weights = W.check_call_weights(
+        ops, "transformer_encoder", weights,
+        lambda size: W.with_sinks(W.encoder_call_spec(size, weights, num_heads), weights,
+                                  num_heads))
     X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
                              ops=ops, side=side)
     attention_weights = []
     for i in range(W.count_blocks(weights)):
         result = transformer_encoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, valid_lens, mask=mask, dropout=dropout,
-            return_weights=return_weights, implementation=implementation, ops=ops,
+            return_weights=return_weights, implementation=implementation, scale=scale, ops=ops,
         )
         X, attn = result if return_weights else (result, None)
         attention_weights.append(attn)
@@ -403,7 +411,8 @@ def transformer_decoder_block(
             :func:`~attention_core.attention.dot_product_attention`.
         options: The self-attention's :class:`~attention_core.multihead.HeadOptions`
             (grouped-query heads, rotary or ALiBi positions, window, soft-capping); the
-            cross-attention is the classic one.
+            cross-attention is the classic one, but for ``options.scale``, which both take.
+            Each attention has sinks when the mapping holds its ``sinks``.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
@@ -434,7 +443,7 @@ def transformer_decoder_block(
         return multi_head_attention(
             Y, enc_outputs, enc_outputs, subset(weights, "cross_attention"), num_heads,
             enc_valid_lens, mask=enc_mask, dropout=dropout, return_weights=return_weights,
-            implementation=implementation, ops=ops,
+            implementation=implementation, scale=options.scale, ops=ops,
         )
 
     out, kept = _decoder_sublayers(ops, X, weights, attend_self, attend_cross, dropout,
@@ -525,7 +534,8 @@ def cached_decoder_block(
         new_cache.append(pair)
         return pool_heads(ops, Y, pair, cross, num_heads, enc_valid_lens, mask=enc_mask,
                           dropout=dropout, return_weights=return_weights,
-                          implementation=implementation)
+                          implementation=implementation,
+                          options=HeadOptions(scale=checks.check_scale(options.scale)))
 
     out, kept = _decoder_sublayers(ops, X, weights, attend_self, attend_cross, dropout,
                                    bool(return_weights))
@@ -544,8 +554,9 @@ def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: 
         inputs["enc_outputs"] = (enc_outputs, "cross_attention.W_k.kernel")
     return W.check_call_weights(
         ops, "transformer_decoder_block", weights,
-        lambda size: W.decoder_block_call_spec(size, weights, num_heads,
-                                               num_kv_heads=num_kv_heads), inputs,
+        lambda size: W.with_sinks(W.decoder_block_call_spec(size, weights, num_heads,
+                                                            num_kv_heads=num_kv_heads),
+                                  weights, num_heads), inputs,
     )
 
 
@@ -672,8 +683,9 @@ def transformer_decoder(
     side = _ids_side(weights)
     weights = W.check_call_weights(
         ops, "transformer_decoder", weights,
-        lambda size: W.decoder_call_spec(size, weights, num_heads,
-                                         num_kv_heads=options.num_kv_heads))
+        lambda size: W.with_sinks(W.decoder_call_spec(size, weights, num_heads,
+                                                      num_kv_heads=options.num_kv_heads),
+                                  weights, num_heads))
     check_encoder_outputs(ops, enc_outputs, "blks.0.cross_attention.W_q.kernel" in weights,
                           like=("tokens", tokens))
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len, 0,
@@ -769,8 +781,9 @@ def cached_decoder(
     side = _ids_side(weights)
     weights = W.check_call_weights(
         ops, "transformer_decoder", weights,
-        lambda size: W.decoder_call_spec(size, weights, num_heads,
-                                         num_kv_heads=options.num_kv_heads))
+        lambda size: W.with_sinks(W.decoder_call_spec(size, weights, num_heads,
+                                                      num_kv_heads=options.num_kv_heads),
+                                  weights, num_heads))
     blocks = W.count_blocks(weights)
     if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) != blocks):
         raise ValueError(f"cache must hold one block cache per block ({blocks}), got "
@@ -828,6 +841,7 @@ def transformer_encoder_decoder(
     implementation: str | None = None,
     positions: Array | None = None,
     max_len: int | None = None,
+    scale: float | None = None,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[list[Array]]]:
     """The encoder-decoder Transformer: the decoder's logits over the encoded source.
@@ -849,6 +863,7 @@ def transformer_encoder_decoder(
             and the target; made here when None.
         max_len: Rows of the tables made here when ``positions`` is None; by default each
             input's length.
+        scale: Multiplies every attention's scores; None for ``1 / sqrt(h/H)``.
         ops: The backend's ops; found from ``src_tokens`` when omitted.
 
     Returns:
@@ -857,8 +872,10 @@ def transformer_encoder_decoder(
     ops = ops or ops_for(src_tokens, "src_tokens")
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
     ids_checked = isinstance(weights, W.CheckedWeights)  # by the layer that calls
-    weights = W.check_call_weights(ops, "transformer_encoder_decoder", weights,
-                                   lambda size: W.transformer_call_spec(size, weights, num_heads))
+    weights = W.check_call_weights(
+        ops, "transformer_encoder_decoder", weights,
+        lambda size: W.with_sinks(W.transformer_call_spec(size, weights, num_heads), weights,
+                                  num_heads))
     for side, tokens in (() if ids_checked else (("src", src_tokens), ("tgt", tgt_tokens))):
         table = weights[("encoder." if side == "src" else "decoder.") + "token.embedding"]
         check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side)
@@ -866,13 +883,14 @@ def transformer_encoder_decoder(
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
         return_weights=return_weights, implementation=implementation, positions=positions,
-        max_len=max_len, ops=ops,
+        max_len=max_len, scale=scale, ops=ops,
     )
     enc_outputs, enc_weights = encoded if return_weights else (encoded, None)
     decoded = transformer_decoder(
         tgt_tokens, subset(weights, "decoder"), num_heads, enc_outputs, src_valid_lens,
         valid_lens=tgt_valid_lens, dropout=dropout, return_weights=return_weights,
-        implementation=implementation, positions=positions, max_len=max_len, ops=ops,
+        implementation=implementation, positions=positions, max_len=max_len,
+        options=HeadOptions(scale=scale), ops=ops,
     )
     if not return_weights:
         return decoded

@@ -56,21 +56,26 @@ def multi_head_spec(
     k_in: int | None = None,
     v_in: int | None = None,
     num_kv_heads: int | None = None,
+    sinks: bool = False,
 ) -> Spec:
     """``W_q`` projects the queries to h = num_hiddens, ``W_o`` is ``(h, h)``.
 
     ``W_k`` and ``W_v`` project the keys and values to ``Hkv * h/H`` columns, Hkv =
     ``num_kv_heads`` (None: H; grouped-query attention when fewer): key/value head ``g``
-    takes columns ``g*h/H : (g+1)*h/H``.
+    takes columns ``g*h/H : (g+1)*h/H``. With ``sinks``, ``sinks (H,)`` holds each head's
+    attention-sink logit.
     """
     num_hiddens, num_heads = check_heads(num_hiddens, num_heads)
     kv_width = check_kv_heads(num_heads, num_kv_heads) * (num_hiddens // num_heads)
-    return {
+    spec = {
         **dense_spec("W_q", q_in, num_hiddens, bias),
         **dense_spec("W_k", k_in, kv_width, bias),
         **dense_spec("W_v", v_in, kv_width, bias),
         **dense_spec("W_o", num_hiddens, num_hiddens, bias),
     }
+    if sinks:
+        spec["sinks"] = (num_heads,)
+    return spec
 
 
 def additive_spec(num_hiddens: int, q_in: int | None = None, k_in: int | None = None) -> Spec:
@@ -201,16 +206,17 @@ class InitRule(NamedTuple):
 def init_rule(name: str, shape: tuple[int, ...]) -> InitRule:
     """The initialisation rule of a weight, from its canonical name's last part and its shape.
 
-    Kernels ``(in, out)`` are Glorot-uniform, biases and ``beta`` zero, ``gamma`` one, a learned
-    table ``P`` normal with std 0.02, an ``embedding`` table ``(N, D)`` normal with std
-    ``1 / sqrt(D)`` (unit-norm rows on average), a kernel width ``w`` uniform in [0, 1).
+    Kernels ``(in, out)`` are Glorot-uniform, biases, ``beta`` and ``sinks`` zero, ``gamma``
+    one, a learned table ``P`` normal with std 0.02, an ``embedding`` table ``(N, D)`` normal
+    with std ``1 / sqrt(D)`` (unit-norm rows on average), a kernel width ``w`` uniform in
+    [0, 1).
     Every backend draws these with its own random numbers.
     """
     leaf = name.rpartition(".")[2]
     if leaf == "kernel":
         limit = math.sqrt(6.0 / (shape[0] + shape[1]))
         return InitRule("uniform", -limit, limit)
-    if leaf in ("bias", "beta", "gamma"):
+    if leaf in ("bias", "beta", "gamma", "sinks"):
         return InitRule("constant", 1.0 if leaf == "gamma" else 0.0)
     if leaf == "P":
         return InitRule("normal", 0.0, 0.02)
@@ -500,6 +506,20 @@ def multi_head_call_spec(
         d_in = width if width is not None else size(f"{prefix}{name}.kernel", 0, 2)
         spec.update(dense_spec(f"{prefix}{name}", d_in, columns, bias))
     spec.update(dense_spec(f"{prefix}W_o", h, h, bias))
+    return spec
+
+
+def with_sinks(spec: Spec, names: Any, num_heads: int) -> Spec:
+    """``spec`` with ``sinks (H,)`` for each multi-head attention in it whose sinks ``names`` hold.
+
+    For the core's multi-head functions, whose attentions may have sink logits
+    (``MultiHeadAttention(sinks=True)``): an attention is a ``<prefix>W_q.kernel`` of the spec,
+    its sinks ``<prefix>sinks``. Specs not passed through it (the converters') refuse them.
+    """
+    for name in [n for n in spec if n.endswith("W_q.kernel")]:
+        sinks = name[:-len("W_q.kernel")] + "sinks"
+        if sinks in names:
+            spec[sinks] = (num_heads,)
     return spec
 
 

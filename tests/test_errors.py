@@ -1171,6 +1171,83 @@ BATCH_ROWS: list[Bad] = [
 ]
 
 
+# -- scale and attention sinks
+
+#: The envs of the converters to native layers, by converter.
+_SINK_CONVERTERS = {"to_torch": ("torch", "backends.torch.convert"),
+                    "to_keras": ("tensorflow", "backends.keras.convert"),
+                    "to_flax": ("jax", "backends.jax.convert")}
+
+
+def scale_message(got: str) -> str:
+    return f"scale must be a positive finite float or None, got {got}"
+
+
+def sinks_mha(h: Harness) -> Any:
+    """MultiHeadAttention(8, 2, sinks=True), given weights (queries 3, keys 4, values 5 wide)."""
+    layer = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2, "sinks": True})
+    layer.set_weights(unbuilt_mha_weights(F32, sinks=arr((2,))))
+    return layer
+
+
+def to_native_with_sinks(converter: str) -> Any:
+    module = importlib.import_module(_SINK_CONVERTERS[converter][1])
+    weights = {name: arr(shape) for name, shape in {**MHA, "W_v.kernel": (8, 8)}.items()}
+    return getattr(module, converter)({**weights, "sinks": arr((2,))}, 2)
+
+
+def converter_env(converter: str) -> tuple[tuple[str, str], ...]:
+    """``without`` for a converter row: it runs in its framework's env alone."""
+    env = _SINK_CONVERTERS[converter][0]
+    return tuple((other, f"{converter} runs in the {env} env")
+                 for other in ("numpy", "torch", "tensorflow", "jax", "mxnet") if other != env)
+
+
+SCALE_SINK_ROWS: list[Bad] = [
+    Bad("dot_scale_zero", "sizes", lambda c: c.h.module.DotProductAttention(scale=0), ValueError,
+        scale_message("0")),
+    Bad("mha_scale_infinite", "sizes",
+        lambda c: c.h.module.MultiHeadAttention(8, 2, scale=float("inf")), ValueError,
+        scale_message("inf")),
+    Bad("block_scale_string", "sizes",
+        lambda c: c.h.module.TransformerEncoderBlock(8, 16, 2, scale="0.5"), ValueError,
+        scale_message("'0.5'")),
+    Bad("decoder_scale_negative", "sizes",
+        lambda c: c.h.module.TransformerDecoder(11, 8, 16, 2, 1, scale=-1.0), ValueError,
+        scale_message("-1.0")),
+    Bad("transformer_scale_flag", "sizes",
+        lambda c: c.h.module.Transformer(11, 11, 8, 16, 2, 1, scale=True), ValueError,
+        scale_message("True")),
+    Bad("fn_mha_scale_nan", "sizes", lambda c: ac.multi_head_attention(
+        *(c.h.array(a) for a in qkv()), fn_weights(c.h, MHA), 2, scale=float("nan")),
+        ValueError, scale_message("nan")),
+    Bad("mha_sinks_not_flag", "sizes",
+        lambda c: c.h.module.MultiHeadAttention(8, 2, sinks=1), TypeError,
+        "sinks must be True or False, got 1"),
+    Bad("set_weights_without_sinks", "set_weights",
+        lambda c: c.layer.set_weights({k: v for k, v in c.layer.get_weights().items()
+                                       if k != "sinks"}), ValueError,
+        names_message("set_weights", ["sinks"], [], [*MHA, "sinks"]), sinks_mha),
+    Bad("set_weights_sinks_shape", "set_weights",
+        lambda c: c.layer.set_weights({**c.layer.get_weights(), "sinks": arr((3,))}), ValueError,
+        "set_weights: sinks has shape (3,), expected (2,)", sinks_mha),
+    Bad("set_weights_sinks_without_sinks", "set_weights",
+        lambda c: c.layer.set_weights({**c.layer.get_weights(), "sinks": arr((2,))}), ValueError,
+        names_message("set_weights", [], ["sinks"], MHA), mha),
+    Bad("fn_mha_sinks_shape", "functional_weights", lambda c: fn_mha(c, sinks=arr((3,))),
+        ValueError, "multi_head_attention: sinks has shape (3,), expected (2,)"),
+    Bad("fn_relative_sinks", "functional_weights", lambda c: fn_relative(c, sinks=arr((3,))),
+        ValueError, names_message("relative_multi_head_attention", [], ["sinks"], RELATIVE)),
+    Bad("fn_block_sinks_shape", "functional_weights",
+        lambda c: fn_block(c, **{"attention.sinks": arr((2,))}), ValueError,
+        "transformer_encoder_block: attention.sinks has shape (2,), expected (3,)"),
+    *[Bad(f"{converter}_sinks", "converter", lambda c, converter=converter:
+          to_native_with_sinks(converter), ValueError,
+          names_message(converter, [], ["sinks"], MHA), without=converter_env(converter))
+      for converter in _SINK_CONVERTERS],
+]
+
+
 # -- greedy and beam search, rotary options
 
 #: The decoder the search rows decode with (V = 11), made and called once.
@@ -1461,7 +1538,8 @@ MODIFIER_ROWS: list[Bad] = [
 ]
 
 
-CATALOGUE += BATCH_ROWS + GENERATION_ROWS + HOST_ROWS + CONVERTER_ROWS + MODIFIER_ROWS
+CATALOGUE += (BATCH_ROWS + SCALE_SINK_ROWS + GENERATION_ROWS + HOST_ROWS + CONVERTER_ROWS
+              + MODIFIER_ROWS)
 
 assert len({row.name for row in CATALOGUE}) == len(CATALOGUE), "row names must be unique"
 

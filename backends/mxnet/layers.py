@@ -117,7 +117,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
             self._reg_params[name].cast(dtype)
         signature = self.call_signature().parameters.items()
         self._arrays = tuple(n for n, p in signature if not isinstance(p.default, bool)
-                             and n not in self.cache_arguments)
+                             and n not in self.cache_arguments + self.function_arguments)
         self._call: tuple[dict[str, Any], bool | str, list[Any]] = ({}, False, [])
         self._graph_key: Any = None
         self._attention_kept = self.finish(None, False, False)[1]
