@@ -60,9 +60,6 @@ def keyword_parameters(arguments: type) -> tuple[inspect.Parameter, ...]:
     )
 
 
-#: The attribute where an adapter keeps the constructor arguments whose attribute a weight of
-#: the same name took (:meth:`Declaration.argument`).
-HELD_ARGUMENTS = "_held_arguments"
 
 #: The declared layers, by their public name, in the order declared: every public declaration
 #: of this module (see :meth:`Declaration.__init_subclass__`) and those given to :func:`register`.
@@ -317,25 +314,16 @@ class Declaration:
             {k: v for k, v in values.items() if k not in names},
         )
 
-    def argument(self, name: str) -> Any:
-        """The value of constructor argument ``name``.
-
-        Its attribute, unless a weight of the same name holds that attribute (``sinks`` of an
-        NNX module): then the value :data:`HELD_ARGUMENTS` keeps.
-        """
-        held = vars(self).get(HELD_ARGUMENTS) or {}
-        return held[name] if name in held else getattr(self, name)
-
     def arguments(self) -> dict[str, Any]:
         """The constructor arguments and their values (a layer's config)."""
-        return {name: self.argument(name) for name in self.argument_names()}
+        return {name: getattr(self, name) for name in self.argument_names()}
 
     def describe(self) -> str:
         """The arguments as ``name=value, ...`` for reprs: keyword-only ones when not default."""
         shown = [
-            f"{f.name}={self.argument(f.name)!r}"
+            f"{f.name}={getattr(self, f.name)!r}"
             for f in dataclasses.fields(self.declared())
-            if not f.kw_only or self.argument(f.name) != f.default
+            if not f.kw_only or getattr(self, f.name) != f.default
         ]
         return ", ".join(shown)
 
@@ -787,7 +775,7 @@ class MultiHeadAttention(_ScoredAttention):
         return W.multi_head_spec(
             self.num_hiddens, self.num_heads, self.bias,
             dims.get("q_in"), dims.get("k_in"), dims.get("v_in"), self.num_kv_heads,
-            self.argument("sinks"),
+            self.sinks,
         )
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:

@@ -254,7 +254,7 @@ def pool_heads(
     if options.positional == "rotary":
         first = ops.shape(pair[0])[2] - ops.shape(q)[2] if offset is None else offset
         q = rotated_heads(ops, q, first, options.rotary_base)
-    given = {"sinks": weights.get("sinks"), "mask_mod": mask_mod, "score_mod": score_mod}
+    given = {"sinks": weights.get("sink_logits"), "mask_mod": mask_mod, "score_mod": score_mod}
     pooled = dot_product_attention(
         q, *pair, valid_lens, mask=mask, causal=causal, dropout=dropout,
         return_weights=return_weights, implementation=implementation, window=options.window,

@@ -62,8 +62,8 @@ def multi_head_spec(
 
     ``W_k`` and ``W_v`` project the keys and values to ``Hkv * h/H`` columns, Hkv =
     ``num_kv_heads`` (None: H; grouped-query attention when fewer): key/value head ``g``
-    takes columns ``g*h/H : (g+1)*h/H``. With ``sinks``, ``sinks (H,)`` holds each head's
-    attention-sink logit.
+    takes columns ``g*h/H : (g+1)*h/H``. With ``sinks``, ``sink_logits (H,)`` holds each
+    head's attention-sink logit.
     """
     num_hiddens, num_heads = check_heads(num_hiddens, num_heads)
     kv_width = check_kv_heads(num_heads, num_kv_heads) * (num_hiddens // num_heads)
@@ -74,7 +74,7 @@ def multi_head_spec(
         **dense_spec("W_o", num_hiddens, num_hiddens, bias),
     }
     if sinks:
-        spec["sinks"] = (num_heads,)
+        spec["sink_logits"] = (num_heads,)
     return spec
 
 
@@ -206,7 +206,7 @@ class InitRule(NamedTuple):
 def init_rule(name: str, shape: tuple[int, ...]) -> InitRule:
     """The initialisation rule of a weight, from its canonical name's last part and its shape.
 
-    Kernels ``(in, out)`` are Glorot-uniform, biases, ``beta`` and ``sinks`` zero, ``gamma``
+    Kernels ``(in, out)`` are Glorot-uniform, biases, ``beta`` and ``sink_logits`` zero, ``gamma``
     one, a learned table ``P`` normal with std 0.02, an ``embedding`` table ``(N, D)`` normal
     with std ``1 / sqrt(D)`` (unit-norm rows on average), a kernel width ``w`` uniform in
     [0, 1).
@@ -216,7 +216,7 @@ def init_rule(name: str, shape: tuple[int, ...]) -> InitRule:
     if leaf == "kernel":
         limit = math.sqrt(6.0 / (shape[0] + shape[1]))
         return InitRule("uniform", -limit, limit)
-    if leaf in ("bias", "beta", "gamma", "sinks"):
+    if leaf in ("bias", "beta", "gamma", "sink_logits"):
         return InitRule("constant", 1.0 if leaf == "gamma" else 0.0)
     if leaf == "P":
         return InitRule("normal", 0.0, 0.02)
@@ -510,14 +510,15 @@ def multi_head_call_spec(
 
 
 def with_sinks(spec: Spec, names: Any, num_heads: int) -> Spec:
-    """``spec`` with ``sinks (H,)`` for each multi-head attention in it whose sinks ``names`` hold.
+    """``spec`` with ``sink_logits (H,)`` for each multi-head attention in it that ``names`` hold.
 
     For the core's multi-head functions, whose attentions may have sink logits
     (``MultiHeadAttention(sinks=True)``): an attention is a ``<prefix>W_q.kernel`` of the spec,
-    its sinks ``<prefix>sinks``. Specs not passed through it (the converters') refuse them.
+    its logits ``<prefix>sink_logits``. Specs not passed through it (the converters') refuse
+    them.
     """
     for name in [n for n in spec if n.endswith("W_q.kernel")]:
-        sinks = name[:-len("W_q.kernel")] + "sinks"
+        sinks = name[:-len("W_q.kernel")] + "sink_logits"
         if sinks in names:
             spec[sinks] = (num_heads,)
     return spec

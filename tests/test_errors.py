@@ -1186,14 +1186,14 @@ def scale_message(got: str) -> str:
 def sinks_mha(h: Harness) -> Any:
     """MultiHeadAttention(8, 2, sinks=True), given weights (queries 3, keys 4, values 5 wide)."""
     layer = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2, "sinks": True})
-    layer.set_weights(unbuilt_mha_weights(F32, sinks=arr((2,))))
+    layer.set_weights(unbuilt_mha_weights(F32, sink_logits=arr((2,))))
     return layer
 
 
 def to_native_with_sinks(converter: str) -> Any:
     module = importlib.import_module(_SINK_CONVERTERS[converter][1])
     weights = {name: arr(shape) for name, shape in {**MHA, "W_v.kernel": (8, 8)}.items()}
-    return getattr(module, converter)({**weights, "sinks": arr((2,))}, 2)
+    return getattr(module, converter)({**weights, "sink_logits": arr((2,))}, 2)
 
 
 def converter_env(converter: str) -> tuple[tuple[str, str], ...]:
@@ -1226,24 +1226,24 @@ SCALE_SINK_ROWS: list[Bad] = [
         "sinks must be True or False, got 1"),
     Bad("set_weights_without_sinks", "set_weights",
         lambda c: c.layer.set_weights({k: v for k, v in c.layer.get_weights().items()
-                                       if k != "sinks"}), ValueError,
-        names_message("set_weights", ["sinks"], [], [*MHA, "sinks"]), sinks_mha),
+                                       if k != "sink_logits"}), ValueError,
+        names_message("set_weights", ["sink_logits"], [], [*MHA, "sink_logits"]), sinks_mha),
     Bad("set_weights_sinks_shape", "set_weights",
-        lambda c: c.layer.set_weights({**c.layer.get_weights(), "sinks": arr((3,))}), ValueError,
-        "set_weights: sinks has shape (3,), expected (2,)", sinks_mha),
+        lambda c: c.layer.set_weights({**c.layer.get_weights(), "sink_logits": arr((3,))}), ValueError,
+        "set_weights: sink_logits has shape (3,), expected (2,)", sinks_mha),
     Bad("set_weights_sinks_without_sinks", "set_weights",
-        lambda c: c.layer.set_weights({**c.layer.get_weights(), "sinks": arr((2,))}), ValueError,
-        names_message("set_weights", [], ["sinks"], MHA), mha),
-    Bad("fn_mha_sinks_shape", "functional_weights", lambda c: fn_mha(c, sinks=arr((3,))),
-        ValueError, "multi_head_attention: sinks has shape (3,), expected (2,)"),
-    Bad("fn_relative_sinks", "functional_weights", lambda c: fn_relative(c, sinks=arr((3,))),
-        ValueError, names_message("relative_multi_head_attention", [], ["sinks"], RELATIVE)),
+        lambda c: c.layer.set_weights({**c.layer.get_weights(), "sink_logits": arr((2,))}), ValueError,
+        names_message("set_weights", [], ["sink_logits"], MHA), mha),
+    Bad("fn_mha_sinks_shape", "functional_weights", lambda c: fn_mha(c, sink_logits=arr((3,))),
+        ValueError, "multi_head_attention: sink_logits has shape (3,), expected (2,)"),
+    Bad("fn_relative_sinks", "functional_weights", lambda c: fn_relative(c, sink_logits=arr((3,))),
+        ValueError, names_message("relative_multi_head_attention", [], ["sink_logits"], RELATIVE)),
     Bad("fn_block_sinks_shape", "functional_weights",
-        lambda c: fn_block(c, **{"attention.sinks": arr((2,))}), ValueError,
-        "transformer_encoder_block: attention.sinks has shape (2,), expected (3,)"),
+        lambda c: fn_block(c, **{"attention.sink_logits": arr((2,))}), ValueError,
+        "transformer_encoder_block: attention.sink_logits has shape (2,), expected (3,)"),
     *[Bad(f"{converter}_sinks", "converter", lambda c, converter=converter:
           to_native_with_sinks(converter), ValueError,
-          names_message(converter, [], ["sinks"], MHA), without=converter_env(converter))
+          names_message(converter, [], ["sink_logits"], MHA), without=converter_env(converter))
       for converter in _SINK_CONVERTERS],
 ]
 

@@ -73,7 +73,7 @@ def mha(w: dict[str, np.ndarray], q: np.ndarray, k: np.ndarray, v: np.ndarray,
     """Multi-head attention from canonical weights (``sinks`` when they hold them)."""
     qh, kh, vh = (heads(x @ w[f"{n}.kernel"]) for x, n in ((q, "W_q"), (k, "W_k"), (v, "W_v")))
     scale = 1 / math.sqrt(qh.shape[-1]) if scale is None else scale
-    out, weights = attend(qh, kh, vh, scale, w.get("sinks"), causal)
+    out, weights = attend(qh, kh, vh, scale, w.get("sink_logits"), causal)
     B, _, N, d = out.shape
     return out.transpose(0, 2, 1, 3).reshape(B, N, H * d) @ w["W_o.kernel"], weights
 
@@ -162,9 +162,9 @@ def weights64(layer: Any) -> dict[str, np.ndarray]:
 
 
 def with_sinks(weights: dict[str, np.ndarray], seed: int = 3) -> dict[str, np.ndarray]:
-    """The weights with each ``sinks`` set to random logits, not all zero."""
+    """The weights with each ``sink_logits`` set to random logits, not all zero."""
     rng = np.random.default_rng(seed)
-    return {name: (rng.uniform(-2, 2, x.shape).astype(x.dtype) if name.endswith("sinks") else x)
+    return {name: (rng.uniform(-2, 2, x.shape).astype(x.dtype) if name.endswith("sink_logits") else x)
             for name, x in weights.items()}
 
 
@@ -259,8 +259,8 @@ def test_sinks_weights_by_name(holder: str) -> None:
     plain, sinks = declared_spec(name, config), declared_spec(name, {**config, "sinks": True})
     attentions = [n[:-len("W_q.kernel")] for n in plain if n.endswith("W_q.kernel")]
     assert attentions
-    assert sinks == {**plain, **{f"{prefix}sinks": (H,) for prefix in attentions}}
-    assert not any("sinks" in n for n in plain)
+    assert sinks == {**plain, **{f"{prefix}sink_logits": (H,) for prefix in attentions}}
+    assert not any("sink_logits" in n for n in plain)
 
 
 def test_sinks_are_canonical_weights(backend: str, tmp_path: Path) -> None:
@@ -269,20 +269,20 @@ def test_sinks_are_canonical_weights(backend: str, tmp_path: Path) -> None:
     h = Harness(backend)
     config = {"num_hiddens": WIDTH, "num_heads": H, "sinks": True}
     spec = {"W_q.kernel": (3, 8), "W_k.kernel": (4, 8), "W_v.kernel": (5, 8),
-            "W_o.kernel": (8, 8), "sinks": (2,)}
+            "W_o.kernel": (8, 8), "sink_logits": (2,)}
     given = {name: data(*shape, seed=i) for i, (name, shape) in enumerate(spec.items())}
     layer = h.make("MultiHeadAttention", config)
     layer.set_weights(given)
     got = layer.get_weights()
     assert sorted(got) == sorted(given)
-    np.testing.assert_array_equal(got["sinks"], given["sinks"])
+    np.testing.assert_array_equal(got["sink_logits"], given["sink_logits"])
     ac.save_weights(tmp_path / "w.safetensors", layer)
-    assert ac.load_weights(tmp_path / "w.safetensors")["sinks"].shape == (2,)
+    assert ac.load_weights(tmp_path / "w.safetensors")["sink_logits"].shape == (2,)
     fresh = h.make("MultiHeadAttention", config)
     ac.load_weights(tmp_path / "w.safetensors", fresh)
-    np.testing.assert_array_equal(fresh.get_weights()["sinks"], given["sinks"])
+    np.testing.assert_array_equal(fresh.get_weights()["sink_logits"], given["sink_logits"])
     without = h.make("MultiHeadAttention", {**config, "sinks": False})
-    with pytest.raises(ValueError, match=r"unexpected weights \['sinks'\]"):
+    with pytest.raises(ValueError, match=r"unexpected weights \['sink_logits'\]"):
         ac.load_weights(tmp_path / "w.safetensors", without)
 
 
@@ -294,7 +294,7 @@ def test_block_sinks_are_canonical_weights(backend: str) -> None:
     layer = h.make("TransformerDecoderBlock", config)
     layer.set_weights(given)
     got = layer.get_weights()
-    for name in ("self_attention.sinks", "cross_attention.sinks"):
+    for name in ("self_attention.sink_logits", "cross_attention.sink_logits"):
         np.testing.assert_array_equal(got[name], given[name])
 
 
@@ -310,7 +310,7 @@ def test_multi_head_attention_sinks(backend: str) -> None:
                                           "sinks": True})
     arrays = inputs(h, (q, k, v))
     h.call(layer, *arrays)
-    np.testing.assert_array_equal(layer.get_weights()["sinks"], np.zeros(H, np.float32))
+    np.testing.assert_array_equal(layer.get_weights()["sink_logits"], np.zeros(H, np.float32))
     layer.set_weights(with_sinks(layer.get_weights()))
     out, weights = h.call(layer, *arrays, return_attention=True)
     ref, ref_weights = mha(weights64(layer), *(x.astype(float) for x in (q, k, v)), 0.6)
@@ -343,7 +343,7 @@ def test_sinks_through_the_native_format(backend: str, tmp_path: Path) -> None:
     layer.set_weights(with_sinks(layer.get_weights()))
     fresh, _ = h.save_load_native(layer, lambda: h.make("MultiHeadAttention", config), arrays,
                                   tmp_path)
-    np.testing.assert_array_equal(fresh.get_weights()["sinks"], layer.get_weights()["sinks"])
+    np.testing.assert_array_equal(fresh.get_weights()["sink_logits"], layer.get_weights()["sink_logits"])
 
 
 # -- mask_mod and score_mod ---------------------------------------------------------------------

@@ -17,8 +17,7 @@ Design:
 - **Parameters.** One ``nnx.Param`` per canonical weight, nested like linen's params tree: an
   attribute per first part of the canonical names, holding dicts by the rest (``layer.W_q``
   is ``{"kernel": Param, "bias": Param}``, ``encoder.blks`` is ``{"0": {"attention": ...}}``;
-  a one-part name such as ``P``, ``w`` or ``sinks`` is a ``Param`` attribute; ``layer.sinks``
-  is then the weight, and the argument ``layer.argument("sinks")``). So ``nnx.state(layer,
+  a one-part name such as ``P``, ``w`` or ``sink_logits`` is a ``Param`` attribute). So ``nnx.state(layer,
   nnx.Param)`` reads like linen's params and its paths joined with dots are the canonical
   names; :meth:`Layer.get_weights` is exactly the canonical mapping. Initial values follow
   :func:`attention_core.weights.init_rule`, each drawn from ``rngs.params()``.
@@ -145,15 +144,8 @@ class Layer(D.Declaration, nnx.Module):
             assert rngs is not None
             value = SAMPLERS[rule.kind](rngs.params(), rule, sizes, self.param_dtype)
             drawn[name] = nnx.Param(value)
-        groups = nest(drawn)
-        held = {group: getattr(self, group) for group in groups
-                if group in self.argument_names()}  # the weight takes the attribute (sinks)
-        if held:
-            setattr(self, D.HELD_ARGUMENTS, nnx.static(held))
-        for group, value in groups.items():
-            if group in held:
-                delattr(self, group)
-            elif hasattr(type(self), group):
+        for group, value in nest(drawn).items():
+            if hasattr(type(self), group):
                 raise TypeError(f"weight group {group!r} of {type(self).__name__} would hide "
                                 "an attribute of the module")
             setattr(self, group, value if isinstance(value, nnx.Param) else nnx.data(value))

@@ -3,9 +3,7 @@
 Parameters are kept in the canonical layout of DESIGN section 5, kernels ``(in, out)``, in
 submodules named like the canonical names (``W_q`` holds ``kernel`` and ``bias``); a composite
 is made of child layers named like its sublayers (``attention``, ``blks.0``). So
-``state_dict()`` has exactly the keys and shapes of ``get_weights()``. A weight named like a
-constructor argument (``MultiHeadAttention(sinks=True)``'s ``sinks``) is a parameter of that
-name, while the attribute stays the argument. Fixed tables (the
+``state_dict()`` has exactly the keys and shapes of ``get_weights()``. Fixed tables (the
 sinusoidal ``P``) are non-persistent buffers; ``.double()`` recomputes them exactly.
 
 Input sizes are inferred on the first call, like ``torch.nn.LazyLinear``: a kernel whose input
@@ -143,9 +141,6 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         owner = self.get_submodule(path) if path else self
         if isinstance(value, nn.Module):
             owner.add_module(leaf, value)
-        elif owner is self and leaf in self.argument_names():
-            # a weight named like an argument (sinks): the attribute stays the argument's
-            self._parameters[leaf] = value
         else:
             owner.register_parameter(leaf, value)
 
