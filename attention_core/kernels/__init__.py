@@ -211,8 +211,10 @@ def choose(ops: Ops, request: Request, implementation: str | None = None
 
 def run(ops: Ops, q: Array, k: Array, v: Array, request: Request,
         implementation: str | None = None) -> Result:
-    """Chooses the kernel for ``request`` and runs it (logged at DEBUG level when eager: a
-    traced program, ``torch.compile``'s, cannot call the logger)."""
+    """Chooses the kernel for ``request`` and runs it, logged at DEBUG level in eager calls.
+
+    A traced call logs nothing: ``torch.compile`` cannot trace a call of the logger.
+    """
     entry, passed = choose(ops, request, implementation)
     if not request.traced and LOG.isEnabledFor(logging.DEBUG):
         LOG.debug("%s kernel %r for (B, H, Q, K) = %s%s", ops.name, entry.name,
