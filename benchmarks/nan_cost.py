@@ -5,8 +5,9 @@ By default ``dot_product_attention`` mends nothing and reads nothing on the host
 and moves non-finite values onto their keys (``attention.mended``: a few passes over the
 inputs), and the automatic choice passes the fused kernels over (torch's SDPA gives way to the
 direct or blockwise kernel). This times the same call both ways, in interleaved rounds in one
-process, and prints per size and mask the median ratio with its quartiles and the kernel each
-way took.
+process, and prints per size and mask the median ratio with its quartiles, the kernel each
+way took, and the median ratio to a default call on the checked call's kernel (what the passes
+alone cost).
 
 Usage: ``python benchmarks/nan_cost.py BACKEND [--rounds N] [--out FILE] [--device DEVICE]``
 (``--device``: torch only, e.g. ``cuda``; every call ends with a read of its output on the host).
@@ -58,10 +59,14 @@ def kernel_taken(call: Callable[[], Any]) -> str:
     return handler.names[-1] if handler.names else "?"
 
 
-def time_pair(calls: dict[str, Callable[[], Any]], reps: int, rounds: int
-              ) -> tuple[list[float], float]:
-    """Ratios check_numerics / default, one per round, and the last round's default time per call."""
-    ratios, per_call = [], 0.0
+def time_rounds(calls: dict[str, Callable[[], Any]], reps: int, rounds: int
+                ) -> tuple[dict[str, list[float]], float]:
+    """Ratios of check_numerics to each other call, one per round, and a default call's time.
+
+    The time is the last round's, per call.
+    """
+    ratios: dict[str, list[float]] = {name: [] for name in calls if name != "check_numerics"}
+    per_call = 0.0
     for _ in range(rounds):
         times = {}
         for name, call in calls.items():
@@ -69,7 +74,8 @@ def time_pair(calls: dict[str, Callable[[], Any]], reps: int, rounds: int
             for _ in range(reps):
                 call()
             times[name] = time.perf_counter() - start
-        ratios.append(times["check_numerics"] / times["default"])
+        for name in ratios:
+            ratios[name].append(times["check_numerics"] / times[name])
         per_call = times["default"] / reps
     return ratios, per_call
 
@@ -109,12 +115,15 @@ def main() -> None:
         for label, valid_lens in (("no mask", None), ("valid_lens", lens)):
             calls = {name: _call(ops, q, k, v, valid_lens, kw) for name, kw in MODES.items()}
             taken = {name: kernel_taken(call) for name, call in calls.items()}
+            same = {"implementation": taken["check_numerics"]}
+            calls["same kernel"] = _call(ops, q, k, v, valid_lens, same)
             reps = max(1, int(2e7 / (n * n * D)))
-            ratios, per_call = time_pair(calls, reps, args.rounds)
-            q25, q75 = np.quantile(ratios, [0.25, 0.75])
-            line = (f"n={n:5d} {label:10s} ratio {statistics.median(ratios):.3f} "
+            ratios, per_call = time_rounds(calls, reps, args.rounds)
+            q25, q75 = np.quantile(ratios["default"], [0.25, 0.75])
+            line = (f"n={n:5d} {label:10s} ratio {statistics.median(ratios['default']):.3f} "
                     f"[{q25:.3f}, {q75:.3f}]  default {per_call * 1e3:.3f} ms per call "
-                    f"({taken['default']}; checked: {taken['check_numerics']})")
+                    f"({taken['default']}; checked: {taken['check_numerics']}, "
+                    f"{statistics.median(ratios['same kernel']):.3f} x that kernel's default)")
             lines.append(line)
             print(line, flush=True)
     if args.out:
