@@ -139,6 +139,8 @@ class Entry:
 
 
 _REGISTRY: dict[tuple[str, str | None], Entry] = {}
+#: Taken by writers only: a reader copies the dict, which CPython does atomically, and takes no
+#: lock, which a traced program (``torch.compile``) could not enter.
 _LOCK = threading.Lock()
 
 
@@ -165,14 +167,12 @@ def register_kernel(name: str, kernel: Kernel, capabilities: Capabilities, *,
 
 def registered_names() -> set[str]:
     """The names of every registered kernel, of any backend."""
-    with _LOCK:
-        return {name for name, _ in _REGISTRY}
+    return {name for name, _ in dict(_REGISTRY)}
 
 
 def kernels(backend: str) -> list[Entry]:
     """The kernels a backend can run, by descending priority."""
-    with _LOCK:
-        entries = dict(_REGISTRY)
+    entries = dict(_REGISTRY)
     names = {name for name, owner in entries if owner in (None, backend)}
     found = [entries.get((n, backend)) or entries[n, None] for n in names]
     return sorted(found, key=lambda e: (-e.priority, e.name))
@@ -211,9 +211,12 @@ def choose(ops: Ops, request: Request, implementation: str | None = None
 
 def run(ops: Ops, q: Array, k: Array, v: Array, request: Request,
         implementation: str | None = None) -> Result:
-    """Chooses the kernel for ``request`` and runs it (logged at DEBUG level)."""
+    """Chooses the kernel for ``request`` and runs it, logged at DEBUG level in eager calls.
+
+    A traced call logs nothing: ``torch.compile`` cannot trace a call of the logger.
+    """
     entry, passed = choose(ops, request, implementation)
-    if LOG.isEnabledFor(logging.DEBUG):
+    if not request.traced and LOG.isEnabledFor(logging.DEBUG):
         LOG.debug("%s kernel %r for (B, H, Q, K) = %s%s", ops.name, entry.name,
                   request.call.shape, "".join(f"; passed over {n!r}: {w}" for n, w in passed.items()))
     return entry.kernel(ops, q, k, v, request)
