@@ -37,7 +37,7 @@ from torch.nn.parameter import Parameter, UninitializedParameter, is_lazy
 from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
-from backends.torch.ops import OPS, TorchOps
+from backends.torch.ops import OPS, TorchOps, autocasting
 
 Tensor = torch.Tensor
 
@@ -70,6 +70,11 @@ class Holder(LazyModuleMixin, nn.Module):
     :class:`~torch.nn.modules.lazy.LazyModuleMixin` lets ``state_dict`` and
     ``load_state_dict`` handle a kernel whose input size is not known yet.
     """
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Holder:
+        """Moves or casts like any module; kernels of unknown size stay placeholders."""
+        apply = super()._apply
+        return _keeping_placeholders(self, fn, lambda: apply(fn, recurse))  # type: ignore[no-untyped-call]
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}: {checks.fmt_shape(p.shape)}" if not is_lazy(p) else f"{name}: ?"
@@ -121,10 +126,11 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
             arguments: dict[str, Any] = {**sub.layer.arguments(), **sub.dims, **factory}
             self._attach(name, CLASSES[type(sub.layer)](**arguments))
         tables = self.constants("float64")
+        # the default device is the one of ``with torch.device(...)`` (meta for a model's shape)
+        device = factory["device"] or torch.get_default_device()
+        dtype = factory["dtype"] or torch.get_default_dtype()
         for name, table in tables.items():
-            dtype = factory["dtype"] or torch.get_default_dtype()
-            self.register_buffer(name, torch.from_numpy(table).to(factory["device"], dtype),
-                                 persistent=False)
+            self.register_buffer(name, torch.from_numpy(table).to(device, dtype), persistent=False)
         self._tables = tuple(tables)
         self._attention_kept = self.finish(None, False, False)[1]
         self._init([name for name, shape in spec.items() if None not in shape])
@@ -163,9 +169,16 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """Draws initial values for every weight whose shape is known.
 
         By each weight's rule (:func:`attention_core.weights.init_rule`), from torch's
-        generator, so ``torch.manual_seed`` fixes them.
+        generator, in the order the constructor draws them, so under the same
+        ``torch.manual_seed`` a layer made on ``meta``, then ``to_empty(device=...)`` and
+        ``reset_parameters()``, holds the weights of one made on that device.
         """
-        self._init([name for name, p in self.named_parameters() if not is_lazy(p)])
+        children = self.sublayers()
+        for name in children:
+            cast(Layer, self.get_submodule(name)).reset_parameters()
+        inner = tuple(f"{name}." for name in children)
+        self._init([name for name, p in self.named_parameters()
+                    if not name.startswith(inner) and not is_lazy(p)])
 
     def _init(self, names: list[str]) -> None:
         params = dict(self.named_parameters())
@@ -273,7 +286,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         are checked but not cast.
         """
         param = next(self.parameters(), None)
-        if param is None or torch.is_autocast_enabled(param.device.type):
+        if param is None or autocasting(param.device.type):
             return None
         return OPS.dtype_name(param)
 
@@ -307,7 +320,8 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
         A table cast from float32 to float64 would keep float32 digits.
         """
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        apply = super()._apply
+        _keeping_placeholders(self, fn, lambda: apply(fn, recurse))  # type: ignore[no-untyped-call]
         for name, table in (self.constants("float64") if self._tables else {}).items():
             old = self.get_buffer(name)
             if old.is_floating_point():
@@ -316,6 +330,29 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
     def extra_repr(self) -> str:
         return self.describe()
+
+
+def _keeping_placeholders(module: nn.Module, fn: Callable[[Tensor], Tensor],
+                          apply: Callable[[], Any]) -> Any:
+    """Runs ``apply`` (``module``'s ``_apply(fn)``) with its placeholder kernels set aside.
+
+    Each placeholder is then made again where ``fn`` sends an empty tensor (device, dtype).
+    ``nn.Module._apply`` would make one a plain parameter of size 0 on ``meta``, and
+    ``to_empty`` refuses it.
+    """
+    own = module._parameters
+    lazy: dict[str, Any] = {name: p for name, p in own.items() if p is not None and is_lazy(p)}
+    own.update(dict.fromkeys(lazy))  # None: passed over, and the order of the names is kept
+    try:
+        applied = apply()
+    except BaseException:
+        own.update(lazy)
+        raise
+    for name, p in lazy.items():
+        probe = fn(torch.empty(0, device=p.device, dtype=p.dtype))
+        made: dict[str, Any] = {"device": probe.device, "dtype": probe.dtype}
+        own[name] = cast(Parameter, UninitializedParameter(requires_grad=p.requires_grad, **made))
+    return applied
 
 
 class DotProductAttention(Layer, D.DotProductAttention): ...

@@ -45,11 +45,8 @@ class TorchOps(NamespaceOps):
         dtypes meet in the core; it then lets them (see :class:`attention_core.ops.Ops`).
         """
         if self.device is not None:
-            try:
-                return bool(torch.is_autocast_enabled(self.device.type))
-            except RuntimeError:  # a device type autocast does not know (meta)
-                return False
-        return bool(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+            return autocasting(self.device.type)
+        return autocasting("cpu") or autocasting("cuda")
 
     def from_numpy(self, x: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -172,6 +169,14 @@ class TorchOps(NamespaceOps):
                                                         and device.type == "cpu"):
             return self
         return TorchOps(device)
+
+
+def autocasting(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (never for one it does not know: meta)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except RuntimeError:  # "unknown device type for autocast"
+        return False
 
 
 def _tracing() -> bool:
