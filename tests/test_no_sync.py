@@ -81,6 +81,7 @@ def functional_calls(q: Any, k: Any, v: Any, lens: Any, ints: Callable[..., Any]
     }
 
 
+#: The calls' names (the calls made of no arrays: only their names are read).
 CALLS = list(functional_calls(*[None] * 4, ints=lambda s: None, floats=lambda s: None))
 
 
@@ -124,10 +125,12 @@ def test_torch_blockwise_by_default_on_meta() -> None:
 
 
 @ON_TORCH
+@pytest.mark.parametrize("options", [{}, {"sinks": True, "num_kv_heads": 2}],
+                         ids=["plain", "sinks_grouped"])
 @pytest.mark.parametrize("way", WAYS)
-def test_torch_multi_head_attention_on_meta(way: str) -> None:
+def test_torch_multi_head_attention_on_meta(way: str, options: dict[str, Any]) -> None:
     """Lengths, torch's masks and the weights asked for, input sizes inferred on meta."""
-    layer = on_meta(lambda: torch_layers.MultiHeadAttention(WIDTH, HEADS), way)
+    layer = on_meta(lambda: torch_layers.MultiHeadAttention(WIDTH, HEADS, **options), way)
     x = meta_floats((B, Q, WIDTH))
     calls = [
         layer(x, x, x, meta_ints()),
@@ -270,7 +273,7 @@ def test_jax_functional_calls_read_nothing(call: str) -> None:
 @ON_JAX
 def test_linen_layers_read_nothing() -> None:
     """Flax linen's ``apply`` of multi-head attention, an encoder block and cached decoder
-    steps (an explicit cache at a traced-free scalar position, and ``decode=True``)."""
+    steps (an explicit cache at a position given as a JAX scalar, and ``decode=True``)."""
     ints, floats = jax_arrays()
     x, lens, key = floats((B, Q, WIDTH)), jnp.array([3, Q]), jax.random.PRNGKey(0)
     mha = linen.MultiHeadAttention(WIDTH, HEADS)

@@ -11,6 +11,10 @@ size is unknown is a :class:`torch.nn.UninitializedParameter`, materialised in p
 also be given (``q_in=`` etc.), or come from ``set_weights`` or ``load_state_dict``. A call
 that raises changes nothing: kernels it materialised are turned back into placeholders.
 
+Layers made under ``with torch.device("meta")`` (or moved there) run on meta inputs, as no
+call reads a tensor's values; ``to_empty(device=...)`` then ``reset_parameters()`` gives them
+the weights a layer made on that device draws under the same seed.
+
 Inputs are batch-first ``(B, T, D)`` (torch's ``batch_first=True``). Calls also take torch's
 keywords (``attn_mask``, ``key_padding_mask``, ``is_causal``, ``need_weights``,
 ``average_attn_weights``; ``src_mask``, ``src_key_padding_mask`` for the encoder block), with
