@@ -299,8 +299,8 @@ def convert(layer: Any, ops: Ops, arguments: dict[str, Any]) -> tuple[dict[str, 
         ValueError: A mask of the wrong shape.
     """
     offered = _offered(layer)
-    flag = next((k.name for k in offered if k.kind == DETERMINISTIC), None)
-    deterministic = None if flag is None else check_mode_flag(flag, arguments.pop(flag, None))
+    flags = [k.name for k in offered if k.kind == DETERMINISTIC]
+    deterministic = check_mode_flag(flags[0], arguments.pop(flags[0], None)) if flags else None
     found = [(k, arguments.pop(k.name, None)) for k in offered if k.kind in ARRAY_KINDS]
     given = [(k, value) for k, value in found if value is not None]
     if given:
