@@ -2,10 +2,13 @@
 
 The canonical call arguments (``valid_lens``, ``mask`` with True = may attend, ``causal``,
 ``return_attention``, ``score_bias``) mean the same on every backend. A backend's layers also
-take their framework's usual keywords, with that framework's meaning; an adapter names its
-framework in the class attribute ``convention`` (:attr:`Declaration.convention
-<attention_core.declarations.Declaration.convention>`: ``"torch"``, ``"keras"``, ``"flax"``),
-and the generic call path does the rest:
+take their framework's usual keywords, with that framework's meaning. This module holds the
+generic machinery; the keywords themselves are the adapters' own: each adapter lists its
+framework's as a tuple of :class:`Keyword` (``backends/torch/conventions.py``,
+``backends/keras/conventions.py`` for ``backends.keras`` and ``backends.tensorflow``,
+``backends/jax/conventions.py`` for linen and NNX, each with its table of meanings) and names it
+in its layer class's attribute ``convention`` (:attr:`Declaration.convention
+<attention_core.declarations.Declaration.convention>`). The generic call path does the rest:
 
 - :func:`parameters` adds the keywords to a layer class's call signature (a keyword is offered
   by the layers that take the canonical arguments it stands for);
@@ -16,47 +19,31 @@ and the generic call path does the rest:
 - :func:`convert` (in ``Declaration.prepare``) turns the framework's masks, which are arrays,
   into the canonical ``mask`` and ``score_bias``.
 
-The keywords and their meaning (batch-first inputs ``(B, T, D)`` everywhere):
+What a keyword does follows from its kind (batch-first inputs ``(B, T, D)`` everywhere):
 
-=======  =============================  =====================================================
-torch    ``query``, ``key``, ``value``  the queries, keys and values (``src``: the block's X)
-torch    ``attn_mask``, ``src_mask``    bool ``(Q, K)`` or ``(B*H, Q, K)``, True = may **not**
-                                        attend; or float, added to the scores (``score_bias``)
-torch    ``key_padding_mask``,          bool ``(B, K)``, True = padding (hidden); or float
-         ``src_key_padding_mask``       ``(B, K)``, added to every query's scores
-torch    ``is_causal``                  query i sees keys j <= i; given with ``attn_mask``
-                                        (torch's "hint"), both apply (AND)
-torch    ``need_weights``,              return torch's ``(out, weights)``: weights averaged
-         ``average_attn_weights``       over the heads ``(B, Q, K)`` unless
-                                        ``average_attn_weights=False`` ``(B, H, Q, K)``;
-                                        ``(out, None)`` for ``need_weights=False``
-Keras    ``query``, ``value``, ``key``  Keras' names (``key`` defaults to ``value``; without
-                                        ``value=``, as the shorthand: keys = queries)
-Keras    ``attention_mask``             bool, True = may attend: the canonical ``mask``
-                                        (its errors name ``attention_mask``)
-Keras    ``use_causal_mask``            query i sees keys j <= i
-Keras    ``return_attention_scores``    return ``(out, scores)``, scores ``(B, H, Q, K)``
-Keras    ``padding_mask``               the encoder block's ``(B, T)``, True = a real token
-                                        (KerasHub's ``TransformerEncoder``)
-Keras    ``value_mask``, ``key_mask``   ``(B, K)``, True = a real key: padded keys are hidden
-Keras    ``query_mask``                 ``(B, Q)``, True = a real query: a padded query sees
-                                        no key, its attention weights are 0 (Keras' own layer
-                                        spreads them evenly); Keras also fills these three
-                                        from the inputs' padding masks (``_keras_mask``)
-Flax     ``inputs_q``, ``inputs_k``,    linen's names (``inputs_k`` defaults to ``inputs_q``,
-         ``inputs_v``                   ``inputs_v`` to ``inputs_k``)
-Flax     ``deterministic``              ``not training`` (linen's ``mask`` is the canonical
-                                        ``mask`` already)
-=======  =============================  =====================================================
+=================  ===========================================================================
+``ALIAS``          another name for a canonical argument (``fills``: one that defaults to it)
+``ALLOWED``        bool, True = may attend: the canonical ``mask`` (its errors name the keyword)
+``BLOCKED``        bool ``(Q, K)`` or ``(B*H, Q, K)``, True = may **not** attend; or float,
+                   added to the scores (``score_bias``)
+``PADDING``        bool ``(B, K)``, True = a padded key (hidden); or float ``(B, K)``, added to
+                   every query's scores
+``KEPT``           bool ``(B, K)``, True = a real key: padded keys are hidden
+``ROWS``           bool ``(B, Q)``, True = a real query: a padded query sees no key, its
+                   attention weights are 0
+``CAUSAL``         query i sees keys j <= i; given with a mask, both apply (AND)
+``WEIGHTS``        return ``(out, weights)`` (:class:`Returned`), weights averaged over the
+                   heads ``(B, Q, K)``; ``(out, None)`` when False
+``AVERAGE``        with ``WEIGHTS``: False returns the weights per head ``(B, H, Q, K)``
+``DETERMINISTIC``  ``not training``
+=================  ===========================================================================
 
-torch and Keras align their causal masks at the first key, this library's ``causal=True`` at
-the last: they agree when Q == K (self-attention); for Q != K the framework's causal keyword
-is refused, naming both. torch returns weights after dropout; here they are before dropout,
-as the layers keep them. A keyword given with its canonical counterpart (``mask`` and
-``attention_mask``, ``valid_lens`` and ``key_padding_mask`` ...) is a TypeError; so are masks of
-another dtype than torch takes, or a boolean and a float torch mask together (torch deprecates
-the mix); a mask of the wrong shape is a ValueError. The messages are the same on every
-backend.
+A framework's causal flag aligns the causal mask at the first key, this library's
+``causal=True`` at the last: they agree when Q == K (self-attention); for Q != K the flag is
+refused, naming both. The returned weights are before dropout, as the layers keep them. A
+keyword given with its canonical counterpart is a TypeError; so are masks of a dtype the kind
+does not take, or a boolean and a float mask together; a mask of the wrong shape is a
+ValueError. The messages are the same on every backend.
 """
 
 from __future__ import annotations
@@ -76,9 +63,9 @@ from attention_core.host import host_array
 from attention_core.ops import Array, Ops
 
 #: The kinds of keywords: another name for a canonical argument; another name for the canonical
-#: ``mask`` (True = may attend); torch's masks (True = hidden, or float scores); Keras' padding
-#: masks of the keys and of the queries (True = a real token); a causal flag; torch's return
-#: form; Flax's ``deterministic``.
+#: ``mask`` (True = may attend); masks of True = hidden, or float scores (of the scores, of the
+#: keys); padding masks of the keys and of the queries (True = a real token); a causal flag;
+#: the ``(out, weights)`` return form and its averaging over the heads; ``not training``.
 ALIAS, ALLOWED, BLOCKED, PADDING, KEPT, ROWS, CAUSAL, WEIGHTS, AVERAGE, DETERMINISTIC = (
     "alias", "allowed", "blocked", "padding", "kept", "rows", "causal", "weights", "average",
     "deterministic")
@@ -98,13 +85,13 @@ class Keyword:
         name: The framework's keyword.
         kind: What it is (``ALIAS`` ...).
         canonical: The canonical argument it stands for: giving both is an error ("" for
-            none: Keras' ``query_mask`` has no canonical counterpart).
-        meaning: Its meaning, for the messages (``"torch's mask, True = may not attend"``).
+            none: a ``ROWS`` mask has no canonical counterpart).
+        meaning: Its meaning, for the messages (``"<framework>'s causal flag"``).
         requires: The canonical call arguments a layer must take to be offered it.
         layers: Only these declarations (by name) are offered it; empty for any.
         also: Further canonical arguments that must not be given with it.
-        fills: A canonical argument it also gives when that is not given (Keras' ``key``
-            defaults to ``value``).
+        fills: A canonical argument it also gives when that is not given (an ``ALIAS`` of the
+            values that the keys default to).
     """
 
     name: str
@@ -117,70 +104,36 @@ class Keyword:
     fills: str = ""
 
 
-_QKV = ("queries", "keys", "values", "mask")
-_BLOCK = ("TransformerEncoderBlock",)
+#: The canonical arguments of attention, which the keywords of its inputs and masks require.
+QKV = ("queries", "keys", "values", "mask")
+#: The declarations offered the keywords of an encoder block only.
+ENCODER_BLOCK = ("TransformerEncoderBlock",)
 
 
-def _aliases(framework: str, names: tuple[str, str, str], value_fills: str = ""
-             ) -> tuple[Keyword, ...]:
-    return tuple(Keyword(name, ALIAS, canonical, f"{framework} name for {canonical}", _QKV,
+def aliases(framework: str, names: tuple[str, str, str], value_fills: str = ""
+            ) -> tuple[Keyword, ...]:
+    """A framework's names of the queries, keys and values, as ``ALIAS`` keywords.
+
+    Args:
+        framework: The framework, possessive, for the messages (``"Flax's"``).
+        names: Its names of the queries, keys and values.
+        value_fills: A canonical argument the values' name also gives (``"keys"``), or "".
+    """
+    return tuple(Keyword(name, ALIAS, canonical, f"{framework} name for {canonical}", QKV,
                          fills=value_fills if canonical == "values" else "")
                  for name, canonical in zip(names, ("queries", "keys", "values"), strict=True))
 
 
-_TORCH_MASK = "torch's attention mask: True = may not attend, or a float added to the scores"
-_TORCH_PADDING = "torch's padding mask: True = a padded key, or a float added to its scores"
-
-#: The keywords of each framework, by the name an adapter gives in ``convention``.
-CONVENTIONS: dict[str, tuple[Keyword, ...]] = {
-    "torch": (
-        *_aliases("torch's", ("query", "key", "value")),
-        Keyword("attn_mask", BLOCKED, "mask", _TORCH_MASK, _QKV, also=("score_bias",)),
-        Keyword("key_padding_mask", PADDING, "valid_lens", _TORCH_PADDING, _QKV),
-        Keyword("src", ALIAS, "X", "torch's name for X", ("X", "mask"), _BLOCK),
-        Keyword("src_mask", BLOCKED, "mask", _TORCH_MASK, ("X", "mask"), _BLOCK,
-                also=("score_bias",)),
-        Keyword("src_key_padding_mask", PADDING, "valid_lens", _TORCH_PADDING, ("X", "mask"),
-                _BLOCK),
-        Keyword("is_causal", CAUSAL, "causal", "torch's causal flag", ("causal",)),
-        Keyword("need_weights", WEIGHTS, "return_attention", "torch's return form",
-                ("return_attention",)),
-        Keyword("average_attn_weights", AVERAGE, "return_attention", "torch's return form",
-                ("return_attention",)),
-    ),
-    "keras": (
-        *_aliases("Keras'", ("query", "key", "value"), value_fills="keys"),
-        Keyword("attention_mask", ALLOWED, "mask", "Keras' name for mask", ("mask",)),
-        Keyword("padding_mask", KEPT, "valid_lens",
-                "KerasHub's padding mask, True = a real token", ("X", "mask"), _BLOCK),
-        Keyword("query_mask", ROWS, "", "Keras' padding mask of the queries, True = a real "
-                "query", _QKV),
-        Keyword("value_mask", KEPT, "valid_lens", "Keras' padding mask of the values, True = "
-                "a real value", _QKV),
-        Keyword("key_mask", KEPT, "valid_lens", "Keras' padding mask of the keys, True = a "
-                "real key", _QKV),
-        Keyword("use_causal_mask", CAUSAL, "causal", "Keras' causal flag", ("causal",)),
-        Keyword("return_attention_scores", ALIAS, "return_attention",
-                "Keras' name for return_attention", ("return_attention",)),
-    ),
-    "flax": (
-        *_aliases("Flax's", ("inputs_q", "inputs_k", "inputs_v")),
-        Keyword("deterministic", DETERMINISTIC, "training", "Flax's deterministic = not training",
-                ()),
-    ),
-}
-
-
 @dataclass(frozen=True)
 class Returned:
-    """The return form of torch (``need_weights``): ``(out, weights)``, or ``(out, None)``.
+    """The ``WEIGHTS`` return form: ``(out, weights)``, or ``(out, None)``.
 
     Given as a call's ``return_attention``, it is true when the weights are returned;
     ``Declaration.finish`` shapes the result by :meth:`form`.
 
     Attributes:
-        weights: torch's ``need_weights``.
-        average: torch's ``average_attn_weights``: the weights averaged over the heads.
+        weights: The ``WEIGHTS`` keyword: the weights are returned.
+        average: The ``AVERAGE`` keyword: the weights averaged over the heads.
         ops: The backend's ops (set by ``Declaration.prepare``), to average with.
     """
 
@@ -192,7 +145,7 @@ class Returned:
         return self.weights
 
     def form(self, returned: Any) -> tuple[Any, Any]:
-        """``(out, weights)`` from what the call returns, as torch returns it."""
+        """``(out, weights)`` from what the call returns, in this form."""
         if not self.weights:
             return returned, None
         out, weights = returned
@@ -207,24 +160,20 @@ class Returned:
 
 
 @functools.cache
-def keywords(convention: str | None, layer: str, takes: frozenset[str]) -> tuple[Keyword, ...]:
+def keywords(convention: tuple[Keyword, ...], layer: str, takes: frozenset[str]
+             ) -> tuple[Keyword, ...]:
     """The keywords of ``convention`` offered by a declared layer.
 
     Args:
-        convention: The adapter's convention (None for none).
+        convention: The adapter's keywords (empty for none).
         layer: The declaration's name.
         takes: The canonical call arguments the layer takes.
     """
-    if convention is None:
-        return ()
-    if convention not in CONVENTIONS:
-        raise ValueError(f"convention must be one of {sorted(CONVENTIONS)} or None, "
-                         f"got {convention!r}")
-    return tuple(k for k in CONVENTIONS[convention]
+    return tuple(k for k in convention
                  if set(k.requires) <= takes and (not k.layers or layer in k.layers))
 
 
-def parameters(convention: str | None, layer: str, params: list[inspect.Parameter]
+def parameters(convention: tuple[Keyword, ...], layer: str, params: list[inspect.Parameter]
                ) -> list[inspect.Parameter]:
     """A layer class's call parameters: the canonical ones, then its framework's keywords.
 
@@ -246,8 +195,7 @@ def bind(layer: Any, arguments: dict[str, Any], defaults: Mapping[str, Any],
          required: tuple[str, ...], shorthand: Mapping[str, str]) -> dict[str, Any]:
     """A bound call with its framework's keywords given their canonical names (in place).
 
-    Keywords that are arrays stay for :func:`convert`; ``deterministic`` stays for
-    ``Declaration.prepare``.
+    Keywords that are arrays stay for :func:`convert`, as does a ``DETERMINISTIC`` one.
 
     Args:
         layer: The layer (its class's ``convention`` and declaration name are read).
@@ -300,7 +248,7 @@ def _offered(layer: Any) -> tuple[Keyword, ...]:
 
 
 def _returned(arguments: dict[str, Any], keyword: Keyword, value: bool) -> Returned:
-    """The return form of torch, from ``need_weights`` or ``average_attn_weights`` (the other kept)."""
+    """The return form, from a ``WEIGHTS`` or ``AVERAGE`` keyword (the other kept)."""
     current = arguments.get("return_attention")
     form = current if isinstance(current, Returned) else Returned(True)
     if keyword.kind == WEIGHTS:
@@ -334,23 +282,25 @@ def _causal(keyword: Keyword, value: bool, arguments: Mapping[str, Any]) -> bool
 
 
 def convert(layer: Any, ops: Ops, arguments: dict[str, Any]) -> tuple[dict[str, Any], bool | None]:
-    """A bound call's framework masks as ``mask`` and ``score_bias``; Flax's training mode.
+    """A bound call's framework masks as ``mask`` and ``score_bias``; its training mode.
 
     Args:
-        layer: The layer (its ``num_heads``, if it has one, is torch's H of ``(B*H, Q, K)``).
+        layer: The layer (its ``num_heads``, if it has one, is the H of ``(B*H, Q, K)``).
         ops: The backend's ops.
         arguments: The call after :func:`bind` (changed in place).
 
     Returns:
-        The canonical arguments, and ``not deterministic`` when given (else None).
+        The canonical arguments, and ``not`` the ``DETERMINISTIC`` keyword when given (else
+        None).
 
     Raises:
-        TypeError: A mask of a dtype the framework does not take, torch masks of two kinds
+        TypeError: A mask of a dtype the framework does not take, masks of two kinds
             (bool and float), or a float mask where the layer takes no ``score_bias``.
         ValueError: A mask of the wrong shape.
     """
     offered = _offered(layer)
-    deterministic = check_mode_flag("deterministic", arguments.pop("deterministic", None))
+    flags = [k.name for k in offered if k.kind == DETERMINISTIC]
+    deterministic = check_mode_flag(flags[0], arguments.pop(flags[0], None)) if flags else None
     found = [(k, arguments.pop(k.name, None)) for k in offered if k.kind in ARRAY_KINDS]
     given = [(k, value) for k, value in found if value is not None]
     if given:
@@ -389,7 +339,7 @@ def _masks(layer: Any, ops: Ops, arguments: dict[str, Any],
         if keyword.kind == ALLOWED:
             array = masks.lifted(ops, keyword.name, array, shape, scores)
         elif keyword.kind == BLOCKED:
-            array = _lifted_attention_mask(ops, keyword.name, array, shape, (B, H, Q, K))
+            array = _lifted_blocked(ops, keyword.name, array, shape, (B, H, Q, K))
         else:
             axis, want = ("Q", (B, Q)) if keyword.kind == ROWS else ("K", (B, K))
             if not masks.fits(shape, want, broadcast=False):
@@ -451,9 +401,9 @@ def _dtype(ops: Ops, x: Any) -> str:
     return ops.dtype_name(x) if masks.own(ops, x) else host_array(x).dtype.name
 
 
-def _lifted_attention_mask(ops: Ops, name: str, x: Array, shape: tuple[Any, ...],
+def _lifted_blocked(ops: Ops, name: str, x: Array, shape: tuple[Any, ...],
                            scores: tuple[Any, ...]) -> Array:
-    """A torch ``(Q, K)`` or ``(B*H, Q, K)`` mask as ``(1, 1, Q, K)`` or ``(B, H, Q, K)``."""
+    """A ``BLOCKED`` ``(Q, K)`` or ``(B*H, Q, K)`` mask as ``(1, 1, Q, K)`` or ``(B, H, Q, K)``."""
     B, H, Q, K = scores
     batched = (B * H if isinstance(B, int) else None, Q, K)
     if masks.fits(shape, (Q, K), broadcast=False):
@@ -465,17 +415,18 @@ def _lifted_attention_mask(ops: Ops, name: str, x: Array, shape: tuple[Any, ...]
 
 
 def _inverted(ops: Ops, blocked: Array) -> Array:
-    """True = may attend, from torch's True = may not."""
+    """True = may attend, from True = may not."""
     false, true = (ops.from_numpy(np.asarray(v)) for v in (False, True))
     return ops.where(blocked, false, true)
 
 
 def training_mode(training: bool | None, deterministic_training: bool | None) -> bool:
-    """A call's training mode from the adapter's ``training`` and Flax's ``deterministic``.
+    """A call's training mode from the adapter's ``training`` and the ``DETERMINISTIC`` keyword.
 
     Args:
         training: The ``training`` keyword (None when not given).
-        deterministic_training: ``not deterministic`` (None when not given).
+        deterministic_training: ``not deterministic``, the keyword's value negated (None when not
+            given).
 
     Raises:
         ValueError: Both given and they disagree.

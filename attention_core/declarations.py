@@ -159,11 +159,11 @@ class Prepared:
     Attributes:
         arguments: The call's arguments by name (array inputs cast to the compute dtype),
             without ``return_attention``.
-        return_attention: Whether the caller asked for ``(output, attention_weights)``; torch's
-            return form (:class:`~attention_core.conventions.Returned`) when it gave
-            ``need_weights``.
+        return_attention: Whether the caller asked for ``(output, attention_weights)``; the
+            ``(out, weights)`` return form (:class:`~attention_core.conventions.Returned`) when
+            a framework's ``WEIGHTS`` keyword gave it.
         dims: The input sizes read off the inputs (``q_in`` ...), those known before run time.
-        training: ``not deterministic`` when a Flax call gave ``deterministic``, else None.
+        training: ``not deterministic`` when a call gave a ``DETERMINISTIC`` keyword, else None.
     """
 
     arguments: dict[str, Any]
@@ -174,7 +174,7 @@ class Prepared:
     def training_mode(self, training: bool | None) -> bool:
         """The call's training mode, from the adapter's keyword and the convention's.
 
-        The adapter's ``training`` (None when not given) and Flax's ``deterministic`` must
+        The adapter's ``training`` (None when not given) and a ``DETERMINISTIC`` keyword must
         agree (:func:`attention_core.conventions.training_mode`).
         """
         return conventions.training_mode(training, self.training)
@@ -209,9 +209,10 @@ class Declaration:
         shorthand: Call arguments that default to another's value when not given: the
             self-attention shorthand (``mha(X)`` is ``mha(X, X, X)``, ``mha(Q, KV)`` is
             ``mha(Q, KV, KV)``).
-        convention: The framework whose call keywords a backend's layers also take
-            (:mod:`attention_core.conventions`: ``"torch"``, ``"keras"``, ``"flax"``); set by
-            the adapter's base class, None for none.
+        convention: The framework's call keywords a backend's layers also take
+            (:class:`attention_core.conventions.Keyword`, listed by the adapter, e.g.
+            ``backends.torch.conventions.TORCH``); set by the adapter's base class, empty for
+            none.
     """
 
     cast_inputs: ClassVar[tuple[str, ...]] = ()
@@ -224,7 +225,7 @@ class Declaration:
     cache_arguments: ClassVar[tuple[str, ...]] = ()
     function_arguments: ClassVar[tuple[str, ...]] = ()
     shorthand: ClassVar[Mapping[str, str]] = {}
-    convention: ClassVar[str | None] = None
+    convention: ClassVar[tuple[conventions.Keyword, ...]] = ()
 
     #: A backend's own keyword-only constructor arguments, after the declared ones.
     extras: ClassVar[tuple[inspect.Parameter, ...]] = ()
@@ -518,7 +519,7 @@ class Declaration:
         """Splits a forward's result: ``(what the call returns, the attention weights to keep)``.
 
         The weights to keep are :meth:`unkept` when not formed; lists (a framework's output
-        tree may give tuples) otherwise. torch's return form (``need_weights``) shapes what
+        tree may give tuples) otherwise. A ``WEIGHTS`` keyword's return form shapes what
         the call returns (:meth:`attention_core.conventions.Returned.form`).
         """
         if not need:

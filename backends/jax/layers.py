@@ -9,7 +9,7 @@ and :func:`get_weights` and :func:`set_weights` only flatten and nest. Initial v
 
 Calls take ``training: bool = False`` (static under ``jax.jit``; linen's
 ``deterministic=True`` is ``training=False``) and linen's ``inputs_q``, ``inputs_k``, ``inputs_v``
-(:mod:`attention_core.conventions`); dropout draws from the ``'dropout'`` rng. The field
+(:mod:`backends.jax.conventions`); dropout draws from the ``'dropout'`` rng. The field
 ``dtype`` is the compute dtype beside ``param_dtype``, as in Flax's own layers. Attention
 weights, before dropout, are ``sow``n into ``'intermediates'`` as
 ``attention_weights`` (once per block for :class:`TransformerEncoder`); they are formed only
@@ -35,6 +35,7 @@ from attention_core import declarations as D
 from attention_core import weights as W
 from attention_core.host import plain
 from attention_core.ops import Array
+from backends.jax.conventions import FLAX
 from backends.jax.ops import OPS, JaxOps, floats_on_device
 from backends.jax.params import SAMPLERS, constants, flatten, nest
 
@@ -78,7 +79,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
     """Holds a declared layer's weights as Flax params and calls its forward."""
 
     extras = D.keyword_parameters(FlaxArguments)
-    convention = "flax"  # linen's call keywords too (attention_core.conventions)
+    convention = FLAX  # linen's call keywords too (backends.jax.conventions)
 
     def __post_init__(self) -> None:
         for field in fields(self):  # NumPy scalars as Python numbers, as elsewhere

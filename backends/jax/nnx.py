@@ -64,6 +64,7 @@ from jax.typing import DTypeLike
 from attention_core import checks, conventions
 from attention_core import declarations as D
 from attention_core import weights as W
+from backends.jax.conventions import FLAX
 from backends.jax.ops import OPS, JaxOps, floats_on_device
 from backends.jax.params import SAMPLERS, constants, nest
 
@@ -107,7 +108,7 @@ def _capturing(module: nnx.Module) -> bool:
 class Layer(D.Declaration, nnx.Module):
     """Holds a declared layer's weights as ``nnx.Param`` and calls its forward."""
 
-    convention = "flax"  # Flax's call keywords too (inputs_q ..., attention_core.conventions)
+    convention = FLAX  # Flax's call keywords too (inputs_q ..., backends.jax.conventions)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         own = {p.name: p for p in D.keyword_parameters(NnxArguments)}

@@ -32,6 +32,7 @@ from attention_core import attention, checks
 from attention_core import declarations as D
 from attention_core import weights as W
 from attention_core.host import framework_of
+from backends.keras.conventions import KERAS
 from backends.keras.ops import backend_ops, keras_ops
 
 _P = inspect.Parameter
@@ -125,7 +126,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
     """
 
     extras = D.keyword_parameters(KerasArguments)
-    convention = "keras"  # Keras' call keywords too (attention_core.conventions)
+    convention = KERAS  # Keras' call keywords too (backends.keras.conventions)
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 

@@ -41,6 +41,7 @@ from torch.nn.parameter import Parameter, UninitializedParameter, is_lazy
 from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
+from backends.torch.conventions import TORCH
 from backends.torch.ops import OPS, TorchOps, autocasting
 
 Tensor = torch.Tensor
@@ -99,7 +100,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
     """
 
     __repr__ = nn.Module.__repr__
-    convention = "torch"  # torch's call keywords too (attention_core.conventions)
+    convention = TORCH  # torch's call keywords too (backends.torch.conventions)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         own = {p.name: p for p in D.keyword_parameters(TorchArguments)}
