@@ -18,7 +18,7 @@ the weights a layer made on that device draws under the same seed.
 Inputs are batch-first ``(B, T, D)`` (torch's ``batch_first=True``). Calls also take torch's
 keywords (``attn_mask``, ``key_padding_mask``, ``is_causal``, ``need_weights``,
 ``average_attn_weights``; ``src_mask``, ``src_key_padding_mask`` for the encoder block), with
-torch's meaning (:mod:`attention_core.conventions`).
+torch's meaning (:mod:`backends.torch.conventions`).
 
 Dropout follows ``module.train()`` / ``module.eval()``. ``attention_weights`` keeps the last
 call's attention weights, before dropout (the encoder's: a list, one per block, also kept by
