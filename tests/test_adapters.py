@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
-from attention_core import blockwise
+from attention_core.kernels import blockwise
 from tests.harness import (
     AUTODIFF,
     DTYPES,

@@ -32,7 +32,7 @@ import pytest
 
 import attention_core as ac
 import backends.numpy as numpy_layers
-from attention_core import blockwise
+from attention_core.kernels import blockwise
 from tests import naive
 from tests.harness import (
     FASTEST_GRADIENT_MODE,
