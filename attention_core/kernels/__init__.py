@@ -165,17 +165,24 @@ def register_kernel(name: str, kernel: Kernel, capabilities: Capabilities, *,
 
 def registered_names() -> set[str]:
     """The names of every registered kernel, of any backend."""
-    with _LOCK:
-        return {name for name, _ in _REGISTRY}
+    return {name for name, _ in _snapshot()}
 
 
 def kernels(backend: str) -> list[Entry]:
     """The kernels a backend can run, by descending priority."""
-    with _LOCK:
-        entries = dict(_REGISTRY)
+    entries = _snapshot()
     names = {name for name, owner in entries if owner in (None, backend)}
     found = [entries.get((n, backend)) or entries[n, None] for n in names]
     return sorted(found, key=lambda e: (-e.priority, e.name))
+
+
+def _snapshot() -> dict[tuple[str, str | None], Entry]:
+    """A copy of the registry, taken without the lock (one C-level copy under the GIL).
+
+    Every call reads the registry, also where ``torch.compile`` traces it, and Dynamo cannot
+    enter a lock: only registering takes it.
+    """
+    return dict(_REGISTRY)
 
 
 def choose(ops: Ops, request: Request, implementation: str | None = None

@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-from attention_core.kernels import Capabilities, Request, Result, blockwise, register_kernel
+from attention_core.kernels import LOG, Capabilities, Request, Result, blockwise, register_kernel
 from attention_core.kernels.direct import visible
 from attention_core.modifiers import Causal
 from attention_core.ops import NamespaceOps
@@ -227,6 +227,13 @@ register_kernel("fused", fused, Capabilities(scores=frozenset()), backend="torch
                 prefers=prefers_fused)
 register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="torch",
                 priority=10, prefers=prefers_blockwise)
+
+# Dynamo cannot trace a logger's methods (a whole-graph torch.compile fails on them): there the
+# kernel choice, logged at DEBUG level in eager calls, goes unlogged.
+_IGNORED_LOGGING = getattr(torch._dynamo.config, "ignore_logging_functions", None)
+if _IGNORED_LOGGING is None:
+    _IGNORED_LOGGING = getattr(torch._dynamo.config, "ignore_logger_methods", set())
+_IGNORED_LOGGING.add(LOG.isEnabledFor)
 
 
 #: Dtypes torch's layer norm kernel computes as the core does (statistics in the same dtype).
