@@ -85,6 +85,7 @@ class Capabilities:
         traceable: Runs in a traced program.
         value_depth: Takes values deeper or shallower than the keys (Dv != D).
         exact_non_finite: NaN and inf reach exactly the rows that see them.
+        run_time_lengths: Takes numbers of queries and keys known only at run time (traced).
     """
 
     masks: frozenset[type] | None = None
@@ -97,6 +98,7 @@ class Capabilities:
     traceable: bool = True
     value_depth: bool = True
     exact_non_finite: bool = False
+    run_time_lengths: bool = True
 
     def missing(self, request: Request) -> list[str]:
         """What ``request`` asks that this kernel cannot do, in words (empty: nothing)."""
@@ -111,9 +113,18 @@ class Capabilities:
             (request.traced, self.traceable, "does not run in a traced program"),
             (request.value_depth, self.value_depth, "needs values as deep as the keys"),
             (request.check_numerics, self.exact_non_finite, "does not check numerics"),
+            (not all(isinstance(n, int) for n in request.call.shape[2:]), self.run_time_lengths,
+             "needs the numbers of queries and keys to be known when the call is traced"),
         ):
-            why.append(words if asked and not can else "")
+            why.append(words if _asked(asked) and not can else "")
         return [w for w in why if w]
+
+
+def _asked(asked: Any) -> bool:
+    """Whether a call asks for something; an answer known only at run time (a traced size's
+    comparison) counts as asked."""
+    known = isinstance(asked, (bool, int, float)) or type(asked).__module__ == "numpy"
+    return bool(asked) if known else True
 
 
 def _untaken(kind: str, taken: frozenset[type] | None, mods: tuple[Any, ...]) -> str:

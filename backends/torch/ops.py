@@ -192,16 +192,25 @@ def fused(ops: TorchOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tests/test_torch.py).
     """
     masks, (_, H, Q, K) = request.masks, request.call.shape
-    causal = len(masks) == 1 and isinstance(masks[0], Causal) and request.call.offset == 0
+    causal = len(masks) == 1 and isinstance(masks[0], Causal) and _zero(request.call.offset)
     mask = None if causal else visible(request)
     scale = request.scale
     if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
         q, scale = q * scale, 1.0
     dropout = request.dropout if request.dropout > 0 else 0.0
+    # SDPA takes a bool for enable_gqa, not the SymBool of sizes traced as symbols: a branch
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                         is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+                                         is_causal=causal, scale=scale, **gqa)
     return Result(out)
+
+
+def _zero(n: Any) -> bool:
+    """Whether ``n`` is 0, as a bool (SDPA takes no SymBool): a size traced as a symbol is
+    compared by a branch, which Dynamo guards."""
+    if n == 0:
+        return True
+    return False
 
 
 def prefers_fused(ops: TorchOps, request: Request) -> bool:
