@@ -7,6 +7,7 @@ kernel under test.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -135,9 +136,10 @@ def test_registering_a_bad_kernel_is_refused(bad: str) -> None:
             kernels.register_kernel("mine", Counted(), {"weights": True})  # type: ignore[arg-type]
         else:
             kernels.register_kernel("mine", "direct", Capabilities())  # type: ignore[arg-type]
-    assert str(err.value) == {"capabilities": "capabilities must be a Capabilities, got dict",
-                              "kernel": "kernel must be callable, got str"}[bad]
-    assert kernels._REGISTRY == before
+    expected = {"capabilities": "capabilities must be a Capabilities, got dict",
+                "kernel": "kernel must be callable, got str"}
+    assert str(err.value) == expected[bad]
+    assert before == kernels._REGISTRY
 
 
 # -- a forced kernel that cannot do the call ---------------------------------------------------
@@ -378,7 +380,7 @@ def test_blockwise_visits_only_the_key_blocks_the_masks_leave(
         assert qn == BLOCK and 0 < kn <= BLOCK
         seen.setdefault(q0, []).append((k0, kn))
     for q0, tiles in seen.items():
-        assert all(a + n == b for (a, n), (b, _) in zip(tiles, tiles[1:])), tiles  # contiguous
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(tiles)), tiles  # contiguous
         keys = np.flatnonzero(visible[:, :, q0:q0 + BLOCK].any((0, 1, 2)))
         assert (tiles[0][0], tiles[-1][0] + tiles[-1][1]) == (keys[0], keys[-1] + 1), q0
     assert sorted(seen) == list(range(0, N, BLOCK))

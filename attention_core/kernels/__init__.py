@@ -121,8 +121,10 @@ class Capabilities:
 
 
 def _asked(asked: Any) -> bool:
-    """Whether a call asks for something; an answer known only at run time (a traced size's
-    comparison) counts as asked."""
+    """Whether a call asks for something; one known only at run time counts as asked.
+
+    A traced size's comparison (``Dv != D`` under ``torch.jit.trace``) has no value now.
+    """
     known = isinstance(asked, (bool, int, float)) or type(asked).__module__ == "numpy"
     return bool(asked) if known else True
 

@@ -206,9 +206,11 @@ def fused(ops: TorchOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _zero(n: Any) -> bool:
-    """Whether ``n`` is 0, as a bool (SDPA takes no SymBool): a size traced as a symbol is
-    compared by a branch, which Dynamo guards."""
-    if n == 0:
+    """Whether ``n`` is 0, as a bool (SDPA takes no SymBool).
+
+    A size traced as a symbol is compared by a branch, which Dynamo guards.
+    """
+    if n == 0:  # noqa: SIM103 (``return n == 0`` gives a SymBool)
         return True
     return False
 
@@ -237,12 +239,17 @@ register_kernel("fused", fused, Capabilities(scores=frozenset()), backend="torch
 register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="torch",
                 priority=10, prefers=prefers_blockwise)
 
+
+def _ignored_logging() -> set[Any]:
+    """The logging functions Dynamo skips (``ignore_logger_methods`` in older torch)."""
+    config = torch._dynamo.config
+    found = getattr(config, "ignore_logging_functions", None)
+    return found if found is not None else getattr(config, "ignore_logger_methods", set())
+
+
 # Dynamo cannot trace a logger's methods (a whole-graph torch.compile fails on them): there the
 # kernel choice, logged at DEBUG level in eager calls, goes unlogged.
-_IGNORED_LOGGING = getattr(torch._dynamo.config, "ignore_logging_functions", None)
-if _IGNORED_LOGGING is None:
-    _IGNORED_LOGGING = getattr(torch._dynamo.config, "ignore_logger_methods", set())
-_IGNORED_LOGGING.add(LOG.isEnabledFor)
+_ignored_logging().add(LOG.isEnabledFor)
 
 
 #: Dtypes torch's layer norm kernel computes as the core does (statistics in the same dtype).
