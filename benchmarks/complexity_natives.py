@@ -150,10 +150,12 @@ class Builder:
         return self.harness.versions()
 
     def attention_path(self, heads: int, n: int, batch: int) -> str:
-        """The pooling path the attention layer takes at this shape (the core's automatic rule)."""
-        from attention_core.attention import choose_implementation
+        """The kernel the attention layer takes at this shape (the core's automatic rule)."""
+        from attention_core import kernels
+        from attention_core.modifiers import Call
 
-        return choose_implementation(self.harness.ops, None, False, (batch, heads, n, n))
+        ops = self.harness.ops
+        return kernels.choose(ops, kernels.Request(Call(ops, (batch, heads, n, n))))[0].name
 
     def _numpy(self, out: Any) -> np.ndarray:
         return self.harness.to_numpy(out)

@@ -23,7 +23,7 @@ on numpy and jax, ``gqa`` on numpy, torch, jax and tensorflow):
   the four layer calls in interleaved rounds (MHA and GQA at one n back to back, their order
   alternating), with the ratio GQA ÷ MHA per round. The implementation each call takes by
   default is recorded (the choice
-  :func:`attention_core.attention.choose_implementation` made during the call). torch runs in
+  :func:`attention_core.kernels.choose` made during the call). torch runs in
   eval mode under ``torch.inference_mode()``; TensorFlow calls a ``tf.function``; JAX a
   ``jax.jit`` of ``apply``.
 
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 import attention_core as ac
-from attention_core import attention, registry
+from attention_core import kernels, registry
 from benchmarks.run import machine_info
 from benchmarks.timing import calibrate, median_interval, sample
 from tools import markdown
@@ -111,18 +111,18 @@ def _no_autograd(backend: str) -> Iterator[None]:
 def taken_paths() -> Iterator[list[str]]:
     """Records the path every ``dot_product_attention`` called (or traced) meanwhile chooses."""
     chosen: list[str] = []
-    original = attention.choose_implementation
+    original = kernels.choose
 
-    def spy(*args: Any, **kwargs: Any) -> str:
-        path = original(*args, **kwargs)
-        chosen.append(path)
-        return path
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        entry, passed = original(*args, **kwargs)
+        chosen.append(entry.name)
+        return entry, passed
 
-    attention.choose_implementation = spy
+    kernels.choose = spy
     try:
         yield chosen
     finally:
-        attention.choose_implementation = original
+        kernels.choose = original
 
 
 def _versions(backend: str) -> dict[str, str]:

@@ -194,16 +194,20 @@ class Harness:
 
     def paths(self) -> list[str]:
         """The paths :meth:`attention_call` knows on this backend."""
-        fused = ["fused"] if getattr(self.ops, "fused_attention", None) is not None else []
+        from attention_core import kernels
+
+        fused = ["fused"] if any(e.name == "fused" for e in kernels.kernels(self.ops.name)) else []
         return ["default", "direct", "blockwise", *fused, "native"]
 
     def resolved(self, path: str, heads: int, n: int) -> str:
         """The implementation a path runs at this shape (``default`` -> the automatic choice)."""
         if path != "default":
             return path
-        from attention_core.attention import choose_implementation
+        from attention_core import kernels
+        from attention_core.modifiers import Call
 
-        return choose_implementation(self.ops, None, False, (BATCH, heads, n, n))
+        request = kernels.Request(Call(self.ops, (BATCH, heads, n, n)))
+        return kernels.choose(self.ops, request)[0].name
 
     def linear_memory(self, path: str, heads: int, n: int) -> bool:
         """Whether the path needs memory linear in n (it never forms the ``(n, n)`` scores)."""

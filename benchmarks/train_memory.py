@@ -11,7 +11,7 @@ would leave a pool the measured call fits in). The point runs in a fresh process
 :mod:`benchmarks.memory` measures (``VmHWM`` after ``/proc/self/clear_refs``, minus ``VmRSS``
 before the call). Extra memory includes the output and the three gradients
 (``4 * heads * n * 64`` floats). Each point records the implementation the call took
-(``choose_implementation``'s choice at that shape). Linux only.
+(:func:`attention_core.kernels.choose`'s choice at that shape). Linux only.
 
 Run it with the Python of the framework's environment, e.g.
 ``python -m benchmarks.train_memory --backend tensorflow --n 4096 8192 16384``; it prints one
@@ -48,11 +48,12 @@ def _implementation(path: str) -> str | None:
 
 def resolved(backend: str, path: str, heads: int, n: int) -> str:
     """The implementation ``path`` takes at ``(1, heads, n, n)`` on a backend."""
-    from attention_core import registry
-    from attention_core.attention import choose_implementation
+    from attention_core import kernels, registry
+    from attention_core.modifiers import Call
 
     ops = registry.load(backend).OPS
-    return choose_implementation(ops, _implementation(path), False, (1, heads, n, n))
+    request = kernels.Request(Call(ops, (1, heads, n, n)))
+    return kernels.choose(ops, request, _implementation(path))[0].name
 
 
 def _train_step(backend: str, heads: int, n: int, path: str = "default") -> Callable[[], Any]:

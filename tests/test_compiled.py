@@ -6,7 +6,7 @@ match central differences of the reference. A compiled encoder serves two input 
 blockwise loops compile to loops (the program does not grow with the length), equal the direct
 path under compilation, and draw a fresh dropout mask in every block. ``torch.compile`` with
 Inductor costs seconds per graph: its cases stay in tests/test_torch.py and the matrix; here
-torch runs only the fused path's NaN rows, captured by ``torch.compile(backend="eager")``.
+torch runs only ``check_numerics``' NaN rows, captured by ``torch.compile(backend="eager")``.
 
 Hooks used besides the harness's (``tests/hooks/<backend>_hooks.py``), for backends whose ops
 run the blockwise loops as the framework's own loops (the others skip, saying why):
@@ -32,7 +32,8 @@ import pytest
 
 import attention_core as ac
 import backends.numpy as numpy_layers
-from attention_core import blockwise
+from attention_core import kernels
+from attention_core.kernels import blockwise
 from tests import naive
 from tests.harness import (
     FASTEST_GRADIENT_MODE,
@@ -66,6 +67,11 @@ FUNCTIONAL_ENCODER = ("jax",)
 def draw(*shapes: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def has_fused_kernel(h: Harness) -> bool:
+    """Whether the backend registers a ``"fused"`` kernel."""
+    return any(entry.name == "fused" for entry in kernels.kernels(h.ops.name))
 
 
 def compiled_modes(h: Harness) -> tuple[str, ...]:
@@ -381,8 +387,8 @@ def test_compiled_blockwise_and_fused_equal_direct(backend: str, kind: str) -> N
     causal = kw.pop("causal", False)
 
     paths = {"direct": 3 * D, "blockwise": 3 * D}
-    if hasattr(h.ops, "fused_attention"):
-        paths["fused"] = D  # the kernel needs Dv == D
+    if has_fused_kernel(h):
+        paths["fused"] = D  # JAX's kernel needs Dv == D
 
     def attend(q: Any, k: Any, v: Any, masks: dict[str, Any]) -> dict[str, Any]:
         return {path: ac.dot_product_attention(q, k, v[..., :dv], causal=causal,
@@ -491,7 +497,7 @@ def test_dropout_inside_the_loops_draws_a_new_mask_per_block(
     assert max_diff(h.numpy(dropout_program(attend, 1)()), out) > 1e-3
 
 
-# -- the fused path's NaN mending, compiled ---------------------------------------------------
+# -- check_numerics, compiled -------------------------------------------------------------
 
 NAN, INF = float("nan"), float("inf")
 #: Seed, the non-finite entries of q, k, v (2, 2, n, 8), lengths, and the rows left NaN.
@@ -505,14 +511,15 @@ NON_FINITE = {  # NaN in a query, a masked key and a masked value:
 
 
 @pytest.mark.parametrize("name", list(NON_FINITE))
-def test_compiled_fused_path_puts_nan_where_eager_does(backend: str, name: str) -> None:
+def test_compiled_check_numerics_puts_nan_where_eager_does(
+    backend: str, name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Compiled (torch: hook ``graph_captured``, ``torch.compile`` without Inductor; JAX:
-    ``compiled_function``), the inputs cannot be probed, so the mending is always traced: the
-    fused path gives the eager direct path's rows, NaN ones included (inf in a query or key
-    counts as NaN)."""
+    ``compiled_function``), ``check_numerics=True`` passes the fused kernel over and gives the
+    eager direct kernel's rows, NaN ones included (inf in a query or key counts as NaN)."""
     h = Harness(backend)
-    if not hasattr(h.ops, "fused_attention"):
-        pytest.skip(f"{h.name} has no fused path")
+    if not has_fused_kernel(h):
+        pytest.skip(f"{h.name} has no fused kernel to pass over")
     capture = getattr(h.hooks, "graph_captured", None) or function_hook(h, "compiled_function")
     seed, entries, lens, nan_rows = NON_FINITE[name]
     arrays = dict(zip("qkv", draw((2, 2, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8), seed=seed), strict=True))
@@ -521,10 +528,13 @@ def test_compiled_fused_path_puts_nan_where_eager_does(backend: str, name: str) 
             x[index] = value
     q, k, v = (h.array(arrays[part]) for part in "qkv")
 
-    def fused(q: Any, k: Any, v: Any, lens: Any) -> Any:
-        return ac.dot_product_attention(q, k, v, lens, implementation="fused", ops=h.ops)
+    def checked(q: Any, k: Any, v: Any, lens: Any) -> Any:
+        return ac.dot_product_attention(q, k, v, lens, check_numerics=True, ops=h.ops)
 
-    got = h.numpy(capture(fused)(q, k, v, h.array(np.array(lens))))
-    want = h.numpy(ac.dot_product_attention(q, k, v, h.array(np.array(lens)), implementation="direct"))
+    count = h.hook("count_fused_calls")(monkeypatch)
+    got = h.numpy(capture(checked)(q, k, v, h.array(np.array(lens))))
+    assert count() == 0
+    want = h.numpy(ac.dot_product_attention(q, k, v, h.array(np.array(lens)), check_numerics=True,
+                                            implementation="direct"))
     assert (np.isnan(got) == np.isnan(want)).all() and int(np.isnan(want).any(-1).sum()) == nan_rows
     assert max_diff(np.nan_to_num(got), np.nan_to_num(want)) <= TOL

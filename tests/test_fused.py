@@ -1,11 +1,12 @@
-"""The fused path, tested once over the backends whose ops have a fused attention kernel
-(``fused_attention``: torch's ``scaled_dot_product_attention``, ``jax.nn.dot_product_attention``);
-the others refuse the path (tests/test_adapters.py) and skip these tests.
+"""The fused path, tested once over the backends that register a ``"fused"`` kernel
+(:mod:`attention_core.kernels`: torch's ``scaled_dot_product_attention``,
+``jax.nn.dot_product_attention``); the others refuse the path (tests/test_adapters.py) and skip
+these tests.
 
 Two hooks of tests/hooks/<backend>_hooks.py tell the kernel's calls apart:
 ``count_fused_calls(monkeypatch)`` counts them (returning a function giving the count), and
 ``fused_kernel_takes(depth, value_depth, dtype)`` says which calls the kernel takes (JAX's needs
-equal query and value depths; ``fused_attention`` pools the others on the direct path).
+equal query and value depths; a call forcing it on the others is refused).
 Expected values come from the float64 reference files and reference gradients.
 """
 
@@ -17,6 +18,9 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+from attention_core import kernels
+from attention_core.kernels import Request
+from attention_core.modifiers import BooleanMask, Call
 from tests.harness import DTYPES, FASTEST_GRADIENT_MODE, TOLERANCE, Harness, max_diff
 from tests.matrix import COMPILED_CASES, weight_array
 from tests.reference.cases import CASES, Case, has_score_terms
@@ -29,15 +33,20 @@ TOL = TOLERANCE["float32"]
 FUSED = {"keep_attention_weights": False, "implementation": "fused"}
 #: Backends on which every new shape compiles for seconds (JAX's eager mode compiles each
 #: primitive): there the tests below take the cases the matrix runs in compiled modes
-#: (``COMPILED_CASES``), and of those the calls the kernel takes (``fused_attention`` pools the
-#: others on the direct path, which the reference matrix covers).
+#: (``COMPILED_CASES``), and of those the calls the kernel takes (the others are refused; the
+#: reference matrix covers them on the other kernels).
 FEW_CASES = ("jax",)
+
+
+def fused_entry(h: Harness) -> kernels.Entry | None:
+    """The backend's registered ``"fused"`` kernel, or None."""
+    return next((e for e in kernels.kernels(h.ops.name) if e.name == "fused"), None)
 
 
 def fused(backend: str, dtype: str = "float32") -> Harness:
     """The backend's harness; skips the test where the backend has no kernel or no ``dtype``."""
     h = Harness(backend)
-    if not hasattr(h.ops, "fused_attention"):
+    if fused_entry(h) is None:
         pytest.skip(f"the {backend} backend has no fused attention kernel")
     if dtype not in DTYPES[backend]:
         pytest.skip(f"the {backend} backend is not tested in {dtype}")
@@ -125,14 +134,20 @@ def test_fused_path_matches_reference(backend: str, case: Case, dtype: str,
     assert max_diff(h.numpy(out), ref["output.out"]) <= TOLERANCE[dtype]
 
 
+def prefers(h: Harness, shape: tuple[int, ...]) -> bool:
+    """Whether the automatic choice prefers the kernel for scores of ``shape`` (what it can do
+    aside)."""
+    entry = fused_entry(h)
+    return entry is not None and bool(entry.prefers(h.ops, Request(Call(h.ops, shape))))
+
+
 def kernel_expected(h: Harness, implementation: str | None) -> bool:
     """Whether a call that keeps its weights runs the kernel: where the weights are formed on
     read (not where the framework sows them in the call, tests/hooks' ``SOWS_WEIGHTS``), when
     the layer asks for the kernel or the automatic choice prefers it."""
     if getattr(h.hooks, "SOWS_WEIGHTS", False):
         return False
-    prefers = getattr(h.ops, "prefers_fused", None)
-    return implementation == "fused" or prefers is None or bool(prefers((2, 1, 4, 4)))
+    return implementation == "fused" or prefers(h, (2, 1, 4, 4))
 
 
 @pytest.mark.parametrize("implementation", [None, "fused"])
@@ -220,15 +235,14 @@ def test_the_automatic_choice_takes_the_kernel_where_the_backend_prefers_it(
     backend: str, layer_name: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A layer keeping no weights, its implementation left to the core, calls the kernel where
-    the backend's ``prefers_fused`` (absent: always, as on torch) says so for its scores."""
+    the kernel's registered ``prefers`` (torch: always, eagerly) says so for its scores."""
     h = fused(backend)
     case = case_of(layer_name, "valid_lens_2d")
     layer, inputs, call, ref = reference_layer(h, case, keep_attention_weights=False)
     count = h.hook("count_fused_calls")(monkeypatch)
     out = h.call(layer, *inputs, **call)
     B, Q, K = len(ref["output.out"]), inputs[0].shape[1], inputs[-1].shape[1]
-    prefers = getattr(h.ops, "prefers_fused", lambda shape: True)((B, case.heads, Q, K))
-    assert count() == kernel_calls(h, case, "float32") * prefers
+    assert count() == kernel_calls(h, case, "float32") * prefers(h, (B, case.heads, Q, K))
     assert max_diff(h.numpy(out), ref["output.out"]) <= TOL
 
 
@@ -298,23 +312,25 @@ def test_encoder_fused_path_matches_reference(backend: str, dtype: str,
 
 def test_the_kernel_on_rows_with_no_visible_key(backend: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel itself gives a row that sees no key zeros where ``fused_zeroes_empty_rows``
-    (default True) says so (SDPA), else the mean of the values (JAX's kernel: its softmax over
-    all-masked scores is uniform); the fused path then zeroes the row. A row that sees keys
-    is softmax-weighted, as float64 NumPy computes it."""
+    """The registered kernel itself gives a row that sees no key zeros (SDPA does; JAX's
+    kernel gives the mean of the values, its softmax over all-masked scores being uniform, and
+    the registered kernel zeroes the row). A row that sees keys is softmax-weighted, as float64
+    NumPy computes it."""
     h = fused(backend)
+    entry = fused_entry(h)
+    assert entry is not None
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 1, 2, 4), (1, 1, 3, 4),
                                                                    (1, 1, 3, 4)))
     seen = np.array([[True, False, True], [False, False, False]])
     count = h.hook("count_fused_calls")(monkeypatch)
-    out = h.numpy(h.ops.fused_attention(*(h.array(x) for x in (q, k, v)), h.array(seen[None, None]),
-                                        0.5, 0.0))
+    call = Call(h.ops, (1, 1, 2, 3), 0, 1)
+    request = Request(call, (BooleanMask(h.array(seen[None, None])).bind(call),), scale=0.5)
+    out = h.numpy(entry.kernel(h.ops, *(h.array(x) for x in (q, k, v)), request).out)
     scores = np.where(seen[0], 0.5 * q[0, 0, 0].astype(np.float64) @ k[0, 0].T, -np.inf)
     weights = np.exp(scores - scores.max())
     assert max_diff(out[0, 0, 0], weights / weights.sum() @ v[0, 0]) <= TOL
-    empty = np.zeros(4) if getattr(h.ops, "fused_zeroes_empty_rows", True) else v[0, 0].mean(0)
-    assert max_diff(out[0, 0, 1], empty) <= TOL
+    np.testing.assert_array_equal(out[0, 0, 1], 0.0)
     got = ac.dot_product_attention(*(h.array(x) for x in (q, k, v)), h.array(np.array([0])),
                                    implementation="fused", ops=h.ops)
     assert count() == 2

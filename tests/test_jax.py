@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import attention_core as ac
 import backends.jax as bj
 import backends.numpy as numpy_layers
-from attention_core.attention import choose_implementation
+from attention_core import kernels
+from attention_core.kernels import Request
+from attention_core.modifiers import Call
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
 
@@ -219,10 +221,14 @@ def test_bfloat16_fully_masked_row_is_zero_under_jit() -> None:
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the rule measured on CPU")
 def test_the_automatic_choice_on_cpu_never_takes_the_measured_slower_kernel() -> None:
+    def chosen(shape: tuple[int, ...]) -> tuple[str, dict[str, str]]:
+        entry, passed = kernels.choose(bj.OPS, Request(Call(bj.OPS, shape)))
+        return entry.name, passed
+
     for shape in [(1, 1, 8, 8), (1, 8, 512, 512), (1, 8, 4096, 4096)]:
-        assert not bj.OPS.prefers_fused(shape)
-    assert choose_implementation(bj.OPS, None, False, (1, 8, 128, 128)) == "direct"
-    assert choose_implementation(bj.OPS, None, False, (1, 4, 16384, 16384)) == "blockwise"
+        assert chosen(shape)[1]["fused"] == "not preferred for this call"
+    assert chosen((1, 8, 128, 128))[0] == "direct"
+    assert chosen((1, 4, 16384, 16384))[0] == "blockwise"
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
@@ -249,18 +255,24 @@ def test_training_the_blockwise_path_keeps_no_tile_of_scores(dropout: float) -> 
     assert large / small <= 2.2, (small / 2**20, large / 2**20)
 
 
-@pytest.mark.parametrize(("dropout", "dv"), [(0.5, 4), (0.0, 3)])
-def test_fused_without_a_kernel_for_the_call_is_the_direct_path(dropout: float, dv: int) -> None:
-    """jax.nn.dot_product_attention has no dropout and needs Dv == D: the direct path then,
-    with the same dropout draws."""
+@pytest.mark.parametrize(("dropout", "dv", "lacks"), [
+    (0.5, 4, "does not take dropout"), (0.0, 3, "needs values as deep as the keys")])
+def test_fused_is_refused_where_the_kernel_cannot_do_the_call(dropout: float, dv: int,
+                                                              lacks: str) -> None:
+    """jax.nn.dot_product_attention has no dropout and needs Dv == D: forcing it is refused,
+    saying so; the automatic choice pools on the direct kernel, with the same dropout draws."""
     q, k, v = draw((2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, dv), seed=9)
 
-    def run(implementation: str) -> Any:
+    def run(implementation: str | None) -> Any:
         return jax.jit(lambda key: ac.dot_product_attention(
             q, k, v, jnp.array([2, 6]), dropout=dropout, implementation=implementation,
             ops=bj.JaxOps(rng=key)))(jax.random.PRNGKey(3))
 
-    np.testing.assert_array_equal(np.asarray(run("fused")), np.asarray(run("direct")))
+    with pytest.raises(ValueError) as err:
+        run("fused")
+    assert str(err.value) == (f"implementation='fused' {lacks}: this call needs "
+                              "implementation=None or 'blockwise' or 'direct'")
+    np.testing.assert_array_equal(np.asarray(run(None)), np.asarray(run("direct")))
 
 
 @pytest.mark.parametrize("name", ["DotProductAttention", "MultiHeadAttention"])

@@ -403,20 +403,20 @@ def test_kept_weights_in_a_jax_trace_are_formed_only_when_read(
     that does not read them forms none."""
     import jax
 
-    from attention_core import attention
+    from attention_core import kernels
 
     X = keras.ops.convert_to_tensor(draw((2, 6, 8), seed=3)[0])
     lens = keras.ops.convert_to_tensor(np.array([4, 0], np.int32))
     mha = keras_layers.MultiHeadAttention(8, 2)
     _, eager = mha(X, X, X, lens, return_attention=True)
     asked: list[bool] = []
-    choose = attention.choose_implementation
+    choose = kernels.choose
 
-    def spy(ops: Any, implementation: Any, want: bool, shape: Any) -> str:
-        asked.append(bool(want))
-        return choose(ops, implementation, want, shape)
+    def spy(ops: Any, request: kernels.Request, implementation: Any = None) -> Any:
+        asked.append(request.weights)
+        return choose(ops, request, implementation)
 
-    monkeypatch.setattr(attention, "choose_implementation", spy)
+    monkeypatch.setattr(kernels, "choose", spy)
     values = [v.value for v in mha.variables]
 
     def call(values: Any, x: Any, lengths: Any, read: bool) -> Any:

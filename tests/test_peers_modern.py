@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
-from attention_core import blockwise
+from attention_core.kernels import blockwise
 from conftest import test_backends
 from tests.harness import max_diff
 

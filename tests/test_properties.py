@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attention_core as ac
-from attention_core import blockwise
+from attention_core.kernels import blockwise
 from tests import report
 from tests.harness import TOLERANCE, Harness, max_diff
 from tests.strategies import (

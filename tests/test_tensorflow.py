@@ -30,7 +30,8 @@ import tensorflow as tf
 import attention_core as ac
 import backends.numpy as numpy_layers
 import backends.tensorflow as keras_layers
-from attention_core import attention, blockwise
+from attention_core import attention
+from attention_core.kernels import blockwise
 from backends.tensorflow.ops import OPS
 from tests.harness import TOLERANCE, max_diff, tolerance
 from tests.reference.cases import MASK_KINDS, mask_arguments

@@ -85,6 +85,7 @@ class Capabilities:
         traceable: Runs in a traced program.
         value_depth: Takes values deeper or shallower than the keys (Dv != D).
         exact_non_finite: NaN and inf reach exactly the rows that see them.
+        run_time_lengths: Takes numbers of queries and keys known only at run time (traced).
     """
 
     masks: frozenset[type] | None = None
@@ -97,6 +98,7 @@ class Capabilities:
     traceable: bool = True
     value_depth: bool = True
     exact_non_finite: bool = False
+    run_time_lengths: bool = True
 
     def missing(self, request: Request) -> list[str]:
         """What ``request`` asks that this kernel cannot do, in words (empty: nothing)."""
@@ -111,9 +113,20 @@ class Capabilities:
             (request.traced, self.traceable, "does not run in a traced program"),
             (request.value_depth, self.value_depth, "needs values as deep as the keys"),
             (request.check_numerics, self.exact_non_finite, "does not check numerics"),
+            (not all(isinstance(n, int) for n in request.call.shape[2:]), self.run_time_lengths,
+             "needs the numbers of queries and keys to be known when the call is traced"),
         ):
-            why.append(words if asked and not can else "")
+            why.append(words if _asked(asked) and not can else "")
         return [w for w in why if w]
+
+
+def _asked(asked: Any) -> bool:
+    """Whether a call asks for something; one known only at run time counts as asked.
+
+    A traced size's comparison (``Dv != D`` under ``torch.jit.trace``) has no value now.
+    """
+    known = isinstance(asked, (bool, int, float)) or type(asked).__module__ == "numpy"
+    return bool(asked) if known else True
 
 
 def _untaken(kind: str, taken: frozenset[type] | None, mods: tuple[Any, ...]) -> str:
@@ -167,15 +180,24 @@ def register_kernel(name: str, kernel: Kernel, capabilities: Capabilities, *,
 
 def registered_names() -> set[str]:
     """The names of every registered kernel, of any backend."""
-    return {name for name, _ in dict(_REGISTRY)}
+    return {name for name, _ in _snapshot()}
 
 
 def kernels(backend: str) -> list[Entry]:
     """The kernels a backend can run, by descending priority."""
-    entries = dict(_REGISTRY)
+    entries = _snapshot()
     names = {name for name, owner in entries if owner in (None, backend)}
     found = [entries.get((n, backend)) or entries[n, None] for n in names]
     return sorted(found, key=lambda e: (-e.priority, e.name))
+
+
+def _snapshot() -> dict[tuple[str, str | None], Entry]:
+    """A copy of the registry, taken without the lock (one C-level copy under the GIL).
+
+    Every call reads the registry, also where ``torch.compile`` traces it, and Dynamo cannot
+    enter a lock: only registering takes it.
+    """
+    return dict(_REGISTRY)
 
 
 def choose(ops: Ops, request: Request, implementation: str | None = None

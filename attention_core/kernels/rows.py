@@ -77,8 +77,10 @@ def softmax_weights(ops: Ops, scores: Array, visible: Array | None) -> Array:
     if softmax is None:
         return softmax_rows(ops, scores, visible)[0]
     masked = hidden(ops, scores, visible)
-    keep = ops.max(masked, -1) != -math.inf  # a row of -inf comes out of the kernel as NaN
-    return ops.where(keep, softmax(masked), 0.0)
+    keep = ops.max(masked, -1) != -math.inf  # a row of -inf comes out of the kernel as NaN,
+    # and so would its gradient, through a where that multiplies (MXNet's symbolic one): the
+    # kernel is given zeros there
+    return ops.where(keep, softmax(ops.where(keep, masked, 0.0)), 0.0)
 
 
 def sink_column(ops: Ops, sinks: Array) -> Array:

@@ -11,6 +11,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 from attention_core.kernels import (
+    LOG,
     Capabilities,
     Request,
     Result,
@@ -204,7 +205,7 @@ def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     zeros there, checked by tests/test_torch.py).
     """
     masks = request.masks
-    if len(masks) == 1 and isinstance(masks[0], Causal) and request.call.offset == 0:
+    if len(masks) == 1 and isinstance(masks[0], Causal) and _zero(request.call.offset):
         return Result(_sdpa(q, k, v, None, request, causal=True))
     spans = None if _tracing() else query_spans(request, SPAN_BLOCK)
     if spans is None:
@@ -227,9 +228,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     scale = request.scale
     if isinstance(scale, torch.Tensor):  # 1 / sqrt(D) of a depth traced as a tensor (jit.trace)
         q, scale = q * scale, 1.0
+    # SDPA takes a bool for enable_gqa, not the SymBool of sizes traced as symbols: a branch
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=request.dropout,
-                                          is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+                                          is_causal=causal, scale=scale, **gqa)
+
+
+def _zero(n: Any) -> bool:
+    """Whether ``n`` is 0, as a bool (SDPA takes no SymBool).
+
+    A size traced as a symbol is compared by a branch, which Dynamo guards.
+    """
+    if n == 0:  # noqa: SIM103 (``return n == 0`` gives a SymBool)
+        return True
+    return False
 
 
 def prefers_fused(ops: Any, request: Request) -> bool:
@@ -255,6 +267,18 @@ register_kernel("fused", fused, Capabilities(scores=frozenset()), backend="torch
                 prefers=prefers_fused)
 register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="torch",
                 priority=10, prefers=prefers_blockwise)
+
+
+def _ignored_logging() -> set[Any]:
+    """The logging functions Dynamo skips (``ignore_logger_methods`` in older torch)."""
+    config = torch._dynamo.config
+    found = getattr(config, "ignore_logging_functions", None)
+    return found if found is not None else getattr(config, "ignore_logger_methods", set())
+
+
+# Dynamo cannot trace a logger's methods (a whole-graph torch.compile fails on them): there the
+# kernel choice, logged at DEBUG level in eager calls, goes unlogged.
+_ignored_logging().add(LOG.isEnabledFor)
 
 
 #: Dtypes torch's layer norm kernel computes as the core does (statistics in the same dtype).

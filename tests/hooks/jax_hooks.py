@@ -341,7 +341,7 @@ def count_fused_calls(monkeypatch: Any) -> Callable[[], int]:
 def fused_kernel_takes(depth: int, value_depth: int, dtype: str) -> bool:
     """Whether the kernel takes a fused call (no dropout) of these per-head depths and dtype:
     ``jax.nn.dot_product_attention`` needs equal query and value depths, and XLA on CPU has no
-    float16 product accumulating in float32; ``fused_attention`` takes the direct path then."""
+    float16 product accumulating in float32; a call forcing the kernel is refused then."""
     return depth == value_depth and not (dtype == "float16" and jax.default_backend() == "cpu")
 
 
