@@ -10,8 +10,9 @@ softmax-weighted sum of the values, exactly as on the direct path.
 
 Hidden scores are selected away, as on the direct path, so their exponential is exactly 0; a
 row with no visible key keeps ``l = 0`` and ``acc = 0`` and comes out as zeros, its
-log-sum-exp ``m + log l`` as ``-inf``. float16 and bfloat16 are scored and pooled in float32. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running
-state ``(B, H, q_block, Dv)``, whatever the sequence length.
+log-sum-exp ``m + log l`` as ``-inf``. float16 and bfloat16 are scored and pooled in
+float32. Extra memory is a few tiles of ``(B, H, q_block, k_block)`` plus the running state
+``(B, H, q_block, Dv)``, whatever the sequence length.
 
 Under a tape (TensorFlow's, eager or in ``tf.function``, and MXNet's) the ops'
 ``recompute_blocks`` keeps the path's inputs only and recomputes one query block at a time in
