@@ -22,7 +22,7 @@ from attention_core import modifiers as mods
 from attention_core import weights as W
 from attention_core.host import host_array
 from attention_core.kernels import Request, Result
-from attention_core.kernels.rows import softmax_weights, widened
+from attention_core.kernels.rows import narrowed, softmax_weights, widened
 from attention_core.linear import dense
 from attention_core.masks import own
 from attention_core.ops import FLOAT_DTYPES, Array, Ops
@@ -292,12 +292,18 @@ def dot_product_attention(
         _scale_factor(ops, queries, scale), checks.check_dropout(dropout),
         _sinks(ops, sinks, call.shape[1]), bool(return_weights) != on_read,
         checks.check_flag("return_lse", return_lse), ops.dtype_name(q), ops.traced(q),
-        ops.shape(v)[3] != ops.shape(q)[3], checks.check_flag("check_numerics", check_numerics))
+        _depths_differ(ops, q, v), checks.check_flag("check_numerics", check_numerics))
     if request.check_numerics:
         q, k, v = mended(ops, q, k, v)
     result = kernels.run(ops, q, k, v, request, checks.check_implementation(implementation))
     weights = _weights_on_read(ops, (q, k, v), request, _heads) if on_read else result.weights
     return _returned(result, weights, rank, bool(return_weights), request.lse)
+
+
+def _depths_differ(ops: Ops, q: Array, v: Array) -> bool:
+    """Whether the values' depth differs from the queries' (True when not known now)."""
+    d, dv = ops.shape(q)[3], ops.shape(v)[3]
+    return not (isinstance(d, int) and isinstance(dv, int) and d == dv)
 
 
 def _masks(call: mods.Call, valid_lens: Any, mask: Any, causal: Any, window: Any,
@@ -374,7 +380,7 @@ def _direct_weights(ops: Ops, qkv: tuple[Array, Array, Array], request: Request)
     from attention_core.kernels.direct import weights
 
     w, _ = weights(ops, qkv[0], qkv[1], request)
-    return w if ops.dtype_name(w) == request.dtype else ops.astype(w, request.dtype)
+    return narrowed(ops, w, request.dtype)
 
 
 def additive_attention(

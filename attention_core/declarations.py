@@ -676,7 +676,7 @@ class DotProductAttention(_ScoredAttention):
             form them, so the core may pool blockwise or with the framework's fused kernel.
         implementation: How calls that do not need the weights pool: ``"direct"``,
             ``"blockwise"`` or ``"fused"``; None lets the core choose
-            (:func:`attention_core.attention.choose_implementation`).
+            (:func:`attention_core.kernels.choose`).
         positional: ``"rotary"`` (queries and keys rotated by their positions), ``"alibi"``
             (linear biases by distance, the standard slopes), or None.
         rotary_base: The base of the rotary frequencies ``base^(-2t/D)``.

@@ -279,7 +279,7 @@ class RecomputeOps(Ops, Protocol):
     of the blockwise loops for the backward pass: O(Q * K) memory. With this hook the path
     keeps only its inputs and recomputes its query blocks one at a time in the backward pass
     (the checkpointing of Rabe & Staats, 2021), so the backward holds one block's tiles,
-    ``q_block * K * B * H`` scores, within :data:`~attention_core.blockwise.TILE_SCORES`.
+    ``q_block * K * B * H`` scores, within :data:`~attention_core.kernels.blockwise.TILE_SCORES`.
     It is not used under dropout, whose recomputation would draw another mask. JAX needs no
     hook: its loop ops (``fold``, ``map_concat``) rematerialise their bodies with
     ``jax.checkpoint``, which recomputes the tiles under its compiled gradient. Nor does

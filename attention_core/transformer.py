@@ -242,13 +242,19 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops, side: str | None = ""
         ``(B, T, h)``.
 
     Ids of any integer dtype are taken (int8 to uint64); those other than int32 and int64 are
-    cast to int32 for the lookup, after the range check.
+    cast to int32 for the lookup, after the range check. Ids whose values are not read (on an
+    accelerator, JAX arrays, traced) are checked on the device instead: an id outside
+    ``[0, V)`` gives a row of NaN, never another token's row.
     """
     dtype = (ops.dtype_name(tokens) if side is None
              else check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side))
     if dtype not in ("int32", "int64"):  # every framework's lookup takes these two
         tokens = ops.astype(tokens, "int32")  # ids < vocab_size, which int32 holds
-    return ops.take(table, tokens)
+    if ops.concrete(tokens) is not None:  # checked on the host
+        return ops.take(table, tokens)
+    inside = ops.logical_and(tokens >= 0, tokens < fixed_shape(ops, table)[0])
+    rows = ops.take(table, ops.where(inside, tokens, 0))
+    return ops.where(ops.expand_dims(inside, -1), rows, math.nan)
 
 
 def embed_with_positions(

@@ -7,8 +7,8 @@ framework's fused kernel as ``"fused"``; a user may register their own. :func:`c
 one rule that picks: the kernel named by ``implementation=`` (refused with the reason when it
 cannot do what the call asks), else the first kernel, by priority, that can do everything the
 call asks and prefers the call's shape. Which kernel ran, and why the others were passed over,
-is logged at DEBUG level on the ``attention_core.kernels`` logger, and :func:`explain` says it
-for a call without running it.
+is logged at DEBUG level on the ``attention_core.kernels`` logger (eager calls), and
+:func:`choose` says it for a :class:`Request` without running it.
 
 Shape legend: B batch, H query heads, Hkv key/value heads, Q queries, K keys, D depth, Dv value
 depth.

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attention_core.kernels import Capabilities, Request, Result
-from attention_core.kernels.rows import accumulation_dtype, hidden, sink_column, widened
+from attention_core.kernels.rows import hidden, narrowed, sink_column, widened
 from attention_core.masks import FILL_VALUE
 from attention_core.modifiers import AllMasks
 from attention_core.ops import Array, Ops
@@ -157,7 +157,6 @@ def blockwise_attention(
     auto_q, auto_k = block_sizes(batch_heads, Q, K)
     q_block, k_block = q_block or auto_q, k_block or auto_k
     keys, values = widened(ops, keys), widened(ops, values)
-    low = FILL_VALUE[accumulation_dtype(request.dtype)]  # the running max never drops below
     sinks = None if request.sinks is None else sink_column(ops, request.sinks)
 
     def part(x: Array | list[Array], k0: Any, kn: int) -> Array:
@@ -190,6 +189,7 @@ def blockwise_attention(
         ``l``), so its gradient through ``m`` is zero.
         """
         m = ops.max(constant(s), -1)
+        low = FILL_VALUE[ops.dtype_name(m)]  # the scores' (torch.autocast may choose it)
         return ops.where(m > low, m, low)  # a NaN row stays NaN through its weights
 
     def pool(p: Array, values: Array | list[Array], k0: Any, kn: int) -> Array:
@@ -239,7 +239,7 @@ def blockwise_attention(
         return ops.concatenate([out, lse], -1) if request.lse else narrow(out)
 
     def narrow(x: Array) -> Array:
-        return x if ops.dtype_name(x) == request.dtype else ops.astype(x, request.dtype)
+        return narrowed(ops, x, request.dtype)
 
     # Recomputed in the backward pass, one query block at a time, where the ops can; not under
     # dropout, whose recomputation would draw another mask (every tile is then kept).

@@ -7,7 +7,13 @@ depth.
 from __future__ import annotations
 
 from attention_core.kernels import Capabilities, Request, Result
-from attention_core.kernels.rows import sink_column, softmax_rows, softmax_weights, widened
+from attention_core.kernels.rows import (
+    narrowed,
+    sink_column,
+    softmax_rows,
+    softmax_weights,
+    widened,
+)
 from attention_core.modifiers import Tile
 from attention_core.ops import Array, Ops
 from attention_core.scores import pooled, products
@@ -51,9 +57,8 @@ def direct(ops: Ops, q: Array, k: Array, v: Array, request: Request) -> Result:
     """Pools ``dropout(w) @ v`` with ``w`` formed whole (see :mod:`attention_core.kernels.rows`)."""
     w, lse = weights(ops, q, k, request)
     dropped = ops.dropout(w, request.dropout) if request.dropout > 0 else w
-    out = ops.astype(pooled(ops, dropped, widened(ops, v)), request.dtype) if ops.dtype_name(
-        w) != request.dtype else pooled(ops, dropped, v)
+    out = narrowed(ops, pooled(ops, dropped, widened(ops, v)), request.dtype)
     kept = None
     if request.weights:
-        kept = w if ops.dtype_name(w) == request.dtype else ops.astype(w, request.dtype)
+        kept = narrowed(ops, w, request.dtype)
     return Result(out, kept, None if lse is None else ops.astype(lse[:, :, :, 0], "float32"))

@@ -35,6 +35,15 @@ def widened(ops: Ops, x: Array) -> Array:
     return x if wide == dtype else ops.astype(x, wide)
 
 
+def narrowed(ops: Ops, x: Array, dtype: str) -> Array:
+    """``x`` back in the inputs' ``dtype`` when that was widened (float16, bfloat16).
+
+    Other results keep the dtype they were computed in: under ``torch.autocast`` the framework
+    picks it.
+    """
+    return ops.astype(x, dtype) if dtype in ACCUMULATION and ops.dtype_name(x) != dtype else x
+
+
 def hidden(ops: Ops, scores: Array, visible: Array | None) -> Array:
     """The scores with the hidden ones selected away to ``-inf``."""
     return scores if visible is None else ops.where(visible, scores, -math.inf)
