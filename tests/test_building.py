@@ -131,7 +131,7 @@ def test_input_sizes_are_inferred_on_the_first_call(backend: str, compiled: bool
     bad = {"keys and values must have the same length, got 6 keys and 5 values": [q, k, short]}
     mode = MODES[backend][1] if compiled else "eager"
     if mode == "eager" or (backend, mode) in SEES_VALUES:
-        bad["valid_lens must be <= the number of keys (6), got 9"] = [q, k, v, h.array(np.array([9, 9]))]
+        bad["valid_lens must be <= the number of keys (6), got 9"] = [q, k, v, np.array([9, 9])]
     for message, args in bad.items():
         with raises_core_message(message, compiled):
             run(layer, *args)

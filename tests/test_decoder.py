@@ -161,12 +161,13 @@ def test_transformer_matches_naive(backend: str) -> None:
     for got, expected in zip(kept[0] + kept[1] + kept[2],
                              enc_weights + dec_weights[0] + dec_weights[1], strict=True):
         assert max_diff(hb.numpy(got), expected) <= TOLERANCE["float32"]
-    # ids out of range are refused by name, on their side (a lookup may not clamp or wrap them)
+    # ids out of range are refused by name, on their side (a lookup may not clamp or wrap
+    # them), given on the host: a JAX array's values are never read
     bad_src, bad_tgt = src.copy(), tgt.copy()
     bad_src[0, 0], bad_tgt[0, 0] = V, V + 3
     for side, ids in (("src", (bad_src, tgt)), ("tgt", (src, bad_tgt))):
         with pytest.raises(ValueError, match=rf"{side}_tokens must be in \[0, {side}_vocab_size\)"):
-            ac.transformer_encoder_decoder(*(hb.array(x.astype(np.int32)) for x in ids),
+            ac.transformer_encoder_decoder(*(x.astype(np.int32) for x in ids),
                                            on(hb, weights), H, hb.array(src_lens))
 
 
