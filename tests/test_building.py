@@ -130,7 +130,8 @@ def test_input_sizes_are_inferred_on_the_first_call(backend: str, compiled: bool
     short = h.array(draw((2, 5, shapes[2][2]))[0])
     bad = {"keys and values must have the same length, got 6 keys and 5 values": [q, k, short]}
     mode = MODES[backend][1] if compiled else "eager"
-    if mode == "eager" or (backend, mode) in SEES_VALUES:
+    # lengths given on the host; Keras makes them JAX arrays there, whose values are not read
+    if (mode == "eager" or (backend, mode) in SEES_VALUES) and backend != "keras-jax":
         bad["valid_lens must be <= the number of keys (6), got 9"] = [q, k, v, np.array([9, 9])]
     for message, args in bad.items():
         with raises_core_message(message, compiled):

@@ -349,10 +349,10 @@ def test_failed_cached_call_changes_nothing(backend: str) -> None:
         r"enc_valid_lens must have shape \(B,\) or \(B, Q\)":
             lambda: hb.call(layer, step, cross[0], hb.array(np.array([1, 2, 3])), cache=cache,
                             start=3),
-        r"tokens must be in \[0, vocab_size\)":
-            lambda: hb.call(layer, np.full((B, 1), V, np.int32), *cross, cache=cache,
-                            start=3),  # on the host: a JAX array's values are never read
     }
+    if hb.name != "keras-jax":  # Keras makes NumPy inputs JAX arrays, whose values are not read
+        bad_calls[r"tokens must be in \[0, vocab_size\)"] = lambda: hb.call(
+            layer, np.full((B, 1), V, np.int32), *cross, cache=cache, start=3)
     for what, bad in bad_calls.items():
         with pytest.raises(ValueError, match=what):
             bad()
