@@ -64,13 +64,15 @@ def dpa(h: Harness, arrays: list[np.ndarray], **kwargs: Any) -> Any:
 def encode(h: Harness, tokens: np.ndarray | list[Any]) -> Any:
     """The functional encoder (vocabulary of 11, one block) on ``tokens``.
 
-    Token ids given as a list stay on the host as a NumPy array, where their values are
-    checked on every backend (a JAX array's values are never read).
+    Token ids given as a list are checked by value on every backend: as the backend's array
+    where its values are read, else (JAX) as NumPy, on the host.
     """
     spec = W.transformer_encoder_spec(11, 12, 16, 3, 1)
     weights = {k: h.array(v) for k, v in W.init_weights(spec, R).items()}
-    return ac.transformer_encoder(np.array(tokens) if isinstance(tokens, list) else h.array(tokens),
-                                  weights, 3)
+    ids = h.array(np.array(tokens))
+    if isinstance(tokens, list) and h.ops.concrete(ids) is None:
+        ids = np.array(tokens)
+    return ac.transformer_encoder(ids, weights, 3)
 
 
 # -- the layers rows act on: made, and called once with good input where ``built`` ----------
