@@ -55,8 +55,7 @@ def visibility(ops: Ops, shape: tuple[Any, ...], valid_lens: Any = None, mask: A
     """``valid_lens``, ``mask`` and ``causal`` as one boolean mask ``(B, H, Q, K)``-broadcastable."""
     call = mods.Call(ops, tuple(shape), 0, shape[3] - shape[2])
     masks = _masks(call, valid_lens, mask, causal, None, None, None)
-    parts = [p for p in (m.visible(call.whole()) for m in masks) if p is not None]
-    return functools.reduce(ops.logical_and, parts) if parts else None
+    return mods.AllMasks(masks).visible(call.whole())
 
 
 def masked_softmax(

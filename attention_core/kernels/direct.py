@@ -14,7 +14,7 @@ from attention_core.kernels.rows import (
     softmax_weights,
     widened,
 )
-from attention_core.modifiers import Tile
+from attention_core.modifiers import AllMasks, Tile
 from attention_core.ops import Array, Ops
 from attention_core.scores import pooled, products
 
@@ -37,11 +37,7 @@ def visible(request: Request) -> Array | None:
 
 def tile_visible(request: Request, tile: Tile) -> Array | None:
     """The AND of the mask modifiers over one tile; None when it hides nothing."""
-    parts = [p for p in (m.visible(tile) for m in request.masks) if p is not None]
-    ops = request.call.ops
-    for part in parts[1:]:
-        parts[0] = ops.logical_and(parts[0], part)
-    return parts[0] if parts else None
+    return AllMasks(request.masks).visible(tile)
 
 
 def weights(ops: Ops, q: Array, k: Array, request: Request) -> tuple[Array, Array | None]:
