@@ -284,13 +284,14 @@ def dot_product_attention(
         q = rotated_heads(ops, q, call.offset, rotary_base)
         k = rotated_heads(ops, k, 0, rotary_base)
     checks.check_return_weights(return_weights)
-    on_read = return_weights == ON_READ and not ops.traced(q)
+    traced = ops.traced(q)
+    on_read = return_weights == ON_READ and not traced
     request = Request(
         call, _masks(call, valid_lens, mask, causal, window, segment_ids, mask_mod),
         _scores(call, softcap, positional == "alibi", score_bias, score_mod),
         _scale_factor(ops, queries, scale), checks.check_dropout(dropout),
         _sinks(ops, sinks, call.shape[1]), bool(return_weights) != on_read,
-        checks.check_flag("return_lse", return_lse), ops.dtype_name(q), ops.traced(q),
+        checks.check_flag("return_lse", return_lse), ops.dtype_name(q), traced,
         _depths_differ(ops, q, v), checks.check_flag("check_numerics", check_numerics))
     if request.check_numerics:
         q, k, v = mended(ops, q, k, v)
@@ -434,11 +435,29 @@ def additive_attention(
 def check_projected_inputs(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
     """Checks ``(B, Q, Dq)``, ``(B, K, Dk)``, ``(B, K, Dv)``: depths may differ, lengths not."""
     checks.check_framework("queries", queries, keys=keys, values=values)
-    q = checks.check_rank(ops, "queries", queries, (3,), "(B, Q, Dq)")
-    k = checks.check_rank(ops, "keys", keys, (3,), "(B, K, Dk)")
-    v = checks.check_rank(ops, "values", values, (3,), "(B, K, Dv)")
+    shapes = _projected_ranks(ops, queries, keys, values)
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         checks.check_floating(ops, name, x)
+    _check_projected(ops, (queries, keys, values), shapes)
+
+
+def check_projected_shapes(ops: Ops, queries: Array, keys: Array, values: Array) -> None:
+    """:func:`check_projected_inputs` of floating arrays of one framework (a layer's, cast)."""
+    _check_projected(ops, (queries, keys, values), _projected_ranks(ops, queries, keys, values))
+
+
+def _projected_ranks(ops: Ops, *inputs: Array) -> list[tuple[Any, ...]]:
+    """The shapes of queries, keys and values, each checked to be rank 3 and not empty."""
+    legends = (("queries", "(B, Q, Dq)"), ("keys", "(B, K, Dk)"), ("values", "(B, K, Dv)"))
+    return [checks.check_rank(ops, name, x, (3,), legend)
+            for (name, legend), x in zip(legends, inputs, strict=True)]
+
+
+def _check_projected(ops: Ops, inputs: tuple[Array, Array, Array],
+                     shapes: list[tuple[Any, ...]]) -> None:
+    """Their dtypes agree and the backend multiplies them; keys, values and batches agree."""
+    queries, keys, values = inputs
+    q, k, v = shapes
     checks.check_same_dtype(ops, "queries", queries, keys=keys, values=values)
     checks.check_matmul_dtype(ops, "queries", queries)
     checks.check_equal(

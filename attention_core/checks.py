@@ -203,8 +203,9 @@ def check_rank(ops: Ops, name: str, x: Array, ranks: Sequence[int], legend: str)
         ranks: The allowed ranks.
         legend: The expected shapes in words, e.g. ``"(B, Q, D) or (B, H, Q, D)"``.
     """
-    check_rank_of(name, tuple(ops.shape(x)), ranks, legend)
-    return check_not_empty(ops, name, x)
+    shape = tuple(ops.shape(x))
+    check_rank_of(name, shape, ranks, legend)  # also refuses an empty dimension
+    return shape
 
 
 def check_rank_of(name: str, shape: tuple[Any, ...], ranks: Sequence[int], legend: str) -> None:

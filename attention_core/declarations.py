@@ -577,7 +577,8 @@ class _Attention(Declaration):
     shorthand: ClassVar[Mapping[str, str]] = {"keys": "queries", "values": "keys"}
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
-        attention.check_projected_inputs(
+        # prepare has checked their framework and dtypes (checks.compute_inputs)
+        attention.check_projected_shapes(
             ops, arguments["queries"], arguments["keys"], arguments["values"]
         )
 

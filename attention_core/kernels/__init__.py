@@ -102,22 +102,28 @@ class Capabilities:
 
     def missing(self, request: Request) -> list[str]:
         """What ``request`` asks that this kernel cannot do, in words (empty: nothing)."""
-        why = [_untaken("mask", self.masks, request.masks),
-               _untaken("score", self.scores, request.scores)]
-        for asked, can, words in (
-            (request.weights, self.weights, "never forms the attention weights"),
-            (request.lse, self.lse, "does not return the log-sum-exp"),
-            (request.sinks is not None, self.sinks, "does not take sinks"),
-            (request.dropout > 0, self.dropout, "does not take dropout"),
-            (request.dtype not in self.dtypes, False, f"does not take {request.dtype} inputs"),
-            (request.traced, self.traceable, "does not run in a traced program"),
-            (request.value_depth, self.value_depth, "needs values as deep as the keys"),
-            (request.check_numerics, self.exact_non_finite, "does not check numerics"),
-            (not all(isinstance(n, int) for n in request.call.shape[2:]), self.run_time_lengths,
-             "needs the numbers of queries and keys to be known when the call is traced"),
-        ):
-            why.append(words if _asked(asked) and not can else "")
-        return [w for w in why if w]
+        r = request
+        why = [w for w in (_untaken("mask", self.masks, r.masks),
+                           _untaken("score", self.scores, r.scores)) if w]
+        if not self.weights and _asked(r.weights):
+            why.append("never forms the attention weights")
+        if not self.lse and _asked(r.lse):
+            why.append("does not return the log-sum-exp")
+        if not self.sinks and r.sinks is not None:
+            why.append("does not take sinks")
+        if not self.dropout and _asked(r.dropout > 0):
+            why.append("does not take dropout")
+        if r.dtype not in self.dtypes:
+            why.append(f"does not take {r.dtype} inputs")
+        if not self.traceable and r.traced:
+            why.append("does not run in a traced program")
+        if not self.value_depth and _asked(r.value_depth):
+            why.append("needs values as deep as the keys")
+        if not self.exact_non_finite and r.check_numerics:
+            why.append("does not check numerics")
+        if not self.run_time_lengths and not all(isinstance(n, int) for n in r.call.shape[2:]):
+            why.append("needs the numbers of queries and keys to be known when the call is traced")
+        return why
 
 
 def _asked(asked: Any) -> bool:
@@ -152,6 +158,8 @@ class Entry:
 
 
 _REGISTRY: dict[tuple[str, str | None], Entry] = {}
+#: :func:`kernels`' answers, by backend, until the next registration.
+_BY_BACKEND: dict[str, list[Entry]] = {}
 #: Taken by writers only: a reader copies the dict, which CPython does atomically, and takes no
 #: lock, which a traced program (``torch.compile``) could not enter.
 _LOCK = threading.Lock()
@@ -176,6 +184,7 @@ def register_kernel(name: str, kernel: Kernel, capabilities: Capabilities, *,
                   prefers or (lambda ops, request: True))
     with _LOCK:
         _REGISTRY[name, backend] = entry
+        _BY_BACKEND.clear()
 
 
 def registered_names() -> set[str]:
@@ -185,10 +194,14 @@ def registered_names() -> set[str]:
 
 def kernels(backend: str) -> list[Entry]:
     """The kernels a backend can run, by descending priority."""
-    entries = _snapshot()
-    names = {name for name, owner in entries if owner in (None, backend)}
-    found = [entries.get((n, backend)) or entries[n, None] for n in names]
-    return sorted(found, key=lambda e: (-e.priority, e.name))
+    found = _BY_BACKEND.get(backend)
+    if found is None:
+        entries = _snapshot()
+        names = {name for name, owner in entries if owner in (None, backend)}
+        found = sorted((entries.get((n, backend)) or entries[n, None] for n in names),
+                       key=lambda e: (-e.priority, e.name))
+        _BY_BACKEND[backend] = found  # emptied by register_kernel
+    return list(found)
 
 
 def _snapshot() -> dict[tuple[str, str | None], Entry]:

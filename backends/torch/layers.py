@@ -234,13 +234,14 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the declared forward (see the class's call signature)."""
         bound = self.bind_call(args, kwargs)
+        params = dict(self.named_parameters())
+        param = next(iter(params.values()), None)
         first = next((a for a in bound.values() if isinstance(a, Tensor)), None)
         if first is None:  # host data only (NumPy token ids): the layer's device
-            first = next(self.parameters(), None)
+            first = param
         ops = TorchOps(None if first is None else first.device)
         bound = self._numpy_inputs(ops, bound)
-        prepared = self.prepare(ops, self._compute_dtype(), bound)
-        params = dict(self.named_parameters())
+        prepared = self.prepare(ops, _compute_dtype(param), bound)
         fresh = self._build(prepared.dims, params)
         try:
             need = self.needs_attention(prepared.return_attention)
@@ -284,16 +285,6 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         for name, part in self.kept_parts(kept).items():
             cast(Layer, self.get_submodule(name))._keep(part)
 
-    def _compute_dtype(self) -> str | None:
-        """The parameters' dtype (the dtype rule), or None.
-
-        None under ``torch.autocast``, whose dtype then governs the computation: the inputs
-        are checked but not cast.
-        """
-        param = next(self.parameters(), None)
-        if param is None or autocasting(param.device.type):
-            return None
-        return OPS.dtype_name(param)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
@@ -382,3 +373,14 @@ __all__ = [  # the declared layers (attention_core.declarations.LAYERS), one cla
     "RelativeMultiHeadAttention", "RotaryEmbedding", "Transformer", "TransformerDecoder",
     "TransformerDecoderBlock", "TransformerEncoder", "TransformerEncoderBlock",
 ]
+
+
+def _compute_dtype(param: Tensor | None) -> str | None:
+    """The dtype of a layer whose first parameter is ``param`` (the dtype rule), or None.
+
+    None for a layer without parameters, and under ``torch.autocast``, whose dtype then
+    governs the computation: the inputs are checked but not cast.
+    """
+    if param is None or autocasting(param.device.type):
+        return None
+    return OPS.dtype_name(param)

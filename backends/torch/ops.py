@@ -207,7 +207,7 @@ def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     masks = request.masks
     if len(masks) == 1 and isinstance(masks[0], Causal) and _zero(request.call.offset):
         return Result(_sdpa(q, k, v, None, request, causal=True))
-    spans = None if _tracing() else query_spans(request, SPAN_BLOCK)
+    spans = query_spans(request, SPAN_BLOCK) if masks and not _tracing() else None
     if spans is None:
         return Result(_sdpa(q, k, v, visible(request), request))
     parts = []
