@@ -12,7 +12,6 @@ kernel is in :mod:`attention_core.kernels.rows`.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -465,14 +464,10 @@ def _check_projected(ops: Ops, inputs: tuple[Array, Array, Array],
         k[1],
         v[1],
     )
-    for name, s in (("keys", k), ("values", v)):
-        checks.check_equal(
-            functools.partial(
-                "{} batch size ({}) must equal queries batch size ({})".format, name, s[0], q[0]
-            ),
-            s[0],
-            q[0],
-        )
+    checks.check_equal(
+        lambda: f"keys batch size ({k[0]}) must equal queries batch size ({q[0]})", k[0], q[0])
+    checks.check_equal(
+        lambda: f"values batch size ({v[0]}) must equal queries batch size ({q[0]})", v[0], q[0])
 
 
 def nadaraya_watson(
