@@ -1,4 +1,4 @@
-"""Test configuration: the ``backend`` fixture of DESIGN section 6, and the matrix report.
+"""Test configuration: the ``backend`` fixture, and the matrix report.
 
 ``ATTENTION_CORE_TEST_BACKENDS`` (a comma list) names the backends to test; unset, every
 installed backend is tested. A named backend that cannot be loaded fails its tests, it is

@@ -56,7 +56,7 @@ from attention_core.weights import load_weights, save_weights
 #: The package version (pyproject.toml reads it from here; CHANGELOG.md names each release).
 __version__ = "0.2.0"
 
-#: Layer classes every backend provides (DESIGN section 3).
+#: Layer classes every backend provides (the README's table of layers).
 LAYER_NAMES = (
     "DotProductAttention",
     "AdditiveAttention",

@@ -22,7 +22,7 @@ alone: the layout translations (torch's
 :func:`from_native` / :func:`native_config`, which pick the converter from the object's type
 without importing any framework.
 
-The canonical MultiHeadAttention (DESIGN section 5) has ``W_q.kernel (q_in, h)``,
+The canonical MultiHeadAttention (the Weights page) has ``W_q.kernel (q_in, h)``,
 ``W_k.kernel (k_in, h)``, ``W_v.kernel (v_in, h)``, ``W_o.kernel (h, h)`` and, when it has
 biases, a bias ``(h,)`` on each of the four. Head ``i`` uses columns ``i*d : (i+1)*d`` with
 ``d = h / H``. All three native layers split heads the same way (torch reshapes

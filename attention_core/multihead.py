@@ -2,9 +2,9 @@
 
 Head ``i`` uses columns ``i*h/H : (i+1)*h/H`` of the projected queries, and key/value head
 ``g`` columns ``g*h/H : (g+1)*h/H`` of the projected keys and values, where h = num_hiddens,
-H = num_heads and Hkv = num_kv_heads (DESIGN section 5). With fewer key/value heads than
-query heads (grouped-query attention; Hkv = 1 is multi-query attention), query head ``i``
-uses key/value head ``i // (H / Hkv)``.
+H = num_heads and Hkv = num_kv_heads (the canonical layout, on the Weights page). With
+fewer key/value heads than query heads (grouped-query attention; Hkv = 1 is multi-query
+attention), query head ``i`` uses key/value head ``i // (H / Hkv)``.
 """
 
 from __future__ import annotations

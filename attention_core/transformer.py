@@ -121,7 +121,8 @@ def transformer_encoder_block(
 
     Args:
         X: ``(B, T, h)``.
-        weights: ``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*`` (DESIGN section 5),
+        weights: ``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*`` (the canonical
+            layout, on the Weights page),
             all of width h = the output size of ``attention.W_q.kernel`` (``attention.sinks
             (H,)`` too for attention sinks); checked like ``set_weights`` checks a layer's
             (and ``X``'s width against h).
@@ -393,7 +394,7 @@ def transformer_decoder_block(
         X: ``(B, T, h)``.
         weights: ``self_attention.*``, ``addnorm1.*``, then ``cross_attention.*`` and
             ``addnorm2.*`` when the block has cross-attention, then ``ffn.*`` and the last add &
-            norm (DESIGN section 5); all of width h = the output size of
+            norm (the canonical layout, on the Weights page); all of width h = the output size of
             ``self_attention.W_q.kernel``, except ``cross_attention.W_k``/``W_v``, whose input
             size is the encoder outputs' width; checked like ``set_weights`` checks a layer's.
         num_heads: Heads of both attentions.

@@ -2,12 +2,15 @@
 
 One test per concept over the harness hooks (``tests/hooks/<backend>_hooks.py``): the native
 store (torch ``state_dict``/``named_parameters``, Keras ``layer.weights``, the Flax params tree,
-Gluon ``collect_params()``) holds exactly the canonical names of DESIGN section 5, in order,
+Gluon ``collect_params()``) holds exactly the canonical names of the layout (the Weights page),
+in order,
 nested where the framework nests; the initial values follow the declared rule; the config
 (Keras ``get_config``, Flax dataclass fields, the repr elsewhere) lists the declared arguments
-in DESIGN's order and rebuilds an equal layer; a relative attention layer without a value table
+in the layout's order and rebuilds an equal layer; a relative attention layer without a value
+table
 holds none. The expected names come from :mod:`attention_core.weights`' specs, the initial
-distributions and argument orders are written out here from DESIGN and the rule's docstring.
+distributions and argument orders are written out here from the Weights page and the rule's
+docstring.
 """
 
 from __future__ import annotations
@@ -195,7 +198,7 @@ def test_set_and_get_weights_hold_copies(backend: str, called: bool) -> None:
 
 
 def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
-    """The declared initialisation of a weight, from DESIGN and ``init_rule``'s docstring:
+    """The declared initialisation of a weight, from the Weights page and ``init_rule``'s docstring:
     kernels Glorot-uniform, biases and ``beta`` 0, ``gamma`` 1, learned ``P`` N(0, 0.02**2),
     ``embedding`` tables N(0, 1/D), a kernel width ``w`` uniform in [0, 1)."""
     leaf = name.rpartition(".")[2]
@@ -250,7 +253,7 @@ def test_initial_weights_follow_the_declared_rule(backend: str, name: str) -> No
 
 # -- configs --------------------------------------------------------------------------------
 
-#: DESIGN section 3's constructor arguments, in order, then the keyword-only ones.
+#: The layers' documented constructor arguments, in order, then the keyword-only ones.
 ARGUMENTS = {
     "DotProductAttention": (["dropout"], ["keep_attention_weights", "implementation"]),
     "AdditiveAttention": (["num_hiddens", "dropout"], []),
@@ -313,7 +316,7 @@ def declared_class(layer: Any) -> type:
 @pytest.mark.parametrize("layer, config", CONFIGS, ids=[f"{c[0]}-{len(c[1])}" for c in CONFIGS])
 def test_config_lists_the_declared_arguments_in_order(backend: str, layer: str,
                                                       config: dict[str, Any]) -> None:
-    """The framework's config (Keras ``get_config``, Flax's fields, the repr) lists DESIGN's
+    """The framework's config (Keras ``get_config``, Flax's fields, the repr) lists the documented
     arguments first and in order, then the keyword-only ones, with the values given; a layer
     rebuilt from it (Keras: by its registered name) has the same class and config."""
     h = Harness(backend)

@@ -111,7 +111,7 @@ def test_every_backend_hook_provides_its_modes(backend: str) -> None:
 
 
 def test_tolerances_follow_the_design() -> None:
-    assert TOLERANCE["float32"] == 1e-5  # DESIGN section 6
+    assert TOLERANCE["float32"] == 1e-5
 
 
 # -- the same weights in two backends of one process ------------------------------------------

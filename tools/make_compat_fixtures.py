@@ -12,7 +12,8 @@ TensorFlow, set ``KERAS_BACKEND=tensorflow``. Do not rerun it on changed code: t
 files is that they are old.
 
 Every layer gets a tiny config (``num_hiddens`` 8, 2 heads, vocabulary 11, 2 blocks, batch 2,
-length 5). Its canonical weights (DESIGN section 5) are drawn once from a seeded generator, in
+length 5). Its canonical weights (the layout of the Weights page) are drawn once from a
+seeded generator, in
 float32, and set into the layer of every backend, which is then called on fixed inputs and saved
 the framework's own way. Layout::
 

@@ -256,7 +256,7 @@ class Layer(D.Declaration, nnx.Module):
         return key
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """A copy of the weights in the canonical layout (DESIGN section 5)."""
+        """A copy of the weights in the canonical layout (the Weights page)."""
         return {name: np.array(p[...]) for name, p in self._params().items()}
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:

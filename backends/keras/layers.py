@@ -1,7 +1,7 @@
 """Keras 3 layers on any Keras backend: every declared layer as a ``keras.layers.Layer``.
 
 One generic base, :class:`Layer`, holds any declaration of :mod:`attention_core.declarations`:
-weights are Keras variables named by the canonical layout (DESIGN section 5), made by
+weights are Keras variables named by the canonical layout (the Weights page), made by
 ``build()`` on the first call (or ``set_weights``), or in ``__init__`` when the arguments fix
 every size, by Keras initializers; dropout (``training=True`` only) draws from the layer's
 ``keras.random.SeedGenerator``. ``get_config()`` is the declared arguments, and the classes are

@@ -149,7 +149,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         return all(_has_data(p) for p in self._weights.values())
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
+        """Returns a copy of the weights in the canonical layout (the Weights page)."""
         if not self.built:
             raise checks.not_built(type(self).__name__)
         return {name: p.data().asnumpy() for name, p in self._weights.items()}

@@ -111,7 +111,7 @@ class Layer(NumpyArguments, D.KeptAttention, D.Declaration):
         return returned
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
+        """Returns a copy of the weights in the canonical layout (the Weights page)."""
         if not self.built:
             raise checks.not_built(type(self).__name__)
         return {name: value.copy() for name, value in (self._weights or {}).items()}

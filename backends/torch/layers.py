@@ -1,6 +1,6 @@
 """PyTorch layers: every declared layer (:mod:`attention_core.declarations`) as a ``nn.Module``.
 
-Parameters are kept in the canonical layout of DESIGN section 5, kernels ``(in, out)``, in
+Parameters are kept in the canonical layout (the Weights page), kernels ``(in, out)``, in
 submodules named like the canonical names (``W_q`` holds ``kernel`` and ``bias``); a composite
 is made of child layers named like its sublayers (``attention``, ``blks.0``). So
 ``state_dict()`` has exactly the keys and shapes of ``get_weights()``. Fixed tables (the
@@ -287,7 +287,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Returns a copy of the weights in the canonical layout (DESIGN section 5)."""
+        """Returns a copy of the weights in the canonical layout (the Weights page)."""
         if not self.built:
             raise checks.not_built(type(self).__name__)
         return {name: OPS.to_numpy(p).copy() for name, p in self.named_parameters()}
