@@ -14,7 +14,7 @@ Shape legend: B batch, H query heads, Hkv key/value heads, Q queries, K keys, Dv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from attention_core.modifiers import (
 try:
     from torch.nn.attention import flex_attention as _flex
 except ImportError:  # torch before 2.5
-    _flex = None
+    _flex = None  # type: ignore[assignment]
 
 #: Mask modifiers asked one score at a time (their answer needs only the indices).
 POINTWISE_MASKS = (MaskFunction, Causal, Window)
@@ -93,9 +93,11 @@ def _rank4(x: torch.Tensor) -> torch.Tensor:
 
 
 def _at(x: torch.Tensor, b: Any, h: Any, q: Any, kv: Any) -> torch.Tensor:
-    """The entry of a broadcastable ``(B|1, H|1, Q|1, K|1)`` answer at one score."""
-    x = _rank4(x)
-    return x[tuple(i if n != 1 else 0 for i, n in zip((b, h, q, kv), x.shape))]
+    """The entry of a broadcastable ``(B|1, H|1, Q|1, K|1)`` answer at one score (a 0-d one as is)."""
+    if x.dim() == 0:
+        return x
+    x = x if x.dim() == 4 else _rank4(x)
+    return x[tuple(i if n != 1 else 0 for i, n in zip((b, h, q, kv), x.shape, strict=True))]
 
 
 def flex(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> Result:
@@ -104,7 +106,7 @@ def flex(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: R
     scale = request.scale
     if isinstance(scale, torch.Tensor):  # a depth traced as a tensor
         q, scale = q * scale, 1.0
-    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    gqa = bool(q.shape[1] != k.shape[1])  # a branch on sizes traced as symbols (guarded)
     lse_wanted = request.lse or request.sinks is not None
     out, lse = _attend(q, k, v, _score_mod(request), _block_mask(request, q.device), scale,
                        lse_wanted, gqa)
@@ -114,18 +116,19 @@ def flex(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: R
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any,
-            scale: float, lse: bool, gqa: dict[str, bool]) -> tuple[torch.Tensor, Any]:
+            scale: float, lse: bool, gqa: bool) -> tuple[torch.Tensor, Any]:
     """One FlexAttention call: the output, and the log-sum-exp when asked (else None)."""
     assert _flex is not None
     aux = getattr(_flex, "AuxRequest", None)
     if not lse:
         return _flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                    scale=scale, **gqa), None
+                                    scale=scale, enable_gqa=gqa), None
     if aux is None:  # torch before the auxiliary outputs
         return _flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                    scale=scale, return_lse=True, **gqa)
+                                    scale=scale, enable_gqa=gqa, return_lse=True)
     out, found = _flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                      scale=scale, return_aux=aux(lse=True), **gqa)
+                                      scale=scale, enable_gqa=gqa,
+                                      return_aux=aux(lse=True))
     return out, found.lse
 
 
@@ -165,6 +168,7 @@ def _block_mask(request: Request, device: torch.device) -> Any:
                      ).visible(call.whole())
     if table is None and not point:
         return None
+    table = None if table is None else _rank4(table)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
         tile = Point(call, q_idx, 1, kv_idx, 1, b, h)
@@ -181,7 +185,7 @@ def _block_mask(request: Request, device: torch.device) -> Any:
                                    device=device)
 
 
-def _depends(call: Call, point: list[MaskMod], table: torch.Tensor | None) -> tuple[bool, bool]:
+def _depends(call: Call, point: Sequence[MaskMod], table: torch.Tensor | None) -> tuple[bool, bool]:
     """Whether the masks depend on the example and on the head (from their answers' shapes)."""
     shapes = [] if table is None else [_rank4(table).shape]
     probe = call.tile(0, 1, 0, 1)
