@@ -27,8 +27,11 @@ TOL = TOLERANCE["float32"]
 
 
 @pytest.fixture(autouse=True)
-def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Kernels registered by a test stay in that test."""
+def registry(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Kernels registered by a test stay in that test (the backend's own, registered when it
+    loads, are registered before)."""
+    if "backend" in request.fixturenames:
+        request.getfixturevalue("backend")
     monkeypatch.setattr(kernels, "_REGISTRY", dict(kernels._REGISTRY))
     yield
 
@@ -165,12 +168,12 @@ REFUSALS: dict[str, tuple[Capabilities, dict[str, Any], str]] = {
 def _able(ops: Any, capability: str) -> str:
     """The kernels of the backend a call asking for ``capability`` can run on, as the message
     lists them."""
-    lacking = {"weights": ("fused", "blockwise", "narrow"), "lse": ("fused", "narrow"),
-               "sinks": ("fused", "narrow"), "numerics": ("fused", "narrow"),
-               "score": ("fused", "narrow"), "two": ("fused", "blockwise", "narrow")}
-    jax_lacks = {"dropout": ("fused",), "depth": ("fused",)}
-    skip = lacking.get(capability, ("narrow",)) + (jax_lacks.get(capability, ())
-                                                   if ops.name == "jax" else ())
+    lacking = {"weights": ("fused", "flex", "blockwise", "narrow"), "lse": ("fused", "narrow"),
+               "sinks": ("fused", "narrow"), "numerics": ("fused", "flex", "narrow"),
+               "score": ("fused", "narrow"), "two": ("fused", "flex", "blockwise", "narrow")}
+    own_lacks = {"jax": {"dropout": ("fused",), "depth": ("fused",)},
+                 "torch": {"dropout": ("flex",)}}
+    skip = lacking.get(capability, ("narrow",)) + own_lacks.get(ops.name, {}).get(capability, ())
     return " or ".join(repr(n) for n in names(ops) if n not in skip)
 
 
@@ -204,8 +207,9 @@ def test_a_fused_kernel_refuses_score_modifiers(backend: str) -> None:
     x = h.array(np.ones((1, 2, 3)), "float32")
     with pytest.raises(ValueError) as err:
         ac.dot_product_attention(x, x, x, implementation="fused", softcap=5.0)
+    able = " or ".join(repr(n) for n in names(h.ops) if n != "fused")  # torch's 'flex' takes it
     assert str(err.value) == ("implementation='fused' does not take the score modifiers Softcap: "
-                              "this call needs implementation=None or 'blockwise' or 'direct'")
+                              f"this call needs implementation=None or {able}")
 
 
 def test_a_returned_weights_call_forcing_blockwise_is_refused(backend: str) -> None:
@@ -215,6 +219,76 @@ def test_a_returned_weights_call_forcing_blockwise_is_refused(backend: str) -> N
         ac.dot_product_attention(x, x, x, implementation="blockwise", return_weights=True)
     assert str(err.value) == ("implementation='blockwise' never forms the attention weights: "
                               "this call needs implementation=None or 'direct'")
+
+
+#: What torch's FlexAttention kernel is refused for, and the words of the refusal.
+FLEX_REFUSALS = {
+    "weights": ({"return_weights": True}, "never forms the attention weights",
+                "'direct'"),
+    "score_bias": ({"score_bias": np.zeros((2, 2), np.float32)},
+                   "does not take the score modifiers ScoreBias", "'blockwise' or 'direct'"),
+    "dropout": ({"dropout": 0.5}, "does not take dropout", "'fused' or 'blockwise' or 'direct'"),
+}
+
+
+@pytest.mark.parametrize("asked", list(FLEX_REFUSALS))
+def test_flex_forced_with_what_it_cannot_do_is_refused(backend: str, asked: str) -> None:
+    if "flex" not in names(Harness(backend).ops):
+        pytest.skip(f"the {backend} backend has no FlexAttention kernel")
+    kw, words, able = FLEX_REFUSALS[asked]
+    x = torch_tensor(np.ones((1, 2, 3), np.float32))
+    with pytest.raises(ValueError) as err:
+        ac.dot_product_attention(x, x, x, implementation="flex",
+                                 **{n: torch_tensor(a) if isinstance(a, np.ndarray) else a
+                                    for n, a in kw.items()})
+    assert str(err.value) == (f"implementation='flex' {words}: this call needs "
+                              f"implementation=None or {able}")
+
+
+def test_flex_is_taken_by_name_only_on_cpu(backend: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Eager FlexAttention on CPU is slower than SDPA and the core's kernels: a user's
+    ``mask_mod`` and ``score_mod`` pass it over, and by name it gives the float64 answer."""
+    if "flex" not in names(Harness(backend).ops):
+        pytest.skip(f"the {backend} backend has no FlexAttention kernel")
+    q, k, v = draw(7, (1, 2, 3, 5))
+    arrays = [torch_tensor(x) for x in (q, k, v)]
+    mods = {"mask_mod": lambda b, h, i, j: j <= i + 2, "score_mod": lambda s, b, h, i, j: s}
+    logged = _logged(caplog, lambda: ac.dot_product_attention(*arrays, **mods))
+    assert "; passed over 'flex': not preferred for this call" in logged[0]
+    out = ac.dot_product_attention(*arrays, **mods, implementation="flex")
+    visible = np.arange(5)[None, :] <= np.arange(3)[:, None] + 2
+    assert max_diff(out.numpy(), reference(q, k, v, visible)) <= TOL
+
+
+def test_flex_compiles_in_one_graph(backend: str) -> None:
+    """A user's ``score_mod`` and causal masking on FlexAttention under ``torch.compile``
+    (fullgraph; AOT eager: Inductor's CPU FlexAttention costs about 20 s to build)."""
+    if "flex" not in names(Harness(backend).ops):
+        pytest.skip(f"the {backend} backend has no FlexAttention kernel")
+    import torch
+
+    q, k, v = draw(8, (1, 2, 4, 4))
+    score_mod = lambda s, b, h, i, j: s + (i - j).to(s.dtype) * 0.125  # noqa: E731
+
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        return ac.dot_product_attention(q, k, v, causal=True, score_mod=score_mod,
+                                        implementation="flex", return_lse=True)
+
+    out, lse = torch.compile(attend, fullgraph=True, backend="aot_eager")(
+        *(torch_tensor(x) for x in (q, k, v)))
+    s = q.astype(np.float64) @ np.swapaxes(k, -1, -2) / 2.0
+    s = np.where(np.tril(np.ones((4, 4), bool)), s + (np.arange(4)[:, None] - np.arange(4)) / 8,
+                 -np.inf)
+    assert max_diff(out.numpy(), np.exp(s - s.max(-1, keepdims=True)) / np.exp(
+        s - s.max(-1, keepdims=True)).sum(-1, keepdims=True) @ v) <= TOL
+    assert max_diff(lse.numpy(), np.log(np.exp(s).sum(-1))) <= TOL
+
+
+def torch_tensor(x: np.ndarray) -> Any:
+    """A torch tensor of ``x`` (the flex tests run on the torch backend only)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 # -- the automatic choice ----------------------------------------------------------------------

@@ -184,15 +184,16 @@ def small_blocks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def implementations(h: Harness, kind: str = "none") -> list[str | None]:
     """The paths a cell runs: alone, the automatic choice and every path the backend has;
     with a mask kind, every path (the automatic choice only on :data:`SLOW_EAGER`)."""
-    fused = ["fused"] if "fused" in {e.name for e in kernels.kernels(h.ops.name)} else []
+    names = {e.name for e in kernels.kernels(h.ops.name)}
+    fused = [n for n in ("fused", "flex") if n in names]
     if kind == "none":
         return [None, "direct", "blockwise", *fused]
     return [None] if h.name in SLOW_EAGER else ["direct", "blockwise", *fused]
 
 
 def refused(implementation: str | None, err: ValueError) -> bool:
-    """Whether the error is the fused kernel refusing what it is not given."""
-    return implementation == "fused" and "fused" in str(err)
+    """Whether the error is a fused kernel (SDPA, FlexAttention) refusing what it is not given."""
+    return implementation in ("fused", "flex") and f"implementation={implementation!r}" in str(err)
 
 
 def lse_diff(got: np.ndarray, expected: np.ndarray) -> float:

@@ -22,6 +22,7 @@ from attention_core.kernels import (
 from attention_core.kernels.direct import tile_visible, visible
 from attention_core.modifiers import Causal
 from attention_core.ops import NamespaceOps
+from backends.torch import flex
 
 
 class TorchOps(NamespaceOps):
@@ -267,6 +268,7 @@ register_kernel("fused", fused, Capabilities(scores=frozenset()), backend="torch
                 prefers=prefers_fused)
 register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="torch",
                 priority=10, prefers=prefers_blockwise)
+flex.register()
 
 
 def _ignored_logging() -> set[Any]:
