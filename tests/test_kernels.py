@@ -33,6 +33,7 @@ def registry(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     if "backend" in request.fixturenames:
         request.getfixturevalue("backend")
     monkeypatch.setattr(kernels, "_REGISTRY", dict(kernels._REGISTRY))
+    monkeypatch.setattr(kernels, "_BY_BACKEND", {})  # the answers of kernels(), kept per registry
     yield
 
 
