@@ -32,7 +32,7 @@ from typing import Any
 from attention_core.kernels import Capabilities, Request, Result
 from attention_core.kernels.rows import hidden, narrowed, sink_column, widened
 from attention_core.masks import FILL_VALUE
-from attention_core.modifiers import AllMasks
+from attention_core.modifiers import Alibi, AllMasks, Softcap
 from attention_core.ops import Array, Ops
 from attention_core.scores import pooled, products
 
@@ -242,9 +242,10 @@ def blockwise_attention(
         return narrowed(ops, x, request.dtype)
 
     # Recomputed in the backward pass, one query block at a time, where the ops can; not under
-    # dropout, whose recomputation would draw another mask (every tile is then kept).
+    # dropout, whose recomputation would draw another mask (every tile is then kept), nor where
+    # arrays other than q, k, v may need gradients (see :func:`recomputable`).
     recompute = getattr(ops, "recompute_blocks", None)
-    if recompute is not None and request.dropout == 0 and not request.lse:
+    if recompute is not None and recomputable(request):
         size, key_size = recompute_sizes(batch_heads, Q, K)
         blocks = [(q0, min(size, Q - q0)) for q0 in range(0, Q, size)]
 
@@ -264,6 +265,22 @@ def blockwise_attention(
     Dv = ops.shape(values)[3]
     lse = ops.slice(both, 3, Dv, 1)[:, :, :, 0]
     return narrow(ops.slice(both, 3, 0, Dv)), ops.astype(lse, "float32")
+
+
+#: Score modifiers that hold no array a gradient could be asked of.
+_CONSTANT_SCORES = (Softcap, Alibi)
+
+
+def recomputable(request: Request) -> bool:
+    """Whether ``ops.recompute_blocks`` gives every gradient the call has.
+
+    It differentiates the queries, keys and values only: what reaches the blocks by closure
+    gets none. So not with sinks, a score bias or a user's score function (which may hold a
+    learned array), nor under dropout or when the log-sum-exp is asked for.
+    """
+    scores = (part for mod in request.scores for part in mod.parts())
+    return (request.dropout == 0 and not request.lse and request.sinks is None
+            and all(isinstance(part, _CONSTANT_SCORES) for part in scores))
 
 
 def _fold_blocks(
