@@ -246,6 +246,24 @@ def test_flex_forced_with_what_it_cannot_do_is_refused(backend: str, asked: str)
                               f"implementation=None or {able}")
 
 
+def test_flex_refuses_gradients_on_cpu(backend: str) -> None:
+    """torch's FlexAttention has no CPU backward: a forced call recording gradients is
+    refused by the library, naming the way out; without gradients it runs."""
+    if "flex" not in names(Harness(backend).ops):
+        pytest.skip(f"the {backend} backend has no FlexAttention kernel")
+    import torch
+
+    x = torch_tensor(np.ones((1, 2, 3), np.float32)).requires_grad_(True)
+    with pytest.raises(ValueError) as err:
+        ac.dot_product_attention(x, x, x, implementation="flex")
+    assert str(err.value) == (
+        "implementation='flex' computes no gradients on CPU (torch's FlexAttention has no CPU "
+        "backward): this call needs implementation=None or another kernel, or torch.no_grad()")
+    with torch.no_grad():
+        out = ac.dot_product_attention(x, x, x, implementation="flex")
+    assert max_diff(out.numpy(), np.ones((1, 2, 3))) <= TOL
+
+
 def test_flex_is_taken_by_name_only_on_cpu(backend: str, caplog: pytest.LogCaptureFixture) -> None:
     """Eager FlexAttention on CPU is slower than SDPA and the core's kernels: a user's
     ``mask_mod`` and ``score_mod`` pass it over, and by name it gives the float64 answer."""

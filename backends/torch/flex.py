@@ -103,6 +103,9 @@ def _at(x: torch.Tensor, b: Any, h: Any, q: Any, kv: Any) -> torch.Tensor:
 def flex(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> Result:
     """Pools with FlexAttention: ``(B, H, Q, Dv)``, and the log-sum-exp ``(B, H, Q)`` if asked."""
     assert _flex is not None
+    if q.device.type == "cpu":  # FlexAttention refuses CPU tensors that want gradients
+        _check_gradients((q, k, v, request.sinks))
+        q, k, v = q.detach(), k.detach(), v.detach()  # none are recorded (no_grad)
     scale = request.scale
     if isinstance(scale, torch.Tensor):  # a depth traced as a tensor
         q, scale = q * scale, 1.0
@@ -113,6 +116,19 @@ def flex(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: R
     if request.sinks is not None:
         out, lse = _sunk(out, lse, request.sinks)
     return Result(out, None, lse.float() if request.lse else None)
+
+
+def _check_gradients(inputs: Sequence[Any]) -> None:
+    """Refuses a call that records gradients on CPU, where FlexAttention has no backward.
+
+    Raises:
+        ValueError: Gradients are being recorded for one of ``inputs``.
+    """
+    if torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        raise ValueError("implementation='flex' computes no gradients on CPU (torch's "
+                         "FlexAttention has no CPU backward): this call needs "
+                         "implementation=None or another kernel, or torch.no_grad()")
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any,
