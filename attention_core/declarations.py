@@ -124,11 +124,11 @@ class Binding(NamedTuple):
             return None
         bound = self.defaults.copy()  # every name, in order
         bound.update(zip(self.positional, args, strict=False))
-        if kwargs:
-            if not (kwargs.keys() <= bound.keys()
-                    and kwargs.keys().isdisjoint(self.positional[:len(args)])):
+        given = self.positional[:len(args)]
+        for name in kwargs:
+            if name in given or name not in bound:
                 return None
-            bound.update(kwargs)
+        bound.update(kwargs)
         for name in self.required:
             if bound[name] is inspect.Parameter.empty:
                 return None

@@ -282,7 +282,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
         A stack's blocks keep theirs: ``decoder.blks[0].attention_weights``.
         """
-        self._attention_kept = kept
+        self.__dict__["_attention_kept"] = kept  # a plain attribute, never a module's buffer
         for name, part in self.kept_parts(kept).items():
             cast(Layer, self.get_submodule(name))._keep(part)
 
@@ -399,9 +399,14 @@ def _state(params: Mapping[str, Tensor]) -> tuple[Any, ...] | None:
 
     None, to keep no plan, while a kernel's size is not known or while the call is traced.
     """
-    if any(type(p) is UninitializedParameter for p in params.values()) or _tracing():
+    if _tracing():
         return None
-    return tuple((p.shape, p.dtype, p.device) for p in params.values())
+    state = []
+    for p in params.values():
+        if type(p) is UninitializedParameter:
+            return None
+        state.append((p.shape, p.dtype, p.device))
+    return tuple(state)
 
 
 def _compute_dtype(param: Tensor | None) -> str | None:
