@@ -20,7 +20,9 @@ Each framework's adapter (``backends/<name>/layers.py``) turns any declaration i
 layer with one generic base class: a backend's ``MultiHeadAttention`` is
 ``class MultiHeadAttention(Layer, declarations.MultiHeadAttention)``. The call sequence the
 adapters share (bind the call, cast, check, size, compute, keep the attention weights) is
-:meth:`Declaration.bind_call`, :meth:`Declaration.prepare` and :meth:`Declaration.finish`.
+:meth:`Declaration.bind_call`, :meth:`Declaration.prepare` and :meth:`Declaration.finish`;
+an adapter that gives ``prepare`` its weights' state keeps a :class:`Plan` of the checks of
+each call signature (:meth:`Declaration.keep_plan`), so repeated calls are not checked again.
 """
 
 from __future__ import annotations
