@@ -210,20 +210,20 @@ def bind(layer: Any, arguments: dict[str, Any], defaults: Mapping[str, Any],
         TypeError: A keyword given with its canonical counterpart, or a required argument
             given by neither name.
     """
-    offered = _offered(layer)
-    given = {name: arguments.get(name) for name in defaults} if offered else {}
-    for keyword in offered:
-        value = arguments.get(keyword.name)
+    given: dict[str, Any] | None = None  # the canonical arguments as given, when first needed
+    for keyword in _offered(layer):
+        value = arguments.pop(keyword.name, None)
         if value is None:
-            arguments.pop(keyword.name, None)
             continue
+        if given is None:
+            given = {name: arguments.get(name) for name in defaults}
         for other in (keyword.canonical, *keyword.also):
             if other in defaults and given[other] is not defaults[other]:
                 raise TypeError(f"got both {other} and {keyword.name} ({keyword.meaning}): "
                                 "give one of them")
         if keyword.kind in ARRAY_KINDS or keyword.kind == DETERMINISTIC:
+            arguments[keyword.name] = value  # for convert
             continue
-        del arguments[keyword.name]
         if keyword.kind == ALIAS:
             arguments[keyword.canonical] = value
             if keyword.fills and arguments.get(keyword.fills) is None:

@@ -20,7 +20,9 @@ Each framework's adapter (``backends/<name>/layers.py``) turns any declaration i
 layer with one generic base class: a backend's ``MultiHeadAttention`` is
 ``class MultiHeadAttention(Layer, declarations.MultiHeadAttention)``. The call sequence the
 adapters share (bind the call, cast, check, size, compute, keep the attention weights) is
-:meth:`Declaration.bind_call`, :meth:`Declaration.prepare` and :meth:`Declaration.finish`.
+:meth:`Declaration.bind_call`, :meth:`Declaration.prepare` and :meth:`Declaration.finish`;
+an adapter that gives ``prepare`` its weights' state keeps a :class:`Plan` of the checks of
+each call signature (:meth:`Declaration.keep_plan`), so repeated calls are not checked again.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import dataclasses
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -93,10 +95,12 @@ class Binding(NamedTuple):
         positional: The names that may be given by position, in order.
         defaults: Every name, in order, with its default (``inspect.Parameter.empty`` when
             required).
+        required: The names without default.
     """
 
     positional: tuple[str, ...]
     defaults: dict[str, Any]
+    required: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, signature: inspect.Signature) -> Binding | None:
@@ -109,7 +113,8 @@ class Binding(NamedTuple):
             return None
         positional = tuple(name for name, p in signature.parameters.items()
                            if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        return cls(positional, {name: p.default for name, p in signature.parameters.items()})
+        return cls(positional, {name: p.default for name, p in signature.parameters.items()},
+                   tuple(name for name, p in signature.parameters.items() if p.default is p.empty))
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
         """The arguments by name, defaults applied, as ``Signature.bind`` gives them.
@@ -119,17 +124,16 @@ class Binding(NamedTuple):
         """
         if len(args) > len(self.positional):
             return None
-        given = dict(zip(self.positional, args, strict=False))
-        for name, value in kwargs.items():
-            if name in given or name not in self.defaults:
+        bound = self.defaults.copy()  # every name, in order
+        bound.update(zip(self.positional, args, strict=False))
+        given = self.positional[:len(args)]
+        for name in kwargs:
+            if name in given or name not in bound:
                 return None
-            given[name] = value
-        bound = {}
-        for name, default in self.defaults.items():
-            value = given.get(name, default)
-            if value is inspect.Parameter.empty:
+        bound.update(kwargs)
+        for name in self.required:
+            if bound[name] is inspect.Parameter.empty:
                 return None
-            bound[name] = value
         return bound
 
 
@@ -152,6 +156,48 @@ class Sublayer(NamedTuple):
     dims: Mapping[str, int] = {}
 
 
+class Plan(NamedTuple):
+    """What the checks of a call found, kept for the calls of the same signature.
+
+    See :meth:`Declaration.prepare`: a call whose inputs have the types, shapes, dtypes and
+    devices of a call that passed, with the same other arguments, against weights in the same
+    state, passes the same checks of shapes and dtypes and has the same input sizes.
+
+    Attributes:
+        cast: The inputs cast to the compute dtype (:func:`attention_core.checks.compute_inputs`).
+        dims: The input sizes read off the inputs (``q_in`` ...).
+    """
+
+    cast: tuple[str, ...]
+    dims: dict[str, int]
+
+
+#: The plans a layer keeps (one per call signature); all are dropped when there would be more.
+MAX_PLANS = 8
+#: Call arguments a plan's key holds by value (with their type): the ones not arrays.
+_PLAIN = frozenset({type(None), bool, int, float, str, conventions.Returned})
+
+
+def call_key(ops: Ops, arguments: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """The signature of a bound call, the key of its :class:`Plan`; None to plan nothing.
+
+    The backend's arrays by what ``ops.array_key`` gives (their types, shapes, dtypes,
+    devices; never their values), other arguments by type and value; None when the ops have
+    no ``array_key``, or for another value (host data, functions, caches).
+    """
+    array_key = getattr(ops, "array_key", None)
+    if array_key is None:
+        return None
+    key = []
+    for name, value in arguments.items():
+        kind = type(value)
+        item = (kind, value) if kind in _PLAIN else array_key(value)
+        if item is None:
+            return None
+        key.append((name, item))
+    return tuple(key)
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A bound, cast and checked call (see :meth:`Declaration.prepare`).
@@ -164,12 +210,17 @@ class Prepared:
             a framework's ``WEIGHTS`` keyword gave it.
         dims: The input sizes read off the inputs (``q_in`` ...), those known before run time.
         training: ``not deterministic`` when a call gave a ``DETERMINISTIC`` keyword, else None.
+        planned: Whether the checks were those of a kept :class:`Plan`: the adapter's checks of
+            the input sizes against its weights passed for them too.
+        plan: The plan this call's checks make, with its key, for :meth:`Declaration.keep_plan`.
     """
 
     arguments: dict[str, Any]
     return_attention: bool | conventions.Returned
     dims: dict[str, int]
     training: bool | None = None
+    planned: bool = False
+    plan: tuple[Hashable, Plan] | None = None
 
     def training_mode(self, training: bool | None) -> bool:
         """The call's training mode, from the adapter's keyword and the convention's.
@@ -412,28 +463,41 @@ class Declaration:
         own = {k: v for k, v in kwargs.items() if k not in names}
         return tuple(bound[n] for n in positional), {**keywords, **own}
 
-    def prepare(self, ops: Ops, dtype: str | None, arguments: Mapping[str, Any]) -> Prepared:
+    def prepare(self, ops: Ops, dtype: str | None, arguments: Mapping[str, Any],
+                state: Hashable | None = None) -> Prepared:
         """Casts the array inputs (the dtype rule), checks them and reads the input sizes.
+
+        An adapter that gives ``state`` gets the checks of shapes and dtypes and the input
+        sizes of a call of the same signature (:func:`call_key`) from the :class:`Plan` it
+        kept (:meth:`keep_plan`); the conversions (casts, masks) are made on every call. Token
+        ids' values are checked on every call: layers that take them keep no plans.
 
         Args:
             ops: The backend's ops.
             dtype: The layer's compute dtype; None to compute in the inputs' own dtype.
             arguments: The bound call (:meth:`bind_call`).
+            state: The weights' state (their shapes, dtypes, devices), which the adapter's
+                checks read; None to keep no plan (a layer being built, a call being traced).
         """
+        key = None
+        if state is not None and not self.id_inputs:
+            key = call_key(ops, arguments)
+        if key is not None:
+            key = (dtype, bool(getattr(ops, "mixes_dtypes", False)), state, key)
+            plan = self.__dict__.get("_call_plans", {}).get(key)
+            if plan is not None:
+                return self._planned(ops, dtype, arguments, plan)
         arguments = dict(arguments)
         ids = [n for n in self.id_inputs if arguments.get(n) is not None]
         for name in ids:  # token ids from the host: read as given, checked by check_inputs
             if not masks.own(ops, arguments[name]):
                 arguments[name] = transformer.host_ids(name, arguments[name])
         arguments, training = conventions.convert(self, ops, arguments)
-        return_attention = arguments.pop("return_attention", False)
-        if isinstance(return_attention, conventions.Returned):
-            return_attention = dataclasses.replace(return_attention, ops=ops)
-        else:
-            return_attention = bool(return_attention)
+        return_attention = _return_form(ops, arguments.pop("return_attention", False))
         names = [n for n in self.cast_inputs if n in arguments]
         weighted = dtype if self.weight_shapes() else None
-        cast = checks.compute_inputs(ops, weighted, **{n: arguments[n] for n in names})
+        given = {n: arguments[n] for n in names}
+        cast = checks.compute_inputs(ops, weighted, **given)
         arguments.update(zip(names, cast, strict=True))
         self.check_inputs(ops, **arguments)
         arguments.update({name: transformer.backend_ids(ops, arguments[name]) for name in ids})
@@ -442,7 +506,32 @@ class Declaration:
         sizes = {dim: fixed_shape(ops, arguments[size.argument])[-1]
                  for dim, size in self.sizes.items()}
         dims = {dim: int(size) for dim, size in sizes.items() if isinstance(size, (int, np.integer))}
-        return Prepared(arguments, return_attention, dims, training)
+        plan = None if key is None else (key, Plan(tuple(
+            name for name, x in zip(names, cast, strict=True) if x is not given[name]), dims))
+        return Prepared(arguments, return_attention, dims, training, plan=plan)
+
+    def _planned(self, ops: Ops, dtype: str | None, arguments: Mapping[str, Any],
+                 plan: Plan) -> Prepared:
+        """:meth:`prepare` of a call whose checks a kept plan made (no token ids)."""
+        arguments, training = conventions.convert(self, ops, dict(arguments))
+        return_attention = _return_form(ops, arguments.pop("return_attention", False))
+        for name in plan.cast:
+            arguments[name] = ops.astype(arguments[name], dtype)  # type: ignore[arg-type]
+        return Prepared(arguments, return_attention, plan.dims, training, planned=True)
+
+    def keep_plan(self, prepared: Prepared) -> None:
+        """Keeps the plan of a call whose checks passed, the adapter's included.
+
+        The layer keeps at most :data:`MAX_PLANS`, in ``_call_plans`` (set as on a plain
+        object); the next call of the same signature reuses its checks (:meth:`prepare`).
+        """
+        if prepared.plan is None:
+            return
+        plans = self.__dict__.setdefault("_call_plans", {})
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        key, plan = prepared.plan
+        plans[key] = plan
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         """Checks the inputs before any weight is made for them (ranks, widths)."""
@@ -544,6 +633,13 @@ class Declaration:
         leave the call its own path.
         """
         return None if run.need is True else getattr(self, "implementation", None)
+
+
+def _return_form(ops: Ops, given: Any) -> bool | conventions.Returned:
+    """A call's ``return_attention``: a bool, or the ``WEIGHTS`` return form with the ops."""
+    if isinstance(given, conventions.Returned):
+        return dataclasses.replace(given, ops=ops)
+    return bool(given)
 
 
 def as_lists(kept: Any) -> Any:
@@ -782,9 +878,10 @@ class MultiHeadAttention(_ScoredAttention):
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         q, k, v, valid_lens = args
-        return multihead.multi_head_attention(
+        return multihead.multi_head_attention(  # the options were checked when it was made
             q, k, v, run.weights, self.num_heads, valid_lens,
             implementation=self.pooling(run), num_kv_heads=self.num_kv_heads, **options,
+            _layer=True,
         )
 
 

@@ -128,6 +128,7 @@ def multi_head_attention(
     mask_mod: Any = None,
     score_mod: Any = None,
     ops: Ops | None = None,
+    _layer: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Multi-head scaled dot-product attention with input and output projections.
 
@@ -163,6 +164,8 @@ def multi_head_attention(
         mask_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         score_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
+        _layer: Internal: a layer's call, whose ``num_heads`` and head options the layer
+            checked when it was made (and its inputs and weights, as ``weights`` says).
 
     Returns:
         The output ``(B, Q, h)``, and the weights if asked.
@@ -170,7 +173,7 @@ def multi_head_attention(
     ops = ops or ops_for(queries, "queries")
     options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
-                                          weights, num_heads, options)
+                                          weights, num_heads, options, checked=_layer)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
                       causal=causal, dropout=dropout, return_weights=return_weights,
                       implementation=implementation, options=options, score_bias=score_bias,
@@ -180,23 +183,27 @@ def multi_head_attention(
 def _keys_values(
     ops: Ops, name: str, queries: Array, keys: Array, values: Array,
     weights: Mapping[str, Array], num_heads: int, options: HeadOptions, start: Any = 0,
+    checked: bool = False,
 ) -> tuple[W.CheckedWeights, HeadOptions, tuple[Array, Array]]:
     """The call's checked weights and options, and its keys and values projected into heads.
 
     The keys and values are ``(B, Hkv, K, h/H)`` each, the keys rotated by their positions
     ``start ..`` under rotary positions (not yet when ``start`` is None); ``name`` is the
-    function the messages name.
+    function the messages name. ``checked``: a layer's call, whose ``num_heads`` and options
+    the layer checked when made, and whose weights of those declared shapes are ``weights``
+    (:class:`~attention_core.weights.CheckedWeights`): they are not checked again.
     """
-    checks.check_positive_int("num_heads", num_heads)
-    options = options.checked(num_heads)
-    weights = _checked(ops, name, weights,
-                       lambda size: W.with_sinks(
-                           W.multi_head_call_spec(size, weights, num_heads,
-                                                  num_kv_heads=options.num_kv_heads),
-                           weights, num_heads),
-                       (queries, keys, values))
-    num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
-    checks.check_heads(num_hiddens, num_heads)
+    if not (checked and isinstance(weights, W.CheckedWeights)):
+        checks.check_positive_int("num_heads", num_heads)
+        options = options.checked(num_heads)
+        weights = _checked(ops, name, weights,
+                           lambda size: W.with_sinks(
+                               W.multi_head_call_spec(size, weights, num_heads,
+                                                      num_kv_heads=options.num_kv_heads),
+                               weights, num_heads),
+                           (queries, keys, values))
+        num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
+        checks.check_heads(num_hiddens, num_heads)
     kv_heads = options.num_kv_heads or num_heads
     k = heads(ops, keys, weights, "W_k", kv_heads)
     if options.positional == "rotary" and start is not None:

@@ -1703,3 +1703,33 @@ def test_failed_first_call_leaves_input_sizes_open(backend: str) -> None:
     out = call(h, layer, *qkv(q=(2, 4, 3)))
     assert tuple(h.ops.shape(out)) == (2, 4, 8)
     assert layer.get_weights()["W_q.kernel"].shape == (3, 8)
+
+
+def _refusal(fn: Callable[[], Any]) -> tuple[type, str]:
+    with pytest.raises((ValueError, TypeError)) as info:
+        fn()
+    return info.type, str(info.value)
+
+
+@pytest.mark.parametrize("bad", [
+    {"arrays": qkv(dtypes=("int32", F32, F32))},  # a dtype
+    {"arrays": qkv(q=(2, 8))},  # a rank
+    {"arrays": qkv(q=(2, 4, 3))},  # a width
+    {"arrays": qkv(), "mask": arr((2, 4, 6))},  # a float mask
+    {"arrays": qkv(), "mask": np.ones((2, 5, 6), dtype=bool)},  # a mask's shape
+], ids=["dtype", "rank", "width", "float-mask", "mask-shape"])
+def test_repeated_calls_refuse_as_a_first_call(backend: str, bad: dict[str, Any]) -> None:
+    """A layer called well again and again refuses a changed input as one never called so.
+
+    Layers keep the checks of a call's signature (``Declaration.prepare``): a plan must not
+    let a changed input through.
+    """
+    h = Harness(backend)
+    arrays, kwargs = bad["arrays"], {k: v for k, v in bad.items() if k != "arrays"}
+    planned = mha(h)
+    for _ in range(3):
+        call(h, planned, *qkv())
+    expected = _refusal(lambda: call(h, mha(h), *arrays, **kwargs))
+    assert _refusal(lambda: call(h, planned, *arrays, **kwargs)) == expected
+    assert _refusal(lambda: call(h, planned, *arrays, **kwargs)) == expected  # and again
+    call(h, planned, *qkv())  # the good call still runs

@@ -476,3 +476,17 @@ def test_exported_programs_never_leak_by_default(recorder: str) -> None:
                 program = torch.export.export(Attend(), args).module()
             assert "scaled_dot_product" not in str(program.graph)
         np.testing.assert_array_equal(out_of(program(*args)), expected, err_msg=dtype)
+
+
+def test_repeated_calls_follow_changed_weights() -> None:
+    """A layer's kept call plans follow its weights: a new width, dtype or parameter."""
+    layer = torch_layers.MultiHeadAttention(8, 2).eval()
+    x = torch.randn(2, 4, 8)
+    for _ in range(3):
+        layer(x, x, x)
+    layer.W_q.kernel = torch.nn.Parameter(torch.randn(3, 8))  # queries of width 3 now
+    with pytest.raises(ValueError, match=r"queries last dimension \(8\) must be 3"):
+        layer(x, x, x)
+    assert layer(x[..., :3], x, x).shape == (2, 4, 8)
+    layer.double()
+    assert layer(x[..., :3], x, x).dtype == torch.float64  # cast to the layer's dtype

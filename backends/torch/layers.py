@@ -42,7 +42,7 @@ from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
 from backends.torch.conventions import TORCH
-from backends.torch.ops import OPS, TorchOps, autocasting
+from backends.torch.ops import OPS, TorchOps, _tracing, autocasting
 
 Tensor = torch.Tensor
 
@@ -234,15 +234,16 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the declared forward (see the class's call signature)."""
         bound = self.bind_call(args, kwargs)
-        params = dict(self.named_parameters())
+        params = _parameters(self)
         param = next(iter(params.values()), None)
         first = next((a for a in bound.values() if isinstance(a, Tensor)), None)
         if first is None:  # host data only (NumPy token ids): the layer's device
             first = param
         ops = TorchOps(None if first is None else first.device)
         bound = self._numpy_inputs(ops, bound)
-        prepared = self.prepare(ops, _compute_dtype(param), bound)
-        fresh = self._build(prepared.dims, params)
+        prepared = self.prepare(ops, _compute_dtype(param), bound, _state(params))
+        fresh = [] if prepared.planned else self._build(prepared.dims, params)
+        self.keep_plan(prepared)
         try:
             need = self.needs_attention(prepared.return_attention)
             rate = getattr(self, "dropout", 0.0) if self.training else 0.0
@@ -281,7 +282,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
         A stack's blocks keep theirs: ``decoder.blks[0].attention_weights``.
         """
-        self._attention_kept = kept
+        self.__dict__["_attention_kept"] = kept  # a plain attribute, never a module's buffer
         for name, part in self.kept_parts(kept).items():
             cast(Layer, self.get_submodule(name))._keep(part)
 
@@ -373,6 +374,39 @@ __all__ = [  # the declared layers (attention_core.declarations.LAYERS), one cla
     "RelativeMultiHeadAttention", "RotaryEmbedding", "Transformer", "TransformerDecoder",
     "TransformerDecoderBlock", "TransformerEncoder", "TransformerEncoderBlock",
 ]
+
+
+def _parameters(module: nn.Module) -> dict[str, Tensor]:
+    """``dict(module.named_parameters())``, by one walk of the modules (every call makes it)."""
+    found: dict[str, Tensor] = {}
+    _walk(module, "", found, set())
+    return found
+
+
+def _walk(module: nn.Module, prefix: str, found: dict[str, Tensor], seen: set[int]) -> None:
+    """Adds the parameters of ``module`` and of its submodules, each once, as named_parameters."""
+    for name, p in module._parameters.items():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            found[prefix + name] = p
+    for name, child in module._modules.items():
+        if child is not None:
+            _walk(child, f"{prefix}{name}.", found, seen)
+
+
+def _state(params: Mapping[str, Tensor]) -> tuple[Any, ...] | None:
+    """The parameters' shapes, dtypes and devices: the state a call plan is kept for.
+
+    None, to keep no plan, while a kernel's size is not known or while the call is traced.
+    """
+    if _tracing():
+        return None
+    state = []
+    for p in params.values():
+        if type(p) is UninitializedParameter:
+            return None
+        state.append((p.shape, p.dtype, p.device))
+    return tuple(state)
 
 
 def _compute_dtype(param: Tensor | None) -> str | None:

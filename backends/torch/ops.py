@@ -161,6 +161,16 @@ class TorchOps(NamespaceOps):
     def dropout(self, x: torch.Tensor, rate: float) -> torch.Tensor:
         return F.dropout(x, rate, training=True)
 
+    def array_key(self, x: Any) -> tuple[Any, ...] | None:
+        """A plain tensor's type, shape, dtype, device and layout (a call plan's key); else None.
+
+        None for anything else: tensor subclasses, nested tensors, other objects (see
+        :func:`attention_core.declarations.call_key`).
+        """
+        if type(x) is not torch.Tensor or x.is_nested:
+            return None
+        return (x.shape, x.dtype, x.device, x.layout)
+
     def traced(self, x: torch.Tensor) -> bool:
         return _tracing() or _functorch(x)
 
