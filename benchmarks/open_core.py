@@ -12,15 +12,16 @@ process, interleaved round by round (:func:`benchmarks.timing.interleaved`):
   calls of 1,024 tokens, ``(1, 4, n, 64)`` float32. The packed call skips the key blocks of
   other documents, so it should cost about the separate calls, not the (8,192)^2 square.
 
-It writes ``open-core-<backend>.json``; ``--merge DIR --page FILE`` renders every backend's
-file into the table between ``<!-- open-core:start -->`` and ``<!-- open-core:end -->`` of
-``FILE``. Run from the repository root.
+It writes ``open-core-<backend>-<threads>.json`` (``--threads`` sets torch's); ``--merge DIR
+--page FILE`` renders every such file into the table between ``<!-- open-core:start -->`` and
+``<!-- open-core:end -->`` of ``FILE``. Run from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,9 +87,14 @@ def packed_contenders(backend: str) -> dict[str, Callable[[], Any]]:
                                  for d in docs]}
 
 
-def run(backend: str, rounds: int) -> dict[str, Any]:
-    """Both measurements on ``backend`` (the overhead on torch only)."""
-    result: dict[str, Any] = {"backend": backend, "machine": machine_info(), "rounds": rounds}
+def run(backend: str, rounds: int, threads: int | None = None) -> dict[str, Any]:
+    """Both measurements on ``backend`` (the overhead on torch only), torch on ``threads``."""
+    if backend == "torch" and threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    result: dict[str, Any] = {"backend": backend, "machine": machine_info(), "rounds": rounds,
+                              "threads": _threads(backend)}
     if backend == "torch":
         times = interleaved(overhead_contenders(), rounds, min_time=0.2)
         r = ratio(times, "ours", "torch.nn.MultiheadAttention")
@@ -101,21 +107,31 @@ def run(backend: str, rounds: int) -> dict[str, Any]:
     return result
 
 
+def _threads(backend: str) -> int | None:
+    """The threads the backend computes on: torch's own count, else ``OMP_NUM_THREADS``."""
+    if backend == "torch":
+        import torch
+
+        return int(torch.get_num_threads())
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() else None
+
+
 def render(results: Sequence[dict[str, Any]]) -> str:
     """The markdown table of the runs."""
-    lines = ["| backend | measure | ratio (median [95% interval]) | per call |",
-             "|---|---|---|---|"]
+    lines = ["| backend | threads | measure | ratio (median [95% interval]) | per call |",
+             "|---|---|---|---|---|"]
     for res in results:
-        b = res["backend"]
+        b, t = res["backend"], res.get("threads") or "default"
         if "overhead" in res:
             o = res["overhead"]
             lo, mid, hi = o["ratio"][1], o["ratio"][0], o["ratio"][2]
             us = ", ".join(f"{k} {v:.0f} µs" for k, v in o["us"].items())
-            lines.append(f"| `{b}` | MultiHeadAttention(256, 8), 1 query over 64 keys, ÷ "
+            lines.append(f"| `{b}` | {t} | MultiHeadAttention(256, 8), 1 query over 64 keys, ÷ "
                          f"torch.nn.MultiheadAttention | {mid:.2f} [{lo:.2f}, {hi:.2f}] | {us} |")
         p = res["packed"]
         ms = ", ".join(f"{k} {v:.0f} ms" for k, v in p["ms"].items())
-        lines.append(f"| `{b}` | {DOCUMENTS} packed documents of {TOKENS} ÷ {DOCUMENTS} "
+        lines.append(f"| `{b}` | {t} | {DOCUMENTS} packed documents of {TOKENS} ÷ {DOCUMENTS} "
                      f"separate calls | {p['ratio'][0]:.2f} [{p['ratio'][1]:.2f}, "
                      f"{p['ratio'][2]:.2f}] | {ms} |")
     machines = "; ".join(f"`{r['backend']}`: {r['machine'].get('cpu', '?')}, "
@@ -128,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.open_core", description=__doc__)
     parser.add_argument("--backend", choices=("numpy", "torch", "tensorflow", "jax", "mxnet"))
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="torch's threads (default: torch's own)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--merge", type=Path, metavar="DIR")
     parser.add_argument("--page", type=Path, default=Path("docs/speed.md"))
@@ -138,9 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.backend is None:
         parser.error("--backend is required unless --merge is given")
-    result = run(args.backend, args.rounds)
+    result = run(args.backend, args.rounds, args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"open-core-{args.backend}.json").write_text(json.dumps(result, indent=2))
+    name = f"open-core-{args.backend}-{result['threads'] or 'default'}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2))
     print(render([result]))
     return 0
 

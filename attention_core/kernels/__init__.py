@@ -213,9 +213,12 @@ def _snapshot() -> dict[tuple[str, str | None], Entry]:
     return dict(_REGISTRY)
 
 
-def choose(ops: Ops, request: Request, implementation: str | None = None
-           ) -> tuple[Entry, dict[str, str]]:
+def choose(ops: Ops, request: Request, implementation: str | None = None, *,
+           explain: bool = True) -> tuple[Entry, dict[str, str]]:
     """The kernel for ``request``, and why each kernel tried before it was passed over.
+
+    ``explain=False`` leaves the reasons out (an empty dict): finding them costs a capability
+    test of every kernel passed over, which the choice itself skips where one is not preferred.
 
     Raises:
         ValueError: ``implementation`` names no kernel of this backend, or one that cannot do
@@ -234,14 +237,17 @@ def choose(ops: Ops, request: Request, implementation: str | None = None
             raise ValueError(f"implementation={implementation!r} {'; '.join(why)}: this call "
                              f"needs implementation=None or {' or '.join(able)}")
         return entry, {}
-    passed: dict[str, str] = {}
-    for entry in available:
-        why = entry.capabilities.missing(request)
-        if not why and entry.prefers(ops, request):
-            return entry, passed
-        passed[entry.name] = "; ".join(why) or "not preferred for this call"
+    for i, entry in enumerate(available):
+        if entry.prefers(ops, request) and not entry.capabilities.missing(request):
+            return entry, _reasons(available[:i], request) if explain else {}
     raise ValueError(f"no kernel of the {ops.name} backend can run this call: "
-                     + "; ".join(f"{k}: {v}" for k, v in passed.items()))
+                     + "; ".join(f"{k}: {v}" for k, v in _reasons(available, request).items()))
+
+
+def _reasons(passed: list[Entry], request: Request) -> dict[str, str]:
+    """Why each kernel was passed over: what it cannot do, else that it is not preferred."""
+    return {e.name: "; ".join(e.capabilities.missing(request)) or "not preferred for this call"
+            for e in passed}
 
 
 def run(ops: Ops, q: Array, k: Array, v: Array, request: Request,
@@ -250,8 +256,9 @@ def run(ops: Ops, q: Array, k: Array, v: Array, request: Request,
 
     A traced call logs nothing: ``torch.compile`` cannot trace a call of the logger.
     """
-    entry, passed = choose(ops, request, implementation)
-    if not request.traced and LOG.isEnabledFor(logging.DEBUG):
+    explain = not request.traced and LOG.isEnabledFor(logging.DEBUG)
+    entry, passed = choose(ops, request, implementation, explain=explain)
+    if explain:
         LOG.debug("%s kernel %r for (B, H, Q, K) = %s%s", ops.name, entry.name,
                   request.call.shape, "".join(f"; passed over {n!r}: {w}" for n, w in passed.items()))
     return entry.kernel(ops, q, k, v, request)
