@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m benchmarks`` (issue 6).
+"""Benchmarks: ``python -m benchmarks``.
 
 Three suites, each run for one backend per process (a child process with the thread count
 pinned before the framework is imported):
@@ -12,7 +12,7 @@ pinned before the framework is imported):
 * ``flops``: achieved GFLOP/s of the attention core (``4 B H n^2 D / time``) divided by the
   same process's matrix-multiply GFLOP/s (:mod:`.flops`).
 
-Two training suites of issue 17, not run unless asked for (``--suite train,train-memory``):
+Two training suites, not run unless asked for (``--suite train,train-memory``):
 
 * ``train``: one training step (forward, gradients of the output's sum by every weight) of the
   default ``MultiHeadAttention`` and ``TransformerEncoderBlock`` against the framework's own

@@ -1,4 +1,4 @@
-"""Cached against uncached decoding: tokens per second for 256 generated tokens (issue 18).
+"""Cached against uncached decoding: tokens per second for 256 generated tokens.
 
 ``python -m benchmarks.decoding --backend torch --out benchmarks/results`` times greedy
 generation with a decoder-only ``TransformerDecoder`` (GPT-style) on one backend, in this

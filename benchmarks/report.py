@@ -31,7 +31,7 @@ FLOPS_TARGET_N = 4096
 #: ... and peak extra memory at n = 16384, 4 heads, on the default path.
 MEMORY_TARGET_MIB, MEMORY_TARGET_N = 64.0, 16384
 
-#: The training page, its markers, and issue 17's targets: a training step's ours ÷ native at
+#: The training page, its markers, and the training targets: a training step's ours ÷ native at
 #: n >= 1024 and at n = 128; extra memory of forward + backward at n = 16384, 4 heads; and
 #: the large point (8 heads, n = 65536) training one step within 24 GiB (its peak resident set).
 TRAIN_PAGE = "docs/training.md"
@@ -229,7 +229,7 @@ def has_training(docs: Sequence[dict[str, Any]]) -> bool:
 
 
 def train_target_rows(docs: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """One row per target of issue 17 that the training suites of these runs measured."""
+    """One row per training target that the training suites of these runs measured."""
     rows: list[list[str]] = []
     for doc in docs:
         b = doc["backend"]
@@ -370,7 +370,7 @@ def train_markdown(docs: Sequence[dict[str, Any]], now: datetime.datetime | None
                       render(large, True)]
     checks = train_target_rows(docs)
     if checks:
-        lines += ["", "**Targets of issue 17 (training)**", "", render((TARGET_HEADERS, checks),
+        lines += ["", "**Targets (training)**", "", render((TARGET_HEADERS, checks),
                                                                        True)]
     return "\n".join(lines)
 
@@ -443,7 +443,7 @@ def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None
                   render((["backend", "path", "n", "MiB", "largest n", "MiB", "slope"], rows), True)]
     checks = target_rows(docs)
     if checks:
-        lines += ["", "**Targets of issue 6**", "", render((TARGET_HEADERS, checks), True)]
+        lines += ["", "**Targets**", "", render((TARGET_HEADERS, checks), True)]
     if plot_name:
         lines += ["", f"![benchmarks]({plot_name})"]
     del names

@@ -1,10 +1,10 @@
 """TensorFlow under ``tf.function``: this checkout against an older commit, in one process.
 
-Issue 14's target: no fix may cost more than 3% at n >= 512. Its fix for masks that leak (rows
+The target: no fix may cost more than 3% at n >= 512. Its fix for masks that leak (rows
 whose visible scores are all ``-inf`` or the dtype's lowest value) made TensorFlow's kernel
 softmax path read the scores once more under tracing. This script times the traced calls of
 this checkout (``new``) against those of another commit (``old``, by default ``20d67e8``, the
-last commit before issue 14) in interleaved rounds (:mod:`benchmarks.timing`), in one
+last commit before those fixes) in interleaved rounds (:mod:`benchmarks.timing`), in one
 process, with the same inputs:
 
 * ``mha``: ``multi_head_attention`` with the weights of ``MultiHeadAttention(512, 8,

@@ -1,6 +1,6 @@
 """One training step of the default layers against each framework's own, in one process.
 
-Issue 17's training benchmark. A training step is the forward of a layer on ``X (1, n, 512)``
+The training benchmark. A training step is the forward of a layer on ``X (1, n, 512)``
 with ``valid_lens = [n - n // 4]`` (the framework's layer gets the equivalent key padding
 mask), then the gradients of the output's sum by every weight; dropout 0 on both sides, so
 that both do the same arithmetic. Ours are constructed with their defaults (they keep their

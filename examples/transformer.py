@@ -1,4 +1,4 @@
-"""The encoder-decoder Transformer example (issue 18): the parts no framework owns.
+"""The encoder-decoder Transformer example: the parts no framework owns.
 
 The task is :mod:`examples.seq2seq`'s reversal: sequences of 3 to 8 digits, given back in
 reverse order. Tokens ``3 .. 12`` are the digits 0-9; ``<pad>``, ``<bos>`` and ``<eos>`` are

@@ -106,7 +106,7 @@ def test_slope() -> None:
     assert slope([(1024, 0.1), (2048, 0.2)]) is None  # below 1 MiB: noise
 
 
-# -- the training suites (issue 17): report code on documents built here ----------------------
+# -- the training suites: report code on documents built here ----------------------
 
 
 def _ratio_dict(median: float) -> dict[str, float | int]:

@@ -1,4 +1,4 @@
-"""Cached incremental decoding (issue 18): a decoder run a chunk or a token at a time against
+"""Cached incremental decoding: a decoder run a chunk or a token at a time against
 its key/value cache equals one full causal pass, on each backend, eager and compiled; the d2l
 book's loop, which passes a block its earlier inputs, does too; bad caches and positions are
 refused by name."""
@@ -21,7 +21,7 @@ from tests.test_decoder import H, S, V, block_weights, h, on, stack_weights
 COLUMN_TESTS = True
 
 B, STEPS = 2, 7
-#: The target of issue 18: step by step equals the full pass within 1e-5 in float32.
+#: The target: step by step equals the full pass within 1e-5 in float32.
 BOUND = 1e-5
 #: How the positions are fed: a prompt of 3, then 1, 1, a chunk of 2, and 1.
 CHUNKS = ((0, 3), (3, 1), (4, 1), (5, 2))
@@ -155,7 +155,7 @@ def _compiled(hb: Harness, fn: Any) -> tuple[Any, Any]:
     return hb.hooks.compiled_function(counted), lambda: len(traces)
 
 
-#: Decoders of current models (issue 19): grouped-query heads, rotary or ALiBi positions, a
+#: Decoders of current models: grouped-query heads, rotary or ALiBi positions, a
 #: sliding window, soft-capping; the cache holds the key/value heads, the keys rotated.
 MODERN = {
     "gqa_rotary_window": {"num_kv_heads": 2, "positional": "rotary", "window": 3,

@@ -1,4 +1,4 @@
-"""Files saved by older code still load, with the outputs they were saved with (issue 15, item 4).
+"""Files saved by older code still load, with the outputs they were saved with.
 
 ``tests/fixtures/compat_v1/`` holds what the code before the layers-once refactor saved for a
 tiny config of each of the 11 layers (made by ``tools/make_compat_fixtures.py``, whose docstring

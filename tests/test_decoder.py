@@ -1,4 +1,4 @@
-"""The decoder side of the Transformer in the core (issue 18): the decoder block, with and
+"""The decoder side of the Transformer in the core: the decoder block, with and
 without cross-attention, the decoder stack and the encoder-decoder, on each backend's own
 arrays, against the independent float64 implementation of tests/naive.py."""
 

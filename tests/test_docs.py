@@ -1,4 +1,4 @@
-"""Every code fence of README.md and docs/ is run (issue 16, item 3), by ``tools.doc_fences``.
+"""Every code fence of README.md and docs/ is run, by ``tools.doc_fences``.
 
 * ``test_fence_runs``: each python chain and each ``python -m attention_core``/``examples``
   command of the pages, in the env of its backend (``ATTENTION_CORE_TEST_BACKENDS``; the numpy

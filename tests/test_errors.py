@@ -210,7 +210,7 @@ def truncated(path: Path) -> Path:
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
 
 
-# -- issue 14: weights mappings of the functional API, set_weights conversions, files ----------
+# -- weights mappings of the functional API, set_weights conversions, files ----------
 
 
 def fn_weights(h: Harness, shapes: dict[str, tuple[int, ...]], drop: tuple[str, ...] = (),
@@ -751,7 +751,7 @@ CATALOGUE: list[Bad] = [
         files=lambda p: raw_file(p, {"W_q.kernel": entry("F32", [8, 8], 0, 100)}, bytes(256))),
     Bad("load_missing_file", "load_weights", lambda c: ac.load_weights(c.file("absent.safetensors"), c.layer),
         FileNotFoundError, "[Errno 2] No such file or directory: {absent}", mha),
-    # -- issue 14: empty inputs (every layer and functional entry point refuses them up front)
+    # -- empty inputs (every layer and functional entry point refuses them up front)
     Bad("layer_add_norm_empty", "empty", lambda c: call(c.h, c.layer, arr((2, 0, 8)), arr((2, 0, 8))),
         ValueError, "X must not have an empty dimension, got (2, 0, 8)", add_norm),
     Bad("layer_add_norm_empty_batch", "empty",
@@ -784,7 +784,7 @@ CATALOGUE: list[Bad] = [
     Bad("masked_softmax_empty_keys", "empty",
         lambda c: ac.masked_softmax(c.h.array(arr((2, 3, 0))), valid_lens=c.h.array(np.array([0, 0]))),
         ValueError, "scores must not have an empty dimension, got (2, 3, 0)"),
-    # -- issue 14: argument types and dtypes, one rule everywhere
+    # -- argument types and dtypes, one rule everywhere
     # lengths and token ids are checked as given, before any cast (JAX holds no int64)
     Bad("valid_lens_beyond_int32", "valid_lens",
         lambda c: host_dpa(c, valid_lens=np.array([2**32 + 3, 2])), ValueError,
@@ -892,7 +892,7 @@ CATALOGUE: list[Bad] = [
                                            c.h.array(arr((2, 6, 5)))),
         TypeError, "keys must be a {backend} array like queries, got a numpy array",
         without=(("numpy", "NumPy arrays are the numpy backend's own"),)),
-    # -- issue 14: weights and files
+    # -- weights and files
     # the functional API's weights mappings: checked like set_weights, sizes read off the mapping
     Bad("fn_additive_w_v_columns", "functional_weights",
         lambda c: fn_additive(c, **{"w_v.kernel": arr((6, 2))}), ValueError,
@@ -1017,7 +1017,7 @@ CATALOGUE: list[Bad] = [
         not_valid("__metadata__ must be an object of str -> str, got {{'dtype': 'F32', 'shape': [8, 8], "
                   "'data_offsets': [0, 256]}}"), mha,
         files=lambda p: raw_file(p, {"__metadata__": K256}, bytes(256))),
-    # -- issue 14: the encoders' sinusoidal table (max_len rows, sliced by the length)
+    # -- the encoders' sinusoidal table (max_len rows, sliced by the length)
     Bad("encoder_max_len_zero", "sizes",
         lambda c: c.h.module.TransformerEncoder(11, 12, 16, 3, 1, max_len=0), ValueError,
         "max_len must be a positive int, got 0"),

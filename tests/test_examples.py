@@ -1,5 +1,5 @@
-"""The worked examples: the Nadaraya-Watson fit and the Bahdanau seq2seq (issue 7), and the
-encoder-decoder Transformer (issue 18).
+"""The worked examples: the Nadaraya-Watson fit and the Bahdanau seq2seq, and the
+encoder-decoder Transformer.
 
 The examples live in the repository's ``examples/`` (run from its root, not installed). The
 framework-free helpers (``examples.seq2seq``, ``examples.nadaraya_watson``) are tested in every
@@ -302,7 +302,7 @@ def test_seq2seq_report_counts_what_it_says() -> None:
     assert "in X, 20 training steps" in text
 
 
-# -- the encoder-decoder Transformer (issue 18) ---------------------------------------------------
+# -- the encoder-decoder Transformer ---------------------------------------------------
 
 #: Backends with a training script; every backend decodes (examples.transformer.from_weights).
 TRANSFORMER_BACKENDS = ("torch", "tensorflow", "jax")

@@ -1,4 +1,4 @@
-"""Export and deployment paths, each round-tripped against the eager layer (issue 20, item 3).
+"""Export and deployment paths, each round-tripped against the eager layer.
 
 One section per framework, each run only in the env whose backend it is
 (``ATTENTION_CORE_TEST_BACKENDS``): ``torch.export`` and ONNX in onnxruntime; a Keras model's

@@ -1,4 +1,4 @@
-"""Greedy and beam search (issue 18): against an exhaustive search of a small Markov model, and
+"""Greedy and beam search: against an exhaustive search of a small Markov model, and
 with a cached decoder on each backend, whose tokens equal those of recomputing the prefix."""
 
 from __future__ import annotations

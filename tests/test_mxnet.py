@@ -329,7 +329,7 @@ def test_hybridized_encoder_rebuilds_its_graph_and_table() -> None:
     assert max_diff(got.asnumpy(), want.asnumpy()) <= 1e-12
 
 
-# -- issue 14: what MXNet cannot compute is refused up front -------------------------------------
+# -- what MXNet cannot compute is refused up front -------------------------------------
 
 FP16_REFUSAL = ("dtype float16 is not supported by the mxnet backend: MXNet multiplies float16 "
                 "matrices on GPU only; use float32 or float64 on CPU")

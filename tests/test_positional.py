@@ -64,7 +64,7 @@ def test_binary_counter_analogy() -> None:
     assert crossings == sorted(crossings, reverse=True) and crossings[0] > crossings[-1]
 
 
-#: The positions of the exactness check: the ends of the range issue 19 names (up to 65,536),
+#: The positions of the exactness check: the ends of the range asked for (up to 65,536),
 #: and beyond it.
 FAR = (0, 1, 4095, 65530, 65535, 65536, 1_000_000)
 

@@ -167,7 +167,7 @@ def test_additive_attention_with_one_query_and_a_large_batch() -> None:
     assert max_diff(out.numpy(), expected) <= TOLERANCE["float32"]
 
 
-# -- unknown sequence lengths (issue 14, item 16) -------------------------------------------------
+# -- unknown sequence lengths -------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)

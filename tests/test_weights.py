@@ -166,7 +166,7 @@ def test_load_into_wrong_layer_changes_nothing(backend: str, tmp_path: Path) -> 
         np.testing.assert_array_equal(value, before[name])
 
 
-# -- issue 14: set_weights takes every real float dtype; strict files; atomic saves -------------
+# -- set_weights takes every real float dtype; strict files; atomic saves -------------
 
 FLOAT_DTYPES = [">f4", "<f8", ">f8", "float16", "longdouble"]
 try:

@@ -1,4 +1,4 @@
-"""Writes the compatibility fixtures of issue 15 into ``tests/fixtures/compat_v1/``.
+"""Writes the compatibility fixtures into ``tests/fixtures/compat_v1/``.
 
 The files are what the code *before* the layers-once refactor saved, so that
 ``tests/test_compat_files.py`` can prove the code after it still loads them with equal outputs.
