@@ -412,9 +412,10 @@ def test_kept_weights_in_a_jax_trace_are_formed_only_when_read(
     asked: list[bool] = []
     choose = kernels.choose
 
-    def spy(ops: Any, request: kernels.Request, implementation: Any = None) -> Any:
+    def spy(ops: Any, request: kernels.Request, implementation: Any = None,
+            **options: Any) -> Any:
         asked.append(request.weights)
-        return choose(ops, request, implementation)
+        return choose(ops, request, implementation, **options)
 
     monkeypatch.setattr(kernels, "choose", spy)
     values = [v.value for v in mha.variables]
