@@ -257,6 +257,8 @@ class Declaration:
         function_arguments: Call arguments that take functions (``mask_mod``, ``score_mod``),
             not arrays: where a framework builds graphs of array inputs (Gluon) they are
             options of the graph, as the flags are.
+        pair_arguments: Call arguments that may be a pair of arrays, a tuple of two
+            (``segment_ids``): a framework that takes flat array inputs (Gluon) takes both.
         shorthand: Call arguments that default to another's value when not given: the
             self-attention shorthand (``mha(X)`` is ``mha(X, X, X)``, ``mha(Q, KV)`` is
             ``mha(Q, KV, KV)``).
@@ -275,6 +277,7 @@ class Declaration:
     always_keeps: ClassVar[bool] = False
     cache_arguments: ClassVar[tuple[str, ...]] = ()
     function_arguments: ClassVar[tuple[str, ...]] = ()
+    pair_arguments: ClassVar[tuple[str, ...]] = ()
     shorthand: ClassVar[Mapping[str, str]] = {}
     convention: ClassVar[tuple[conventions.Keyword, ...]] = ()
 
@@ -703,12 +706,13 @@ SCORE_OPTIONS = tuple(checks.SCORE_OPTION_CHECKS)
 
 @dataclass(eq=False)
 class _ScoredAttention(_Attention):
-    """The scaled dot-product layers: their score options and the ``score_bias`` call argument.
+    """The scaled dot-product layers: their score options and their modifier call arguments.
 
     Their declarations carry the fields :data:`SCORE_OPTIONS` (keyword-only).
     """
 
     function_arguments: ClassVar[tuple[str, ...]] = ("mask_mod", "score_mod")
+    pair_arguments: ClassVar[tuple[str, ...]] = ("segment_ids",)
 
     def check(self) -> None:
         _normalise_score_options(self)
@@ -717,16 +721,17 @@ class _ScoredAttention(_Attention):
     def compute(
         self, run: Run, queries: Array, keys: Array | None = None, values: Array | None = None,
         valid_lens: Any = None, *, mask: Any = None, causal: bool = False,
-        score_bias: Any = None, mask_mod: Any = None, score_mod: Any = None,
+        score_bias: Any = None, segment_ids: Any = None, mask_mod: Any = None,
+        score_mod: Any = None,
     ) -> Any:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
 
         Keys default to the queries and values to the keys (``mha(X)``: self-attention).
         ``score_bias``, float and broadcastable to ``(B, H, Q, K)``, is added to the scores
-        before masking. ``mask_mod`` and ``score_mod`` go to
+        before masking. ``segment_ids``, ``mask_mod`` and ``score_mod`` go to
         :func:`~attention_core.attention.dot_product_attention` as they are.
         """
-        modifiers = {"mask_mod": mask_mod, "score_mod": score_mod}
+        modifiers = {"segment_ids": segment_ids, "mask_mod": mask_mod, "score_mod": score_mod}
         options = {
             "mask": mask, "causal": causal, "dropout": run.dropout, "return_weights": run.need,
             "score_bias": score_bias, "ops": run.ops,

@@ -62,7 +62,8 @@ def fits(shape: tuple[Any, ...], want: tuple[Any, ...], broadcast: bool) -> bool
     return True
 
 
-def _check_lens_dtype(dtype: str, name: str = "valid_lens") -> None:
+def check_integer_dtype(dtype: str, name: str = "valid_lens") -> None:
+    """Refuses lengths or ids ``name`` of a dtype other than an integer one."""
     if not dtype.startswith(("int", "uint")):
         raise TypeError(f"{name} must have an integer dtype, got {dtype}")
 
@@ -72,22 +73,36 @@ def _check_mask_dtype(dtype: str, name: str = "mask") -> None:
         raise TypeError(f"{name} must be boolean (True = may attend), got {dtype}")
 
 
+def segment_parts(segment_ids: Any) -> tuple[tuple[str, Any], ...]:
+    """The id arrays of a ``segment_ids`` argument, each with the name messages give it.
+
+    One array ``(B, K)``, or a pair ``(query_ids, key_ids)`` given as a tuple of two (a list
+    is host data, as for every array argument).
+    """
+    if isinstance(segment_ids, tuple) and len(segment_ids) == 2:
+        return ("segment_ids[0]", segment_ids[0]), ("segment_ids[1]", segment_ids[1])
+    return (("segment_ids", segment_ids),)
+
+
 def check_dtypes(ops: Ops, arguments: Mapping[str, Any]) -> None:
-    """Checks the dtypes of a call's lengths and masks as given, before any conversion.
+    """Checks the dtypes of a call's lengths, masks and segment ids as given, before any conversion.
 
     For adapters that must convert them to backend arrays before the core sees them (MXNet
-    hands them to its graph): the messages are those of :func:`lens_column` and
-    :func:`boolean_mask`, read off host data (strings, complex numbers) that the backend could
-    not even hold. Lengths are the arguments named ``*valid_lens``, masks those named ``*mask``.
+    hands them to its graph): the messages are those of :func:`lens_column`,
+    :func:`boolean_mask` and the ``segment_ids`` modifier, read off host data (strings, complex
+    numbers) that the backend could not even hold. Lengths are the arguments named
+    ``*valid_lens``, masks those named ``*mask``.
     """
     for name, value in arguments.items():
-        if value is None or not name.endswith(("valid_lens", "mask")):
+        if value is None or not name.endswith(("valid_lens", "mask", "segment_ids")):
             continue
-        dtype = ops.dtype_name(value) if own(ops, value) else host_array(value).dtype.name
-        if name.endswith("valid_lens"):
-            _check_lens_dtype(dtype, name)
-        else:
-            _check_mask_dtype(dtype, name)
+        parts = segment_parts(value) if name == "segment_ids" else ((name, value),)
+        for part, array in parts:
+            dtype = ops.dtype_name(array) if own(ops, array) else host_array(array).dtype.name
+            if name.endswith("mask"):
+                _check_mask_dtype(dtype, part)
+            else:
+                check_integer_dtype(dtype, part)
 
 
 def lens_column(
@@ -110,7 +125,7 @@ def lens_column(
     """
     B, _, Q, K = scores_shape
     host = None if own(ops, valid_lens) else host_array(valid_lens)  # read as given: checked before any cast
-    _check_lens_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name, name)
+    check_integer_dtype(ops.dtype_name(valid_lens) if host is None else host.dtype.name, name)
     shape = ops.shape(valid_lens) if host is None else host.shape
     allowed = [(B,), (B, Q)]
     if not any(fits(shape, want, broadcast=False) for want in allowed):

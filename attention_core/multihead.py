@@ -125,6 +125,7 @@ def multi_head_attention(
     softcap: float | None = None,
     score_bias: Any = None,
     scale: float | None = None,
+    segment_ids: Any = None,
     mask_mod: Any = None,
     score_mod: Any = None,
     ops: Ops | None = None,
@@ -161,6 +162,8 @@ def multi_head_attention(
         softcap: Soft-caps the scores at ``softcap``.
         score_bias: Float, broadcastable to ``(B, H, Q, K)``, added to the scores.
         scale: Multiplies the scores; None for ``1 / sqrt(h/H)``.
+        segment_ids: Integer ``(B, K)`` or a pair ``(query_ids (B, Q), key_ids (B, K))``: a
+            query sees only the keys of its own segment (packed sequences).
         mask_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         score_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
@@ -177,7 +180,7 @@ def multi_head_attention(
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
                       causal=causal, dropout=dropout, return_weights=return_weights,
                       implementation=implementation, options=options, score_bias=score_bias,
-                      mask_mod=mask_mod, score_mod=score_mod)
+                      segment_ids=segment_ids, mask_mod=mask_mod, score_mod=score_mod)
 
 
 def _keys_values(
@@ -232,6 +235,7 @@ def pool_heads(
     options: HeadOptions = CLASSIC,
     score_bias: Any = None,
     offset: Any = None,
+    segment_ids: Any = None,
     mask_mod: Any = None,
     score_mod: Any = None,
 ) -> Array | tuple[Array, Array]:
@@ -254,6 +258,7 @@ def pool_heads(
         options: Checked :class:`HeadOptions`.
         score_bias: See :func:`multi_head_attention`.
         offset: Query ``i`` stands at position ``i + offset``; None for ``K - Q``.
+        segment_ids: See :func:`multi_head_attention`.
         mask_mod: See :func:`multi_head_attention`.
         score_mod: See :func:`multi_head_attention`.
     """
@@ -261,7 +266,8 @@ def pool_heads(
     if options.positional == "rotary":
         first = ops.shape(pair[0])[2] - ops.shape(q)[2] if offset is None else offset
         q = rotated_heads(ops, q, first, options.rotary_base)
-    given = {"sinks": weights.get("sink_logits"), "mask_mod": mask_mod, "score_mod": score_mod}
+    given = {"sinks": weights.get("sink_logits"), "segment_ids": segment_ids,
+             "mask_mod": mask_mod, "score_mod": score_mod}
     pooled = dot_product_attention(
         q, *pair, valid_lens, mask=mask, causal=causal, dropout=dropout,
         return_weights=return_weights, implementation=implementation, window=options.window,

@@ -61,15 +61,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 _QKV = {"queries": arr(2, 3, 8), "keys": arr(2, 4, 8), "values": arr(2, 4, 8),
         "valid_lens": LENS, "mask": np.ones((3, 4), bool)}
+#: Packed segments of the 4 keys (the 3 queries take the ids of the last 3 positions).
+_SCORED = {**_QKV, "segment_ids": np.array([[0, 0, 1, 1], [0, 1, 1, 1]], np.int32)}
 _SELF = {"valid_lens": LENS, "mask": np.ones((3, 3), bool)}
 _DECODER = {"enc_outputs": arr(2, 4, 8), "enc_valid_lens": LENS, **_SELF,
             "enc_mask": np.ones((3, 4), bool)}
 
 #: A good call of every layer, every array argument given.
 CALLS: dict[str, dict[str, Any]] = {
-    "DotProductAttention": _QKV,
+    "DotProductAttention": _SCORED,
     "AdditiveAttention": _QKV,
-    "MultiHeadAttention": _QKV,
+    "MultiHeadAttention": _SCORED,
     "RelativeMultiHeadAttention": {**_QKV, "keys": arr(2, 3, 8), "values": arr(2, 3, 8),
                                    **_SELF},
     "PositionalEncoding": {"X": arr(2, 3, 8)},
@@ -182,7 +184,8 @@ def functions(h: Harness) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]
             **{name: h.array(value) for name, value in pair.items()}}),
         "dot_product_attention": (ac.dot_product_attention, {
             "queries": q, "keys": k, "values": v, "valid_lens": h.array(LENS),
-            "mask": h.array(np.ones((3, 4), bool))}),
+            "mask": h.array(np.ones((3, 4), bool)),
+            "segment_ids": h.array(_SCORED["segment_ids"])}),
         "masked_softmax": (ac.masked_softmax, {"scores": h.array(arr(2, 3, 4)),
                                                "valid_lens": h.array(LENS)}),
         "nadaraya_watson": (ac.nadaraya_watson, {"queries": h.array(arr(2, 3)),

@@ -1,10 +1,11 @@
-"""The open core's options on the layers: ``scale``, attention sinks, ``mask_mod`` and ``score_mod``.
+"""The open core's options on the layers: ``scale``, attention sinks, ``segment_ids``,
+``mask_mod`` and ``score_mod``.
 
 ``scale`` and ``sinks`` are constructor arguments of the attention layers and of the blocks and
-stacks that hold a multi-head attention; ``mask_mod`` and ``score_mod`` are call arguments of
-``DotProductAttention`` and ``MultiHeadAttention``. Every number is checked against a float64
-NumPy computation written here from the formulas (softmax over the visible keys, the sink's
-``exp(sinks[h])`` added to each row's denominator, unscaled).
+stacks that hold a multi-head attention; ``segment_ids``, ``mask_mod`` and ``score_mod`` are
+call arguments of ``DotProductAttention`` and ``MultiHeadAttention``. Every number is checked
+against a float64 NumPy computation written here from the formulas (softmax over the visible
+keys, the sink's ``exp(sinks[h])`` added to each row's denominator, unscaled).
 """
 
 from __future__ import annotations
@@ -45,13 +46,18 @@ def data(*shape: int, seed: int = 0) -> np.ndarray:
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-           sinks: np.ndarray | None = None, causal: bool = False
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax attention of heads ``(B, H, N, D)``: output and weights (the sink's share left out)."""
+           sinks: np.ndarray | None = None, causal: bool = False,
+           visible: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention of heads ``(B, H, N, D)``: output and weights (the sink's share left out).
+
+    ``visible``, boolean and broadcastable to the scores, hides the keys where it is False.
+    """
     s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
     if causal:
         Q, K = s.shape[-2:]
         s = np.where(np.arange(K)[None, :] <= np.arange(Q)[:, None] + (K - Q), s, -np.inf)
+    if visible is not None:
+        s = np.where(visible, s, -np.inf)
     top = s.max(-1, keepdims=True)
     if sinks is not None:
         top = np.maximum(top, sinks[None, :, None, None])
@@ -69,11 +75,12 @@ def heads(x: np.ndarray) -> np.ndarray:
 
 
 def mha(w: dict[str, np.ndarray], q: np.ndarray, k: np.ndarray, v: np.ndarray,
-        scale: float | None, causal: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        scale: float | None, causal: bool = False, visible: np.ndarray | None = None
+        ) -> tuple[np.ndarray, np.ndarray]:
     """Multi-head attention from canonical weights (``sinks`` when they hold them)."""
     qh, kh, vh = (heads(x @ w[f"{n}.kernel"]) for x, n in ((q, "W_q"), (k, "W_k"), (v, "W_v")))
     scale = 1 / math.sqrt(qh.shape[-1]) if scale is None else scale
-    out, weights = attend(qh, kh, vh, scale, w.get("sink_logits"), causal)
+    out, weights = attend(qh, kh, vh, scale, w.get("sink_logits"), causal, visible)
     B, _, N, d = out.shape
     return out.transpose(0, 2, 1, 3).reshape(B, N, H * d) @ w["W_o.kernel"], weights
 
@@ -378,3 +385,59 @@ def test_multi_head_attention_modifiers(backend: str) -> None:
     out = h.call(layer, *arrays, mask_mod=causal_mod, score_mod=halved)
     x64 = x.astype(float)
     close(out, mha(weights64(layer), x64, x64, x64, 0.5 / math.sqrt(WIDTH // H), True)[0], h)
+
+
+# -- segment_ids --------------------------------------------------------------------------------
+
+#: Two rows of packed documents: lengths 2, 3, 1 and 4, 2.
+IDS = np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 7, 7]], np.int32)
+
+
+def same_segment(q_ids: np.ndarray, kv_ids: np.ndarray) -> np.ndarray:
+    """Where query ``i`` and key ``j`` share a segment, ``(B, 1, Q, K)``."""
+    return q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+
+
+def ids_as(h: Harness, ids: np.ndarray, where: str) -> Any:
+    return ids if where == "host" else h.array(ids)
+
+
+@pytest.mark.parametrize("where", ["host", "backend"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_multi_head_attention_segment_ids(backend: str, where: str, causal: bool) -> None:
+    """Packed self-attention: each query sees only its own document's keys."""
+    h = Harness(backend)
+    x = data(2, 6, WIDTH, seed=16)
+    layer = h.make("MultiHeadAttention", {"num_hiddens": WIDTH, "num_heads": H})
+    arrays = inputs(h, (x,))
+    h.call(layer, *arrays)
+    out = h.call(layer, *arrays, causal=causal, segment_ids=ids_as(h, IDS, where))
+    x64 = x.astype(float)
+    close(out, mha(weights64(layer), x64, x64, x64, None, causal, same_segment(IDS, IDS))[0], h)
+
+
+def test_packed_layer_equals_separate_calls(backend: str) -> None:
+    """The packed call of a layer equals calling it on each document alone."""
+    h = Harness(backend)
+    x = data(2, 6, WIDTH, seed=17)
+    layer = h.make("MultiHeadAttention", {"num_hiddens": WIDTH, "num_heads": H})
+    packed = h.numpy(h.call(layer, *inputs(h, (x,)), causal=True, segment_ids=IDS))
+    for b, row in enumerate(IDS):
+        for doc in np.unique(row):
+            where = np.flatnonzero(row == doc)
+            alone = h.call(layer, *inputs(h, (x[b:b + 1, where],)), causal=True)
+            close(alone, packed[b:b + 1, where].astype(float), h)
+
+
+@pytest.mark.parametrize("where", ["host", "backend"])
+def test_dot_product_attention_segment_id_pair(backend: str, where: str) -> None:
+    """Cross-attention between packed rows: ``(query_ids, key_ids)``."""
+    h = Harness(backend)
+    q, k, v = data(2, 4, 4, seed=18), data(2, 6, 4, seed=19), data(2, 6, 3, seed=20)
+    q_ids = np.array([[0, 1, 1, 2], [5, 5, 7, 7]], np.int32)
+    layer = h.make("DotProductAttention", {})
+    out = h.call(layer, *inputs(h, (q, k, v)),
+                 segment_ids=(ids_as(h, q_ids, where), ids_as(h, IDS, where)))
+    ref, _ = attend(*(x[:, None].astype(float) for x in (q, k, v)), 0.5,
+                    visible=same_segment(q_ids, IDS))
+    close(out, ref[:, 0], h)

@@ -16,7 +16,14 @@ import numpy as np
 
 from attention_core.checks import fmt_shape
 from attention_core.host import host_array
-from attention_core.masks import fits, own, tile_columns, tile_rows
+from attention_core.masks import (
+    check_integer_dtype,
+    fits,
+    own,
+    segment_parts,
+    tile_columns,
+    tile_rows,
+)
 from attention_core.modifiers.base import Call, MaskMod, Span, Tile
 from attention_core.ops import Array, Ops
 
@@ -25,7 +32,8 @@ class Segments(MaskMod):
     """Hides the keys of other segments.
 
     Args:
-        segment_ids: Integer ids ``(B, K)``, or a pair ``(query_ids (B, Q), key_ids (B, K))``.
+        segment_ids: Integer ids ``(B, K)``, or a pair ``(query_ids (B, Q), key_ids (B, K))``
+            given as a tuple.
     """
 
     def __init__(self, segment_ids: Any) -> None:
@@ -34,11 +42,10 @@ class Segments(MaskMod):
 
     def bind(self, call: Call) -> Segments:
         ops, (B, _, Q, K) = call.ops, call.shape
-        pair = isinstance(self.ids, (tuple, list)) and len(self.ids) == 2
-        q_ids, kv_ids = self.ids if pair else (None, self.ids)
-        kv, kv_host = _checked(ops, "segment_ids" + ("[1]" if pair else ""), kv_ids, (B, K))
-        if pair:
-            q, q_host = _checked(ops, "segment_ids[0]", q_ids, (B, Q))
+        parts = segment_parts(self.ids)
+        kv, kv_host = _checked(ops, *parts[-1], (B, K))
+        if len(parts) == 2:
+            q, q_host = _checked(ops, *parts[0], (B, Q))
         else:
             q = ops.slice(kv, 1, call.offset, Q) if not (isinstance(Q, int) and Q == K) else kv
             q_host = None if kv_host is None or not isinstance(call.offset, int) else (
@@ -72,9 +79,7 @@ def _checked(ops: Ops, name: str, ids: Any, want: tuple[Any, ...]) -> tuple[Arra
         The ids as a backend array, and their values when they are on the host, else None.
     """
     host = None if own(ops, ids) else host_array(ids)
-    dtype = ops.dtype_name(ids) if host is None else host.dtype.name
-    if not dtype.startswith(("int", "uint")):
-        raise TypeError(f"{name} must have an integer dtype, got {dtype}")
+    check_integer_dtype(ops.dtype_name(ids) if host is None else host.dtype.name, name)
     shape = ops.shape(ids) if host is None else host.shape
     if not fits(shape, want, broadcast=False):
         raise ValueError(f"{name} must have shape {fmt_shape(want)}, got {fmt_shape(shape)}")

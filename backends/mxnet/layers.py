@@ -77,6 +77,29 @@ class GluonArguments:
     params: Any = None
 
 
+def _as_arrays(value: Any, may_pair: bool) -> Any:
+    """An array argument as MXNet arrays: one, or a tuple of two where it may be a pair."""
+    if value is None:
+        return None
+    if may_pair and isinstance(value, tuple) and len(value) == 2:
+        return tuple(masks.as_backend_array(OPS, part) for part in value)
+    return masks.as_backend_array(OPS, value)
+
+
+def _flat(values: list[Any]) -> tuple[list[Any], tuple[bool, ...]]:
+    """The arrays in order, a pair's two in its place (the graph's inputs), and which were pairs."""
+    pairs = tuple(isinstance(v, tuple) for v in values)
+    return [a for v in values for a in (v if isinstance(v, tuple) else (v,))], pairs
+
+
+def _nested(arrays: list[Any], pairs: tuple[bool, ...]) -> list[Any]:
+    """The arguments :func:`_flat` flattened, its pairs as tuples again (all single if none)."""
+    out, rest = [], iter(arrays)
+    for pair in pairs or (False,) * len(arrays):
+        out.append((next(rest), next(rest)) if pair else next(rest))
+    return out
+
+
 def _has_data(param: Parameter) -> bool:
     return param._data is not None
 
@@ -227,11 +250,12 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
                 bound[n] = transformer.host_ids(n, bound[n])
                 transformer.check_ids_form(n, bound[n].shape, bound[n].dtype.name)
         for n in self._arrays:
-            bound[n] = None if bound[n] is None else masks.as_backend_array(OPS, bound[n])
+            bound[n] = _as_arrays(bound[n], n in self.pair_arguments)
         params = list(self._weights.values())
         prepared = self.prepare(OPS, np.dtype(params[0].dtype).name if params else None, bound)
-        arrays = [prepared.arguments[n] for n in self._arrays]
+        arrays, pairs = _flat([prepared.arguments[n] for n in self._arrays])
         options = {n: v for n, v in prepared.arguments.items() if n not in self._arrays}
+        options["_pairs"] = pairs
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
         if self.is_cached(options):  # state in, state out
@@ -291,7 +315,9 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         weights = {n: v for n, v in params.items() if n in self._weights}
         tables = {n: v for n, v in params.items() if n not in self._weights}
         run = D.Run(ops, weights, tables, getattr(self, "dropout", 0.0), need)
-        return self.compute(run, **dict(zip(self._arrays, arrays, strict=True)), **options)
+        options = dict(options)
+        nested = _nested(arrays, options.pop("_pairs", ()))
+        return self.compute(run, **dict(zip(self._arrays, nested, strict=True)), **options)
 
     def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None:
         """``HybridBlock.export`` of the output alone (a built graph may return the weights too)."""
