@@ -517,8 +517,9 @@ def nadaraya_watson(
             )
     batched = [x if len(q) == 2 else ops.expand_dims(x, 0) for x in (queries, keys, values)]
     diff = ops.expand_dims(batched[0], -1) - ops.expand_dims(batched[1], 1)  # (B, Q, K)
-    if w is not None:
-        diff = diff * w
+    if w is not None:  # a Python number, or an array of one element (host data converted)
+        diff = diff * (w if isinstance(w, (int, float)) or own(ops, w)
+                       else ops.from_numpy(host_array(w), like=queries))
     scores = ops.expand_dims(diff * diff * -0.5, 1)  # (B, 1, Q, K)
     weights = softmax_visible(ops, scores, None)
     y = ops.expand_dims(ops.expand_dims(batched[2], 1), -1)  # (B, 1, K, 1)

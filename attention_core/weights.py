@@ -19,6 +19,7 @@ import numpy as np
 from attention_core import files
 from attention_core.checks import check_heads, check_kv_heads, check_positive_int, fmt_shape
 from attention_core.host import host_array
+from attention_core.masks import own
 from attention_core.ops import Array, Ops, fixed_shape
 
 Shape = tuple[int | None, ...]
@@ -421,7 +422,9 @@ def check_call_weights(
     messages of :func:`check_weights` (``where`` in place of ``set_weights``): the names, each
     entry's dtype (real floating) and shape, and last, each input's last dimension against
     the first dimension of its kernel. Only static shapes are read (``fixed_shape``), so under
-    tracing the check is done once, when the graph is made.
+    tracing the check is done once, when the graph is made. Entries that are not the backend's
+    arrays (a layer's ``get_weights()``: NumPy, or another framework's tensors) are converted,
+    keeping their dtype.
 
     Args:
         ops: The backend's ops.
@@ -432,7 +435,7 @@ def check_call_weights(
             first dimension of that weight.
 
     Returns:
-        The mapping, marked as checked.
+        The mapping of backend arrays, marked as checked.
 
     Raises:
         TypeError: ``weights`` is not a mapping, or an entry is not floating point.
@@ -461,7 +464,8 @@ def check_call_weights(
                 f"{arg} last dimension ({got}) must be {want[0]}, as {name} has shape "
                 f"{fmt_shape(want)}"
             )
-    return CheckedWeights(weights)
+    return CheckedWeights({name: value if own(ops, value) else ops.from_numpy(host_array(value))
+                           for name, value in weights.items()})
 
 
 Size = Callable[[str, int, int], int | None]

@@ -65,6 +65,30 @@ def test_functional_matches_reference(backend: str, case: Case) -> None:
         assert max_diff(got, ref["output.attention"]) <= TOLERANCE["float32"]
 
 
+def _first_weighted_cases() -> list[Any]:
+    """One base case of each layer whose function takes weights."""
+    seen: dict[str, Any] = {}
+    for c in CASES:
+        if c.layer in FUNCTIONAL and c.edge is None and c.layer not in seen and any(
+                k.startswith("weight.") for k in record(c)):
+            seen[c.layer] = pytest.param(c, id=f"{c.layer}-{c.name}")
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("case", _first_weighted_cases())
+def test_functional_takes_host_weights(backend: str, case: Case) -> None:
+    """Weights as ``get_weights()`` returns them (NumPy float32) go straight into a function."""
+    h = Harness(backend)
+    ref = record(case)
+    x = {k[6:]: h.array(v, "float32") for k, v in ref.items() if k.startswith("input.")}
+    w = {k[7:]: np.asarray(v, np.float32) for k, v in ref.items() if k.startswith("weight.")}
+    kw = {k[5:]: (bool(v) if k == "call.causal" else h.array(v))
+          for k, v in ref.items() if k.startswith("call.")}
+    result = FUNCTIONAL[case.layer](x, w, case.config, kw)
+    out = result[0] if isinstance(result, tuple) else result
+    assert max_diff(h.numpy(out), ref["output.out"]) <= TOLERANCE["float32"]
+
+
 def test_every_public_function_is_covered() -> None:
     covered = {"dot_product_attention", "additive_attention", "multi_head_attention",
                "relative_multi_head_attention", "transformer_encoder", "transformer_encoder_block",
