@@ -75,8 +75,11 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int, name: str = "st
     return start if value is None else value
 
 
-def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtype: str) -> Pair:
+def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtype: str,
+               value_depth: Any = None) -> Pair:
     """Checks a cache pair: keys and values ``(B, H, C, D)`` with ``heads = (B, H, D)``.
+
+    ``value_depth``: the values' D where it differs from the keys'.
 
     Raises:
         TypeError: Not a pair, or not of ``dtype``.
@@ -85,13 +88,14 @@ def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtyp
     if not isinstance(pair, Sequence) or len(pair) != 2:
         raise TypeError(f"{name} must be a pair (keys, values), got {type(pair).__name__}")
     B, H, D = heads
-    for part, array in zip(("keys", "values"), pair, strict=True):
+    depths = (D, D if value_depth is None else value_depth)
+    for part, array, depth in zip(("keys", "values"), pair, depths, strict=True):
         shape = ops.shape(array)
         if len(shape) != 4 or any(isinstance(a, int) and isinstance(b, int) and a != b
-                                  for a, b in zip((shape[0], shape[1], shape[3]), heads,
-                                                  strict=True)):
-            raise ValueError(f"{name} {part} must have shape (B, H, C, D) = ({B}, {H}, C, {D}), "
-                             f"got {checks.fmt_shape(shape)}")
+                                  for a, b in zip((shape[0], shape[1], shape[3]),
+                                                  (B, H, depth), strict=True)):
+            raise ValueError(f"{name} {part} must have shape (B, H, C, D) = ({B}, {H}, C, "
+                             f"{depth}), got {checks.fmt_shape(shape)}")
         if ops.dtype_name(array) != dtype:
             raise TypeError(f"{name} {part} must have dtype {dtype}, got {ops.dtype_name(array)}")
     if ops.shape(pair[0])[2] != ops.shape(pair[1])[2]:

@@ -700,6 +700,9 @@ class _Attention(Declaration):
         raise NotImplementedError
 
 
+#: The call arguments of a cached call (:attr:`Declaration.cache_arguments`).
+CACHE_ARGUMENTS = ("cache", "start", "capacity")
+
 #: The score options of the scaled dot-product layers (:class:`_ScoredAttention`).
 SCORE_OPTIONS = tuple(checks.SCORE_OPTION_CHECKS)
 
@@ -713,6 +716,7 @@ class _ScoredAttention(_Attention):
 
     function_arguments: ClassVar[tuple[str, ...]] = ("mask_mod", "score_mod")
     pair_arguments: ClassVar[tuple[str, ...]] = ("segment_ids",)
+    cache_arguments: ClassVar[tuple[str, ...]] = CACHE_ARGUMENTS
 
     def check(self) -> None:
         _normalise_score_options(self)
@@ -722,14 +726,16 @@ class _ScoredAttention(_Attention):
         self, run: Run, queries: Array, keys: Array | None = None, values: Array | None = None,
         valid_lens: Any = None, *, mask: Any = None, causal: bool = False,
         score_bias: Any = None, segment_ids: Any = None, mask_mod: Any = None,
-        score_mod: Any = None,
+        score_mod: Any = None, cache: Any = None, start: Any = 0, capacity: int | None = None,
     ) -> Any:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
 
         Keys default to the queries and values to the keys (``mha(X)``: self-attention).
         ``score_bias``, float and broadcastable to ``(B, H, Q, K)``, is added to the scores
         before masking. ``segment_ids``, ``mask_mod`` and ``score_mod`` go to
-        :func:`~attention_core.attention.dot_product_attention` as they are.
+        :func:`~attention_core.attention.dot_product_attention` as they are. With ``cache`` or
+        ``capacity`` the call is causal over a key/value cache, its new positions ``start ..
+        start + Q - 1``, and returns ``(output, cache)``.
         """
         modifiers = {"segment_ids": segment_ids, "mask_mod": mask_mod, "score_mod": score_mod}
         options = {
@@ -738,7 +744,11 @@ class _ScoredAttention(_Attention):
             **{name: getattr(self, name) for name in SCORE_OPTIONS},
             **{name: value for name, value in modifiers.items() if value is not None},
         }
-        return self.attend(run, queries, keys, values, valid_lens, **options)
+        if cache is None and capacity is None:
+            return self.attend(run, queries, keys, values, valid_lens, **options)
+        cached = {"cache": cache, "start": start, "capacity": capacity}
+        return _with_cache(run, self.attend(run, queries, keys, values, valid_lens, **options,
+                                            **cached))
 
 
 def _normalise_score_options(layer: Declaration) -> None:
@@ -800,9 +810,27 @@ class DotProductAttention(_ScoredAttention):
     scale: float | None = None
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
-        return attention.dot_product_attention(
-            *args, implementation=self.pooling(run), **options
-        )
+        if options.get("cache") is None and options.get("capacity") is None:
+            return attention.dot_product_attention(
+                *args, implementation=self.pooling(run), **options
+            )
+        return _cached_dot_product(self, run, *args, **options)
+
+
+def _cached_dot_product(layer: DotProductAttention, run: Run, queries: Array, keys: Array,
+                        values: Array, valid_lens: Any, *, cache: Any, start: Any,
+                        capacity: int | None, **options: Any) -> Any:
+    """A :class:`DotProductAttention` call against a key/value cache."""
+    multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=options["mask"],
+                                    score_bias=options["score_bias"],
+                                    segment_ids=options.get("segment_ids"))
+    return multihead.cached_attention(
+        run.ops, queries, keys, values, cache, start, capacity=capacity,
+        options=multihead.HeadOptions(None, layer.positional, layer.rotary_base, layer.window,
+                                      layer.softcap, layer.scale),
+        dropout=options["dropout"], return_weights=options["return_weights"],
+        implementation=layer.pooling(run), mask_mod=options.get("mask_mod"),
+        score_mod=options.get("score_mod"))
 
 
 @dataclass(eq=False)
@@ -1201,10 +1229,6 @@ class TransformerEncoder(Declaration):
 # -- the Transformer decoder and the encoder-decoder -----------------------------------------
 
 
-#: The call arguments of a cached decoder call (:attr:`Declaration.cache_arguments`).
-CACHE_ARGUMENTS = ("cache", "start", "capacity")
-
-
 @dataclass(eq=False)
 class TransformerDecoderBlock(Declaration):
     """A post-norm decoder block: causal self-attention, cross-attention, position-wise FFN.
@@ -1309,20 +1333,12 @@ class TransformerDecoderBlock(Declaration):
                 dropout=run.dropout, return_weights=run.need, implementation=self.pooling(run),
                 options=_head_options(self), ops=run.ops,
             )
-        _check_cached_call(valid_lens=valid_lens, mask=mask, past=past)
+        multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=mask, past=past)
         return _with_cache(run, transformer.cached_decoder_block(
             X, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
             implementation=self.pooling(run), options=_head_options(self), ops=run.ops,
         ))
-
-
-def _check_cached_call(**arguments: Any) -> None:
-    """Refuses the arguments a cached call does not take (its keys are the cache's rows)."""
-    for name, value in arguments.items():
-        if value is not None:
-            raise ValueError(f"{name} must be None in a cached call (cache or capacity given): "
-                             "the cache's rows up to each query's position are its keys")
 
 
 def _with_cache(run: Run, cached: tuple[Any, Any]) -> Any:
@@ -1487,7 +1503,7 @@ class TransformerDecoder(Declaration):
                 return_weights=run.need, implementation=self.pooling(run),
                 positions=run.constants["P"], options=_head_options(self), ops=run.ops,
             )
-        _check_cached_call(valid_lens=valid_lens, mask=mask)
+        multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=mask)
         return _with_cache(run, transformer.cached_decoder(
             tokens, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,

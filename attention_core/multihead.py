@@ -128,9 +128,12 @@ def multi_head_attention(
     segment_ids: Any = None,
     mask_mod: Any = None,
     score_mod: Any = None,
+    cache: Any = None,
+    start: Any = 0,
+    capacity: int | None = None,
     ops: Ops | None = None,
     _layer: bool = False,
-) -> Array | tuple[Array, Array]:
+) -> Any:
     """Multi-head scaled dot-product attention with input and output projections.
 
     Query ``i`` stands at position ``i + (K - Q)``, key ``j`` at ``j`` (for ``causal``,
@@ -166,15 +169,27 @@ def multi_head_attention(
             query sees only the keys of its own segment (packed sequences).
         mask_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         score_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
+        cache: ``(keys, values)`` ``(B, Hkv, C, h/H)`` each from an earlier cached call: the
+            call is then causal over the cache (:func:`cached_heads`).
+        start: A cached call's position of its first token.
+        capacity: C of a cache made now (with ``cache`` None): makes the call cached.
         ops: The backend's ops; found from ``queries`` when omitted.
         _layer: Internal: a layer's call, whose ``num_heads`` and head options the layer
             checked when it was made (and its inputs and weights, as ``weights`` says).
 
     Returns:
-        The output ``(B, Q, h)``, and the weights if asked.
+        The output ``(B, Q, h)``, and the weights if asked; a cached call returns
+        ``(that, cache)``.
     """
     ops = ops or ops_for(queries, "queries")
     options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
+    if cache is not None or capacity is not None:
+        refuse_in_cached_call(valid_lens=valid_lens, mask=mask, score_bias=score_bias,
+                              segment_ids=segment_ids)
+        return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
+                            capacity=capacity, dropout=dropout, return_weights=return_weights,
+                            implementation=implementation, options=options,
+                            mask_mod=mask_mod, score_mod=score_mod)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
                                           weights, num_heads, options, checked=_layer)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
@@ -346,8 +361,12 @@ def cached_heads(
     ops: Ops, queries: Array, keys: Array, values: Array, weights: Mapping[str, Array],
     num_heads: int, cache: Any, start: Any, *, capacity: int | None, dropout: float,
     return_weights: bool | str, implementation: str | None, options: HeadOptions,
+    mask_mod: Any = None, score_mod: Any = None,
 ) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
-    """:func:`cached_multi_head_attention` with its options as :class:`HeadOptions`."""
+    """:func:`cached_multi_head_attention` with its options as :class:`HeadOptions`.
+
+    ``mask_mod`` and ``score_mod`` see query ``i`` at index ``start + i``.
+    """
     weights, options, new = _keys_values(ops, "cached_multi_head_attention", queries, keys,
                                          values, weights, num_heads, options, None)
     B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)
@@ -362,8 +381,63 @@ def cached_heads(
     result = pool_heads(ops, queries, written, weights, num_heads,
                         mask=kv_cache.visible(ops, start, steps, size), dropout=dropout,
                         return_weights=return_weights, implementation=implementation,
-                        options=options, offset=start)
+                        options=options, offset=start, mask_mod=mask_mod, score_mod=score_mod)
     return result, (written[0], written[1])
+
+
+def cached_attention(
+    ops: Ops, queries: Array, keys: Array, values: Array, cache: Any, start: Any, *,
+    capacity: int | None, options: HeadOptions, **pooling: Any,
+) -> tuple[Any, tuple[Array, Array]]:
+    """Causal attention of ``t`` new positions against a cache of earlier keys and values.
+
+    :func:`~attention_core.attention.dot_product_attention`, no projections. The cache pair
+    has the inputs' rank: ``(B, C, D)`` or ``(B, Hkv, C, D)`` each, keys rotated under rotary
+    positions; the new keys and values are written at rows ``[start,
+    start + t)`` and query ``i`` sees rows ``j <= start + i``, as in :func:`cached_heads`.
+    ``pooling``: the keywords of ``dot_product_attention`` that pool (dropout, return_weights,
+    implementation, mask_mod, score_mod).
+    """
+    checks.check_qkv(ops, queries, keys, values)
+    rank = len(ops.shape(queries))
+    q, k, v = (x if rank == 4 else ops.expand_dims(x, 1) for x in (queries, keys, values))
+    B, Hkv, steps, D = ops.shape(k)
+    pair = None if cache is None else kv_cache.check_pair(
+        ops, "cache", _lifted_pair(ops, cache, rank), (B, Hkv, D), ops.dtype_name(k),
+        ops.shape(v)[3])
+    size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
+    start = kv_cache.check_start(ops, start, steps, size)
+    if options.positional == "rotary":
+        q = rotated_heads(ops, q, start, options.rotary_base)
+        k = rotated_heads(ops, k, start, options.rotary_base)
+    written = tuple(kv_cache.written(ops, old, rows, start, size)
+                    for old, rows in zip(pair or (None, None), (k, v), strict=True))
+    result = dot_product_attention(
+        q, *written, mask=kv_cache.visible(ops, start, steps, size), window=options.window,
+        softcap=options.softcap, scale=options.scale,
+        positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
+        _offset=start, **{name: value for name, value in pooling.items() if value is not None})
+    if rank == 3:
+        out = result[0][:, 0] if isinstance(result, tuple) else result[:, 0]
+        result = (out, *result[1:]) if isinstance(result, tuple) else out
+        written = tuple(x[:, 0] for x in written)
+    return result, (written[0], written[1])
+
+
+def _lifted_pair(ops: Ops, cache: Any, rank: int) -> Any:
+    """A rank-3 call's cache ``(B, C, D)`` pair as heads ``(B, 1, C, D)``; others as given."""
+    if rank == 4 or not isinstance(cache, (tuple, list)) or len(cache) != 2:
+        return cache
+    return tuple(ops.expand_dims(x, 1) if hasattr(x, "shape") and len(ops.shape(x)) == 3 else x
+                 for x in cache)
+
+
+def refuse_in_cached_call(**arguments: Any) -> None:
+    """Refuses the arguments a cached call does not take (its keys are the cache's rows)."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name} must be None in a cached call (cache or capacity given): "
+                             "the cache's rows up to each query's position are its keys")
 
 
 def per_query(ops: Ops, x: Array, table: Array) -> Array:

@@ -297,10 +297,10 @@ def test_flax_decode_keeps_the_cache_in_its_collection(backend: str) -> None:
     with pytest.raises(ValueError, match=r"decode=True keeps the cache .*: capacity must not"):
         layer.apply({"params": params, "cache": cache}, ids, enc, lens, decode=True, capacity=4,
                     mutable=["cache"])
-    from backends.jax import MultiHeadAttention
+    from backends.jax import AdditiveAttention
 
-    with pytest.raises(TypeError, match="MultiHeadAttention has no key/value cache"):
-        MultiHeadAttention(8, 2).init(jax.random.PRNGKey(0), enc, enc, enc, decode=True)
+    with pytest.raises(TypeError, match="AdditiveAttention has no key/value cache"):
+        AdditiveAttention(8).init(jax.random.PRNGKey(0), enc, enc, enc, decode=True)
 
 
 def test_cached_call_of_a_gluon_layer_given_weights_only(backend: str) -> None:

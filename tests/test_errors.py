@@ -1291,6 +1291,26 @@ VOCAB = "[0, vocab_size) = [0, 11)"
 
 
 GENERATION_ROWS: list[Bad] = [
+    # a cached attention layer: its keys are the cache's rows
+    Bad("cached_layer_valid_lens", "mask",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)),
+                       np.array([1, 2]), capacity=4), ValueError,
+        "valid_lens must be None in a cached call (cache or capacity given): the cache's rows "
+        "up to each query's position are its keys", mha),
+    Bad("cached_layer_segment_ids", "mask",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)),
+                       segment_ids=np.zeros((2, 3), np.int32), capacity=4), ValueError,
+        "segment_ids must be None in a cached call (cache or capacity given): the cache's rows "
+        "up to each query's position are its keys", dot),
+    Bad("cached_layer_other_width", "mismatch",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 8)), capacity=4),
+        ValueError, "values last dimension (8) must be 5, the size this layer was built for",
+        mha),
+    Bad("cached_layer_start_past_capacity", "sizes",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)), start=2,
+                       capacity=4), ValueError,
+        "start + positions must be <= the cache's capacity (4), got start 2 + 3 positions = 5",
+        mha),
     # ids against the vocabulary: the step's V, or vocab_size before any step
     Bad("search_eos_past_vocabulary", "tokens", lambda c: search(c, eos=11), ValueError,
         f"eos must be in {VOCAB}, got 11", search_decoder),

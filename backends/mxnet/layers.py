@@ -217,9 +217,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         """Values for the deferred weights a first call needs (not stored); {} when built."""
         self._init_tables(ctx)
         if self.built:
-            known = self._dims()
-            for name, size in dims.items():
-                checks.check_built_size(self.sizes[name].argument, size, known[name])
+            self._check_built_dims(dims)
             return {}
         spec, new = self.weight_shapes(**{**self._dims(), **dims}), {}
         for name, param in ((n, p) for n, p in self._weights.items() if not _has_data(p)):
@@ -231,6 +229,12 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
                 mx.init.create(default_init)(mx.init.InitDesc(param.name, {"__init__": init}), data)
             new[name] = data.as_in_ctx(ctx)
         return new
+
+    def _check_built_dims(self, dims: Mapping[str, int]) -> None:
+        """Refuses input sizes other than those the weights were made for."""
+        known = self._dims()
+        for name, size in dims.items():
+            checks.check_built_size(self.sizes[name].argument, size, known[name])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not npx.is_np_array():
@@ -259,7 +263,7 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
         if self.is_cached(options):  # state in, state out
-            return self._cached_call(arrays, options, need, prepared.return_attention, ctx)
+            return self._cached_call(arrays, options, need, prepared, ctx)
         with autograd.pause():  # a first call runs on new weights, kept once it succeeded
             new = self._new_weights(prepared.dims, ctx)
             if new:
@@ -288,18 +292,21 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         return returned
 
     def _cached_call(self, arrays: list[Any], options: Mapping[str, Any], need: bool | str,
-                     return_attention: Any, ctx: Any) -> Any:
+                     prepared: D.Prepared, ctx: Any) -> Any:
         """A cached call, run imperatively: its cache is a tree of arrays, not graph inputs.
 
-        The layer must be built (a first call without a cache, or ``set_weights``).
+        A first call makes the deferred weights, kept once a run on them succeeded.
         """
-        if not self.built:
-            raise ValueError(f"{type(self).__name__} must be built (called once without a cache, "
-                             "or given set_weights) before a cached call")
-        self._init_tables(ctx)
+        with autograd.pause():
+            new = self._new_weights(prepared.dims, ctx)
+            if new:
+                held = {n: p.data(ctx) for n, p in self._reg_params.items() if n not in new}
+                self._forward(OPS, arrays, options, need, {**held, **new})
+            for name, value in new.items():
+                self._weights[name]._load_init(value, None)
         params = {n: p.data(ctx) for n, p in self._reg_params.items()}
         return self._finished(self._forward(OPS, arrays, options, need, params), need,
-                              return_attention)
+                              prepared.return_attention)
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Runs the forward on arrays (imperative) or Symbols (building the hybridized graph)."""
