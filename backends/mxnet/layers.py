@@ -262,15 +262,11 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         options["_pairs"] = pairs
         need = self.needs_attention(prepared.return_attention)
         ctx = next(a for a in arrays if a is not None).ctx
-        if self.is_cached(options):  # state in, state out
-            return self._cached_call(arrays, options, need, prepared, ctx)
-        with autograd.pause():  # a first call runs on new weights, kept once it succeeded
-            new = self._new_weights(prepared.dims, ctx)
-            if new:
-                held = {n: p.data(ctx) for n, p in self._reg_params.items() if n not in new}
-                self._forward(OPS, arrays, options, need, {**held, **new})
-            for name, value in new.items():
-                self._weights[name]._load_init(value, None)
+        self._make_weights(arrays, options, need, prepared.dims, ctx)
+        if self.is_cached(options):  # state in, state out, run imperatively
+            params = {n: p.data(ctx) for n, p in self._reg_params.items()}
+            return self._finished(self._forward(OPS, arrays, options, need, params), need,
+                                  prepared.return_attention)
         key = (tuple(None if a is None else (a.shape, a.dtype) for a in arrays),
                sorted(options.items()), need)
         if self._active and key != self._graph_key:
@@ -291,22 +287,20 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
             self._attention_kept = kept
         return returned
 
-    def _cached_call(self, arrays: list[Any], options: Mapping[str, Any], need: bool | str,
-                     prepared: D.Prepared, ctx: Any) -> Any:
-        """A cached call, run imperatively: its cache is a tree of arrays, not graph inputs.
+    def _make_weights(self, arrays: list[Any], options: Mapping[str, Any], need: bool | str,
+                      dims: Mapping[str, int], ctx: Any) -> None:
+        """A first call's deferred weights: run on once, then kept (a failed run keeps none).
 
-        A first call makes the deferred weights, kept once a run on them succeeded.
+        A cached call runs imperatively (its cache is a tree of arrays, not graph inputs), so
+        it may be a layer's first call too.
         """
         with autograd.pause():
-            new = self._new_weights(prepared.dims, ctx)
+            new = self._new_weights(dims, ctx)
             if new:
                 held = {n: p.data(ctx) for n, p in self._reg_params.items() if n not in new}
                 self._forward(OPS, arrays, options, need, {**held, **new})
             for name, value in new.items():
                 self._weights[name]._load_init(value, None)
-        params = {n: p.data(ctx) for n, p in self._reg_params.items()}
-        return self._finished(self._forward(OPS, arrays, options, need, params), need,
-                              prepared.return_attention)
 
     def hybrid_forward(self, F: Any, *arrays: Any, **params: Any) -> Any:
         """Runs the forward on arrays (imperative) or Symbols (building the hybridized graph)."""
