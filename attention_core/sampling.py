@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from attention_core import checks
 from attention_core.host import plain
-from attention_core.ops import Array, Ops
+from attention_core.ops import Array, Ops, SamplingOps
 
 
 class Sampling(NamedTuple):
@@ -93,7 +93,7 @@ def check_logits(ops: Ops, logits: Array) -> int:
     return vocab
 
 
-def choose(ops: Ops, logits: Array, *, temperature: float | None = 0.0, top_k: int | None = None,
+def choose(ops: SamplingOps, logits: Array, *, temperature: float | None = 0.0, top_k: int | None = None,
            top_p: float | None = None, state: Any = None) -> tuple[Array, Any]:
     """One token per row of ``logits``: the argmax, or a sample, on the device.
 
@@ -134,7 +134,7 @@ def choose(ops: Ops, logits: Array, *, temperature: float | None = 0.0, top_k: i
 _TINY = 2.0**-126
 
 
-def filtered(ops: Ops, x: Array, settings: Sampling, vocab: int) -> Array:
+def filtered(ops: SamplingOps, x: Array, settings: Sampling, vocab: int) -> Array:
     """``x (B, V)`` with the tokens top-k and top-p drop set to ``-inf``.
 
     One sort serves both: top-k's threshold is the k-th sorted logit; top-p sums the softmax
