@@ -402,10 +402,7 @@ def _check_generate(prompts: Any, max_new_tokens: Any, eos: Any, pad_id: Any, te
     vocab = None if vocab_size is None else checks.check_positive_int("vocab_size", vocab_size)
     given, host = _prompts(prompts, vocab)
     steps = checks.check_positive_int("max_new_tokens", max_new_tokens)
-    if plain(pad_id) is None:
-        raise TypeError("pad_id must be an int token id, got NoneType")
-    pad = _check_token_id("pad_id", pad_id, vocab)
-    assert pad is not None
+    pad = _pad_id(pad_id, vocab)
     settings = sampling.check_sampling(temperature, top_k, top_p, vocab)
     seed = plain(seed)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -415,6 +412,14 @@ def _check_generate(prompts: Any, max_new_tokens: Any, eos: Any, pad_id: Any, te
     shape = tuple(int(d) for d in (host.shape if host is not None else ops_for(given).shape(given)))
     return _Generate(given, shape[0], shape[1], host, steps, _check_token_id("eos", eos, vocab),
                      pad, settings, seed, vocab)
+
+
+def _pad_id(pad_id: Any, vocab_size: int | None) -> int:
+    """Checks ``pad_id``: an int (Python or NumPy) in ``[0, vocab_size)``."""
+    value = plain(pad_id)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"pad_id must be an int token id, got {type(value).__name__}")
+    return _in_vocabulary("pad_id", value, value, vocab_size)
 
 
 def _prompts(prompts: Any, vocab_size: int | None) -> tuple[Any, np.ndarray | None]:
