@@ -17,7 +17,13 @@ from attention_core.attention import (
     masked_softmax,
     nadaraya_watson,
 )
-from attention_core.generation import Generated, beam_search, greedy_search, repeat_rows
+from attention_core.generation import (
+    Generated,
+    beam_search,
+    generate,
+    greedy_search,
+    repeat_rows,
+)
 from attention_core.multihead import (
     HeadOptions,
     cached_multi_head_attention,
@@ -40,6 +46,7 @@ from attention_core.registry import (
     set_backend,
     use_backend,
 )
+from attention_core.sampling import choose
 from attention_core.transformer import (
     add_norm,
     cached_decoder,
@@ -91,7 +98,9 @@ __all__ = [
     "cached_decoder",
     "cached_decoder_block",
     "cached_multi_head_attention",
+    "choose",
     "dot_product_attention",
+    "generate",
     "greedy_search",
     "load_weights",
     "masked_softmax",

@@ -13,6 +13,11 @@ Beam search keeps ``beam_size`` hypotheses per example. Rows are example-major: 
 lengths) are repeated ``beam_size`` times per example (:func:`repeat_rows`). A hypothesis ends
 at ``eos``; it is ranked by ``log P / L ** length_penalty``, L its length counting ``eos``
 (the d2l book's rule, with 0.75 its usual exponent).
+
+:func:`generate` continues a batch of prompts by greedy decoding or sampling
+(:func:`attention_core.sampling.choose`: temperature, top-k, top-p), choosing every token on
+the device; it reads one ``(B,)`` bool per step (whether every row has ended) when given an
+``eos``. Each row ends at its own ``eos``, and its later tokens are ``pad_id``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_core import checks
+from attention_core import checks, sampling
 from attention_core.host import host_array, plain
-from attention_core.ops import Array
+from attention_core.ops import Array, SamplingOps
 from attention_core.registry import ops_for
 
 #: A decoding step: ``(tokens (N, t), cache or None, start) -> (logits (N, t, V), cache)``.
@@ -296,3 +301,208 @@ def beam_search(
     ranked = (scores / lengths.astype(np.float64) ** search.alpha).reshape(batch, size)
     pick = np.arange(batch) * size + ranked.argmax(axis=1)
     return Generated(tokens[pick], lengths[pick], ranked.max(axis=1))
+
+
+def generate(
+    step: Step,
+    prompts: Any,
+    *,
+    max_new_tokens: int,
+    eos: int | None = None,
+    pad_id: int = 0,
+    temperature: float | None = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> Generated:
+    """Continues each prompt by up to ``max_new_tokens`` tokens, greedily or by sampling.
+
+    The step first runs on the whole prompts (positions ``0 .. T - 1``, cache None); the
+    next token comes from the last position's logits, then each step feeds the chosen tokens
+    ``(B, 1)`` at the next position. Tokens are chosen on the device by
+    :func:`attention_core.sampling.choose`, drawing from the framework's own generator seeded
+    by ``seed`` (the same seed gives the same tokens again on one backend; the streams differ
+    between backends, and MXNet's generator is global).
+
+    Args:
+        step: The decoding step (see the module's docstring).
+        prompts: ``(B, T)`` integer token ids, all of length T: an array of any framework
+            (given to the first step as it is), a NumPy array or nested lists (given as a
+            NumPy array).
+        max_new_tokens: The most tokens to generate per row, a positive int.
+        eos: The end token, an int in ``[0, V)``, or None: a row that emits it has ended,
+            and generation stops when every row has.
+        pad_id: The token an ended row gets after its ``eos``, an int in ``[0, V)``.
+        temperature: 0 or None for greedy decoding; else a finite number > 0.
+        top_k: None, or an int in ``[1, V]`` (see :func:`~attention_core.sampling.choose`).
+        top_p: None, or a number in ``(0, 1]``.
+        seed: The seed of the generator, an int >= 0 (unused when greedy).
+        vocab_size: V, to check ``eos``, ``pad_id``, ``top_k`` and host prompts before the
+            first step; None to check them against the first step's logits.
+
+    Returns:
+        A :class:`Generated`: ``tokens (B, L)`` (``L <= max_new_tokens``), ``lengths`` up
+        to and including each row's ``eos``, and ``scores``, the sum of the generated tokens'
+        log-probabilities under the step's logits (before temperature and filtering).
+
+    Raises:
+        TypeError: An argument of the wrong type.
+        ValueError: An argument out of its range, prompts not ``(B, T)``, or logits not
+            ``(B, t, V)``.
+    """
+    run = _check_generate(prompts, max_new_tokens, eos, pad_id, temperature, top_k, top_p,
+                          seed, vocab_size)
+    # The prompts' positions: 0 .. T - 1 for every row, so the next start is the scalar T.
+    # Ragged prompts (lengths, padding) make it (B,) and pick each row's last real column.
+    logits, cache = step(run.prompts, None, 0)
+    start = run.width
+    ops: Any = ops_for(logits)
+    run = _first_logits(ops, logits, run)
+    last = _next_logits(ops, logits, run)
+    state = ops.new_sampling_state(run.seed, like=last) if run.settings.temperature else None
+    live = ops.from_numpy(np.ones(run.batch, bool), like=last)
+    chosen, scores = [], ops.from_numpy(np.zeros((run.batch, 1), np.float32), like=last)
+    for t in range(run.steps):
+        tokens, state = sampling.choose(ops, last, temperature=run.settings.temperature,
+                                        top_k=run.settings.top_k, top_p=run.settings.top_p,
+                                        state=state)
+        scores = scores + ops.where(ops.expand_dims(live, 1), _log_prob(ops, last, tokens), 0.0)
+        tokens = ops.where(live, tokens, run.pad_id)
+        chosen.append(ops.expand_dims(tokens, 1))
+        if run.eos is not None:
+            live = ops.logical_and(live, tokens != run.eos)
+            if not ops.to_numpy(live).any():  # the one host read of a step
+                break
+        if t + 1 == run.steps:
+            break
+        logits, cache = step(ops.reshape(tokens, (run.batch, 1)), cache, start + t)
+        last = _next_logits(ops, logits, run)
+    return _generated(ops, chosen, scores, run.eos)
+
+
+class _Generate(NamedTuple):
+    """The checked arguments of :func:`generate`."""
+
+    prompts: Any
+    batch: int
+    width: int
+    host: np.ndarray | None
+    steps: int
+    eos: int | None
+    pad_id: int
+    settings: sampling.Sampling
+    seed: int
+    vocab_size: int | None
+
+
+def _check_generate(prompts: Any, max_new_tokens: Any, eos: Any, pad_id: Any, temperature: Any,
+                    top_k: Any, top_p: Any, seed: Any, vocab_size: Any) -> _Generate:
+    """Checks every argument of :func:`generate` before its first step."""
+    vocab = None if vocab_size is None else checks.check_positive_int("vocab_size", vocab_size)
+    given, host = _prompts(prompts, vocab)
+    steps = checks.check_positive_int("max_new_tokens", max_new_tokens)
+    pad = _pad_id(pad_id, vocab)
+    settings = sampling.check_sampling(temperature, top_k, top_p, vocab)
+    seed = plain(seed)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int in [0, 2**31), got {type(seed).__name__}")
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be an int in [0, 2**31), got {seed}")
+    shape = tuple(int(d) for d in (host.shape if host is not None else ops_for(given).shape(given)))
+    return _Generate(given, shape[0], shape[1], host, steps, _check_token_id("eos", eos, vocab),
+                     pad, settings, seed, vocab)
+
+
+def _pad_id(pad_id: Any, vocab_size: int | None) -> int:
+    """Checks ``pad_id``: an int (Python or NumPy) in ``[0, vocab_size)``."""
+    value = plain(pad_id)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"pad_id must be an int token id, got {type(value).__name__}")
+    return _in_vocabulary("pad_id", value, value, vocab_size)
+
+
+def _prompts(prompts: Any, vocab_size: int | None) -> tuple[Any, np.ndarray | None]:
+    """The prompts as the first step gets them, and their values when on the host.
+
+    A framework's array is checked by shape and dtype only (its values are not read); NumPy
+    arrays and lists are read, and their ids checked against ``[0, vocab_size)``.
+    """
+    try:
+        ops = ops_for(prompts)
+    except TypeError:
+        ops = None
+    host = None
+    if ops is None or ops.name == "numpy":
+        try:
+            host = np.asarray(prompts)
+        except (TypeError, ValueError):  # a ragged list (NumPy 2)
+            host = np.empty(0, object)
+        if host.dtype == object:
+            raise TypeError(f"prompts must be integer token ids of shape (B, T), got "
+                            f"{type(prompts).__name__}")
+        shape, dtype = host.shape, host.dtype.name
+    else:
+        shape, dtype = ops.shape(prompts), ops.dtype_name(prompts)
+    if np.dtype(dtype).kind not in "iu":
+        raise TypeError(f"prompts must be integer token ids of shape (B, T), got dtype {dtype}")
+    if len(shape) != 2 or 0 in shape:
+        raise ValueError(f"prompts must be integer token ids of shape (B, T) with B, T >= 1, "
+                         f"got shape {tuple(shape)}")
+    if host is None:
+        return prompts, None
+    _in_vocabulary("prompts", int(host.min()), int(host.max()), vocab_size)
+    return host, host
+
+
+def _first_logits(ops: Any, logits: Any, run: _Generate) -> _Generate:
+    """Checks the first step's logits, and the ids and ``top_k`` against their V.
+
+    Returns the arguments with ``vocab_size`` set to that V, which later steps must keep.
+    """
+    vocab = _next_logits_shape(ops, logits, run)[2]
+    if run.host is not None:
+        _in_vocabulary("prompts", int(run.host.min()), int(run.host.max()), vocab)
+    for name, value in (("eos", run.eos), ("pad_id", run.pad_id)):
+        if value is not None:
+            _in_vocabulary(name, value, value, vocab)
+    sampling.check_sampling(None, run.settings.top_k, None, vocab)
+    return run._replace(vocab_size=vocab)
+
+
+def _next_logits_shape(ops: Any, logits: Any, run: _Generate) -> tuple[int, ...]:
+    """The shape of a step's logits, which must be ``(B, t, V)`` (V that of the first step)."""
+    shape = tuple(ops.shape(logits))
+    vocab = run.vocab_size
+    if len(shape) != 3 or shape[0] != run.batch or 0 in shape or (
+            vocab is not None and shape[2] != vocab):
+        want = f"N = {run.batch}" + ("" if vocab is None else f", V = {vocab}")
+        raise ValueError(f"the step must return logits of shape (N, t, V) with {want}, got "
+                         f"shape {shape}")
+    return shape
+
+
+def _next_logits(ops: Any, logits: Any, run: _Generate) -> Any:
+    """The last position's logits ``(B, V)`` of a step's ``(B, t, V)``."""
+    batch, t, vocab = _next_logits_shape(ops, logits, run)
+    return ops.reshape(ops.slice(logits, 1, t - 1, 1), (batch, vocab))
+
+
+def _log_prob(ops: Any, logits: Any, tokens: Any) -> Any:
+    """``log softmax(logits)[b, tokens[b]]`` as ``(B, 1)`` float32, on the device."""
+    x = ops.astype(logits, "float64" if ops.dtype_name(logits) == "float64" else "float32")
+    x = x - ops.max(x, 1)
+    logp = x - ops.log(ops.sum(ops.exp(x), 1))
+    picked = ops.expand_dims(ops.arange(ops.shape(x)[1]), 0) == ops.expand_dims(tokens, 1)
+    return ops.astype(ops.sum(ops.where(picked, logp, 0.0), 1), "float32")
+
+
+def _generated(ops: SamplingOps, chosen: list[Any], scores: Any, eos: int | None) -> Generated:
+    """The tokens and scores read once, and each row's length up to its ``eos``."""
+    tokens = np.asarray(ops.to_numpy(ops.concatenate(chosen, 1))).astype(np.int64)
+    lengths = np.full(tokens.shape[0], tokens.shape[1], np.int64)
+    if eos is not None:
+        ended = tokens == eos
+        first = ended.argmax(axis=1)
+        lengths = np.where(ended.any(axis=1), first + 1, lengths)
+    return Generated(tokens, lengths, np.asarray(ops.to_numpy(scores), np.float64)[:, 0])

@@ -402,3 +402,34 @@ def fixed_shape(ops: Ops, x: Array) -> tuple[Any, ...]:
     """
     method = getattr(ops, "fixed_shape", None)
     return ops.shape(x) if method is None else tuple(method(x))
+
+
+class SamplingOps(Ops, Protocol):
+    """Optional: ops that sample tokens on the device (:func:`attention_core.sampling.choose`).
+
+    The randomness is each framework's own, reproducible by seed but not shared across
+    frameworks: NumPy a ``numpy.random.Generator``; torch a ``torch.Generator`` on the logits'
+    device; JAX a PRNG key, split at every draw (jittable: the new key is returned); TensorFlow
+    a Keras ``SeedGenerator``; MXNet its global generator (``mx.random.seed``), shared with
+    every other draw of the process. A state that advances in place is returned as it is.
+    """
+
+    def cumsum(self, x: Array, axis: int) -> Array:
+        """Returns ``np.cumsum(x, axis=axis)`` (same shape as ``x``)."""
+        ...
+
+    def argmax(self, x: Array) -> Array:
+        """Returns ``np.argmax(x, axis=-1)``, integers of the framework's index dtype."""
+        ...
+
+    def sort_descending(self, x: Array) -> tuple[Array, Array]:
+        """Returns ``x`` sorted along the last axis, largest first, and the indices that do it."""
+        ...
+
+    def new_sampling_state(self, seed: int, like: Array | None = None) -> Any:
+        """The framework's generator seeded with ``seed``, drawing where ``like`` lives."""
+        ...
+
+    def uniform(self, shape: tuple[Any, ...], state: Any) -> tuple[Array, Any]:
+        """Floats uniform in ``[0, 1)`` of ``shape``, and the state to draw from next."""
+        ...

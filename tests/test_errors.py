@@ -1290,6 +1290,30 @@ ODD_ROTARY_MESSAGE = ("rotary positions need an even depth per head, got 3: the 
 VOCAB = "[0, vocab_size) = [0, 11)"
 
 
+def choosing(c: Ctx, logits: Any = None, **settings: Any) -> Any:
+    """``choose`` on the backend's logits ``(4, 8)`` (or ``logits``), sampling by default."""
+    x = c.h.array(arr((4, 8))) if logits is None else logits
+    if "state" not in settings:
+        settings["state"] = c.h.ops.new_sampling_state(0, like=x)
+    return ac.choose(c.h.ops, x, **{"temperature": 1.0, **settings})
+
+
+def generating(c: Ctx, prompts: Any = ((1, 2), (3, 4)), **kwargs: Any) -> Any:
+    """``generate`` of 3 tokens with the row's decoder; ``prompts`` as the backend's array
+    when a tuple, else as given."""
+    def step(ids: Any, cache: Any, start: int) -> Any:
+        if cache is None:
+            return c.h.call(c.layer, ids, capacity=6)
+        return c.h.call(c.layer, ids, cache=cache, start=start)
+
+    given = c.h.array(np.array(prompts)) if isinstance(prompts, tuple) else prompts
+    return ac.generate(step, given, **{"max_new_tokens": 3, **kwargs})
+
+
+SAMPLING_STATE = ("sampling (temperature > 0) needs state=: a generator from "
+                  "ops.new_sampling_state(seed), or the state the last call returned")
+
+
 GENERATION_ROWS: list[Bad] = [
     # a cached attention layer: its keys are the cache's rows
     Bad("cached_layer_valid_lens", "mask",
@@ -1360,6 +1384,61 @@ GENERATION_ROWS: list[Bad] = [
     Bad("functional_rotary_base_one", "sizes",
         lambda c: ac.rotary_embedding(c.h.array(arr((2, 3, 4))), base=1.0), ValueError,
         "base must be a finite number > 1, got 1.0"),
+    # sampling settings, on the device's logits and through generate
+    Bad("choose_temperature_negative", "sizes", lambda c: choosing(c, temperature=-1.0),
+        ValueError, "temperature must be None or a finite number >= 0, got -1.0"),
+    Bad("choose_temperature_nan", "sizes", lambda c: choosing(c, temperature=float("nan")),
+        ValueError, "temperature must be None or a finite number >= 0, got nan"),
+    Bad("choose_temperature_str", "sizes", lambda c: choosing(c, temperature="1"), TypeError,
+        "temperature must be None or a real number >= 0, got str"),
+    Bad("choose_top_k_zero", "sizes", lambda c: choosing(c, top_k=0), ValueError,
+        "top_k must be None or an int in [1, V] = [1, 8], got 0"),
+    Bad("choose_top_k_past_vocabulary", "sizes", lambda c: choosing(c, top_k=9), ValueError,
+        "top_k must be None or an int in [1, V] = [1, 8], got 9"),
+    Bad("choose_top_k_float", "sizes", lambda c: choosing(c, top_k=4.0), TypeError,
+        "top_k must be None or a positive int, got float"),
+    Bad("choose_top_p_zero", "sizes", lambda c: choosing(c, top_p=0), ValueError,
+        "top_p must be None or a number in (0, 1], got 0"),
+    Bad("choose_top_p_above_one", "sizes", lambda c: choosing(c, top_p=1.5), ValueError,
+        "top_p must be None or a number in (0, 1], got 1.5"),
+    Bad("choose_top_p_str", "sizes", lambda c: choosing(c, top_p="0.9"), TypeError,
+        "top_p must be None or a number in (0, 1], got str"),
+    Bad("choose_without_state", "sizes", lambda c: choosing(c, state=None), ValueError,
+        SAMPLING_STATE),
+    Bad("choose_logits_rank_3", "rank", lambda c: choosing(c, c.h.array(arr((2, 3, 8)))),
+        ValueError, "logits must have shape (B, V) with V >= 1, got shape (2, 3, 8)"),
+    Bad("choose_logits_int", "dtype",
+        lambda c: choosing(c, c.h.array(np.ones((2, 8), np.int32)), temperature=0), TypeError,
+        "logits must be floating point (float16, bfloat16, float32, float64), got int32"),
+    Bad("generate_temperature_negative", "sizes", lambda c: generating(c, temperature=-0.5),
+        ValueError, "temperature must be None or a finite number >= 0, got -0.5", search_decoder),
+    Bad("generate_top_k_past_vocabulary", "sizes",
+        lambda c: generating(c, temperature=1.0, top_k=12), ValueError,
+        "top_k must be None or an int in [1, V] = [1, 11], got 12", search_decoder),
+    Bad("generate_top_k_past_vocab_size", "sizes",
+        lambda c: generating(c, top_k=12, vocab_size=11), ValueError,
+        "top_k must be None or an int in [1, V] = [1, 11], got 12", search_decoder),
+    Bad("generate_max_new_tokens_zero", "sizes", lambda c: generating(c, max_new_tokens=0),
+        ValueError, "max_new_tokens must be a positive int, got 0", search_decoder),
+    Bad("generate_seed_negative", "sizes", lambda c: generating(c, temperature=1.0, seed=-1),
+        ValueError, "seed must be an int in [0, 2**31), got -1", search_decoder),
+    Bad("generate_seed_float", "sizes", lambda c: generating(c, seed=1.0), TypeError,
+        "seed must be an int in [0, 2**31), got float", search_decoder),
+    Bad("generate_pad_id_past_vocabulary", "tokens", lambda c: generating(c, eos=0, pad_id=11),
+        ValueError, f"pad_id must be in {VOCAB}, got 11", search_decoder),
+    Bad("generate_pad_id_none", "tokens", lambda c: generating(c, pad_id=None), TypeError,
+        "pad_id must be an int token id, got NoneType", search_decoder),
+    Bad("generate_prompts_float", "dtype",
+        lambda c: generating(c, c.h.array(np.ones((2, 3), np.float32))), TypeError,
+        "prompts must be integer token ids of shape (B, T), got dtype float32", search_decoder),
+    Bad("generate_prompts_vector", "tokens", lambda c: generating(c, (1, 2)), ValueError,
+        "prompts must be integer token ids of shape (B, T) with B, T >= 1, got shape (2,)",
+        search_decoder),
+    Bad("generate_prompts_ragged", "tokens", lambda c: generating(c, [[1, 2], [3]]), TypeError,
+        "prompts must be integer token ids of shape (B, T), got list", search_decoder),
+    Bad("generate_prompts_past_vocab_size", "tokens",
+        lambda c: generating(c, [[1, 2], [3, 12]], vocab_size=11), ValueError,
+        f"prompts must be in {VOCAB}, got 12", search_decoder),
 ]
 
 

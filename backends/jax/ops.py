@@ -158,6 +158,25 @@ class JaxOps(NamespaceOps):
         keep = jax.random.bernoulli(key, 1.0 - rate, jnp.shape(x))
         return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
+    def cumsum(self, x: jax.Array, axis: int) -> jax.Array:
+        return jnp.cumsum(x, axis=axis)
+
+    # -- sampling (attention_core.ops.SamplingOps): a PRNG key is the state, split per draw --
+
+    def argmax(self, x: jax.Array) -> jax.Array:
+        return jnp.argmax(x, axis=-1)
+
+    def sort_descending(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, indices = jax.lax.top_k(x, x.shape[-1])  # every entry, largest first
+        return values, indices
+
+    def new_sampling_state(self, seed: int, like: Any = None) -> jax.Array:
+        return jax.random.key(seed)
+
+    def uniform(self, shape: tuple[int, ...], state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        state, key = jax.random.split(state)
+        return jax.random.uniform(key, shape), state
+
 
 #: The default JAX ops (used by the functional API for JAX arrays); it has no key, so dropout
 #: through it raises: bind a key with ``JaxOps(rng=key)``.

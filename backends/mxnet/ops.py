@@ -13,7 +13,7 @@ asks for are inferred from the known shapes and dtypes of the graph's inputs (``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import mxnet as mx
 import numpy as np
@@ -22,6 +22,13 @@ from attention_core.kernels import Request, blockwise, register_kernel
 from attention_core.ops import NamespaceOps
 
 Symbol = mx.sym.Symbol
+
+
+class GlobalSeed(NamedTuple):
+    """The sampling state of MXNet: the seed given to its global generator, and the device."""
+
+    seed: int
+    ctx: Any
 
 
 #: The integer dtypes MXNet arrays can have (others are converted to int64, values kept).
@@ -196,6 +203,31 @@ class MXNetOps(NamespaceOps):
     def _inputs(self, x: Any, field: int) -> dict[str, Any]:
         """The known shapes (field 0) or dtypes (field 1) of the inputs ``x`` depends on."""
         return {n: self._known[n][field] for n in x.list_arguments() if n in self._known}
+
+    def cumsum(self, x: Any, axis: int) -> Any:
+        return self.xp.cumsum(x, axis=axis)
+
+    # -- sampling (attention_core.ops.SamplingOps): MXNet's global generator ----------------
+
+    def argmax(self, x: Any) -> Any:
+        return self.xp.argmax(x, axis=-1)
+
+    def sort_descending(self, x: Any) -> tuple[Any, Any]:
+        values, indices = self.npx.topk(x, axis=-1, k=self.shape(x)[-1], ret_typ="both",
+                                        is_ascend=False, dtype="int64")
+        return values, indices
+
+    def new_sampling_state(self, seed: int, like: Any = None) -> GlobalSeed:
+        """Seeds MXNet's GLOBAL generator (``mx.random.seed``), which every draw shares.
+
+        The state only records the seed and the device to draw on: another draw in between
+        (dropout, ``mx.np.random``) changes what the next sample gets.
+        """
+        mx.random.seed(seed)
+        return GlobalSeed(seed, like.ctx if like is not None else mx.context.current_context())
+
+    def uniform(self, shape: tuple[int, ...], state: GlobalSeed) -> tuple[Any, GlobalSeed]:
+        return self.xp.random.uniform(0, 1, size=shape, ctx=state.ctx), state
 
 
 class _Recomputed(mx.autograd.Function):

@@ -69,6 +69,25 @@ class NumpyOps(NamespaceOps):
         keep = self.rng.random(x.shape) >= rate
         return np.where(keep, x / np.asarray(1.0 - rate, x.dtype), np.zeros((), x.dtype))
 
+    def cumsum(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.cumsum(x, axis=axis)
+
+    # -- sampling (attention_core.ops.SamplingOps): a NumPy Generator is the state -----------
+
+    def argmax(self, x: np.ndarray) -> np.ndarray:
+        return np.argmax(x, axis=-1)
+
+    def sort_descending(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        indices = np.flip(np.argsort(x, axis=-1, kind="stable"), axis=-1)
+        return np.take_along_axis(x, indices, axis=-1), indices
+
+    def new_sampling_state(self, seed: int, like: Any = None) -> np.random.Generator:
+        return np.random.default_rng(seed)
+
+    def uniform(self, shape: tuple[int, ...],
+                state: np.random.Generator) -> tuple[np.ndarray, np.random.Generator]:
+        return state.random(shape), state  # the Generator advances in place
+
 
 #: The default NumPy ops (used by the functional API for NumPy arrays).
 OPS = NumpyOps()

@@ -348,6 +348,28 @@ class TensorFlowOps:
             return tf.nn.dropout(x, rate)
         return keras.random.dropout(x, rate, seed=self.seed_generator)
 
+    def cumsum(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.math.cumsum(x, axis=axis)
+
+    # -- sampling (attention_core.ops.SamplingOps): a Keras SeedGenerator is the state -------
+
+    def argmax(self, x: Any) -> tf.Tensor:
+        return tf.argmax(x, axis=-1, output_type=tf.int32)
+
+    def sort_descending(self, x: Any) -> tuple[tf.Tensor, tf.Tensor]:
+        values, indices = tf.math.top_k(x, k=self.shape(x)[-1])  # every entry, largest first
+        return values, indices
+
+    def new_sampling_state(self, seed: int, like: Any = None) -> keras.random.SeedGenerator:
+        """A Keras ``SeedGenerator``: made eagerly, it draws inside ``tf.function`` and XLA too."""
+        return keras.random.SeedGenerator(seed)
+
+    def uniform(self, shape: tuple[Any, ...],
+                state: keras.random.SeedGenerator) -> tuple[tf.Tensor, keras.random.SeedGenerator]:
+        if not all(isinstance(d, int) for d in shape):
+            shape = tf.stack([tf.cast(d, tf.int32) for d in shape])  # run-time sizes
+        return tf.convert_to_tensor(keras.random.uniform(shape, seed=state)), state
+
 
 #: The default TensorFlow ops (used by the functional API for TensorFlow tensors).
 OPS = TensorFlowOps()

@@ -182,6 +182,28 @@ class TorchOps(NamespaceOps):
             return self
         return TorchOps(device)
 
+    def cumsum(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.cumsum(x, dim=axis)
+
+    # -- sampling (attention_core.ops.SamplingOps): a torch.Generator is the state ----------
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(x, dim=-1)
+
+    def sort_descending(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values, indices
+
+    def new_sampling_state(self, seed: int, like: torch.Tensor | None = None) -> torch.Generator:
+        """A ``torch.Generator`` seeded with ``seed``, on ``like``'s device (else the ops')."""
+        device = like.device if isinstance(like, torch.Tensor) else self.device
+        return torch.Generator(device=device or "cpu").manual_seed(seed)
+
+    def uniform(self, shape: tuple[Any, ...],
+                state: torch.Generator) -> tuple[torch.Tensor, torch.Generator]:
+        # the Generator advances in place; torch.compile breaks its graph at this draw
+        return torch.rand(shape, generator=state, device=state.device), state
+
 
 def autocasting(device_type: str) -> bool:
     """Whether ``torch.autocast`` is on for ``device_type`` (never for one it does not know: meta)."""
