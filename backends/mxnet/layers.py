@@ -264,8 +264,8 @@ class Layer(HybridBlock, GluonArguments, D.KeptAttention, D.Declaration):
         ctx = next(a for a in arrays if a is not None).ctx
         self._make_weights(arrays, options, need, prepared.dims, ctx)
         if self.is_cached(options):  # state in, state out, run imperatively
-            params = {n: p.data(ctx) for n, p in self._reg_params.items()}
-            return self._finished(self._forward(OPS, arrays, options, need, params), need,
+            data = {n: p.data(ctx) for n, p in self._reg_params.items()}
+            return self._finished(self._forward(OPS, arrays, options, need, data), need,
                                   prepared.return_attention)
         key = (tuple(None if a is None else (a.shape, a.dtype) for a in arrays),
                sorted(options.items()), need)
