@@ -241,6 +241,12 @@ class Ops(Protocol):
         """
         ...
 
+    # -- scans --------------------------------------------------------------------------
+
+    def cumsum(self, x: Array, axis: int) -> Array:
+        """Returns ``np.cumsum(x, axis)`` of an integer array (the integer dtype may widen)."""
+        ...
+
 
 # A framework's fused attention kernel is not an ops method: its adapter registers it as a
 # kernel ("fused") with its capabilities (attention_core.kernels.register_kernel). Any ops may

@@ -158,6 +158,9 @@ class JaxOps(NamespaceOps):
         keep = jax.random.bernoulli(key, 1.0 - rate, jnp.shape(x))
         return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
+    def cumsum(self, x: jax.Array, axis: int) -> jax.Array:
+        return jnp.cumsum(x, axis)
+
 
 #: The default JAX ops (used by the functional API for JAX arrays); it has no key, so dropout
 #: through it raises: bind a key with ``JaxOps(rng=key)``.

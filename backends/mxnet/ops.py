@@ -197,6 +197,9 @@ class MXNetOps(NamespaceOps):
         """The known shapes (field 0) or dtypes (field 1) of the inputs ``x`` depends on."""
         return {n: self._known[n][field] for n in x.list_arguments() if n in self._known}
 
+    def cumsum(self, x: Any, axis: int) -> Any:
+        return self.xp.cumsum(x, axis=axis)
+
 
 class _Recomputed(mx.autograd.Function):
     """Blockwise attention whose query blocks are recomputed, one at a time, in the backward.

@@ -69,6 +69,9 @@ class NumpyOps(NamespaceOps):
         keep = self.rng.random(x.shape) >= rate
         return np.where(keep, x / np.asarray(1.0 - rate, x.dtype), np.zeros((), x.dtype))
 
+    def cumsum(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.cumsum(x, axis)
+
 
 #: The default NumPy ops (used by the functional API for NumPy arrays).
 OPS = NumpyOps()

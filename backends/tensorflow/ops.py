@@ -348,6 +348,9 @@ class TensorFlowOps:
             return tf.nn.dropout(x, rate)
         return keras.random.dropout(x, rate, seed=self.seed_generator)
 
+    def cumsum(self, x: Any, axis: int) -> tf.Tensor:
+        return tf.math.cumsum(x, axis)
+
 
 #: The default TensorFlow ops (used by the functional API for TensorFlow tensors).
 OPS = TensorFlowOps()

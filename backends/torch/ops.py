@@ -182,6 +182,9 @@ class TorchOps(NamespaceOps):
             return self
         return TorchOps(device)
 
+    def cumsum(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.cumsum(x, axis)
+
 
 def autocasting(device_type: str) -> bool:
     """Whether ``torch.autocast`` is on for ``device_type`` (never for one it does not know: meta)."""
