@@ -283,11 +283,11 @@ def positions_of(ops: Ops, start: Any, steps: Any, *, lengths: Any = None,
         (host or isinstance(first, int)) and isinstance(steps, int)) else None
     if host:
         first = ops.from_numpy(first.astype(np.int32), like=like)
-    if lens is None and mask is None and not host and tuple(ops.shape(first)) == ():
+    shared = isinstance(first, int) or tuple(ops.shape(first)) == ()
+    if lens is None and mask is None and shared:
         return Positions(first, first, None, bound)  # one start: the fast path
     column = ops.expand_dims(ops.arange(steps), 0)  # (1, t)
-    begin = first if isinstance(first, int) or tuple(ops.shape(first)) == () else (
-        ops.expand_dims(first, -1))  # (B, 1) or a scalar
+    begin = first if shared else ops.expand_dims(first, -1)  # a scalar or (B, 1)
     if mask is not None:
         counted = ops.astype(ops.cumsum(ops.astype(mask, "int32"), 1), "int32")
         return Positions(first, _clamped(ops, counted - 1 + begin), mask, bound)
