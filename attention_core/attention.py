@@ -222,6 +222,9 @@ def dot_product_attention(
     ops: Ops | None = None,
     _heads: bool = False,
     _offset: Any = None,
+    _positions: Any = None,
+    _key_positions: Any = None,
+    _key_valid: Any = None,
 ) -> Any:
     """Scaled dot-product attention: ``softmax(Q K^T * scale) V`` over the visible keys.
 
@@ -268,6 +271,12 @@ def dot_product_attention(
         ops: The backend's ops; found from ``queries`` when omitted.
         _heads: Internal: the inputs are heads a layer projected from checked inputs.
         _offset: Internal (cached calls): the position of query 0, in place of ``K - Q``.
+        _positions: Internal (cached calls): the queries' positions, a
+            :class:`~attention_core.cache.Positions` (per example in a ragged batch), in place
+            of ``_offset``.
+        _key_positions: Internal: int32 ``(B, K)``, each key's position (None: ``j``).
+        _key_valid: Internal: boolean ``(B, K)``, the keys that hold a token, which the causal
+            and window masks alone see (None: all).
 
     Returns:
         The output, shape of ``queries`` with depth Dv; then the weights if asked, then the
@@ -278,10 +287,11 @@ def dot_product_attention(
         checks.check_qkv(ops, queries, keys, values)
     rank = len(ops.shape(queries))
     q, k, v = (_lift(ops, x, rank) for x in (queries, keys, values))  # (B, H, N, D)
-    call = mods.Call.of(ops, (*ops.shape(q)[:3], ops.shape(k)[2]), _offset)
+    call = _call(ops, (*ops.shape(q)[:3], ops.shape(k)[2]), _offset, _positions, _key_positions,
+                 _key_valid)
     if checks.check_positional(positional) == "rotary":
-        q = rotated_heads(ops, q, call.offset, rotary_base)
-        k = rotated_heads(ops, k, 0, rotary_base)
+        q = rotated_heads(ops, q, call.offset, rotary_base, call.query_positions)
+        k = rotated_heads(ops, k, 0, rotary_base, call.key_positions)
     checks.check_return_weights(return_weights)
     traced = ops.traced(q)
     on_read = return_weights == ON_READ and not traced
@@ -297,6 +307,16 @@ def dot_product_attention(
     result = kernels.run(ops, q, k, v, request, checks.check_implementation(implementation))
     weights = _weights_on_read(ops, (q, k, v), request, _heads) if on_read else result.weights
     return _returned(result, weights, rank, bool(return_weights), request.lse)
+
+
+def _call(ops: Ops, shape: tuple[Any, ...], offset: Any, positions: Any, key_positions: Any,
+          key_valid: Any) -> mods.Call:
+    """The call's positions: ``K - Q`` or ``offset``, else per example (:meth:`mods.Call.at`)."""
+    if positions is None and key_positions is None and key_valid is None:
+        return mods.Call.of(ops, shape, offset)
+    query = (0 if offset is None else offset) if positions is None else positions.query
+    bound = None if positions is None else positions.bound
+    return mods.Call.at(ops, shape, query, key_positions, key_valid, bound)
 
 
 def _depths_differ(ops: Ops, q: Array, v: Array) -> bool:

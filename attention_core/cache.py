@@ -13,6 +13,7 @@ Shape legend: B batch, H heads, C capacity, t the call's positions, D depth (h/H
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,27 +26,37 @@ from attention_core.ops import Array, Ops, fixed_shape
 Pair = tuple[Array, Array]
 
 
-def check_start(ops: Ops, start: Any, steps: Any, capacity: int, name: str = "start") -> Any:
+def check_start(ops: Ops, start: Any, steps: Any, capacity: int | None, name: str = "start",
+                batch: Any = None) -> Any:
     """Checks the position of a call's first token; returns it as an int when known now.
 
     Else as an int32 scalar array (a run-time position, under tracing). Known values are
     returned as ints so that the calls a decoder makes for its blocks, which check ``start``
-    again, do not read an array back each time.
+    again, do not read an array back each time. Where ``batch`` is given, ``start`` may also
+    hold one position per example, ``(B,)``: returned as an int64 NumPy array when its values
+    are known now (host data, or a backend array :meth:`~attention_core.ops.Ops.concrete`
+    reads), else as the backend's int32 array.
 
     Args:
         ops: The backend's ops.
-        start: An int, or an integer scalar array (a run-time position under tracing).
+        start: An int, an integer scalar array (a run-time position under tracing), or with
+            ``batch`` integers ``(B,)`` of any framework.
         steps: t, the call's positions.
-        capacity: C.
+        capacity: C; None for no bound.
         name: The argument as the caller takes it (``start_index`` on the rotary embedding).
+        batch: B, where one start per example is taken (any B when not an int, e.g. a
+            run-time size); None where one start is.
 
     Raises:
         TypeError: ``start`` is not an integer.
-        ValueError: ``start < 0``, or ``start + t > C`` (when both are known now).
+        ValueError: ``start < 0``, ``start + t > C`` (when both are known now), or starts of
+            a shape other than ``(B,)``.
     """
     start = plain(start)
     if isinstance(start, (bool, float)):
         raise TypeError(f"{name} must be an integer position, got {start!r}")
+    if batch is not None and isinstance(start, (list, tuple)):
+        start = host_array(start)
     if isinstance(start, np.ndarray) or (hasattr(start, "shape")
                                          and framework_of(start) not in (None, ops.name)):
         start = host_array(start)  # a NumPy or another framework's array: known now
@@ -55,11 +66,21 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int, name: str = "st
     if isinstance(start, np.ndarray):
         if start.shape == ():
             raise TypeError(f"{name} must be an integer position, got dtype {start.dtype}")
-        raise TypeError(f"{name} must be an int or an integer scalar array, got an array of "
-                        f"shape {start.shape}")
+        if batch is None:
+            raise TypeError(f"{name} must be an int or an integer scalar array, got an array of "
+                            f"shape {start.shape}")
+        return _per_example(name, start, start.shape, start.dtype.name, steps, capacity, batch)
     if not isinstance(start, int):
         own = framework_of(start) == ops.name  # the backend's (an MXNet Symbol has no .shape)
-        if not (own or hasattr(start, "shape")) or tuple(ops.shape(start)) != ():
+        if not (own or hasattr(start, "shape")):
+            raise TypeError(f"{name} must be an int or an integer scalar array, got "
+                            f"{type(start).__name__} of shape {getattr(start, 'shape', None)}")
+        shape = tuple(ops.shape(start))
+        if shape != () and batch is not None:
+            known = ops.concrete(start)
+            return _per_example(name, start if known is None else np.asarray(known), shape,
+                                ops.dtype_name(start), steps, capacity, batch, ops)
+        if shape != ():
             raise TypeError(f"{name} must be an int or an integer scalar array, got "
                             f"{type(start).__name__} of shape {getattr(start, 'shape', None)}")
         if not ops.dtype_name(start).startswith(("int", "uint")):
@@ -67,12 +88,38 @@ def check_start(ops: Ops, start: Any, steps: Any, capacity: int, name: str = "st
         known = ops.concrete(start)
         value = None if known is None else int(known)
         start = ops.astype(start, "int32")
+    _check_range(name, value, steps, capacity)
+    return start if value is None else value
+
+
+def _per_example(name: str, start: Any, shape: tuple[Any, ...], dtype: str, steps: Any,
+                 capacity: int | None, batch: Any, ops: Ops | None = None) -> Any:
+    """Checks one start per example, ``(B,)``: a NumPy array (values known) or ``ops``' array."""
+    sized = type(batch) is int
+    if len(shape) != 1 or (sized and isinstance(shape[0], int) and shape[0] != batch):
+        want = f"(B,) = ({batch},)" if sized else "(B,)"
+        raise ValueError(f"{name} must be an int or have shape {want}, got "
+                         f"{checks.fmt_shape(shape)}")
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"{name} must be an integer position, got dtype {dtype}")
+    if not isinstance(start, np.ndarray):
+        assert ops is not None
+        return ops.astype(start, "int32")  # run-time values: checked where they are used
+    start = start.astype(np.int64)
+    if start.size:
+        _check_range(name, int(start.min()), 0, None)
+        _check_range(name, int(start.max()), steps, capacity)
+    return start
+
+
+def _check_range(name: str, value: int | None, steps: Any, capacity: int | None) -> None:
+    """Refuses a known start below 0, or one whose ``steps`` positions pass ``capacity``."""
     if value is not None and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-    if value is not None and isinstance(steps, int) and value + steps > capacity:
+    if (value is not None and capacity is not None and isinstance(steps, int)
+            and value + steps > capacity):
         raise ValueError(f"start + positions must be <= the cache's capacity ({capacity}), got "
                          f"start {value} + {steps} positions = {value + steps}")
-    return start if value is None else value
 
 
 def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtype: str,
@@ -172,3 +219,130 @@ def visible(ops: Ops, start: Any, steps: int, capacity: int) -> Array:
     rows = ops.expand_dims(ops.arange(steps) + start, -1)  # (t, 1)
     return ops.expand_dims(ops.arange(capacity), 0) <= rows  # (t, C)
 
+
+
+@dataclass(frozen=True)
+class Positions:
+    """The positions of the t new tokens of one call, per example where they differ.
+
+    Attributes:
+        start: The position of each example's first real token: an int, an int32 scalar
+            array, or int32 ``(B,)``.
+        query: The tokens' positions: an int or an int32 scalar array, the first of t
+            consecutive positions that every example shares (the fast path), else int32
+            ``(B, t)``. Padding tokens' positions are clamped to ``>= 0``.
+        valid: None (every token is real), or boolean ``(B, t)``: the real tokens.
+        bound: A bound known now on every position plus one, ``max(start) + t``; None when
+            the starts are known only at run time.
+    """
+
+    start: Any
+    query: Any
+    valid: Any = None
+    bound: int | None = None
+
+
+#: The sides ``padding=`` may name.
+PADDINGS = ("left", "right")
+
+
+def positions_of(ops: Ops, start: Any, steps: Any, *, lengths: Any = None,
+                 padding: str = "right", padding_mask: Any = None, batch: Any = None,
+                 like: Array | None = None) -> Positions:
+    """The positions of a call's t tokens, from its start and, in a ragged batch, its lengths.
+
+    Example b's real tokens sit at ``start_b .. start_b + n_b - 1``. With ``lengths`` (n_b),
+    they are the columns ``t - n_b .. t - 1`` (``padding="left"``) or ``0 .. n_b - 1``
+    (``"right"``); with ``padding_mask``, its True columns, at ``start + cumsum(mask) - 1``
+    (Hugging Face's rule, which reads no values). The next call's start is ``start +
+    lengths``. One start and neither lengths nor a mask keeps the start as it is: the fast
+    path of every example at ``start .. start + t - 1``.
+
+    Args:
+        ops: The backend's ops.
+        start: An int, an integer scalar array, or integers ``(B,)`` of any framework.
+        steps: t.
+        lengths: Integers ``(B,)`` in ``[0, t]`` of any framework: each example's real tokens.
+        padding: Where the padding of ``lengths`` sits: ``"left"`` or ``"right"``.
+        padding_mask: Boolean ``(B, t)`` of any framework, True at the real tokens.
+        batch: B, where the caller knows it (else taken from ``lengths`` or the mask).
+        like: An array whose device the positions take (torch).
+
+    Raises:
+        TypeError: An argument of the wrong type or dtype.
+        ValueError: Arguments of the wrong shapes or values, or both lengths and a mask.
+    """
+    if padding not in PADDINGS:
+        raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
+    if lengths is not None and padding_mask is not None:
+        raise ValueError("give lengths or padding_mask, not both")
+    lens = None if lengths is None else _checked_rows(ops, "lengths", lengths, steps, batch, like)
+    mask = None if padding_mask is None else _checked_rows(ops, "padding_mask", padding_mask,
+                                                           steps, batch, like)
+    found = next((ops.shape(x)[0] for x in (lens, mask) if x is not None), None)
+    size = batch if batch is not None else found
+    first = check_start(ops, start, steps, None, "start", batch=size if size is not None else "B")
+    host = isinstance(first, np.ndarray)
+    bound = (int(first.max(initial=0)) if host else first) + steps if (
+        (host or isinstance(first, int)) and isinstance(steps, int)) else None
+    if host:
+        first = ops.from_numpy(first.astype(np.int32), like=like)
+    shared = isinstance(first, int) or tuple(ops.shape(first)) == ()
+    if lens is None and mask is None and shared:
+        return Positions(first, first, None, bound)  # one start: the fast path
+    column = ops.expand_dims(ops.arange(steps), 0)  # (1, t)
+    begin = first if shared else ops.expand_dims(first, -1)  # a scalar or (B, 1)
+    if mask is not None:
+        counted = ops.astype(ops.cumsum(ops.astype(mask, "int32"), 1), "int32")
+        return Positions(first, _clamped(ops, counted - 1 + begin), mask, bound)
+    if lens is None:
+        return Positions(first, column + begin, None, bound)
+    n = ops.expand_dims(lens, -1)  # (B, 1)
+    if padding == "left":
+        valid = column >= steps - n
+        return Positions(first, _clamped(ops, column - (steps - n) + begin), valid, bound)
+    return Positions(first, column + (n - n) + begin, column < n, bound)  # (B, t)
+
+
+def _checked_rows(ops: Ops, name: str, x: Any, steps: Any, batch: Any, like: Array | None
+                  ) -> Array:
+    """Checks ``lengths (B,)`` (integers in ``[0, t]``) or ``padding_mask (B, t)`` (boolean).
+
+    Returns:
+        The backend's array: int32 lengths, or the boolean mask.
+    """
+    host = None if framework_of(x) == ops.name and not isinstance(x, np.ndarray) else (
+        host_array(x))
+    shape = tuple(ops.shape(x)) if host is None else host.shape
+    dtype = ops.dtype_name(x) if host is None else host.dtype.name
+    want = (batch if batch is not None else "B",) + ((steps,) if name == "padding_mask" else ())
+    if len(shape) != len(want) or any(isinstance(a, int) and type(b) is int and a != b
+                                      for a, b in zip(shape, want, strict=True)):
+        raise ValueError(f"{name} must have shape {_legend(want)}, got {checks.fmt_shape(shape)}")
+    if name == "padding_mask":
+        if dtype != "bool":
+            raise TypeError(f"padding_mask must be boolean (True = a real token), got {dtype}")
+        return ops.from_numpy(host, like=like) if host is not None else x
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"lengths must have an integer dtype, got {dtype}")
+    known = host if host is not None else ops.concrete(x)
+    if known is not None and known.size and (known.min() < 0 or (
+            isinstance(steps, int) and known.max() > steps)):
+        bad = int(known.min()) if known.min() < 0 else int(known.max())
+        raise ValueError(f"lengths must be in [0, {steps}] (the call's positions), got {bad}")
+    if host is not None:
+        return ops.from_numpy(host.astype(np.int32), like=like)
+    return ops.astype(x, "int32")
+
+
+def _legend(want: tuple[Any, ...]) -> str:
+    """``(B,) = (2,)``, or ``(B, t) = (2, 5)``, the letters alone where no size is known."""
+    letters = "(B,)" if len(want) == 1 else "(B, t)"
+    if not all(type(w) is int for w in want):
+        return letters
+    return f"{letters} = {checks.fmt_shape(want)}"
+
+
+def _clamped(ops: Ops, positions: Array) -> Array:
+    """Positions below 0 (of padding tokens) as 0."""
+    return ops.where(positions >= 0, positions, 0)

@@ -241,6 +241,12 @@ class Ops(Protocol):
         """
         ...
 
+    # -- scans --------------------------------------------------------------------------
+
+    def cumsum(self, x: Array, axis: int) -> Array:
+        """Returns ``np.cumsum(x, axis)`` of an integer array (the integer dtype may widen)."""
+        ...
+
 
 # A framework's fused attention kernel is not an ops method: its adapter registers it as a
 # kernel ("fused") with its capabilities (attention_core.kernels.register_kernel). Any ops may
@@ -413,10 +419,6 @@ class SamplingOps(Ops, Protocol):
     a Keras ``SeedGenerator``; MXNet its global generator (``mx.random.seed``), shared with
     every other draw of the process. A state that advances in place is returned as it is.
     """
-
-    def cumsum(self, x: Array, axis: int) -> Array:
-        """Returns ``np.cumsum(x, axis=axis)`` (same shape as ``x``)."""
-        ...
 
     def argmax(self, x: Array) -> Array:
         """Returns ``np.argmax(x, axis=-1)``, integers of the framework's index dtype."""

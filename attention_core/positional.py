@@ -199,10 +199,18 @@ def check_rotary(depth: Any, base: Any, base_name: str = "rotary_base") -> tuple
     return depth, checks.check_rotary_base(base, base_name)
 
 
-def rotated_heads(ops: Ops, x: Array, start: Any, base: float) -> Array:
-    """Heads ``(B, H, N, D)`` rotated by the angles of positions ``start .. start + N - 1``."""
+def rotated_heads(ops: Ops, x: Array, start: Any, base: float, positions: Any = None) -> Array:
+    """Heads ``(B, H, N, D)`` rotated by the angles of positions ``start .. start + N - 1``.
+
+    Or, per example, by those of ``positions``: integers ``(B, N)`` (``start`` unused), a
+    backend array or NumPy.
+    """
     depth, base = check_rotary(fixed_width(ops, x), base)
-    cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)
+    if positions is None:
+        cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)  # (N, d/2)
+    else:
+        cos, sin = (ops.expand_dims(c, 1)  # (B, 1, N, d/2): the same for every head
+                    for c in rotary_table(ops, positions, depth, base, x))
     return rotate(ops, x, cos, sin)
 
 

@@ -1108,6 +1108,14 @@ def fn_transformer(c: Ctx, tgt: np.ndarray) -> Any:
     return ac.transformer_encoder_decoder(c.h.array(DEC_TOKENS), c.h.array(tgt), weights, 2)
 
 
+def ragged_positions(c: Ctx, start: Any, own: bool = False, **kwargs: Any) -> Any:
+    """The positions of one token of each of 2 examples from ``start`` (host data, or made the
+    backend's array when ``own``), as a cached call of a ragged batch has them."""
+    from attention_core.cache import positions_of
+
+    return positions_of(c.h.ops, c.h.array(start) if own else start, 1, batch=2, **kwargs)
+
+
 BATCH_ROWS: list[Bad] = [
     Bad("fn_decoder_enc_outputs_batch", "batch", lambda c: fn_decoder(c, 1), ValueError,
         "enc_outputs batch size (1) must equal tokens batch size (2)"),
@@ -1172,6 +1180,30 @@ BATCH_ROWS: list[Bad] = [
         lambda c: cached(c, DEC_TOKENS[:, :1], [block_cache(c.h)], enc_valid_lens=np.array([1, 2, 3])),
         ValueError, "enc_valid_lens must have shape (B,) or (B, Q) = (2,) or (2, 1), got (3,)",
         decoder),
+    Bad("ragged_start_batch", "batch",
+        lambda c: ragged_positions(c, np.array([0, 1, 2], np.int32), own=True), ValueError,
+        "start must be an int or have shape (B,) = (2,), got (3,)"),
+    Bad("ragged_start_rank", "batch",
+        lambda c: ragged_positions(c, np.zeros((2, 1), np.int32), own=True), ValueError,
+        "start must be an int or have shape (B,) = (2,), got (2, 1)"),
+    Bad("ragged_start_float", "batch",
+        lambda c: ragged_positions(c, np.array([0.0, 1.0], F32), own=True), TypeError,
+        "start must be an integer position, got dtype float32"),
+    Bad("ragged_start_negative", "batch", lambda c: ragged_positions(c, np.array([3, -2])),
+        ValueError, "start must be >= 0, got -2"),
+    Bad("ragged_start_negative_list", "batch", lambda c: ragged_positions(c, [-1, 4]),
+        ValueError, "start must be >= 0, got -1"),
+    Bad("ragged_lengths_batch", "batch",
+        lambda c: ragged_positions(c, [0, 1], lengths=np.array([1, 1, 1])), ValueError,
+        "lengths must have shape (B,) = (2,), got (3,)"),
+    Bad("ragged_lengths_range", "batch",
+        lambda c: ragged_positions(c, [0, 1], lengths=np.array([1, 2])), ValueError,
+        "lengths must be in [0, 1] (the call's positions), got 2"),
+    Bad("ragged_padding", "batch", lambda c: ragged_positions(c, [0, 1], padding="middle"),
+        ValueError, "padding must be 'left' or 'right', got 'middle'"),
+    Bad("ragged_padding_mask_dtype", "batch",
+        lambda c: ragged_positions(c, [0, 1], padding_mask=np.ones((2, 1), np.int32)), TypeError,
+        "padding_mask must be boolean (True = a real token), got int32"),
 ]
 
 

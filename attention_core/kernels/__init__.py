@@ -86,6 +86,8 @@ class Capabilities:
         value_depth: Takes values deeper or shallower than the keys (Dv != D).
         exact_non_finite: NaN and inf reach exactly the rows that see them.
         run_time_lengths: Takes numbers of queries and keys known only at run time (traced).
+        ragged: Takes positions per example (:attr:`~attention_core.modifiers.Call.per_example`:
+            a ragged batch), not only one offset shared by every example.
     """
 
     masks: frozenset[type] | None = None
@@ -99,6 +101,7 @@ class Capabilities:
     value_depth: bool = True
     exact_non_finite: bool = False
     run_time_lengths: bool = True
+    ragged: bool = False
 
     def missing(self, request: Request) -> list[str]:
         """What ``request`` asks that this kernel cannot do, in words (empty: nothing)."""
@@ -123,6 +126,8 @@ class Capabilities:
             why.append("does not check numerics")
         if not self.run_time_lengths and not all(isinstance(n, int) for n in r.call.shape[2:]):
             why.append("needs the numbers of queries and keys to be known when the call is traced")
+        if not self.ragged and r.call.per_example:
+            why.append("takes one offset for every example")
         return why
 
 

@@ -101,7 +101,8 @@ def recompute_sizes(batch_heads: int, num_queries: int, num_keys: int) -> tuple[
 
 
 #: Its blocks are cut in Python: Q and K must be known when the call is traced.
-CAPABILITIES = Capabilities(lse=True, sinks=True, exact_non_finite=True, run_time_lengths=False)
+CAPABILITIES = Capabilities(lse=True, sinks=True, exact_non_finite=True, run_time_lengths=False,
+                            ragged=True)
 
 
 def prefers(ops: Ops, request: Request) -> bool:

@@ -18,7 +18,8 @@ from attention_core.modifiers import AllMasks, Tile
 from attention_core.ops import Array, Ops
 from attention_core.scores import pooled, products
 
-CAPABILITIES = Capabilities(weights=True, lse=True, sinks=True, exact_non_finite=True)
+CAPABILITIES = Capabilities(weights=True, lse=True, sinks=True, exact_non_finite=True,
+                            ragged=True)
 
 
 def scores(ops: Ops, q: Array, k: Array, request: Request) -> Array:

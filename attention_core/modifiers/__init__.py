@@ -4,9 +4,10 @@ A call's keywords build modifiers (``valid_lens`` -> :func:`lengths`, ``causal``
 :func:`causal`, ...); a user may pass their own as ``mask_mod=`` and ``score_mod=``: a plain
 function ``mask_mod(b, h, q_idx, kv_idx) -> bool`` or ``score_mod(score, b, h, q_idx, kv_idx)
 -> score`` over index arrays of the active backend (``b`` ``(B, 1, 1, 1)``, ``h``
-``(1, H, 1, 1)``, ``q_idx`` ``(1, 1, Q, 1)``, ``kv_idx`` ``(1, 1, 1, K)``, int32), or these
-objects, or lists of either (masks ANDed, scores composed in order). Masks always win: a
-hidden key weighs exactly 0 whatever a score modifier makes of its score.
+``(1, H, 1, 1)``, ``q_idx`` ``(1, 1, Q, 1)``, ``kv_idx`` ``(1, 1, 1, K)``, int32; with positions
+per example, the positions ``(B, 1, Q, 1)`` and ``(B, 1, 1, K)``), or these objects, or lists
+of either (masks ANDed, scores composed in order). Masks always win: a hidden key weighs exactly
+0 whatever a score modifier makes of its score.
 
 Example:
     ``dot_product_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)``

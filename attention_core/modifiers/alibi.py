@@ -26,7 +26,9 @@ class Alibi(ScoreMod):
     def apply(self, scores: Array, tile: Tile) -> Array:
         ops, dtype = tile.ops, tile.ops.dtype_name(scores)
         assert self.slopes is not None
-        d = ops.astype(tile.distances(), dtype)  # (qn, kn)
+        d = ops.astype(tile.distances(), dtype)  # (qn, kn), or (B, 1, qn, kn) per example
         d = ops.maximum(d, -d)
         column = ops.from_numpy(-self.slopes.astype(dtype)[:, None, None])  # (H, 1, 1)
+        if len(ops.shape(d)) == 4:
+            return scores + ops.expand_dims(column, 0) * d
         return scores + ops.expand_dims(column * d, 0)

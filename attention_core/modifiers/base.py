@@ -29,6 +29,9 @@ Span = tuple[Any, int]
 class Call:
     """What a call's modifiers are bound to: its backend, scores' shape and query positions.
 
+    A call whose examples stand at different positions (a ragged batch) gives them per
+    example: ``start`` and ``offset`` are then None and ``query_positions`` is set.
+
     Attributes:
         ops: The backend's ops.
         shape: ``(B, H, Q, K)``; B and H may be run-time sizes under tracing.
@@ -36,12 +39,21 @@ class Call:
             first position.
         offset: The position of query 0 among the keys (``p_i = i + offset``): ``K - Q`` in a
             plain call (queries aligned with the last keys), a cached call's first position.
+        query_positions: int32 ``(B, Q)`` (or ``(1, Q)``): each query's position, or None.
+        key_positions: int32 ``(B, K)``: each key's position, or None for ``j``.
+        key_valid: Boolean ``(B, K)``: the keys that hold a token (the causal and window
+            masks hide the others), or None for all.
+        bound: Known now: every query position is below it (lets spans skip keys), or None.
     """
 
     ops: Ops
     shape: tuple[Any, ...]
     start: Any = 0
     offset: Any = 0
+    query_positions: Any = None
+    key_positions: Any = None
+    key_valid: Any = None
+    bound: int | None = None
 
     @classmethod
     def of(cls, ops: Ops, shape: tuple[Any, ...], start: Any = None) -> Call:
@@ -49,6 +61,27 @@ class Call:
         _, _, Q, K = shape
         return cls(ops, tuple(shape), 0, K - Q) if start is None else cls(ops, tuple(shape),
                                                                           start, start)
+
+    @classmethod
+    def at(cls, ops: Ops, shape: tuple[Any, ...], query: Any, key_positions: Any = None,
+           key_valid: Any = None, bound: int | None = None) -> Call:
+        """A call whose queries stand at ``query``, maybe per example.
+
+        ``query`` is a first position that every example shares (an int or a scalar array:
+        :meth:`of`'s fast path, unless key positions or validity are given), or int32
+        positions ``(B, Q)``.
+        """
+        shared = isinstance(query, int) or tuple(ops.shape(query)) == ()
+        if shared and key_positions is None and key_valid is None:
+            return cls.of(ops, shape, query)
+        if shared:
+            query = ops.expand_dims(ops.arange(shape[2]) + query, 0)  # (1, Q)
+        return cls(ops, tuple(shape), None, None, query, key_positions, key_valid, bound)
+
+    @property
+    def per_example(self) -> bool:
+        """Whether positions are given per example (``query_positions`` and the rest)."""
+        return self.query_positions is not None
 
     def tile(self, q0: Any, qn: int, k0: Any, kn: int) -> Tile:
         """The tile of queries ``q0 : q0 + qn`` and keys ``k0 : k0 + kn``."""
@@ -84,23 +117,74 @@ class Tile:
         return _shaped(self.ops, self.ops.arange(self.call.shape[1]), 1)
 
     def q_idx(self) -> Array:
-        """int32 ``(1, 1, qn, 1)``: each query's index, ``i + start``."""
-        return _shaped(self.ops, _plus(self.ops.arange(self.qn), _plus(self.q0, self.call.start)), 2)
+        """int32 ``(1, 1, qn, 1)``: each query's index, ``i + start``.
+
+        Per example, each query's position, ``(B, 1, qn, 1)``.
+        """
+        ops, positions = self.ops, self.call.query_positions
+        if positions is not None:
+            return ops.expand_dims(ops.expand_dims(ops.slice(positions, 1, self.q0, self.qn), 1),
+                                   -1)
+        return _shaped(ops, _plus(ops.arange(self.qn), _plus(self.q0, self.call.start)), 2)
 
     def kv_idx(self) -> Array:
-        """int32 ``(1, 1, 1, kn)``: each key's index ``j``."""
+        """int32 ``(1, 1, 1, kn)``: each key's index ``j``.
+
+        Its position, ``(B, 1, 1, kn)``, where the call gives key positions.
+        """
+        positions = self.call.key_positions
+        if positions is not None:
+            ops = self.ops
+            return ops.expand_dims(ops.expand_dims(ops.slice(positions, 1, self.k0, self.kn), 1),
+                                   1)
+        return self.key_index()
+
+    def key_index(self) -> Array:
+        """int32 ``(1, 1, 1, kn)``: each key's index ``j`` among the call's keys."""
         return _shaped(self.ops, _plus(self.ops.arange(self.kn), self.k0), 3)
 
-    def distances(self) -> Array:
-        """int32 ``(qn, kn)``: ``j - p_i``, key position minus query position."""
+    def key_valid(self) -> Array | None:
+        """Boolean ``(B, 1, 1, kn)``: the keys that hold a token; None when all do."""
+        valid = self.call.key_valid
+        if valid is None:
+            return None
         ops = self.ops
+        return ops.expand_dims(ops.expand_dims(ops.slice(valid, 1, self.k0, self.kn), 1), 1)
+
+    def distances(self) -> Array:
+        """int32 ``(qn, kn)``: ``j - p_i``, key position minus query position.
+
+        Per example, ``(B, 1, qn, kn)``.
+        """
+        ops = self.ops
+        if self.call.per_example:
+            return self.kv_idx() - self.q_idx()
         rows = ops.expand_dims(_plus(ops.arange(self.qn), _plus(self.q0, self.call.offset)), -1)
         return ops.expand_dims(_plus(ops.arange(self.kn), self.k0), 0) - rows
 
     def first_position(self) -> int | None:
         """The position of the tile's first query when it is known now, else None."""
+        if self.call.per_example:
+            return None
         first = _plus(self.q0, self.call.offset)
         return first if isinstance(first, int) and isinstance(self.k0, int) else None
+
+
+def of_valid_keys(tile: Tile, visible: Array) -> Array:
+    """``visible`` ANDed with the keys that hold a token (:meth:`Tile.key_valid`)."""
+    valid = tile.key_valid()
+    return visible if valid is None else tile.ops.logical_and(visible, valid)
+
+
+def refuse_per_example(call: Call, name: str) -> None:
+    """Refuses a modifier that needs every example at the same positions, per example.
+
+    Raises:
+        ValueError: The call gives positions per example.
+    """
+    if call.per_example:
+        raise ValueError(f"{name} needs every example at the same positions; this call gives "
+                         "positions per example (a ragged batch)")
 
 
 def _plus(x: Any, start: Any) -> Any:

@@ -34,7 +34,7 @@ class Lengths(MaskMod):
         if shortest is not None and isinstance(tile.k0, int) and tile.k0 + tile.kn <= shortest:
             return None  # every key of the tile is within every length
         lens = tile_rows(tile.ops, self.lens, tile.q0, tile.qn, tile.call.shape[2])
-        return tile.kv_idx() < lens
+        return tile.key_index() < lens
 
     def span(self, call: Call, q0: Any, qn: int) -> Span | None:
         return None if self.bounds is None else (0, max(1, self.bounds[1]))

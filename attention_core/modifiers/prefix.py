@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from attention_core.masks import lens_column
-from attention_core.modifiers.base import Call, MaskMod, Span, Tile
+from attention_core.modifiers.base import Call, MaskMod, Span, Tile, refuse_per_example
 from attention_core.ops import Array
 
 
@@ -25,6 +25,7 @@ class PrefixLM(MaskMod):
         self.longest: int | None = None
 
     def bind(self, call: Call) -> PrefixLM:
+        refuse_per_example(call, "prefix_lens")
         bound = PrefixLM(None)
         B, H, _, K = call.shape
         bound.lens, bounds = lens_column(call.ops, self.lens, (B, H, 1, K), name="prefix_lens")
@@ -32,7 +33,7 @@ class PrefixLM(MaskMod):
         return bound
 
     def visible(self, tile: Tile) -> Array:
-        inside = tile.kv_idx() < self.lens
+        inside = tile.key_index() < self.lens
         return tile.ops.where(inside, inside, tile.distances() <= 0)  # inside or causal
 
     def span(self, call: Call, q0: Any, qn: int) -> Span | None:

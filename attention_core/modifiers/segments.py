@@ -24,7 +24,7 @@ from attention_core.masks import (
     tile_columns,
     tile_rows,
 )
-from attention_core.modifiers.base import Call, MaskMod, Span, Tile
+from attention_core.modifiers.base import Call, MaskMod, Span, Tile, refuse_per_example
 from attention_core.ops import Array, Ops
 
 
@@ -41,6 +41,7 @@ class Segments(MaskMod):
         self.rows: tuple[np.ndarray, np.ndarray] | None = None  # sorted host ids (q, kv)
 
     def bind(self, call: Call) -> Segments:
+        refuse_per_example(call, "segment_ids")
         ops, (B, _, Q, K) = call.ops, call.shape
         parts = segment_parts(self.ids)
         kv, kv_host = _checked(ops, *parts[-1], (B, K))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from attention_core.checks import check_window
-from attention_core.modifiers.base import Call, MaskMod, Span, Tile
+from attention_core.modifiers.base import Call, MaskMod, Span, Tile, of_valid_keys
 from attention_core.ops import Array
 
 
@@ -30,11 +30,11 @@ class Window(MaskMod):
                 and tile.k0 > first + tile.qn - 1 - w and tile.k0 + tile.kn - 1 < first + w):
             return None  # the tile lies inside every query's window
         d = tile.distances()
-        return tile.ops.logical_and(d > -w, d < w)
+        return of_valid_keys(tile, tile.ops.logical_and(d > -w, d < w))
 
     def span(self, call: Call, q0: Any, qn: int) -> Span | None:
         K, w, ops = call.shape[3], self.size, call.ops
-        if not isinstance(K, int):
+        if not isinstance(K, int) or call.per_example:
             return None
         lowest = q0 + call.offset - (w - 1)  # the block's first query's first key
         if isinstance(lowest, int):
@@ -48,7 +48,7 @@ class Window(MaskMod):
     def local(self, call: Call) -> tuple[int, int] | None:
         """The window as ``(left, right)`` keys around query index ``i``, for a fused kernel.
 
-        None with a run-time offset, or when a side would be negative.
+        None with a run-time offset or positions per example, or when a side would be negative.
         """
         if not isinstance(call.offset, int):
             return None

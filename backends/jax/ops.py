@@ -197,9 +197,9 @@ def fused(ops: Any, q: jax.Array, k: jax.Array, v: jax.Array, request: Request) 
     """Pools with ``jax.nn.dot_product_attention`` (XLA's kernel on CPU): ``(B, H, Q, Dv)``.
 
     The call's masks go in as one boolean mask; a window also as ``local_window_size``, so that
-    the kernel may skip the keys outside it. The kernel gives a row with no visible key the
-    mean of the values (its softmax over all-masked logits is uniform): those rows are zeroed,
-    found from the mask.
+    the kernel may skip the keys outside it (not with positions per example: the mask alone).
+    The kernel gives a row with no visible key the mean of the values (its softmax over
+    all-masked logits is uniform): those rows are zeroed, found from the mask.
     """
     windows = [m for m in request.masks if isinstance(m, Window)]
     local = windows[0].local(request.call) if len(windows) == 1 else None
@@ -251,5 +251,5 @@ def prefers_fused(ops: Any, request: Request) -> bool:
 _DTYPES = frozenset({"bfloat16", "float32", "float64"} | (
     set() if jax.default_backend() == "cpu" else {"float16"}))
 register_kernel("fused", fused, Capabilities(scores=frozenset(), dropout=False, dtypes=_DTYPES,
-                                             value_depth=False),
+                                             value_depth=False, ragged=True),
                 backend="jax", priority=20, prefers=prefers_fused)

@@ -231,16 +231,18 @@ def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     A call whose only mask is ``causal`` over as many queries as keys goes in as
     ``is_causal=True``, letting SDPA pick its fastest kernel; any other masks as one boolean
-    ``attn_mask``. Where the masks hide most key blocks from whole query blocks (packed
-    documents, a window), SDPA runs once per query block on the keys it may see
-    (:func:`attention_core.kernels.query_spans`). Fewer key/value heads go in as SDPA's own
-    grouped-query heads. Rows with no visible key come out as zeros (torch's SDPA gives
-    zeros there, checked by tests/test_torch.py).
+    ``attn_mask`` (always so, ``(B, 1, Q, K)``, for positions per example). Where the masks
+    hide most key blocks from whole query blocks (packed documents, a window), SDPA runs once
+    per query block on the keys it may see (:func:`attention_core.kernels.query_spans`). Fewer
+    key/value heads go in as SDPA's own grouped-query heads. Rows with no visible key come out
+    as zeros (torch's SDPA gives zeros there, checked by tests/test_torch.py).
     """
     masks = request.masks
-    if len(masks) == 1 and isinstance(masks[0], Causal) and _zero(request.call.offset):
+    if (len(masks) == 1 and isinstance(masks[0], Causal) and not request.call.per_example
+            and _zero(request.call.offset)):
         return Result(_sdpa(q, k, v, None, request, causal=True))
-    spans = query_spans(request, SPAN_BLOCK) if masks and not _tracing() else None
+    cut = masks and not _tracing() and not request.call.per_example
+    spans = query_spans(request, SPAN_BLOCK) if cut else None
     if spans is None:
         return Result(_sdpa(q, k, v, visible(request), request))
     parts = []
@@ -296,8 +298,8 @@ def prefers_blockwise(ops: Any, request: Request) -> bool:
     return not _tracing() and blockwise.enough_scores(request, blockwise.MIN_SCORES)
 
 
-register_kernel("fused", fused, Capabilities(scores=frozenset()), backend="torch", priority=20,
-                prefers=prefers_fused)
+register_kernel("fused", fused, Capabilities(scores=frozenset(), ragged=True), backend="torch",
+                priority=20, prefers=prefers_fused)
 register_kernel("blockwise", blockwise.blockwise, blockwise.CAPABILITIES, backend="torch",
                 priority=10, prefers=prefers_blockwise)
 flex.register()
