@@ -214,6 +214,45 @@ def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int
     return ops.where(ops.expand_dims(inside, -1), placed, cache)
 
 
+def placed(ops: Ops, start: Any, steps: Any, capacity: int, *, lengths: Any = None,
+           padding: str = "right", padding_mask: Any = None, batch: Any = None,
+           like: Array | None = None) -> Positions:
+    """The positions of a cached call's t tokens (:func:`positions_of`), within the capacity.
+
+    Raises:
+        ValueError: A position past the capacity (when the starts are known now), and the
+            errors of :func:`positions_of`.
+    """
+    check_start(ops, start, steps, capacity, batch=batch)
+    return positions_of(ops, start, steps, lengths=lengths, padding=padding,
+                        padding_mask=padding_mask, batch=batch, like=like)
+
+
+def per_example(at: Positions) -> bool:
+    """Whether the tokens' positions differ by example (``(B, t)``), not one shared start."""
+    return not isinstance(at.query, int) and hasattr(at.query, "shape") and len(at.query.shape) == 2
+
+
+def written_at(ops: Ops, cache: Array | None, new: Array, at: Positions, capacity: int) -> Array:
+    """``cache`` with each real token of ``new (B, H, t, D)`` written at its position's row.
+
+    One shared start goes to :func:`written`. Per example, row ``c`` of example ``b`` takes
+    new row ``r`` where ``query[b, r] == c`` and the token is real (``valid``): a product
+    with a one-hot ``(B, 1, C, t)`` matrix, exact, then the untouched rows kept.
+    """
+    if not per_example(at):
+        return written(ops, cache, new, at.query, capacity)
+    rows = ops.expand_dims(ops.expand_dims(ops.arange(capacity), 0), -1)  # (1, C, 1)
+    hits = rows == ops.expand_dims(at.query, 1)  # (B, C, t)
+    if at.valid is not None:
+        hits = ops.logical_and(hits, ops.expand_dims(at.valid, 1))
+    onehot = ops.astype(ops.expand_dims(hits, 1), ops.dtype_name(new))  # (B, 1, C, t)
+    put = ops.matmul(onehot, new)  # (B, H, C, D)
+    if cache is None:
+        return put
+    return ops.where(ops.sum(onehot, -1) > 0, put, cache)  # rows written now, else kept
+
+
 def visible(ops: Ops, start: Any, steps: int, capacity: int) -> Array:
     """The boolean ``(t, C)`` mask of a cached call: query i sees rows ``j <= start + i``."""
     rows = ops.expand_dims(ops.arange(steps) + start, -1)  # (t, 1)

@@ -701,7 +701,7 @@ class _Attention(Declaration):
 
 
 #: The call arguments of a cached call (:attr:`Declaration.cache_arguments`).
-CACHE_ARGUMENTS = ("cache", "start", "capacity")
+CACHE_ARGUMENTS = ("cache", "start", "capacity", "lengths", "padding", "padding_mask")
 
 #: The score options of the scaled dot-product layers (:class:`_ScoredAttention`).
 SCORE_OPTIONS = tuple(checks.SCORE_OPTION_CHECKS)
@@ -727,6 +727,7 @@ class _ScoredAttention(_Attention):
         valid_lens: Any = None, *, mask: Any = None, causal: bool = False,
         score_bias: Any = None, segment_ids: Any = None, mask_mod: Any = None,
         score_mod: Any = None, cache: Any = None, start: Any = 0, capacity: int | None = None,
+        lengths: Any = None, padding: str = "right", padding_mask: Any = None,
     ) -> Any:
         """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
 
@@ -735,8 +736,10 @@ class _ScoredAttention(_Attention):
         before masking. ``segment_ids``, ``mask_mod`` and ``score_mod`` go to
         :func:`~attention_core.attention.dot_product_attention` as they are. With ``cache`` or
         ``capacity`` the call is causal over a key/value cache, its new positions ``start ..
-        start + Q - 1``, and returns ``(output, cache)``.
+        start + Q - 1`` (per example with ``lengths`` or ``padding_mask``, see
+        :func:`~attention_core.multihead.multi_head_attention`), and returns ``(output, cache)``.
         """
+        ragged = multihead.ragged_arguments(cache, capacity, lengths, padding, padding_mask)
         modifiers = {"segment_ids": segment_ids, "mask_mod": mask_mod, "score_mod": score_mod}
         options = {
             "mask": mask, "causal": causal, "dropout": run.dropout, "return_weights": run.need,
@@ -746,7 +749,7 @@ class _ScoredAttention(_Attention):
         }
         if cache is None and capacity is None:
             return self.attend(run, queries, keys, values, valid_lens, **options)
-        cached = {"cache": cache, "start": start, "capacity": capacity}
+        cached = {"cache": cache, "start": start, "capacity": capacity, **ragged}
         return _with_cache(run, self.attend(run, queries, keys, values, valid_lens, **options,
                                             **cached))
 
@@ -819,13 +822,16 @@ class DotProductAttention(_ScoredAttention):
 
 def _cached_dot_product(layer: DotProductAttention, run: Run, queries: Array, keys: Array,
                         values: Array, valid_lens: Any, *, cache: Any, start: Any,
-                        capacity: int | None, **options: Any) -> Any:
+                        capacity: int | None, padding: str = "right", lengths: Any = None,
+                        padding_mask: Any = None, **options: Any) -> Any:
     """A :class:`DotProductAttention` call against a key/value cache."""
+    ragged = {"padding": padding, "lengths": lengths, "padding_mask": padding_mask}
     multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=options["mask"],
                                     score_bias=options["score_bias"],
                                     segment_ids=options.get("segment_ids"))
     return multihead.cached_attention(
         run.ops, queries, keys, values, cache, start, capacity=capacity,
+        ragged={name: value for name, value in ragged.items() if value is not None},
         options=multihead.HeadOptions(None, layer.positional, layer.rotary_base, layer.window,
                                       layer.softcap, layer.scale),
         dropout=options["dropout"], return_weights=options["return_weights"],

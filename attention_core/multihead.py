@@ -131,6 +131,9 @@ def multi_head_attention(
     cache: Any = None,
     start: Any = 0,
     capacity: int | None = None,
+    lengths: Any = None,
+    padding: str = "right",
+    padding_mask: Any = None,
     ops: Ops | None = None,
     _layer: bool = False,
 ) -> Any:
@@ -171,8 +174,13 @@ def multi_head_attention(
         score_mod: Passed to :func:`~attention_core.attention.dot_product_attention`.
         cache: ``(keys, values)`` ``(B, Hkv, C, h/H)`` each from an earlier cached call: the
             call is then causal over the cache (:func:`cached_heads`).
-        start: A cached call's position of its first token.
+        start: A cached call's position of its first token: an int, or one per example
+            ``(B,)`` (a ragged batch).
         capacity: C of a cache made now (with ``cache`` None): makes the call cached.
+        lengths: A cached call's real tokens per example ``(B,)``, the rest padding: example
+            ``b``'s tokens sit at positions ``start[b] ..`` and only they are written.
+        padding: Where the padding of ``lengths`` sits, ``"right"`` or ``"left"``.
+        padding_mask: Boolean ``(B, t)``, True at the real tokens, in place of ``lengths``.
         ops: The backend's ops; found from ``queries`` when omitted.
         _layer: Internal: a layer's call, whose ``num_heads`` and head options the layer
             checked when it was made (and its inputs and weights, as ``weights`` says).
@@ -183,13 +191,14 @@ def multi_head_attention(
     """
     ops = ops or ops_for(queries, "queries")
     options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
+    ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
     if cache is not None or capacity is not None:
         refuse_in_cached_call(valid_lens=valid_lens, mask=mask, score_bias=score_bias,
                               segment_ids=segment_ids)
         return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
                             capacity=capacity, dropout=dropout, return_weights=return_weights,
                             implementation=implementation, options=options,
-                            mask_mod=mask_mod, score_mod=score_mod)
+                            mask_mod=mask_mod, score_mod=score_mod, ragged=ragged)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
                                           weights, num_heads, options, checked=_layer)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
@@ -253,6 +262,7 @@ def pool_heads(
     segment_ids: Any = None,
     mask_mod: Any = None,
     score_mod: Any = None,
+    positions: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
@@ -276,11 +286,14 @@ def pool_heads(
         segment_ids: See :func:`multi_head_attention`.
         mask_mod: See :func:`multi_head_attention`.
         score_mod: See :func:`multi_head_attention`.
+        positions: The queries' positions per example (a ragged cached call,
+            :class:`~attention_core.cache.Positions`), in place of ``offset``.
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     if options.positional == "rotary":
         first = ops.shape(pair[0])[2] - ops.shape(q)[2] if offset is None else offset
-        q = rotated_heads(ops, q, first, options.rotary_base)
+        q = rotated_heads(ops, q, first, options.rotary_base,
+                          None if positions is None else positions.query)
     given = {"sinks": weights.get("sink_logits"), "segment_ids": segment_ids,
              "mask_mod": mask_mod, "score_mod": score_mod}
     pooled = dot_product_attention(
@@ -288,7 +301,8 @@ def pool_heads(
         return_weights=return_weights, implementation=implementation, window=options.window,
         softcap=options.softcap, score_bias=score_bias, scale=options.scale,
         positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
-        _offset=offset, **{name: value for name, value in given.items() if value is not None},
+        _offset=offset, _positions=positions,
+        **{name: value for name, value in given.items() if value is not None},
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
@@ -361,11 +375,12 @@ def cached_heads(
     ops: Ops, queries: Array, keys: Array, values: Array, weights: Mapping[str, Array],
     num_heads: int, cache: Any, start: Any, *, capacity: int | None, dropout: float,
     return_weights: bool | str, implementation: str | None, options: HeadOptions,
-    mask_mod: Any = None, score_mod: Any = None,
+    mask_mod: Any = None, score_mod: Any = None, ragged: Mapping[str, Any] | None = None,
 ) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
     """:func:`cached_multi_head_attention` with its options as :class:`HeadOptions`.
 
-    ``mask_mod`` and ``score_mod`` see query ``i`` at index ``start + i``.
+    ``mask_mod`` and ``score_mod`` see query ``i`` at index ``start + i``. ``ragged``: the
+    call's ``lengths``, ``padding`` and ``padding_mask`` (:func:`attention_core.cache.placed`).
     """
     weights, options, new = _keys_values(ops, "cached_multi_head_attention", queries, keys,
                                          values, weights, num_heads, options, None)
@@ -373,21 +388,32 @@ def cached_heads(
     pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, Hkv, D),
                                                           ops.dtype_name(new[0]))
     size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
-    start = kv_cache.check_start(ops, start, steps, size)
-    if options.positional == "rotary":  # the new keys at their positions
-        new = (rotated_heads(ops, new[0], start, options.rotary_base), new[1])
-    written = tuple(kv_cache.written(ops, old, rows, start, size)
-                    for old, rows in zip(pair or (None, None), new, strict=True))
-    result = pool_heads(ops, queries, written, weights, num_heads,
-                        mask=kv_cache.visible(ops, start, steps, size), dropout=dropout,
+    at, written = _written(ops, pair, new, start, steps, size, options, ragged or {})
+    result = pool_heads(ops, queries, written, weights, num_heads, causal=True, dropout=dropout,
                         return_weights=return_weights, implementation=implementation,
-                        options=options, offset=start, mask_mod=mask_mod, score_mod=score_mod)
-    return result, (written[0], written[1])
+                        options=options, offset=at.query, mask_mod=mask_mod,
+                        score_mod=score_mod, positions=at if kv_cache.per_example(at) else None)
+    return result, written
+
+
+def _written(ops: Ops, pair: tuple[Array, Array] | None, new: tuple[Array, Array], start: Any,
+             steps: Any, size: int, options: HeadOptions, ragged: Mapping[str, Any]
+             ) -> tuple[kv_cache.Positions, tuple[Array, Array]]:
+    """The new tokens' positions, and the cache with their keys (rotated) and values written."""
+    at = kv_cache.placed(ops, start, steps, size, batch=ops.shape(new[0])[0], like=new[0],
+                         **ragged)
+    if options.positional == "rotary":  # the new keys at their positions
+        rows = at.query if kv_cache.per_example(at) else None
+        new = (rotated_heads(ops, new[0], at.query, options.rotary_base, rows), new[1])
+    keys, values = (kv_cache.written_at(ops, old, rows, at, size)
+                    for old, rows in zip(pair or (None, None), new, strict=True))
+    return at, (keys, values)
 
 
 def cached_attention(
     ops: Ops, queries: Array, keys: Array, values: Array, cache: Any, start: Any, *,
-    capacity: int | None, options: HeadOptions, **pooling: Any,
+    capacity: int | None, options: HeadOptions, ragged: Mapping[str, Any] | None = None,
+    **pooling: Any,
 ) -> tuple[Any, tuple[Array, Array]]:
     """Causal attention of ``t`` new positions against a cache of earlier keys and values.
 
@@ -395,8 +421,9 @@ def cached_attention(
     has the inputs' rank: ``(B, C, D)`` or ``(B, Hkv, C, D)`` each, keys rotated under rotary
     positions; the new keys and values are written at rows ``[start,
     start + t)`` and query ``i`` sees rows ``j <= start + i``, as in :func:`cached_heads`.
-    ``pooling``: the keywords of ``dot_product_attention`` that pool (dropout, return_weights,
-    implementation, mask_mod, score_mod).
+    ``ragged``: as for :func:`cached_heads`. ``pooling``: the keywords of
+    ``dot_product_attention`` that pool (dropout, return_weights, implementation, mask_mod,
+    score_mod).
     """
     checks.check_qkv(ops, queries, keys, values)
     rank = len(ops.shape(queries))
@@ -406,17 +433,16 @@ def cached_attention(
         ops, "cache", _lifted_pair(ops, cache, rank), (B, Hkv, D), ops.dtype_name(k),
         ops.shape(v)[3])
     size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
-    start = kv_cache.check_start(ops, start, steps, size)
+    at, written = _written(ops, pair, (k, v), start, steps, size, options, ragged or {})
+    ragged_rows = kv_cache.per_example(at)
     if options.positional == "rotary":
-        q = rotated_heads(ops, q, start, options.rotary_base)
-        k = rotated_heads(ops, k, start, options.rotary_base)
-    written = tuple(kv_cache.written(ops, old, rows, start, size)
-                    for old, rows in zip(pair or (None, None), (k, v), strict=True))
+        q = rotated_heads(ops, q, at.query, options.rotary_base,
+                          at.query if ragged_rows else None)
     result = dot_product_attention(
-        q, *written, mask=kv_cache.visible(ops, start, steps, size), window=options.window,
-        softcap=options.softcap, scale=options.scale,
-        positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
-        _offset=start, **{name: value for name, value in pooling.items() if value is not None})
+        q, *written, causal=True, window=options.window, softcap=options.softcap,
+        scale=options.scale, positional="alibi" if options.positional == "alibi" else None,
+        ops=ops, _heads=True, _offset=at.query, _positions=at if ragged_rows else None,
+        **{name: value for name, value in pooling.items() if value is not None})
     if rank == 3:
         out = result[0][:, 0] if isinstance(result, tuple) else result[:, 0]
         result = (out, *result[1:]) if isinstance(result, tuple) else out
@@ -430,6 +456,19 @@ def _lifted_pair(ops: Ops, cache: Any, rank: int) -> Any:
         return cache
     return tuple(ops.expand_dims(x, 1) if hasattr(x, "shape") and len(ops.shape(x)) == 3 else x
                  for x in cache)
+
+
+def ragged_arguments(cache: Any, capacity: Any, lengths: Any, padding: Any, padding_mask: Any
+                     ) -> dict[str, Any]:
+    """A cached call's ``lengths``, ``padding`` and ``padding_mask``; refused without a cache."""
+    given = {"lengths": lengths, "padding_mask": padding_mask}
+    if cache is None and capacity is None:
+        for name, value in {**given, "padding": None if padding == "right" else padding}.items():
+            if value is not None:
+                raise ValueError(f"{name} is an argument of a cached call: give cache or "
+                                 "capacity too (uncached calls take valid_lens or mask)")
+    return {"padding": padding, **{name: value for name, value in given.items()
+                                    if value is not None}}
 
 
 def refuse_in_cached_call(**arguments: Any) -> None:

@@ -1358,6 +1358,15 @@ GENERATION_ROWS: list[Bad] = [
                        segment_ids=np.zeros((2, 3), np.int32), capacity=4), ValueError,
         "segment_ids must be None in a cached call (cache or capacity given): the cache's rows "
         "up to each query's position are its keys", dot),
+    Bad("uncached_layer_lengths", "mask",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)),
+                       lengths=np.array([1, 2])), ValueError,
+        "lengths is an argument of a cached call: give cache or capacity too (uncached calls "
+        "take valid_lens or mask)", mha),
+    Bad("cached_layer_start_batch", "sizes",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)),
+                       start=np.array([0, 0, 0]), capacity=4), ValueError,
+        "start must be an int or have shape (B,) = (2,), got (3,)", mha),
     Bad("cached_layer_other_width", "mismatch",
         lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 8)), capacity=4),
         ValueError, "values last dimension (8) must be 5, the size this layer was built for",

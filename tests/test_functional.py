@@ -100,10 +100,11 @@ def test_every_public_function_is_covered() -> None:
     rest = functions - covered
     # the rest are tested elsewhere against formulas or files (the decoder side against
     # tests/naive.py in tests/test_decoder.py, cached decoding against the full pass in
-    # tests/test_cache.py, the searches in tests/test_generation.py)
+    # tests/test_cache.py, the searches in tests/test_generation.py, sampling in
+    # tests/test_sampling.py)
     assert rest == {"transformer_encoder_decoder", "transformer_decoder", "transformer_decoder_block",
                     "cached_decoder", "cached_decoder_block", "cached_multi_head_attention",
-                    "greedy_search", "beam_search", "repeat_rows", "alibi_slopes",
+                    "greedy_search", "beam_search", "generate", "choose", "repeat_rows", "alibi_slopes",
                     "masked_softmax", "sinusoidal_encoding", "relative_rotation", "save_weights",
                     "load_weights", "available_backends", "backend", "set_backend",
                     "use_backend"}

@@ -165,3 +165,39 @@ def test_cached_attention_steps_compile_once(backend: str) -> None:
         rows.append(hb.numpy(out))
     assert max_diff(np.concatenate(rows, axis=1), full) <= BOUND
     assert traces() == 1, f"the step was traced {traces()} times"
+
+
+#: A ragged batch: 4 prompts of lengths 3, 8, 5 and 1 padded to 8, then 4 single tokens.
+LENGTHS, PROMPT, MORE = np.array([3, 8, 5, 1]), 8, 4
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("name", ["mha_gqa_rotary", "mha_alibi_window_sinks", "dpa_rotary"])
+def test_ragged_batch_equals_each_example_alone(backend: str, name: str, padding: str) -> None:
+    """Prompts of different lengths, padded, prefill in one call (``start`` per example,
+    ``lengths``) and decode together: each example's rows equal its own causal pass."""
+    hb = Harness(backend)
+    X = np.random.default_rng(26).standard_normal((4, PROMPT + MORE, WIDTH)).astype(np.float32)
+    layer = _layer(hb, name, hb.array(X[:1, :2]))
+    alone = [hb.numpy(hb.call(layer, hb.array(X[b:b + 1, :n + MORE]), causal=True))[0]
+             for b, n in enumerate(LENGTHS)]
+    prompt = np.zeros((4, PROMPT, WIDTH), np.float32)
+    for b, n in enumerate(LENGTHS):
+        if padding == "left":
+            prompt[b, PROMPT - n:] = X[b, :n]
+        else:
+            prompt[b, :n] = X[b, :n]
+    out, cache = hb.call(layer, hb.array(prompt), capacity=16, start=np.zeros(4, np.int32),
+                         lengths=LENGTHS, padding=padding)
+    out = hb.numpy(out)
+    worst = max(max_diff(out[b, PROMPT - n:] if padding == "left" else out[b, :n], alone[b][:n])
+                for b, n in enumerate(LENGTHS))
+    start = LENGTHS.astype(np.int32)
+    for s in range(MORE):
+        x = hb.array(np.stack([X[b, n + s] for b, n in enumerate(LENGTHS)])[:, None])
+        step, cache = hb.call(layer, x, cache=cache, start=hb.array(start) if s % 2 else start)
+        step = hb.numpy(step)
+        worst = max(worst, *(max_diff(step[b, 0], alone[b][n + s])
+                             for b, n in enumerate(LENGTHS)))
+        start = start + 1
+    assert worst <= BOUND
