@@ -159,6 +159,12 @@ class JaxOps(NamespaceOps):
         return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
+    def silu(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(x)
+
+    def erf(self, x: jax.Array) -> jax.Array:
+        return jax.lax.erf(x)
+
 #: The default JAX ops (used by the functional API for JAX arrays); it has no key, so dropout
 #: through it raises: bind a key with ``JaxOps(rng=key)``.
 OPS = JaxOps()

@@ -197,6 +197,12 @@ class MXNetOps(NamespaceOps):
         """The known shapes (field 0) or dtypes (field 1) of the inputs ``x`` depends on."""
         return {n: self._known[n][field] for n in x.list_arguments() if n in self._known}
 
+    def silu(self, x: Any) -> Any:
+        return x * self.npx.sigmoid(x)
+
+    def erf(self, x: Any) -> Any:
+        return self.npx.erf(x)
+
 
 class _Recomputed(mx.autograd.Function):
     """Blockwise attention whose query blocks are recomputed, one at a time, in the backward.

@@ -349,6 +349,12 @@ class TensorFlowOps:
         return keras.random.dropout(x, rate, seed=self.seed_generator)
 
 
+    def silu(self, x: Any) -> tf.Tensor:
+        return tf.nn.silu(x)
+
+    def erf(self, x: Any) -> tf.Tensor:
+        return tf.math.erf(x)
+
 #: The default TensorFlow ops (used by the functional API for TensorFlow tensors).
 OPS = TensorFlowOps()
 

@@ -183,6 +183,12 @@ class TorchOps(NamespaceOps):
         return TorchOps(device)
 
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x)
+
+    def erf(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.erf(x)
+
 def autocasting(device_type: str) -> bool:
     """Whether ``torch.autocast`` is on for ``device_type`` (never for one it does not know: meta)."""
     try:
