@@ -754,7 +754,7 @@ def decoder_call_spec(
 
 def output_spec(h: int | None, vocab: int | None, block: BlockOptions, prefix: str = "") -> Spec:
     """A decoder stack's logits: ``dense.kernel (h, V)`` unless tied, ``dense.bias (V,)`` if any."""
-    spec = {} if block.tie_output else {f"{prefix}dense.kernel": (h, vocab)}
+    spec: Spec = {} if block.tie_output else {f"{prefix}dense.kernel": (h, vocab)}
     if block.output_bias:
         spec[f"{prefix}dense.bias"] = (vocab,)
     return spec

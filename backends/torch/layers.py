@@ -144,16 +144,27 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """Adds a parameter or a child layer under its canonical name.
 
         The module that holds it (``W_q`` for ``W_q.kernel``, ``blks`` for ``blks.0``) is made
-        if needed.
+        if needed. A child named like a constructor argument (a stack's final ``norm`` beside
+        its ``norm="rms"``) is held in ``_modules`` only: the attribute stays the argument, the
+        state dict has the canonical name.
         """
         path, _, leaf = name.rpartition(".")
         if path and path not in self._modules:
             self.add_module(path, nn.ModuleList() if leaf.isdigit() else Holder())
-        owner = self.get_submodule(path) if path else self
-        if isinstance(value, nn.Module):
+        owner = self._child(path) if path else self
+        if isinstance(value, nn.Module) and leaf in owner.__dict__:
+            owner._modules[leaf] = value
+        elif isinstance(value, nn.Module):
             owner.add_module(leaf, value)
         else:
             owner.register_parameter(leaf, value)
+
+    def _child(self, path: str) -> nn.Module:
+        """The child module at a dotted ``path``, found in ``_modules`` (see :meth:`_attach`)."""
+        module: nn.Module = self
+        for part in path.split("."):
+            module = module._modules[part]  # type: ignore[assignment]
+        return module
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
@@ -180,7 +191,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """
         children = self.sublayers()
         for name in children:
-            cast(Layer, self.get_submodule(name)).reset_parameters()
+            cast(Layer, self._child(name)).reset_parameters()
         inner = tuple(f"{name}." for name in children)
         self._init([name for name, p in self.named_parameters()
                     if not name.startswith(inner) and not is_lazy(p)])
@@ -284,7 +295,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """
         self.__dict__["_attention_kept"] = kept  # a plain attribute, never a module's buffer
         for name, part in self.kept_parts(kept).items():
-            cast(Layer, self.get_submodule(name))._keep(part)
+            cast(Layer, self._child(name))._keep(part)
 
 
     def get_weights(self) -> dict[str, np.ndarray]:
