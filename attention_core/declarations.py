@@ -770,11 +770,16 @@ def _check_rotary_heads(layer: Any) -> None:
         positional.check_rotary(h // heads, layer.rotary_base)
 
 
+#: The fields of :class:`~attention_core.weights.BlockOptions` (read in a compiled forward,
+#: where ``dataclasses.fields`` breaks torch's graph).
+_BLOCK_OPTIONS = ("norm_first", "norm", "norm_eps", "activation", "ffn_bias", "output_bias",
+                  "tie_output", "scale_embeddings")
+
+
 def _block_options(layer: Any) -> W.BlockOptions:
     """The norms, FFN and stack options of a block or stack layer (those it has)."""
-    names = set(layer.argument_names())
-    return W.BlockOptions(**{f.name: getattr(layer, f.name)
-                             for f in dataclasses.fields(W.BlockOptions) if f.name in names})
+    return W.BlockOptions(**{name: getattr(layer, name) for name in _BLOCK_OPTIONS
+                             if hasattr(layer, name)})
 
 
 def _block_arguments(layer: Any) -> dict[str, Any]:

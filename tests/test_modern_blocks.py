@@ -8,6 +8,7 @@ grouped-query heads, a last RMSNorm, logits ``x @ E^T``), on every backend.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,8 @@ def test_new_fields_in_the_config(backend: str, name: str, config: dict[str, Any
     saved = h.hook("config")(layer)
     assert {key: saved[key] for key in config} == config
     assert h.hook("config")(h.hook("rebuild")(layer)) == saved
+
+
+def test_layers_read_every_block_option() -> None:
+    """The layers pass every field of BlockOptions they have (the list read when computing)."""
+    assert D._BLOCK_OPTIONS == tuple(f.name for f in dataclasses.fields(W.BlockOptions))
