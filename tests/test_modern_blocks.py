@@ -321,4 +321,4 @@ def test_new_fields_in_the_config(backend: str, name: str, config: dict[str, Any
 
 def test_layers_read_every_block_option() -> None:
     """The layers pass every field of BlockOptions they have (the list read when computing)."""
-    assert D._BLOCK_OPTIONS == tuple(f.name for f in dataclasses.fields(W.BlockOptions))
+    assert tuple(f.name for f in dataclasses.fields(W.BlockOptions)) == D._BLOCK_OPTIONS
