@@ -803,10 +803,11 @@ def _ffn_part(layer: Any) -> Sublayer:
 
 
 def _final_norm(layer: Any) -> dict[str, Sublayer]:
-    """A pre-norm stack's last norm ``norm.*`` (none for a post-norm stack)."""
+    """A pre-norm stack's last norm ``final_norm.*`` (none for a post-norm stack)."""
     if not layer.norm_first:
         return {}
-    return {"norm": Sublayer(AddNorm(layer.num_hiddens, norm=layer.norm, eps=layer.norm_eps))}
+    return {"final_norm": Sublayer(AddNorm(layer.num_hiddens, norm=layer.norm,
+                                           eps=layer.norm_eps))}
 
 
 def _head_options(layer: Any) -> multihead.HeadOptions:

@@ -870,10 +870,10 @@ def _checked_decoder(ops: Ops, weights: Mapping[str, Array], num_heads: int,
 
 
 def _final_norm(ops: Ops, X: Array, weights: Mapping[str, Array], block: BlockOptions) -> Array:
-    """A stack's output: ``X``, normalised by ``norm.*`` when pre-norm."""
+    """A stack's output: ``X``, normalised by ``final_norm.*`` when pre-norm."""
     if not block.norm_first:
         return X
-    return normalise(ops, X, subset(weights, "norm"), block.norm, block.norm_eps)
+    return normalise(ops, X, subset(weights, "final_norm"), block.norm, block.norm_eps)
 
 
 def _logits(ops: Ops, X: Array, weights: Mapping[str, Array], block: BlockOptions) -> Array:

@@ -250,7 +250,7 @@ def transformer_encoder_spec(
         layers = encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias, block)
         spec.update(prefixed(layers, f"blks.{i}"))
     if block.norm_first:
-        spec.update(part_spec("norm", (num_hiddens,), block.norm, prefix="norm."))
+        spec.update(part_spec("norm", (num_hiddens,), block.norm, prefix="final_norm."))
     return spec
 
 
@@ -688,7 +688,7 @@ def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "",
         spec.update(block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h,
                                     num_kv_heads, block))
     if block.norm_first:
-        spec.update(part_spec("norm", (h,), block.norm, prefix=f"{prefix}norm."))
+        spec.update(part_spec("norm", (h,), block.norm, prefix=f"{prefix}final_norm."))
     return spec
 
 
@@ -746,7 +746,7 @@ def decoder_call_spec(
         spec.update(decoder_block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h,
                                             crossed, num_kv_heads, block))
     if block.norm_first:
-        spec.update(part_spec("norm", (h,), block.norm, prefix=f"{prefix}norm."))
+        spec.update(part_spec("norm", (h,), block.norm, prefix=f"{prefix}final_norm."))
     spec.update(output_spec(h, vocab if block.tie_output else size(f"{prefix}dense.kernel", 1, 2),
                             block, prefix))
     return spec

@@ -143,7 +143,7 @@ def llama(tokens: np.ndarray, w: dict[str, np.ndarray], c: dict[str, Any]) -> np
     x = w["token.embedding"][tokens]
     for i in range(c["num_blks"]):
         x = block(x, sub(w, f"blks.{i}"), c, True, "self_attention")
-    return norm(x, sub(w, "norm"), "rms") @ w["token.embedding"].T
+    return norm(x, sub(w, "final_norm"), "rms") @ w["token.embedding"].T
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_encoder_takes_the_attention_options(backend: str) -> None:
               "scale_embeddings": False}
     layer, w = made(h, "TransformerEncoder", config, seed=60)
     x = w["token.embedding"][TOKENS]
-    want = norm(block(x, sub(w, "blks.0"), config, False, "attention"), sub(w, "norm"), "rms")
+    want = norm(block(x, sub(w, "blks.0"), config, False, "attention"), sub(w, "final_norm"), "rms")
     close(h.call(layer, ids(h, TOKENS)), want, h)
 
 
@@ -280,7 +280,7 @@ def test_stack_names_follow_the_flags(norm_first: bool, tie_output: bool,
     names = set(spec("TransformerDecoder", {
         "vocab_size": VOCAB, "num_blks": 1, **BLOCK, "norm": "rms", "norm_first": norm_first,
         "tie_output": tie_output, "output_bias": output_bias}))
-    assert ("norm.ln.gamma" in names) == norm_first and "norm.ln.beta" not in names
+    assert ("final_norm.ln.gamma" in names) == norm_first and "final_norm.ln.beta" not in names
     assert ("dense.kernel" in names) == (not tie_output)
     assert ("dense.bias" in names) == output_bias
 

@@ -144,27 +144,16 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """Adds a parameter or a child layer under its canonical name.
 
         The module that holds it (``W_q`` for ``W_q.kernel``, ``blks`` for ``blks.0``) is made
-        if needed. A child named like a constructor argument (a stack's final ``norm`` beside
-        its ``norm="rms"``) is held in ``_modules`` only: the attribute stays the argument, the
-        state dict has the canonical name.
+        if needed.
         """
         path, _, leaf = name.rpartition(".")
         if path and path not in self._modules:
             self.add_module(path, nn.ModuleList() if leaf.isdigit() else Holder())
-        owner = self._child(path) if path else self
-        if isinstance(value, nn.Module) and leaf in owner.__dict__:
-            owner._modules[leaf] = value
-        elif isinstance(value, nn.Module):
+        owner = self.get_submodule(path) if path else self
+        if isinstance(value, nn.Module):
             owner.add_module(leaf, value)
         else:
             owner.register_parameter(leaf, value)
-
-    def _child(self, path: str) -> nn.Module:
-        """The child module at a dotted ``path``, found in ``_modules`` (see :meth:`_attach`)."""
-        module: nn.Module = self
-        for part in path.split("."):
-            module = module._modules[part]  # type: ignore[assignment]
-        return module
 
     def spec(self) -> W.Spec:
         """Canonical names and shapes of this layer's weights (None = not known yet)."""
