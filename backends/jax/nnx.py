@@ -146,7 +146,6 @@ class Layer(D.Declaration, nnx.Module):
             value = SAMPLERS[rule.kind](rngs.params(), rule, sizes, self.param_dtype)
             drawn[name] = nnx.Param(value)
         for group, value in nest(drawn).items():
-            group = self._attribute(group)
             if hasattr(type(self), group):
                 raise TypeError(f"weight group {group!r} of {type(self).__name__} would hide "
                                 "an attribute of the module")
@@ -154,21 +153,6 @@ class Layer(D.Declaration, nnx.Module):
         self.dims = dims
         rate = float(getattr(self, "dropout", 0.0))
         self.rngs = rngs.dropout.fork() if rate > 0 and rngs is not None else nnx.data(None)
-
-    def _attribute(self, group: str) -> str:
-        """The attribute holding a weight group: its name, or ``<name>_`` beside an argument.
-
-        A stack's final ``norm.*`` sits beside its ``norm="rms"`` argument, which keeps the
-        attribute; the weights are ``norm_`` in ``nnx.state``, canonical everywhere else.
-        """
-        return f"{group}_" if group in self.argument_names() else group
-
-    def _canonical(self, path: tuple[Any, ...]) -> str:
-        """The canonical name of a parameter at ``path`` in ``nnx.state`` (see :meth:`_attribute`)."""
-        first = str(path[0])
-        if first.endswith("_") and first[:-1] in self.argument_names():
-            first = first[:-1]
-        return ".".join((first, *(str(p) for p in path[1:])))
 
     def _size(self, dim: str, given: int | None) -> int:
         """An input size: given, or ``num_hiddens`` (see the module's docstring)."""
@@ -203,7 +187,7 @@ class Layer(D.Declaration, nnx.Module):
     def _params(self) -> dict[str, nnx.Param[Any]]:
         """The parameters by canonical name, in the declared order."""
         state = nnx.to_flat_state(nnx.state(self, nnx.Param))
-        found = {self._canonical(path): var for path, var in state}
+        found = {".".join(str(p) for p in path): var for path, var in state}
         return {name: found[name] for name in self.spec()}
 
     def set_view(self, deterministic: bool | None = None) -> None:
