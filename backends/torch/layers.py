@@ -180,7 +180,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """
         children = self.sublayers()
         for name in children:
-            cast(Layer, self._child(name)).reset_parameters()
+            cast(Layer, self.get_submodule(name)).reset_parameters()
         inner = tuple(f"{name}." for name in children)
         self._init([name for name, p in self.named_parameters()
                     if not name.startswith(inner) and not is_lazy(p)])
@@ -284,7 +284,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """
         self.__dict__["_attention_kept"] = kept  # a plain attribute, never a module's buffer
         for name, part in self.kept_parts(kept).items():
-            cast(Layer, self._child(name))._keep(part)
+            cast(Layer, self.get_submodule(name))._keep(part)
 
 
     def get_weights(self) -> dict[str, np.ndarray]:
