@@ -58,7 +58,7 @@ from attention_core.transformer import (
     transformer_encoder_block,
     transformer_encoder_decoder,
 )
-from attention_core.weights import load_weights, save_weights
+from attention_core.weights import BlockOptions, load_weights, save_weights
 
 #: The package version (pyproject.toml reads it from here; CHANGELOG.md names each release).
 __version__ = "0.2.0"
@@ -87,6 +87,7 @@ __all__ = [
     "ENV_VAR",
     "LAYER_NAMES",
     "BackendNotInstalledError",
+    "BlockOptions",
     "Generated",
     "HeadOptions",
     "add_norm",

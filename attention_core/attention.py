@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from attention_core import checks, kernels
 from attention_core import modifiers as mods
 from attention_core import weights as W
@@ -537,9 +539,10 @@ def nadaraya_watson(
             )
     batched = [x if len(q) == 2 else ops.expand_dims(x, 0) for x in (queries, keys, values)]
     diff = ops.expand_dims(batched[0], -1) - ops.expand_dims(batched[1], 1)  # (B, Q, K)
-    if w is not None:  # a Python number, or an array of one element (host data converted)
-        diff = diff * (w if isinstance(w, (int, float)) or own(ops, w)
-                       else ops.from_numpy(host_array(w), like=queries))
+    if isinstance(w, (np.ndarray, np.generic, list, tuple)):  # host data: to the backend
+        w = ops.from_numpy(np.asarray(w), like=queries)
+    if w is not None:  # a Python number, or an array of one element
+        diff = diff * w
     scores = ops.expand_dims(diff * diff * -0.5, 1)  # (B, 1, Q, K)
     weights = softmax_visible(ops, scores, None)
     y = ops.expand_dims(ops.expand_dims(batched[2], 1), -1)  # (B, 1, K, 1)

@@ -410,3 +410,48 @@ SCORE_OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "softcap": check_softcap,
     "scale": check_scale,
 }
+
+
+#: The normalisations of the Transformer blocks (``norm``).
+NORMS = ("layer", "rms")
+#: The activations of the position-wise FFN (``activation``).
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+
+
+def check_norm(norm: Any) -> str:
+    """Checks a ``norm`` argument: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm)."""
+    if not isinstance(norm, str) or norm not in NORMS:
+        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+    return norm
+
+
+def check_activation(activation: Any) -> str:
+    """Checks an FFN ``activation``: ``"relu"``, ``"gelu"`` (exact, erf) or ``"swiglu"``."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be 'relu', 'gelu' or 'swiglu', got {activation!r}")
+    return activation
+
+
+def check_bias(bias: Any) -> bool | str:
+    """Checks the attention projections' ``bias``: True, False or ``"qkv"`` (no ``W_o`` bias).
+
+    Raises:
+        TypeError: Neither a bool nor a str.
+        ValueError: A str other than ``"qkv"``.
+    """
+    bias = plain(bias)
+    if isinstance(bias, bool) or bias == "qkv":
+        return bias
+    error = ValueError if isinstance(bias, str) else TypeError
+    raise error(f"bias must be True, False or 'qkv' (biases on W_q, W_k and W_v only), "
+                f"got {bias!r}")
+
+
+def check_eps(eps: Any, name: str = "norm_eps") -> float | None:
+    """Checks a normalisation's epsilon: None (the norm's default) or a positive finite number."""
+    eps = plain(eps)
+    if eps is None:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ValueError(f"{name} must be None or a positive finite number, got {eps!r}")
+    return float(eps)

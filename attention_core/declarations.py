@@ -63,6 +63,9 @@ def keyword_parameters(arguments: type) -> tuple[inspect.Parameter, ...]:
 
 
 
+#: The yes/no arguments of the Transformer blocks and stacks (:class:`~attention_core.weights.BlockOptions`).
+BLOCK_FLAGS = ("norm_first", "ffn_bias", "output_bias", "tie_output", "scale_embeddings")
+
 #: The declared layers, by their public name, in the order declared: every public declaration
 #: of this module (see :meth:`Declaration.__init_subclass__`) and those given to :func:`register`.
 LAYERS: dict[str, type[Declaration]] = {}
@@ -316,8 +319,14 @@ class Declaration:
         self.normalise("dropout", checks.check_dropout)
         self.normalise("implementation", checks.check_implementation)
         self.normalise("scale", checks.check_scale)
-        for name in ("keep_attention_weights", "bias", "relative_values", "parametric", "sinks"):
+        for name in ("keep_attention_weights", "relative_values", "parametric", "sinks",
+                     *BLOCK_FLAGS):
             self.normalise(name, functools.partial(checks.check_flag, name))
+        self.normalise("bias", checks.check_bias)
+        self.normalise("norm", checks.check_norm)
+        self.normalise("activation", checks.check_activation)
+        self.normalise("norm_eps", checks.check_eps)
+        self.normalise("eps", functools.partial(checks.check_eps, name="eps"))
         self.weight_shapes()  # the shape rules check the sizes
 
     def normalise(self, name: str, rule: Callable[[Any], Any]) -> None:
@@ -774,6 +783,46 @@ def _check_rotary_heads(layer: Any) -> None:
         positional.check_rotary(h // heads, layer.rotary_base)
 
 
+#: The fields of :class:`~attention_core.weights.BlockOptions` (read in a compiled forward,
+#: where ``dataclasses.fields`` breaks torch's graph).
+_BLOCK_OPTIONS = ("norm_first", "norm", "norm_eps", "activation", "ffn_bias", "output_bias",
+                  "tie_output", "scale_embeddings")
+
+
+def _block_options(layer: Any) -> W.BlockOptions:
+    """The norms, FFN and stack options of a block or stack layer (those it has)."""
+    return W.BlockOptions(**{name: getattr(layer, name) for name in _BLOCK_OPTIONS
+                             if hasattr(layer, name)})
+
+
+def _block_arguments(layer: Any) -> dict[str, Any]:
+    """The arguments a stack passes to its blocks: the norms and the FFN."""
+    return {name: getattr(layer, name)
+            for name in ("norm_first", "norm", "norm_eps", "activation", "ffn_bias")}
+
+
+def _norm_part(layer: Any) -> Sublayer:
+    """A block's norm per its arguments: an :class:`AddNorm` (``ln.gamma`` and maybe ``ln.beta``)."""
+    return Sublayer(AddNorm(layer.num_hiddens, layer.dropout, norm=layer.norm,
+                            eps=layer.norm_eps))
+
+
+def _ffn_part(layer: Any) -> Sublayer:
+    """A block's FFN per its arguments, from and to its width h."""
+    h = layer.num_hiddens
+    ffn = PositionWiseFFN(layer.ffn_num_hiddens, h, activation=layer.activation,
+                          bias=layer.ffn_bias)
+    return Sublayer(ffn, {"d_in": h})
+
+
+def _final_norm(layer: Any) -> dict[str, Sublayer]:
+    """A pre-norm stack's last norm ``final_norm.*`` (none for a post-norm stack)."""
+    if not layer.norm_first:
+        return {}
+    return {"final_norm": Sublayer(AddNorm(layer.num_hiddens, norm=layer.norm,
+                                           eps=layer.norm_eps))}
+
+
 def _head_options(layer: Any) -> multihead.HeadOptions:
     """The self-attention options of a decoder layer (its ``num_kv_heads`` and score options)."""
     return multihead.HeadOptions(layer.num_kv_heads, layer.positional, layer.rotary_base,
@@ -869,7 +918,8 @@ class MultiHeadAttention(_ScoredAttention):
         num_hiddens: h, the width of the projections and of the output.
         num_heads: H; must divide ``num_hiddens``.
         dropout: Dropout rate on the attention weights in training.
-        bias: Whether the four projections have biases.
+        bias: Whether the four projections have biases: True, False, or ``"qkv"`` for
+            ``W_q``, ``W_k`` and ``W_v`` only (Qwen2).
         keep_attention_weights: See :class:`DotProductAttention`.
         implementation: See :class:`DotProductAttention`.
         num_kv_heads: Hkv, the key/value heads, each shared by H/Hkv query heads
@@ -888,7 +938,7 @@ class MultiHeadAttention(_ScoredAttention):
     num_hiddens: int
     num_heads: int
     dropout: float = 0.0
-    bias: bool = False
+    bias: bool | str = False
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
@@ -1050,51 +1100,70 @@ class LearnedPositionalEncoding(Declaration):
 
 @dataclass(eq=False)
 class PositionWiseFFN(Declaration):
-    """Two dense layers with a ReLU between, applied at every position.
+    """Two dense layers with an activation between, applied at every position.
 
     Args:
         ffn_num_hiddens: Width of the hidden layer.
         ffn_num_outputs: Width of the output.
+        activation: ``"relu"``, ``"gelu"`` (exact, with erf) or ``"swiglu"``
+            (``dense2(silu(gate(X)) * dense1(X))``, with the weight ``gate.kernel``).
+        bias: Whether the dense layers have biases.
     """
 
     ffn_num_hiddens: int
     ffn_num_outputs: int
+    _: KW_ONLY
+    activation: str = "relu"
+    bias: bool = True
     cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sizes: ClassVar[Mapping[str, Size]] = {"d_in": Size("X", "dense1.kernel")}
 
+    def check(self) -> None:
+        self.normalise("bias", functools.partial(checks.check_flag, "bias"))
+        super().check()
+
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
-        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, dims.get("d_in"))
+        return W.ffn_spec(self.ffn_num_hiddens, self.ffn_num_outputs, dims.get("d_in"),
+                          self.activation, self.bias)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         checks.check_rank(ops, "X", arguments["X"], (3,), "(B, T, d)")
 
     def compute(self, run: Run, X: Array) -> Array:
-        """``dense2(relu(dense1(X)))`` for ``X (B, T, d)``."""
-        return transformer.position_wise_ffn(X, run.weights, ops=run.ops)
+        """``dense2(act(dense1(X)))`` for ``X (B, T, d)``."""
+        return transformer.position_wise_ffn(X, run.weights, activation=self.activation,
+                                             bias=self.bias, ops=run.ops)
 
 
 @dataclass(eq=False)
 class AddNorm(Declaration):
-    """Residual connection followed by layer normalisation over the last axis (eps 1e-5).
+    """Residual connection followed by normalisation over the last axis.
 
     Args:
         num_hiddens: h, the width normalised over.
         dropout: Dropout rate on the sublayer's output ``Y``, in training.
+        norm: ``"layer"`` (LayerNorm: ``ln.gamma``, ``ln.beta``) or ``"rms"`` (RMSNorm:
+            ``ln.gamma`` only).
+        eps: The norm's epsilon; None for its default (1e-5 layer, 1e-6 rms).
     """
 
     num_hiddens: int
     dropout: float = 0.0
+    _: KW_ONLY
+    norm: str = "layer"
+    eps: float | None = None
     cast_inputs: ClassVar[tuple[str, ...]] = ("X", "Y")
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
-        return W.add_norm_spec(self.num_hiddens)
+        return W.add_norm_spec(self.num_hiddens, self.norm)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         checks.check_last_dim(ops, "X", arguments["X"], self.num_hiddens)
 
     def compute(self, run: Run, X: Array, Y: Array) -> Array:
-        """``LayerNorm(dropout(Y) + X)`` for ``X``, ``Y`` ``(B, T, h)``."""
-        return transformer.add_norm(X, Y, run.weights, run.dropout, ops=run.ops)
+        """``Norm(dropout(Y) + X)`` for ``X``, ``Y`` ``(B, T, h)``."""
+        return transformer.add_norm(X, Y, run.weights, run.dropout, norm=self.norm,
+                                    eps=self.eps, ops=run.ops)
 
 
 @dataclass(eq=False)
@@ -1106,37 +1175,64 @@ class TransformerEncoderBlock(Declaration):
         ffn_num_hiddens: Width of the FFN's hidden layer.
         num_heads: H; must divide ``num_hiddens``.
         dropout: Dropout rate of the attention weights and both residual branches, in training.
-        bias: Whether the attention projections have biases.
+        bias: Whether the attention projections have biases: True, False, or ``"qkv"``
+            (see :class:`MultiHeadAttention`).
         keep_attention_weights: Keep each call's self-attention weights; False lets the core
             pool without forming them.
         implementation: See :class:`DotProductAttention`.
         scale: The self-attention's (see :class:`MultiHeadAttention`).
         sinks: Whether the self-attention learns sinks (see :class:`MultiHeadAttention`).
+        num_kv_heads: The self-attention's key/value heads (see :class:`MultiHeadAttention`).
+        positional: The self-attention's positions (see :class:`DotProductAttention`).
+        rotary_base: See :class:`DotProductAttention`.
+        window: The self-attention's sliding window (see :class:`DotProductAttention`).
+        softcap: The self-attention's soft-capping (see :class:`DotProductAttention`).
+        norm_first: Pre-norm: each sublayer takes its norm's output and adds to its input,
+            ``x + dropout(f(norm(x)))``; False: ``norm(x + dropout(f(x)))``.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, no ``ln.beta``).
+        norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
+        activation: The FFN's (see :class:`PositionWiseFFN`).
+        ffn_bias: Whether the FFN's dense layers have biases.
     """
 
     num_hiddens: int
     ffn_num_hiddens: int
     num_heads: int
     dropout: float = 0.0
-    bias: bool = False
+    bias: bool | str = False
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
     scale: float | None = None
     sinks: bool = False
+    num_kv_heads: int | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
+    norm_first: bool = False
+    norm: str = "layer"
+    norm_eps: float | None = None
+    activation: str = "relu"
+    ffn_bias: bool = True
     cast_inputs: ClassVar[tuple[str, ...]] = ("X",)
     sequences: ClassVar[tuple[str, ...]] = ("X",)
     attention_kind: ClassVar[str | None] = "single"
 
+    def check(self) -> None:
+        _normalise_score_options(self)
+        super().check()
+        _check_rotary_heads(self)
+
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
-        mha = MultiHeadAttention(h, self.num_heads, dropout, self.bias, scale=self.scale,
-                                 sinks=self.sinks)
+        mha = MultiHeadAttention(h, self.num_heads, dropout, self.bias, sinks=self.sinks,
+                                 **_head_options(self).kwargs())
         return {
             "attention": Sublayer(mha, {"q_in": h, "k_in": h, "v_in": h}),
-            "addnorm1": Sublayer(AddNorm(h, dropout)),
-            "ffn": Sublayer(PositionWiseFFN(self.ffn_num_hiddens, h), {"d_in": h}),
-            "addnorm2": Sublayer(AddNorm(h, dropout)),
+            "addnorm1": _norm_part(self),
+            "ffn": _ffn_part(self),
+            "addnorm2": _norm_part(self),
         }
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
@@ -1147,7 +1243,7 @@ class TransformerEncoderBlock(Declaration):
         self, run: Run, X: Array, valid_lens: Any = None, *, mask: Any = None,
         causal: bool = False, score_bias: Any = None,
     ) -> Any:
-        """One post-norm block over ``X (B, T, h)``.
+        """One block over ``X (B, T, h)``.
 
         ``causal`` and ``score_bias`` apply to the self-attention, as in
         :class:`MultiHeadAttention`.
@@ -1155,8 +1251,8 @@ class TransformerEncoderBlock(Declaration):
         return transformer.transformer_encoder_block(
             X, run.weights, self.num_heads, valid_lens, mask=mask, causal=causal,
             score_bias=score_bias, dropout=run.dropout,
-            return_weights=run.need, implementation=self.pooling(run), scale=self.scale,
-            ops=run.ops,
+            return_weights=run.need, implementation=self.pooling(run),
+            options=_head_options(self), block=_block_options(self), ops=run.ops,
         )
 
 
@@ -1179,6 +1275,19 @@ class TransformerEncoder(Declaration):
             the encoder takes.
         scale: Every block's (see :class:`TransformerEncoderBlock`).
         sinks: Every block's (see :class:`TransformerEncoderBlock`).
+        num_kv_heads: Every block's (see :class:`TransformerEncoderBlock`).
+        positional: Every block's; with ``"rotary"`` or ``"alibi"`` the sinusoidal table is
+            not added (the attention places the tokens).
+        rotary_base: See :class:`DotProductAttention`.
+        window: Every block's.
+        softcap: Every block's.
+        norm_first: Pre-norm blocks (each sublayer takes its norm's output and adds to its input,
+            ``x + dropout(f(norm(x)))``), and the output normalised last by ``norm.*``.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, no ``ln.beta``).
+        norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
+        activation: The FFN's (see :class:`PositionWiseFFN`).
+        ffn_bias: Whether the FFN's dense layers have biases.
+        scale_embeddings: Multiply the token embeddings by sqrt(h).
     """
 
     vocab_size: int
@@ -1187,13 +1296,24 @@ class TransformerEncoder(Declaration):
     num_heads: int
     num_blks: int
     dropout: float = 0.0
-    bias: bool = False
+    bias: bool | str = False
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
     scale: float | None = None
     sinks: bool = False
+    num_kv_heads: int | None = None
+    positional: str | None = None
+    rotary_base: float = 10000.0
+    window: int | None = None
+    softcap: float | None = None
+    norm_first: bool = False
+    norm: str = "layer"
+    norm_eps: float | None = None
+    activation: str = "relu"
+    ffn_bias: bool = True
+    scale_embeddings: bool = True
     id_inputs: ClassVar[tuple[str, ...]] = ("tokens",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens",)
     attention_kind: ClassVar[str | None] = "blocks"
@@ -1201,7 +1321,9 @@ class TransformerEncoder(Declaration):
     def check(self) -> None:
         for name in ("vocab_size", "num_blks", "max_len"):
             self.normalise(name, functools.partial(checks.check_positive_int, name))
+        _normalise_score_options(self)
         super().check()
+        _check_rotary_heads(self)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
@@ -1214,9 +1336,17 @@ class TransformerEncoder(Declaration):
         block = TransformerEncoderBlock(
             self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
             keep_attention_weights=self.keep_attention_weights,
-            implementation=self.implementation, scale=self.scale, sinks=self.sinks,
+            implementation=self.implementation, sinks=self.sinks,
+            **_head_options(self).kwargs(), **_block_arguments(self),
         )
-        return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
+        return {**{f"blks.{i}": Sublayer(block) for i in range(self.num_blks)},
+                **_final_norm(self)}
+
+    def unkept(self) -> list[None]:
+        return [None] * self.num_blks
+
+    def kept_parts(self, kept: Any) -> dict[str, Any]:
+        return {f"blks.{i}": part for i, part in enumerate(kept)}
 
     def constants(self, dtype: str) -> dict[str, np.ndarray]:
         return PositionalEncoding(self.num_hiddens, max_len=self.max_len).constants(dtype)
@@ -1228,7 +1358,8 @@ class TransformerEncoder(Declaration):
         return transformer.transformer_encoder(
             tokens, run.weights, self.num_heads, valid_lens, mask=mask, dropout=run.dropout,
             return_weights=run.need, implementation=self.pooling(run),
-            positions=run.constants["P"], scale=self.scale, ops=run.ops,
+            positions=run.constants["P"], options=_head_options(self),
+            block=_block_options(self), ops=run.ops,
         )
 
 
@@ -1261,13 +1392,19 @@ class TransformerDecoderBlock(Declaration):
         softcap: The self-attention's soft-capping (see :class:`DotProductAttention`).
         scale: Both attentions' (see :class:`MultiHeadAttention`).
         sinks: Whether both attentions learn sinks (see :class:`MultiHeadAttention`).
+        norm_first: Pre-norm: each sublayer takes its norm's output and adds to its input,
+            ``x + dropout(f(norm(x)))``; False: ``norm(x + dropout(f(x)))``.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, no ``ln.beta``).
+        norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
+        activation: The FFN's (see :class:`PositionWiseFFN`).
+        ffn_bias: Whether the FFN's dense layers have biases.
     """
 
     num_hiddens: int
     ffn_num_hiddens: int
     num_heads: int
     dropout: float = 0.0
-    bias: bool = False
+    bias: bool | str = False
     _: KW_ONLY
     decoder_only: bool = False
     keep_attention_weights: bool = True
@@ -1279,6 +1416,11 @@ class TransformerDecoderBlock(Declaration):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    norm_first: bool = False
+    norm: str = "layer"
+    norm_eps: float | None = None
+    activation: str = "relu"
+    ffn_bias: bool = True
     cast_inputs: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     sequences: ClassVar[tuple[str, ...]] = ("X", "enc_outputs")
     attention_kind: ClassVar[str | None] = "nested"
@@ -1295,14 +1437,13 @@ class TransformerDecoderBlock(Declaration):
         dims = {"q_in": h, "k_in": h, "v_in": h}
         attention = MultiHeadAttention(h, self.num_heads, dropout, self.bias,
                                        sinks=self.sinks, **_head_options(self).kwargs())
-        parts = {"self_attention": Sublayer(attention, dims),
-                 "addnorm1": Sublayer(AddNorm(h, dropout))}
+        parts = {"self_attention": Sublayer(attention, dims), "addnorm1": _norm_part(self)}
         if not self.decoder_only:
             parts["cross_attention"] = Sublayer(MultiHeadAttention(
                 h, self.num_heads, dropout, self.bias, scale=self.scale, sinks=self.sinks), dims)
-            parts["addnorm2"] = Sublayer(AddNorm(h, dropout))
-        parts["ffn"] = Sublayer(PositionWiseFFN(self.ffn_num_hiddens, h), {"d_in": h})
-        parts[f"addnorm{2 if self.decoder_only else 3}"] = Sublayer(AddNorm(h, dropout))
+            parts["addnorm2"] = _norm_part(self)
+        parts["ffn"] = _ffn_part(self)
+        parts[f"addnorm{2 if self.decoder_only else 3}"] = _norm_part(self)
         return parts
 
     def unkept(self) -> list[None]:
@@ -1337,13 +1478,14 @@ class TransformerDecoderBlock(Declaration):
                 X, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
                 valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, past=past,
                 dropout=run.dropout, return_weights=run.need, implementation=self.pooling(run),
-                options=_head_options(self), ops=run.ops,
+                options=_head_options(self), block=_block_options(self), ops=run.ops,
             )
         multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=mask, past=past)
         return _with_cache(run, transformer.cached_decoder_block(
             X, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
-            implementation=self.pooling(run), options=_head_options(self), ops=run.ops,
+            implementation=self.pooling(run), options=_head_options(self),
+            block=_block_options(self), ops=run.ops,
         ))
 
 
@@ -1426,6 +1568,16 @@ class TransformerDecoder(Declaration):
         softcap: Every block's self-attention soft-capping.
         scale: Every block's (see :class:`TransformerDecoderBlock`).
         sinks: Every block's (see :class:`TransformerDecoderBlock`).
+        norm_first: Pre-norm blocks (each sublayer takes its norm's output and adds to its input,
+            ``x + dropout(f(norm(x)))``), and the last block's output normalised by
+            ``norm.*`` before the logits.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, no ``ln.beta``).
+        norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
+        activation: The FFN's (see :class:`PositionWiseFFN`).
+        ffn_bias: Whether the FFN's dense layers have biases.
+        output_bias: Whether the logits have a bias ``dense.bias``.
+        tie_output: The logits are ``X @ token.embedding^T``: no ``dense.kernel``.
+        scale_embeddings: Multiply the token embeddings by sqrt(h).
     """
 
     vocab_size: int
@@ -1434,7 +1586,7 @@ class TransformerDecoder(Declaration):
     num_heads: int
     num_blks: int
     dropout: float = 0.0
-    bias: bool = False
+    bias: bool | str = False
     _: KW_ONLY
     decoder_only: bool = False
     keep_attention_weights: bool = True
@@ -1447,6 +1599,14 @@ class TransformerDecoder(Declaration):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    norm_first: bool = False
+    norm: str = "layer"
+    norm_eps: float | None = None
+    activation: str = "relu"
+    ffn_bias: bool = True
+    output_bias: bool = True
+    tie_output: bool = False
+    scale_embeddings: bool = True
     cast_inputs: ClassVar[tuple[str, ...]] = ("enc_outputs",)
     id_inputs: ClassVar[tuple[str, ...]] = ("tokens",)
     sequences: ClassVar[tuple[str, ...]] = ("tokens", "enc_outputs")
@@ -1467,16 +1627,18 @@ class TransformerDecoder(Declaration):
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         h = checks.check_positive_int("num_hiddens", self.num_hiddens)
-        return {"token.embedding": (self.vocab_size, h), "dense.kernel": (h, self.vocab_size),
-                "dense.bias": (self.vocab_size,)}
+        return {"token.embedding": (self.vocab_size, h),
+                **W.output_spec(h, self.vocab_size, _block_options(self))}
 
     def sublayers(self) -> dict[str, Sublayer]:
         block = TransformerDecoderBlock(
             self.num_hiddens, self.ffn_num_hiddens, self.num_heads, self.dropout, self.bias,
             decoder_only=self.decoder_only, keep_attention_weights=self.keep_attention_weights,
             implementation=self.implementation, sinks=self.sinks, **_head_options(self).kwargs(),
+            **_block_arguments(self),
         )
-        return {f"blks.{i}": Sublayer(block) for i in range(self.num_blks)}
+        return {**{f"blks.{i}": Sublayer(block) for i in range(self.num_blks)},
+                **_final_norm(self)}
 
     def unkept(self) -> list[list[None]]:
         return [[None] * self.num_blks for _ in range(1 if self.decoder_only else 2)]
@@ -1507,14 +1669,15 @@ class TransformerDecoder(Declaration):
                 tokens, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
                 valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=run.dropout,
                 return_weights=run.need, implementation=self.pooling(run),
-                positions=run.constants["P"], options=_head_options(self), ops=run.ops,
+                positions=run.constants["P"], options=_head_options(self),
+                block=_block_options(self), ops=run.ops,
             )
         multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=mask)
         return _with_cache(run, transformer.cached_decoder(
             tokens, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
             implementation=self.pooling(run), positions=run.constants["P"],
-            options=_head_options(self), ops=run.ops,
+            options=_head_options(self), block=_block_options(self), ops=run.ops,
         ))
 
 
@@ -1540,6 +1703,13 @@ class Transformer(Declaration):
         max_len: Rows of the sinusoidal table, the longest source or target.
         scale: Every attention's (see :class:`MultiHeadAttention`).
         sinks: Whether every attention learns sinks (see :class:`MultiHeadAttention`).
+        norm_first: Pre-norm blocks (each sublayer takes its norm's output and adds to its input,
+            ``x + dropout(f(norm(x)))``), the encoder's and the decoder's outputs
+            normalised last by their ``norm.*``.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, no ``ln.beta``).
+        norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
+        activation: The FFN's (see :class:`PositionWiseFFN`).
+        ffn_bias: Whether the FFN's dense layers have biases.
     """
 
     src_vocab_size: int
@@ -1549,13 +1719,18 @@ class Transformer(Declaration):
     num_heads: int
     num_blks: int
     dropout: float = 0.0
-    bias: bool = False
+    bias: bool | str = False
     _: KW_ONLY
     keep_attention_weights: bool = True
     implementation: str | None = None
     max_len: int = positional.DEFAULT_MAX_LEN
     scale: float | None = None
     sinks: bool = False
+    norm_first: bool = False
+    norm: str = "layer"
+    norm_eps: float | None = None
+    activation: str = "relu"
+    ffn_bias: bool = True
     id_inputs: ClassVar[tuple[str, ...]] = ("src_tokens", "tgt_tokens")
     attention_kind: ClassVar[str | None] = "nested"
 
@@ -1577,7 +1752,7 @@ class Transformer(Declaration):
         options: dict[str, Any] = {
             "keep_attention_weights": self.keep_attention_weights,
             "implementation": self.implementation, "max_len": self.max_len,
-            "scale": self.scale, "sinks": self.sinks,
+            "scale": self.scale, "sinks": self.sinks, **_block_arguments(self),
         }
         encoder = TransformerEncoder(self.src_vocab_size, *sizes, **options)
         decoder = TransformerDecoder(self.tgt_vocab_size, *sizes, **options)
@@ -1601,7 +1776,7 @@ class Transformer(Declaration):
             src_tokens, tgt_tokens, run.weights, self.num_heads, src_valid_lens,
             tgt_valid_lens=tgt_valid_lens, dropout=run.dropout, return_weights=run.need,
             implementation=self.pooling(run), positions=run.constants["P"], scale=self.scale,
-            ops=run.ops,
+            block=_block_options(self), ops=run.ops,
         )
 
 

@@ -6,6 +6,8 @@ from attention_core.ops import Array, Ops
 
 #: LayerNorm epsilon, the same on every backend.
 LAYER_NORM_EPS = 1e-5
+#: RMSNorm epsilon (that of Llama, Mistral and Qwen2).
+RMS_NORM_EPS = 1e-6
 
 
 def dense(ops: Ops, x: Array, kernel: Array, bias: Array | None = None) -> Array:
@@ -49,6 +51,26 @@ def layer_norm(
     var = ops.mean(centred * centred, -1)
     normed = centred / ops.sqrt(var + eps)
     return (ops.astype(normed, dtype) if narrow else normed) * gamma + beta
+
+
+def rms_norm(ops: Ops, x: Array, gamma: Array, eps: float = RMS_NORM_EPS) -> Array:
+    """Scales the last axis to unit root mean square: ``gamma * x / sqrt(mean(x^2) + eps)``.
+
+    No centring, no shift and no ``1 + gamma``, as Llama's ``RMSNorm``. Float16 and bfloat16
+    inputs are normalised in float32 and cast back before ``gamma`` multiplies them, as there.
+    """
+    dtype = ops.dtype_name(x)
+    narrow = dtype in _NARROW_FLOATS
+    wide = ops.astype(x, "float32") if narrow else x
+    normed = wide / ops.sqrt(ops.mean(wide * wide, -1) + eps)
+    return (ops.astype(normed, dtype) if narrow else normed) * gamma
+
+
+def norm_eps(norm: str, eps: float | None) -> float:
+    """The epsilon of ``norm`` (``"layer"`` or ``"rms"``): ``eps``, or the norm's default."""
+    if eps is not None:
+        return eps
+    return RMS_NORM_EPS if norm == "rms" else LAYER_NORM_EPS
 
 
 #: Dtypes whose LayerNorm statistics are computed in float32.

@@ -6,6 +6,7 @@ encoder's positions, h = num_hiddens, V the vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ from attention_core import cache as kv_cache
 from attention_core import checks, masks
 from attention_core import weights as W
 from attention_core.host import host_array
-from attention_core.linear import dense, layer_norm
+from attention_core.linear import dense, layer_norm, norm_eps, rms_norm
 from attention_core.multihead import (
     CLASSIC,
     HeadOptions,
@@ -28,27 +29,83 @@ from attention_core.multihead import (
 from attention_core.ops import Array, Ops, fixed_shape
 from attention_core.positional import add_positions, positional_encoding, sinusoidal_encoding
 from attention_core.registry import backend_of, ops_for
-from attention_core.weights import subset
+from attention_core.weights import POST_NORM, BlockOptions, subset
 
 
-def position_wise_ffn(X: Array, weights: Mapping[str, Array], *, ops: Ops | None = None) -> Array:
-    """``dense2(relu(dense1(X)))`` applied at every position alike.
+def position_wise_ffn(
+    X: Array, weights: Mapping[str, Array], *, activation: str = "relu", bias: bool = True,
+    ops: Ops | None = None,
+) -> Array:
+    """``dense2(act(dense1(X)))`` applied at every position alike.
+
+    ``act`` is ReLU, or the exact GELU ``x * (1 + erf(x / sqrt 2)) / 2``; for ``"swiglu"``
+    the FFN is ``dense2(silu(gate(X)) * dense1(X))``.
 
     Args:
         X: ``(B, T, d_in)``.
-        weights: ``dense1.kernel (d_in, f)``, ``dense1.bias (f,)``, ``dense2.kernel (f, out)``,
-            ``dense2.bias (out,)``; checked like ``set_weights`` checks a layer's (names,
-            dtypes, shapes, and ``X``'s width against ``dense1.kernel``).
+        weights: ``dense1.kernel (d_in, f)``, ``gate.kernel (d_in, f)`` (``"swiglu"`` only),
+            ``dense2.kernel (f, out)``, and with ``bias`` each one's ``.bias``; checked like
+            ``set_weights`` checks a layer's (names, dtypes, shapes, and ``X``'s width
+            against ``dense1.kernel``).
+        activation: ``"relu"``, ``"gelu"`` or ``"swiglu"``.
+        bias: Whether the dense layers have biases.
         ops: The backend's ops; found from ``X`` when omitted.
     """
     ops = ops or ops_for(X, "X")
+    activation = checks.check_activation(activation)
+    bias = checks.check_flag("bias", bias)
     checks.check_rank(ops, "X", X, (3,), "(B, T, d)")
     checks.check_floating(ops, "X", X)
     checks.check_matmul_dtype(ops, "X", X)
-    weights = W.check_call_weights(ops, "position_wise_ffn", weights, W.ffn_call_spec,
-                                   {"X": (X, "dense1.kernel")})
-    hidden = ops.relu(dense(ops, X, weights["dense1.kernel"], weights["dense1.bias"]))
-    return dense(ops, hidden, weights["dense2.kernel"], weights["dense2.bias"])
+    weights = W.check_call_weights(
+        ops, "position_wise_ffn", weights,
+        lambda size: W.ffn_call_spec(size, activation=activation, bias=bias),
+        {"X": (X, "dense1.kernel")})
+    return _ffn(ops, X, weights, activation)
+
+
+def _ffn(ops: Ops, X: Array, weights: Mapping[str, Array], activation: str) -> Array:
+    """:func:`position_wise_ffn` of checked arguments."""
+
+    def layer(name: str, x: Array) -> Array:
+        return dense(ops, x, weights[f"{name}.kernel"], weights.get(f"{name}.bias"))
+
+    up = layer("dense1", X)
+    if activation == "relu":
+        hidden = ops.relu(up)
+    elif activation == "gelu":
+        hidden = up * (1.0 + _erf(ops, up * (1.0 / math.sqrt(2.0)))) * 0.5
+    else:
+        gate = layer("gate", X)
+        silu = getattr(ops, "silu", None)
+        hidden = (silu(gate) if silu is not None else gate / (1.0 + ops.exp(-gate))) * up
+    return layer("dense2", hidden)
+
+
+def _erf(ops: Ops, x: Array) -> Array:
+    """``erf(x)`` by the backend's ops (an optional method: the exact GELU needs it)."""
+    erf = getattr(ops, "erf", None)
+    if erf is None:
+        raise TypeError(f"activation='gelu' needs the ops' erf, which the {ops.name} ops lack")
+    return erf(x)
+
+
+def normalise(
+    ops: Ops, X: Array, weights: Mapping[str, Array], norm: str = "layer",
+    eps: float | None = None,
+) -> Array:
+    """``X`` normalised over its last axis by ``ln.gamma`` (and ``ln.beta`` for ``"layer"``).
+
+    LayerNorm or RMSNorm (:func:`~attention_core.linear.rms_norm`), ``eps`` None for the
+    norm's default. Under mixed precision a float16 or bfloat16 ``X`` is normalised in
+    float32 and the result cast back, as torch's norms do under autocast.
+    """
+    dtype = ops.dtype_name(X)
+    if getattr(ops, "mixes_dtypes", False) and dtype in ("float16", "bfloat16"):
+        return ops.astype(normalise(ops, ops.astype(X, "float32"), weights, norm, eps), dtype)
+    if norm == "rms":
+        return rms_norm(ops, X, weights["ln.gamma"], norm_eps(norm, eps))
+    return layer_norm(ops, X, weights["ln.gamma"], weights["ln.beta"], norm_eps(norm, eps))
 
 
 def add_norm(
@@ -57,9 +114,11 @@ def add_norm(
     weights: Mapping[str, Array],
     dropout: float = 0.0,
     *,
+    norm: str = "layer",
+    eps: float | None = None,
     ops: Ops | None = None,
 ) -> Array:
-    """Residual connection then layer normalisation: ``LayerNorm(dropout(Y) + X)``.
+    """Residual connection then normalisation: ``Norm(dropout(Y) + X)``.
 
     ``X`` and ``Y`` must have the same dtype, except under mixed precision
     (``ops.mixes_dtypes``, e.g. ``torch.autocast``), where the sum takes the wider one; a
@@ -68,12 +127,15 @@ def add_norm(
     Args:
         X: The residual input, ``(B, T, h)``.
         Y: The sublayer's output, same shape.
-        weights: ``ln.gamma (h,)`` and ``ln.beta (h,)``, checked like ``set_weights`` checks
-            a layer's (and ``X``'s width against them).
+        weights: ``ln.gamma (h,)`` and, for ``norm="layer"``, ``ln.beta (h,)``, checked like
+            ``set_weights`` checks a layer's (and ``X``'s width against them).
         dropout: Dropout rate on ``Y`` (applied whenever > 0).
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm: no centring, no ``beta``).
+        eps: The norm's epsilon; None for its default (1e-5 layer, 1e-6 rms).
         ops: The backend's ops; found from ``X`` when omitted.
     """
     ops = ops or ops_for(X, "X")
+    norm, eps = checks.check_norm(norm), checks.check_eps(eps, "eps")
     checks.check_not_empty(ops, "X", X)
     checks.check_framework("X", X, Y=Y)
     checks.check_floating(ops, "X", X)
@@ -87,17 +149,48 @@ def add_norm(
             f"X and Y must have the same shape, got {checks.fmt_shape(x_shape)} and "
             f"{checks.fmt_shape(y_shape)}"
         )
-    weights = W.check_call_weights(ops, "add_norm", weights, W.add_norm_call_spec,
-                                   {"X": (X, "ln.gamma")})
+    weights = W.check_call_weights(
+        ops, "add_norm", weights, lambda size: W.add_norm_call_spec(size, norm=norm),
+        {"X": (X, "ln.gamma")})
+    total = X + _dropped(ops, Y, dropout)  # under mixed precision, in the wider dtype
+    return normalise(ops, total, weights, norm, eps)
+
+
+def _dropped(ops: Ops, Y: Array, dropout: float) -> Array:
+    """``dropout(Y)``, the rate checked."""
     dropout = checks.check_dropout(dropout)
-    Y = ops.dropout(Y, dropout) if dropout > 0 else Y
-    total = X + Y  # under mixed precision, in the wider dtype by the framework's promotion
-    gamma, beta = weights["ln.gamma"], weights["ln.beta"]
-    dtype = ops.dtype_name(total)
-    if getattr(ops, "mixes_dtypes", False) and dtype in ("float16", "bfloat16"):
-        # as torch's layer_norm under autocast: statistics in float32, the result in the input's dtype
-        return ops.astype(layer_norm(ops, ops.astype(total, "float32"), gamma, beta), dtype)
-    return layer_norm(ops, total, gamma, beta)
+    return ops.dropout(Y, dropout) if dropout > 0 else Y
+
+
+def _residual(
+    ops: Ops, X: Array, sublayer: Callable[[Array], Any], norm_weights: Mapping[str, Array],
+    dropout: float, block: BlockOptions, with_weights: bool,
+) -> tuple[Array, Any]:
+    """One sublayer with its residual connection and norm, and what else it returned.
+
+    Post-norm ``Norm(X + dropout(f(X)))``, or with ``block.norm_first``
+    ``X + dropout(f(Norm(X)))``. ``f`` returns ``(out, weights)`` when ``with_weights``.
+    """
+    inner = normalise(ops, X, norm_weights, block.norm, block.norm_eps) if block.norm_first else X
+    result = sublayer(inner)
+    out, extra = result if with_weights else (result, None)
+    if block.norm_first:
+        return X + _dropped(ops, out, dropout), extra
+    return add_norm(X, out, norm_weights, dropout, norm=block.norm, eps=block.norm_eps,
+                    ops=ops), extra
+
+
+def check_block_options(block: Any) -> BlockOptions:
+    """Checks a functional call's ``block`` (:class:`~attention_core.weights.BlockOptions`)."""
+    if not isinstance(block, BlockOptions):
+        raise TypeError(f"block must be a BlockOptions, got {type(block).__name__}")
+    return block if block is POST_NORM else block.checked()
+
+
+def _with_scale(options: HeadOptions | None, scale: float | None) -> HeadOptions:
+    """The attention options of an encoder call: ``options``, with ``scale`` if given."""
+    options = CLASSIC if options is None else options
+    return options if scale is None else dataclasses.replace(options, scale=scale)
 
 
 def transformer_encoder_block(
@@ -113,11 +206,15 @@ def transformer_encoder_block(
     return_weights: bool | str = False,
     implementation: str | None = None,
     scale: float | None = None,
+    options: HeadOptions | None = None,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, Array]:
-    """One post-norm Transformer encoder block.
+    """One Transformer encoder block, post-norm or pre-norm.
 
-    ``Y = AddNorm1(X, MHA(X, X, X))``, then ``AddNorm2(Y, FFN(Y))``.
+    ``Y = AddNorm1(X, MHA(X, X, X))``, then ``AddNorm2(Y, FFN(Y))``; with
+    ``block.norm_first``, ``Y = X + MHA(N1(X))`` and ``Y + FFN(N2(Y))``, N1 and N2 the norms
+    ``addnorm1`` and ``addnorm2``.
 
     Args:
         X: ``(B, T, h)``.
@@ -138,27 +235,39 @@ def transformer_encoder_block(
         implementation: How the heads pool; see
             :func:`~attention_core.attention.dot_product_attention`.
         scale: Multiplies the self-attention's scores; None for ``1 / sqrt(h/H)``.
+        options: The self-attention's :class:`~attention_core.multihead.HeadOptions`
+            (grouped-query heads, rotary or ALiBi positions, window, soft-capping); ``scale``,
+            if given, replaces theirs.
+        block: The norms and FFN (:class:`~attention_core.weights.BlockOptions`).
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
         ``(B, T, h)``, and the attention weights if asked.
     """
     ops = ops or ops_for(X, "X")
+    block = check_block_options(block)
+    options = _with_scale(options, scale)
     checks.check_floating(ops, "X", X)
     weights = W.check_call_weights(
         ops, "transformer_encoder_block", weights,
-        lambda size: W.with_sinks(W.block_call_spec(size, weights, num_heads), weights,
-                                  num_heads), {"X": (X, "attention.W_q.kernel")},
+        lambda size: W.with_sinks(W.block_call_spec(size, weights, num_heads,
+                                                    num_kv_heads=options.num_kv_heads,
+                                                    block=block), weights, num_heads),
+        {"X": (X, "attention.W_q.kernel")},
     )
-    result = multi_head_attention(
-        X, X, X, subset(weights, "attention"), num_heads, valid_lens,
-        mask=mask, causal=causal, score_bias=score_bias, dropout=dropout,
-        return_weights=return_weights, implementation=implementation, scale=scale, ops=ops,
-    )
-    attended, attn = result if return_weights else (result, None)
-    Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
-    out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
-                   subset(weights, "addnorm2"), dropout, ops=ops)
+
+    def attend(Y: Array) -> Any:
+        return multi_head_attention(
+            Y, Y, Y, subset(weights, "attention"), num_heads, valid_lens,
+            mask=mask, causal=causal, score_bias=score_bias, dropout=dropout,
+            return_weights=return_weights, implementation=implementation, ops=ops,
+            **options.kwargs(),
+        )
+
+    Y, attn = _residual(ops, X, attend, subset(weights, "addnorm1"), dropout, block,
+                        bool(return_weights))
+    out, _ = _residual(ops, Y, lambda Z: _ffn(ops, Z, subset(weights, "ffn"), block.activation),
+                       subset(weights, "addnorm2"), dropout, block, False)
     return (out, attn) if return_weights else out
 
 
@@ -260,7 +369,7 @@ def embed_tokens(tokens: Array, table: Array, *, ops: Ops, side: str | None = ""
 
 def embed_with_positions(
     tokens: Array, table: Array, dropout: float, positions: Array | None, max_len: int | None,
-    *, ops: Ops, start: Any = 0, side: str | None = "",
+    *, ops: Ops, start: Any = 0, side: str | None = "", scale_embeddings: bool = True,
 ) -> Array:
     """``dropout(E[tokens] * sqrt(h) + P)``: a stack's input, as the encoder and decoder make it.
 
@@ -279,11 +388,12 @@ def embed_with_positions(
             ``start .. start + T - 1`` of ``positions`` are added. An int or an integer scalar
             array, checked by the caller.
         side: See :func:`embed_tokens`.
+        scale_embeddings: False leaves out the factor sqrt(h).
 
     Returns:
         ``(B, T, h)``.
     """
-    X = embed_tokens(tokens, table, ops=ops, side=side) * math.sqrt(fixed_shape(ops, table)[1])
+    X = _embedded(ops, tokens, table, side, scale_embeddings)
     at_zero = isinstance(start, int) and start == 0
     if positions is None and at_zero:
         return positional_encoding(X, dropout, max_len=max_len, ops=ops)
@@ -316,6 +426,8 @@ def transformer_encoder(
     positions: Array | None = None,
     max_len: int | None = None,
     scale: float | None = None,
+    options: HeadOptions | None = None,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
     """The Transformer encoder: embed, scale, add positions, then the blocks in turn.
@@ -342,27 +454,38 @@ def transformer_encoder(
         max_len: Rows of the table made here when ``positions`` is None: by default T rows
             when T is known, else 1000 (a run-time length under tracing or export).
         scale: Multiplies every block's attention scores; None for ``1 / sqrt(h/H)``.
+        options: Every block's self-attention options (see
+            :func:`transformer_encoder_block`). With rotary or ALiBi positions the attention
+            places the tokens, and no sinusoidal table is added.
+        block: Every block's norms and FFN, and the stack's: with ``norm_first`` the output
+            is normalised last by ``norm.*``; ``scale_embeddings`` (see
+            :class:`~attention_core.weights.BlockOptions`).
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
         ``(B, T, h)``, and the list of the blocks' attention weights if asked.
     """
     ops = ops or ops_for(tokens, "tokens")
+    block = check_block_options(block)
+    options = _with_scale(options, scale)
     side = _ids_side(weights)
     weights = W.check_call_weights(
         ops, "transformer_encoder", weights,
-        lambda size: W.with_sinks(W.encoder_call_spec(size, weights, num_heads), weights,
-                                  num_heads))
-    X = embed_with_positions(tokens, weights["token.embedding"], dropout, positions, max_len,
-                             ops=ops, side=side)
+        lambda size: W.with_sinks(W.encoder_call_spec(size, weights, num_heads,
+                                                      num_kv_heads=options.num_kv_heads,
+                                                      block=block), weights, num_heads))
+    X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len, 0,
+                       side, options, block)
     attention_weights = []
     for i in range(W.count_blocks(weights)):
         result = transformer_encoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, valid_lens, mask=mask, dropout=dropout,
-            return_weights=return_weights, implementation=implementation, scale=scale, ops=ops,
+            return_weights=return_weights, implementation=implementation, options=options,
+            block=block, ops=ops,
         )
         X, attn = result if return_weights else (result, None)
         attention_weights.append(attn)
+    X = _final_norm(ops, X, weights, block)
     return (X, attention_weights) if return_weights else X
 
 
@@ -381,14 +504,17 @@ def transformer_decoder_block(
     return_weights: bool | str = False,
     implementation: str | None = None,
     options: HeadOptions = CLASSIC,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[Array]]:
-    """One post-norm Transformer decoder block, with or without cross-attention.
+    """One Transformer decoder block, with or without cross-attention, post- or pre-norm.
 
     ``Y = AddNorm1(X, MHA_self(X, X, X, causal))``; with cross-attention (the mapping holds
     ``cross_attention.*``) ``Z = AddNorm2(Y, MHA_cross(Y, E, E))`` over the encoder outputs
     ``E``, then ``AddNorm3(Z, FFN(Z))``; without it (decoder-only, GPT-style)
-    ``AddNorm2(Y, FFN(Y))``. Each add & norm is numbered by the sublayer it follows.
+    ``AddNorm2(Y, FFN(Y))``. Each add & norm is numbered by the sublayer it follows. With
+    ``block.norm_first`` each sublayer takes its norm's output instead, and adds to its input
+    (``Y = X + MHA_self(N1(X))``, ...).
 
     Args:
         X: ``(B, T, h)``.
@@ -420,14 +546,16 @@ def transformer_decoder_block(
             (grouped-query heads, rotary or ALiBi positions, window, soft-capping); the
             cross-attention is the classic one, but for ``options.scale``, which both take.
             Each attention has sinks when the mapping holds its ``sinks``.
+        block: The norms and FFN (:class:`~attention_core.weights.BlockOptions`).
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
         ``(B, T, h)``, and the list of weights if asked.
     """
     ops = ops or ops_for(X, "X")
+    block = check_block_options(block)
     weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False,
-                             num_kv_heads=options.num_kv_heads)
+                             num_kv_heads=options.num_kv_heads, block=block)
     if enc_outputs is not None:
         check_cross_masks(ops, X, num_heads, ops.shape(enc_outputs)[1], enc_valid_lens,
                           enc_mask)
@@ -437,9 +565,11 @@ def transformer_decoder_block(
         checks.check_rank(ops, "past", past, (3,), "(B, P, h)")
         checks.check_batch(ops, "past", past, "X", X)
         checks.check_last_dim(ops, "past", past, ops.shape(X)[-1])
-    keys = X if past is None else ops.concatenate([past, X], 1)  # (B, P + T, h)
 
     def attend_self(Y: Array) -> Any:
+        # the block's earlier inputs, normalised as its own when pre-norm
+        keys = Y if past is None else ops.concatenate([_pre_norm(ops, past, weights, block), Y],
+                                                      1)  # (B, P + T, h)
         return multi_head_attention(
             Y, keys, keys, subset(weights, "self_attention"), num_heads, valid_lens, mask=mask,
             causal=True, dropout=dropout, return_weights=return_weights,
@@ -454,8 +584,15 @@ def transformer_decoder_block(
         )
 
     out, kept = _decoder_sublayers(ops, X, weights, attend_self, attend_cross, dropout,
-                                   bool(return_weights))
+                                   bool(return_weights), block)
     return (out, kept) if return_weights else out
+
+
+def _pre_norm(ops: Ops, past: Array, weights: Mapping[str, Array], block: BlockOptions) -> Array:
+    """A decoder block's earlier inputs as its self-attention reads them: ``N1(past)`` if pre-norm."""
+    if not block.norm_first:
+        return past
+    return normalise(ops, past, subset(weights, "addnorm1"), block.norm, block.norm_eps)
 
 
 def cached_decoder_block(
@@ -473,6 +610,7 @@ def cached_decoder_block(
     return_weights: bool | str = False,
     implementation: str | None = None,
     options: HeadOptions = CLASSIC,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, list[Array]], tuple[Any, ...]]:
     """A decoder block over ``t`` new positions, against its key/value cache.
@@ -500,12 +638,14 @@ def cached_decoder_block(
         return_weights: Also return ``[self (B, H, t, C), cross (B, H, t, S)]``.
         implementation: How the heads pool.
         options: See :func:`transformer_decoder_block`.
+        block: See :func:`transformer_decoder_block`.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
         ``(output, cache)``: as :func:`transformer_decoder_block` returns, and the new cache.
     """
     ops = ops or ops_for(X, "X")
+    block = check_block_options(block)
     crossed = "cross_attention.W_q.kernel" in weights
     if cache is not None:
         kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
@@ -514,7 +654,7 @@ def cached_decoder_block(
         check_encoder_outputs(ops, enc_outputs, None, like=("X", X))
     weights = _checked_block(ops, X, weights, num_heads,
                              None if cached_cross else enc_outputs, cached_cross=cached_cross,
-                             num_kv_heads=options.num_kv_heads)
+                             num_kv_heads=options.num_kv_heads, block=block)
     if crossed:
         keys = cache[1][0] if cached_cross else enc_outputs
         check_cross_masks(ops, X, num_heads, ops.shape(keys)[-2], enc_valid_lens, enc_mask)
@@ -545,13 +685,14 @@ def cached_decoder_block(
                           options=HeadOptions(scale=checks.check_scale(options.scale)))
 
     out, kept = _decoder_sublayers(ops, X, weights, attend_self, attend_cross, dropout,
-                                   bool(return_weights))
+                                   bool(return_weights), block)
     return ((out, kept) if return_weights else out), tuple(new_cache)
 
 
 def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: int,
                    enc_outputs: Array | None, *, cached_cross: bool,
-                   num_kv_heads: int | None = None) -> W.CheckedWeights:
+                   num_kv_heads: int | None = None, block: BlockOptions = POST_NORM
+                   ) -> W.CheckedWeights:
     """A decoder block's weights checked against ``X`` and the encoder outputs (if read)."""
     checks.check_floating(ops, "X", X)
     crossed = "cross_attention.W_q.kernel" in weights
@@ -562,7 +703,8 @@ def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: 
     return W.check_call_weights(
         ops, "transformer_decoder_block", weights,
         lambda size: W.with_sinks(W.decoder_block_call_spec(size, weights, num_heads,
-                                                            num_kv_heads=num_kv_heads),
+                                                            num_kv_heads=num_kv_heads,
+                                                            block=block),
                                   weights, num_heads), inputs,
     )
 
@@ -570,24 +712,26 @@ def _checked_block(ops: Ops, X: Array, weights: Mapping[str, Array], num_heads: 
 def _decoder_sublayers(
     ops: Ops, X: Array, weights: Mapping[str, Array], attend_self: Callable[[Array], Any],
     attend_cross: Callable[[Array], Any], dropout: float, with_weights: bool,
+    block: BlockOptions = POST_NORM,
 ) -> tuple[Array, list[Array]]:
     """A decoder block's sublayers in order, given its two attentions (full or cached).
+
+    Each with its residual connection and norm, post-norm or pre-norm (:func:`_residual`).
 
     Returns:
         The output, and the attention weights the attentions returned (when ``with_weights``).
     """
-    result = attend_self(X)
-    attended, self_weights = result if with_weights else (result, None)
+    Y, self_weights = _residual(ops, X, attend_self, subset(weights, "addnorm1"), dropout,
+                                block, with_weights)
     kept = [self_weights]
-    Y = add_norm(X, attended, subset(weights, "addnorm1"), dropout, ops=ops)
     last = "addnorm2"
     if "cross_attention.W_q.kernel" in weights:
-        result = attend_cross(Y)
-        attended, cross_weights = result if with_weights else (result, None)
+        Y, cross_weights = _residual(ops, Y, attend_cross, subset(weights, "addnorm2"), dropout,
+                                     block, with_weights)
         kept.append(cross_weights)
-        Y, last = add_norm(Y, attended, subset(weights, "addnorm2"), dropout, ops=ops), "addnorm3"
-    out = add_norm(Y, position_wise_ffn(Y, subset(weights, "ffn"), ops=ops),
-                   subset(weights, last), dropout, ops=ops)
+        last = "addnorm3"
+    out, _ = _residual(ops, Y, lambda Z: _ffn(ops, Z, subset(weights, "ffn"), block.activation),
+                       subset(weights, last), dropout, block, False)
     return out, kept
 
 
@@ -653,12 +797,15 @@ def transformer_decoder(
     positions: Array | None = None,
     max_len: int | None = None,
     options: HeadOptions = CLASSIC,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[list[Array]]]:
     """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
 
     ``X = dropout(E[tokens] * sqrt(h) + P)``, ``X = block_i(X, enc_outputs)`` for each block,
-    and the logits ``X @ dense.kernel + dense.bias``.
+    and the logits ``X @ dense.kernel + dense.bias``. ``block`` may leave out the scale and
+    the bias, normalise ``X`` last (pre-norm) and tie the output to the embedding
+    (``X @ token.embedding^T``).
 
     Args:
         tokens: Integer ids ``(B, T)``.
@@ -681,50 +828,83 @@ def transformer_decoder(
         options: Every block's self-attention options (see
             :func:`transformer_decoder_block`). With rotary or ALiBi positions the attention
             places the tokens, and no sinusoidal table is added.
+        block: Every block's norms and FFN, and the stack's: the final norm ``norm.*`` with
+            ``norm_first``, ``output_bias``, ``tie_output``, ``scale_embeddings`` (see
+            :class:`~attention_core.weights.BlockOptions`).
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
         The logits ``(B, T, V_out)``, and the weights if asked.
     """
     ops = ops or ops_for(tokens, "tokens")
+    block = check_block_options(block)
     side = _ids_side(weights)
-    weights = W.check_call_weights(
-        ops, "transformer_decoder", weights,
-        lambda size: W.with_sinks(W.decoder_call_spec(size, weights, num_heads,
-                                                      num_kv_heads=options.num_kv_heads),
-                                  weights, num_heads))
+    weights = _checked_decoder(ops, weights, num_heads, options, block)
     check_encoder_outputs(ops, enc_outputs, "blks.0.cross_attention.W_q.kernel" in weights,
                           like=("tokens", tokens))
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len, 0,
-                       side, options)
+                       side, options, block)
     kept: list[list[Array]] = []
     for i in range(W.count_blocks(weights)):
         result = transformer_decoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, enc_outputs, enc_valid_lens,
             valid_lens=valid_lens, mask=mask, enc_mask=enc_mask, dropout=dropout,
             return_weights=return_weights, implementation=implementation, options=options,
-            ops=ops,
+            block=block, ops=ops,
         )
         X, formed = result if return_weights else (result, [])
         kept = _collected(kept, formed)
-    logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
+    logits = _logits(ops, _final_norm(ops, X, weights, block), weights, block)
     return (logits, kept) if return_weights else logits
+
+
+def _checked_decoder(ops: Ops, weights: Mapping[str, Array], num_heads: int,
+                     options: HeadOptions, block: BlockOptions) -> W.CheckedWeights:
+    """A decoder stack's weights, checked (:func:`~attention_core.weights.decoder_call_spec`)."""
+    return W.check_call_weights(
+        ops, "transformer_decoder", weights,
+        lambda size: W.with_sinks(W.decoder_call_spec(size, weights, num_heads,
+                                                      num_kv_heads=options.num_kv_heads,
+                                                      block=block),
+                                  weights, num_heads))
+
+
+def _final_norm(ops: Ops, X: Array, weights: Mapping[str, Array], block: BlockOptions) -> Array:
+    """A stack's output: ``X``, normalised by ``final_norm.*`` when pre-norm."""
+    if not block.norm_first:
+        return X
+    return normalise(ops, X, subset(weights, "final_norm"), block.norm, block.norm_eps)
+
+
+def _logits(ops: Ops, X: Array, weights: Mapping[str, Array], block: BlockOptions) -> Array:
+    """A decoder stack's logits: ``X @ dense.kernel`` (or ``token.embedding^T``) ``+ dense.bias``."""
+    kernel = (ops.transpose(weights["token.embedding"], (1, 0)) if block.tie_output
+              else weights["dense.kernel"])
+    return dense(ops, X, kernel, weights.get("dense.bias"))
+
+
+def _embedded(ops: Ops, tokens: Array, table: Array, side: str | None,
+              scale_embeddings: bool) -> Array:
+    """``E[tokens]``, times sqrt(h) if ``scale_embeddings``."""
+    X = embed_tokens(tokens, table, ops=ops, side=side)
+    return X * math.sqrt(fixed_shape(ops, table)[1]) if scale_embeddings else X
 
 
 def _decoder_input(
     ops: Ops, tokens: Array, table: Array, dropout: float, positions: Array | None,
     max_len: int | None, start: Any, side: str | None, options: HeadOptions,
+    block: BlockOptions = POST_NORM,
 ) -> Array:
-    """A decoder stack's input: :func:`embed_with_positions`, or without the sinusoidal table.
+    """A stack's input: :func:`embed_with_positions`, or without the sinusoidal table.
 
     No table when the self-attention places the tokens itself (rotary or ALiBi positions).
     """
     if options.positional is None:
         return embed_with_positions(tokens, table, dropout, positions, max_len, ops=ops,
-                                    start=start, side=side)
-    X = embed_tokens(tokens, table, ops=ops, side=side) * math.sqrt(fixed_shape(ops, table)[1])
-    dropout = checks.check_dropout(dropout)
-    return ops.dropout(X, dropout) if dropout > 0 else X
+                                    start=start, side=side,
+                                    scale_embeddings=block.scale_embeddings)
+    X = _embedded(ops, tokens, table, side, block.scale_embeddings)
+    return _dropped(ops, X, dropout)
 
 
 def _collected(kept: list[list[Array]], formed: list[Array]) -> list[list[Array]]:
@@ -752,6 +932,7 @@ def cached_decoder(
     positions: Array | None = None,
     max_len: int | None = None,
     options: HeadOptions = CLASSIC,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, list[list[Array]]], list[Any]]:
     """The decoder over ``t`` new positions, each block against its key/value cache.
@@ -778,6 +959,7 @@ def cached_decoder(
             None (``start`` must then be 0).
         max_len: Rows of the table made here when ``positions`` is None.
         options: See :func:`transformer_decoder`.
+        block: See :func:`transformer_decoder`.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
@@ -785,12 +967,9 @@ def cached_decoder(
         the new cache, one block cache per block.
     """
     ops = ops or ops_for(tokens, "tokens")
+    block = check_block_options(block)
     side = _ids_side(weights)
-    weights = W.check_call_weights(
-        ops, "transformer_decoder", weights,
-        lambda size: W.with_sinks(W.decoder_call_spec(size, weights, num_heads,
-                                                      num_kv_heads=options.num_kv_heads),
-                                  weights, num_heads))
+    weights = _checked_decoder(ops, weights, num_heads, options, block)
     blocks = W.count_blocks(weights)
     if cache is not None and (not isinstance(cache, (list, tuple)) or len(cache) != blocks):
         raise ValueError(f"cache must hold one block cache per block ({blocks}), got "
@@ -803,7 +982,7 @@ def cached_decoder(
     start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
                                  kv_cache.capacity_of(ops, held, capacity))
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
-                       start, side, options)
+                       start, side, options, block)
     kept: list[list[Array]] = []
     new_cache = []
     for i in range(blocks):
@@ -811,12 +990,12 @@ def cached_decoder(
             X, subset(weights, f"blks.{i}"), num_heads, None if cache is None else cache[i],
             start, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
             dropout=dropout, return_weights=return_weights, implementation=implementation,
-            options=options, ops=ops,
+            options=options, block=block, ops=ops,
         )
         new_cache.append(block_cache)
         X, formed = result if return_weights else (result, [])
         kept = _collected(kept, formed)
-    logits = dense(ops, X, weights["dense.kernel"], weights["dense.bias"])
+    logits = _logits(ops, _final_norm(ops, X, weights, block), weights, block)
     return ((logits, kept) if return_weights else logits), new_cache
 
 
@@ -849,6 +1028,7 @@ def transformer_encoder_decoder(
     positions: Array | None = None,
     max_len: int | None = None,
     scale: float | None = None,
+    block: BlockOptions = POST_NORM,
     ops: Ops | None = None,
 ) -> Array | tuple[Array, list[list[Array]]]:
     """The encoder-decoder Transformer: the decoder's logits over the encoded source.
@@ -871,18 +1051,20 @@ def transformer_encoder_decoder(
         max_len: Rows of the tables made here when ``positions`` is None; by default each
             input's length.
         scale: Multiplies every attention's scores; None for ``1 / sqrt(h/H)``.
+        block: The encoder's and the decoder's (see :func:`transformer_decoder`).
         ops: The backend's ops; found from ``src_tokens`` when omitted.
 
     Returns:
         The logits ``(B, T, V_out)``, and the weights if asked.
     """
     ops = ops or ops_for(src_tokens, "src_tokens")
+    block = check_block_options(block)
     checks.check_framework("src_tokens", src_tokens, tgt_tokens=tgt_tokens)
     ids_checked = isinstance(weights, W.CheckedWeights)  # by the layer that calls
     weights = W.check_call_weights(
         ops, "transformer_encoder_decoder", weights,
-        lambda size: W.with_sinks(W.transformer_call_spec(size, weights, num_heads), weights,
-                                  num_heads))
+        lambda size: W.with_sinks(W.transformer_call_spec(size, weights, num_heads, block),
+                                  weights, num_heads))
     for side, tokens in (() if ids_checked else (("src", src_tokens), ("tgt", tgt_tokens))):
         table = weights[("encoder." if side == "src" else "decoder.") + "token.embedding"]
         check_token_ids(tokens, fixed_shape(ops, table)[0], ops=ops, side=side)
@@ -890,14 +1072,14 @@ def transformer_encoder_decoder(
     encoded = transformer_encoder(
         src_tokens, subset(weights, "encoder"), num_heads, src_valid_lens, dropout=dropout,
         return_weights=return_weights, implementation=implementation, positions=positions,
-        max_len=max_len, scale=scale, ops=ops,
+        max_len=max_len, scale=scale, block=block, ops=ops,
     )
     enc_outputs, enc_weights = encoded if return_weights else (encoded, None)
     decoded = transformer_decoder(
         tgt_tokens, subset(weights, "decoder"), num_heads, enc_outputs, src_valid_lens,
         valid_lens=tgt_valid_lens, dropout=dropout, return_weights=return_weights,
         implementation=implementation, positions=positions, max_len=max_len,
-        options=HeadOptions(scale=scale), ops=ops,
+        options=HeadOptions(scale=scale), block=block, ops=ops,
     )
     if not return_weights:
         return decoded

@@ -7,6 +7,7 @@ names below to NumPy arrays, so weights move between frameworks. Dense kernels a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,9 +17,10 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from attention_core import files
+from attention_core import checks, files
 from attention_core.checks import check_heads, check_kv_heads, check_positive_int, fmt_shape
 from attention_core.host import host_array
+from attention_core.linear import norm_eps
 from attention_core.masks import own
 from attention_core.ops import Array, Ops, fixed_shape
 
@@ -49,10 +51,102 @@ def dense_spec(name: str, d_in: int | None, d_out: int | None, bias: bool) -> Sp
     return spec
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+    """How a Transformer block and stack are made, beyond the 2017 post-norm ones.
+
+    Attributes:
+        norm_first: Pre-norm: ``x + dropout(sublayer(norm(x)))`` for each sublayer, and a
+            stack normalises its output last (``norm.*``); False: ``norm(x + dropout(...))``.
+        norm: ``"layer"`` (LayerNorm: ``ln.gamma``, ``ln.beta``) or ``"rms"`` (RMSNorm:
+            ``ln.gamma`` only).
+        norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
+        activation: The FFN's: ``"relu"``, ``"gelu"`` (exact, with erf) or ``"swiglu"``
+            (``dense2(silu(gate x) * dense1 x)``, with ``ffn.gate``).
+        ffn_bias: Whether the FFN's dense layers have biases.
+        output_bias: Whether a decoder stack's logits have a bias ``dense.bias``.
+        tie_output: A decoder stack's logits are ``X @ token.embedding^T`` (no ``dense.kernel``).
+        scale_embeddings: A stack multiplies its token embeddings by ``sqrt(h)``.
+    """
+
+    norm_first: bool = False
+    norm: str = "layer"
+    norm_eps: float | None = None
+    activation: str = "relu"
+    ffn_bias: bool = True
+    output_bias: bool = True
+    tie_output: bool = False
+    scale_embeddings: bool = True
+
+    def checked(self) -> BlockOptions:
+        """The options checked (as every layer's constructor raises), numbers made plain."""
+        flags = {name: checks.check_flag(name, getattr(self, name))
+                 for name in ("norm_first", "ffn_bias", "output_bias", "tie_output",
+                              "scale_embeddings")}
+        return BlockOptions(norm=checks.check_norm(self.norm),
+                            norm_eps=checks.check_eps(self.norm_eps),
+                            activation=checks.check_activation(self.activation), **flags)
+
+    @property
+    def eps(self) -> float:
+        """The norms' epsilon: ``norm_eps``, or the norm's default."""
+        return norm_eps(self.norm, self.norm_eps)
+
+
+#: The options of the 2017 (post-norm, LayerNorm, ReLU) blocks.
+POST_NORM = BlockOptions()
+
+
+def part_spec(part: str, sizes: Sequence[int | None], flag: Any = None,
+              bias: bool | str = True, prefix: str = "") -> Spec:
+    """The weights of one part of a block, derived from its flags (the one rule for them).
+
+    Args:
+        part: ``"attention"``: ``sizes`` are ``(q_in, k_in, v_in, h, kv_width)``, giving
+            ``W_q (q_in, h)``, ``W_k (k_in, kv_width)``, ``W_v (v_in, kv_width)`` and
+            ``W_o (h, h)``. ``"ffn"``: ``(d_in, f, out)``, ``flag`` the activation, giving
+            ``dense1 (d_in, f)``, ``gate (d_in, f)`` (``"swiglu"`` only) and
+            ``dense2 (f, out)``. ``"norm"``: ``(h,)``, ``flag`` the norm, giving
+            ``ln.gamma (h,)`` and, for ``"layer"``, ``ln.beta (h,)``.
+        sizes: See ``part``; None where unknown.
+        flag: See ``part``.
+        bias: The dense layers' biases: True, False, or ``"qkv"`` (an attention's ``W_q``,
+            ``W_k`` and ``W_v`` only).
+        prefix: Put before every name.
+    """
+    if part == "norm":
+        (h,) = sizes
+        names = ("ln.gamma", "ln.beta") if flag != "rms" else ("ln.gamma",)
+        return {f"{prefix}{name}": (h,) for name in names}
+    if part == "ffn":
+        d_in, f, out = sizes
+        layers = [("dense1", d_in, f), ("gate", d_in, f), ("dense2", f, out)]
+        return {name: shape for layer, rows, cols in layers
+                if layer != "gate" or flag == "swiglu"
+                for name, shape in dense_spec(f"{prefix}{layer}", rows, cols, bool(bias)).items()}
+    q_in, k_in, v_in, h, kv_width = sizes
+    spec: Spec = {}
+    for name, rows, cols in (("W_q", q_in, h), ("W_k", k_in, kv_width), ("W_v", v_in, kv_width),
+                             ("W_o", h, h)):
+        spec.update(dense_spec(f"{prefix}{name}", rows, cols,
+                               bias is True or (bias == "qkv" and name != "W_o")))
+    return spec
+
+
+def names_bias(names: Any, prefix: str = "") -> bool | str:
+    """An attention's ``bias`` as its weights' names show it (a functional call's mapping).
+
+    ``"qkv"`` when ``W_q``, ``W_k`` and ``W_v`` have biases and ``W_o`` none; else whether any
+    projection has one (the others are then expected too).
+    """
+    has = [f"{prefix}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o")]
+    return "qkv" if all(has[:3]) and not has[3] else any(has)
+
+
 def multi_head_spec(
     num_hiddens: int,
     num_heads: int,
-    bias: bool = False,
+    bias: bool | str = False,
     q_in: int | None = None,
     k_in: int | None = None,
     v_in: int | None = None,
@@ -64,16 +158,11 @@ def multi_head_spec(
     ``W_k`` and ``W_v`` project the keys and values to ``Hkv * h/H`` columns, Hkv =
     ``num_kv_heads`` (None: H; grouped-query attention when fewer): key/value head ``g``
     takes columns ``g*h/H : (g+1)*h/H``. With ``sinks``, ``sink_logits (H,)`` holds each
-    head's attention-sink logit.
+    head's attention-sink logit. ``bias``: True, False or ``"qkv"`` (no ``W_o.bias``).
     """
     num_hiddens, num_heads = check_heads(num_hiddens, num_heads)
     kv_width = check_kv_heads(num_heads, num_kv_heads) * (num_hiddens // num_heads)
-    spec = {
-        **dense_spec("W_q", q_in, num_hiddens, bias),
-        **dense_spec("W_k", k_in, kv_width, bias),
-        **dense_spec("W_v", v_in, kv_width, bias),
-        **dense_spec("W_o", num_hiddens, num_hiddens, bias),
-    }
+    spec = part_spec("attention", (q_in, k_in, v_in, num_hiddens, kv_width), bias=bias)
     if sinks:
         spec["sink_logits"] = (num_heads,)
     return spec
@@ -89,32 +178,31 @@ def additive_spec(num_hiddens: int, q_in: int | None = None, k_in: int | None = 
     }
 
 
-def ffn_spec(ffn_num_hiddens: int, ffn_num_outputs: int, d_in: int | None = None) -> Spec:
-    """``dense1 (d_in, f)`` and ``dense2 (f, out)``, both with biases."""
+def ffn_spec(ffn_num_hiddens: int, ffn_num_outputs: int, d_in: int | None = None,
+             activation: str = "relu", bias: bool = True) -> Spec:
+    """``dense1 (d_in, f)``, ``gate (d_in, f)`` for swiglu, ``dense2 (f, out)``, biases per ``bias``."""
     ffn_num_hiddens = check_positive_int("ffn_num_hiddens", ffn_num_hiddens)
     ffn_num_outputs = check_positive_int("ffn_num_outputs", ffn_num_outputs)
-    return {
-        **dense_spec("dense1", d_in, ffn_num_hiddens, True),
-        **dense_spec("dense2", ffn_num_hiddens, ffn_num_outputs, True),
-    }
+    return part_spec("ffn", (d_in, ffn_num_hiddens, ffn_num_outputs), activation, bias)
 
 
-def add_norm_spec(num_hiddens: int) -> Spec:
-    """``ln.gamma (h,)`` and ``ln.beta (h,)``."""
+def add_norm_spec(num_hiddens: int, norm: str = "layer") -> Spec:
+    """``ln.gamma (h,)`` and, for ``norm="layer"``, ``ln.beta (h,)``."""
     num_hiddens = check_positive_int("num_hiddens", num_hiddens)
-    return {"ln.gamma": (num_hiddens,), "ln.beta": (num_hiddens,)}
+    return part_spec("norm", (num_hiddens,), norm)
 
 
 def encoder_block_spec(
-    num_hiddens: int, ffn_num_hiddens: int, num_heads: int, bias: bool = False
+    num_hiddens: int, ffn_num_hiddens: int, num_heads: int, bias: bool | str = False,
+    block: BlockOptions = POST_NORM, num_kv_heads: int | None = None,
 ) -> Spec:
     """``attention.*``, ``addnorm1.*``, ``ffn.*``, ``addnorm2.*``, all at width h."""
     h = num_hiddens
     return {
-        **prefixed(multi_head_spec(h, num_heads, bias, h, h, h), "attention"),
-        **prefixed(add_norm_spec(h), "addnorm1"),
-        **prefixed(ffn_spec(ffn_num_hiddens, h, h), "ffn"),
-        **prefixed(add_norm_spec(h), "addnorm2"),
+        **prefixed(multi_head_spec(h, num_heads, bias, h, h, h, num_kv_heads), "attention"),
+        **prefixed(add_norm_spec(h, block.norm), "addnorm1"),
+        **prefixed(ffn_spec(ffn_num_hiddens, h, h, block.activation, block.ffn_bias), "ffn"),
+        **prefixed(add_norm_spec(h, block.norm), "addnorm2"),
     }
 
 
@@ -148,18 +236,22 @@ def transformer_encoder_spec(
     ffn_num_hiddens: int,
     num_heads: int,
     num_blks: int,
-    bias: bool = False,
+    bias: bool | str = False,
+    block: BlockOptions = POST_NORM,
 ) -> Spec:
     """``token.embedding (vocab_size, h)`` and each block's weights.
 
-    Block ``i`` has the names of :func:`encoder_block_spec` under ``blks.<i>.``.
+    Block ``i`` has the names of :func:`encoder_block_spec` under ``blks.<i>.``; with
+    ``block.norm_first``, the final norm ``norm.*`` follows.
     """
     vocab_size = check_positive_int("vocab_size", vocab_size)
     num_hiddens = check_positive_int("num_hiddens", num_hiddens)
     spec: Spec = {"token.embedding": (vocab_size, num_hiddens)}
     for i in range(check_positive_int("num_blks", num_blks)):
-        block = encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias)
-        spec.update(prefixed(block, f"blks.{i}"))
+        layers = encoder_block_spec(num_hiddens, ffn_num_hiddens, num_heads, bias, block)
+        spec.update(prefixed(layers, f"blks.{i}"))
+    if block.norm_first:
+        spec.update(part_spec("norm", (num_hiddens,), block.norm, prefix="final_norm."))
     return spec
 
 
@@ -496,7 +588,8 @@ def multi_head_call_spec(
 ) -> Spec:
     """The spec of ``multi_head_attention``'s mapping (names under ``prefix``).
 
-    h is ``W_q.kernel``'s output size; the projections have biases when any of them has one.
+    h is ``W_q.kernel``'s output size; the projections have biases when any of them has one
+    (``W_q``, ``W_k`` and ``W_v`` only when ``W_o`` has none: :func:`names_bias`).
     With ``width`` (a block's h), every input size is ``width``. ``W_k`` and ``W_v`` have
     ``num_kv_heads * h/H`` columns (None: H).
     """
@@ -504,13 +597,10 @@ def multi_head_call_spec(
     _heads(h, num_heads)
     kv_heads = check_kv_heads(num_heads, num_kv_heads)
     kv_width = None if h is None else kv_heads * (h // num_heads)
-    bias = any(f"{prefix}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o"))
-    spec: Spec = {}
-    for name, columns in (("W_q", h), ("W_k", kv_width), ("W_v", kv_width)):
-        d_in = width if width is not None else size(f"{prefix}{name}.kernel", 0, 2)
-        spec.update(dense_spec(f"{prefix}{name}", d_in, columns, bias))
-    spec.update(dense_spec(f"{prefix}W_o", h, h, bias))
-    return spec
+    d_in = [width if width is not None else size(f"{prefix}{name}.kernel", 0, 2)
+            for name in ("W_q", "W_k", "W_v")]
+    return part_spec("attention", (*d_in, h, kv_width), bias=names_bias(names, prefix),
+                     prefix=prefix)
 
 
 def with_sinks(spec: Spec, names: Any, num_heads: int) -> Spec:
@@ -545,40 +635,41 @@ def relative_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
     return spec
 
 
-def ffn_call_spec(size: Size, prefix: str = "", width: int | None = None) -> Spec:
+def ffn_call_spec(size: Size, prefix: str = "", width: int | None = None,
+                  activation: str = "relu", bias: bool = True) -> Spec:
     """The spec of ``position_wise_ffn``'s mapping (under ``prefix``).
 
-    With ``width`` (a block's h), the input and output sizes are ``width``.
+    With ``width`` (a block's h), the input and output sizes are ``width``. ``activation``
+    and ``bias`` as the function takes them (:func:`part_spec`).
     """
     hidden = size(f"{prefix}dense1.kernel", 1, 2)
     d_in = width if width is not None else size(f"{prefix}dense1.kernel", 0, 2)
     out = width if width is not None else size(f"{prefix}dense2.kernel", 1, 2)
-    return {
-        **dense_spec(f"{prefix}dense1", d_in, hidden, True),
-        **dense_spec(f"{prefix}dense2", hidden, out, True),
-    }
+    return part_spec("ffn", (d_in, hidden, out), activation, bias, prefix)
 
 
-def add_norm_call_spec(size: Size, prefix: str = "", width: int | None = None) -> Spec:
+def add_norm_call_spec(size: Size, prefix: str = "", width: int | None = None,
+                       norm: str = "layer") -> Spec:
     """The spec of ``add_norm``'s mapping (under ``prefix``), of ``width`` if given."""
     h = width if width is not None else size(f"{prefix}ln.gamma", 0, 1)
-    return {f"{prefix}ln.gamma": (h,), f"{prefix}ln.beta": (h,)}
+    return part_spec("norm", (h,), norm, prefix=prefix)
 
 
 def block_call_spec(
-    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None
+    size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None,
+    num_kv_heads: int | None = None, block: BlockOptions = POST_NORM,
 ) -> Spec:
     """The spec of ``transformer_encoder_block``'s mapping (under ``prefix``).
 
     Every part has the width h: ``width`` if given (an encoder's), else the output size of
-    ``attention.W_q.kernel``.
+    ``attention.W_q.kernel``; its norms and FFN are those of ``block``.
     """
     h = width if width is not None else size(f"{prefix}attention.W_q.kernel", 1, 2)
     return {
-        **multi_head_call_spec(size, names, num_heads, f"{prefix}attention.", h),
-        **add_norm_call_spec(size, f"{prefix}addnorm1.", h),
-        **ffn_call_spec(size, f"{prefix}ffn.", h),
-        **add_norm_call_spec(size, f"{prefix}addnorm2.", h),
+        **multi_head_call_spec(size, names, num_heads, f"{prefix}attention.", h, num_kv_heads),
+        **add_norm_call_spec(size, f"{prefix}addnorm1.", h, block.norm),
+        **ffn_call_spec(size, f"{prefix}ffn.", h, block.activation, block.ffn_bias),
+        **add_norm_call_spec(size, f"{prefix}addnorm2.", h, block.norm),
     }
 
 
@@ -588,22 +679,27 @@ def count_blocks(names: Any, prefix: str = "") -> int:
     return len({name[len(start):].split(".")[0] for name in names if name.startswith(start)})
 
 
-def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "") -> Spec:
+def encoder_call_spec(size: Size, names: Any, num_heads: int, prefix: str = "",
+                      num_kv_heads: int | None = None, block: BlockOptions = POST_NORM) -> Spec:
     """The spec of ``transformer_encoder``'s mapping (under ``prefix``).
 
-    ``token.embedding (V, h)`` and one block of width h per distinct ``blks.<i>`` prefix in
-    the mapping, numbered from 0.
+    ``token.embedding (V, h)``, one block of width h per distinct ``blks.<i>`` prefix in
+    the mapping, numbered from 0, and with ``block.norm_first`` the final norm ``norm.*``.
     """
     h = size(f"{prefix}token.embedding", 1, 2)
     spec: Spec = {f"{prefix}token.embedding": (size(f"{prefix}token.embedding", 0, 2), h)}
     for i in range(count_blocks(names, prefix)):
-        spec.update(block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h))
+        spec.update(block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h,
+                                    num_kv_heads, block))
+    if block.norm_first:
+        spec.update(part_spec("norm", (h,), block.norm, prefix=f"{prefix}final_norm."))
     return spec
 
 
 def decoder_block_call_spec(
     size: Size, names: Any, num_heads: int, prefix: str = "", width: int | None = None,
     crossed: bool | None = None, num_kv_heads: int | None = None,
+    block: BlockOptions = POST_NORM,
 ) -> Spec:
     """The spec of ``transformer_decoder_block``'s mapping (under ``prefix``).
 
@@ -611,56 +707,71 @@ def decoder_block_call_spec(
     ``self_attention.W_q.kernel``), but the cross-attention's keys and values, whose input
     size is the encoder outputs' width. The block has cross-attention if ``crossed``, or when
     None, if the mapping holds ``cross_attention.W_q.kernel``. Its add & norms are numbered by
-    the sublayer they follow. The self-attention has ``num_kv_heads`` key/value heads.
+    the sublayer they follow (with ``block.norm_first``, they normalise its input). The
+    self-attention has ``num_kv_heads`` key/value heads; the norms and FFN are ``block``'s.
     """
     h = width if width is not None else size(f"{prefix}self_attention.W_q.kernel", 1, 2)
     spec: Spec = {
         **multi_head_call_spec(size, names, num_heads, f"{prefix}self_attention.", h,
                                num_kv_heads),
-        **add_norm_call_spec(size, f"{prefix}addnorm1.", h),
+        **add_norm_call_spec(size, f"{prefix}addnorm1.", h, block.norm),
     }
     if crossed is None:
         crossed = f"{prefix}cross_attention.W_q.kernel" in names
     if crossed:
         cross = f"{prefix}cross_attention."
-        bias = any(f"{cross}{name}.bias" in names for name in ("W_q", "W_k", "W_v", "W_o"))
-        for name in ("W_q", "W_k", "W_v", "W_o"):
-            d_in = size(f"{cross}{name}.kernel", 0, 2) if name in ("W_k", "W_v") else h
-            spec.update(dense_spec(f"{cross}{name}", d_in, h, bias))
-        spec.update(add_norm_call_spec(size, f"{prefix}addnorm2.", h))
-    spec.update(ffn_call_spec(size, f"{prefix}ffn.", h))
-    spec.update(add_norm_call_spec(size, f"{prefix}addnorm{3 if crossed else 2}.", h))
+        d_in = (h, size(f"{cross}W_k.kernel", 0, 2), size(f"{cross}W_v.kernel", 0, 2))
+        spec.update(part_spec("attention", (*d_in, h, h), bias=names_bias(names, cross),
+                              prefix=cross))
+        spec.update(add_norm_call_spec(size, f"{prefix}addnorm2.", h, block.norm))
+    spec.update(ffn_call_spec(size, f"{prefix}ffn.", h, block.activation, block.ffn_bias))
+    spec.update(add_norm_call_spec(size, f"{prefix}addnorm{3 if crossed else 2}.", h,
+                                   block.norm))
     return spec
 
 
 def decoder_call_spec(
     size: Size, names: Any, num_heads: int, prefix: str = "", crossed: bool | None = None,
-    num_kv_heads: int | None = None,
+    num_kv_heads: int | None = None, block: BlockOptions = POST_NORM,
 ) -> Spec:
     """The spec of ``transformer_decoder``'s mapping (under ``prefix``).
 
     ``token.embedding (V, h)``, one block of width h per distinct ``blks.<i>`` prefix, each
-    with cross-attention if ``crossed`` (when None: if block 0 has it), and
-    ``dense.kernel (h, V_out)``, ``dense.bias (V_out,)``.
+    with cross-attention if ``crossed`` (when None: if block 0 has it), with
+    ``block.norm_first`` the final norm ``norm.*``, then ``dense.kernel (h, V_out)`` (none
+    with ``block.tie_output``: V_out = V) and ``dense.bias (V_out,)`` (per
+    ``block.output_bias``).
     """
-    h = size(f"{prefix}token.embedding", 1, 2)
-    spec: Spec = {f"{prefix}token.embedding": (size(f"{prefix}token.embedding", 0, 2), h)}
+    vocab, h = size(f"{prefix}token.embedding", 0, 2), size(f"{prefix}token.embedding", 1, 2)
+    spec: Spec = {f"{prefix}token.embedding": (vocab, h)}
     if crossed is None:
         crossed = f"{prefix}blks.0.cross_attention.W_q.kernel" in names
     for i in range(count_blocks(names, prefix)):
         spec.update(decoder_block_call_spec(size, names, num_heads, f"{prefix}blks.{i}.", h,
-                                            crossed, num_kv_heads))
-    spec.update(dense_spec(f"{prefix}dense", h, size(f"{prefix}dense.kernel", 1, 2), True))
+                                            crossed, num_kv_heads, block))
+    if block.norm_first:
+        spec.update(part_spec("norm", (h,), block.norm, prefix=f"{prefix}final_norm."))
+    spec.update(output_spec(h, vocab if block.tie_output else size(f"{prefix}dense.kernel", 1, 2),
+                            block, prefix))
     return spec
 
 
-def transformer_call_spec(size: Size, names: Any, num_heads: int) -> Spec:
+def output_spec(h: int | None, vocab: int | None, block: BlockOptions, prefix: str = "") -> Spec:
+    """A decoder stack's logits: ``dense.kernel (h, V)`` unless tied, ``dense.bias (V,)`` if any."""
+    spec: Spec = {} if block.tie_output else {f"{prefix}dense.kernel": (h, vocab)}
+    if block.output_bias:
+        spec[f"{prefix}dense.bias"] = (vocab,)
+    return spec
+
+
+def transformer_call_spec(size: Size, names: Any, num_heads: int,
+                          block: BlockOptions = POST_NORM) -> Spec:
     """The spec of ``transformer``'s mapping: ``encoder.*`` and ``decoder.*``.
 
     The decoder's blocks have cross-attention, from the encoder's width to the decoder's.
     """
-    return {**encoder_call_spec(size, names, num_heads, "encoder."),
-            **decoder_call_spec(size, names, num_heads, "decoder.", crossed=True)}
+    return {**encoder_call_spec(size, names, num_heads, "encoder.", block=block),
+            **decoder_call_spec(size, names, num_heads, "decoder.", crossed=True, block=block)}
 
 
 # -- safetensors files ----------------------------------------------------------------------

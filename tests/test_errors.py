@@ -1637,6 +1637,59 @@ CONVERTER_ROWS: list[Bad] = [
 ]
 
 
+def _block(c: Ctx, name: str = "TransformerEncoderBlock", **changes: Any) -> Any:
+    """A block or stack of width 8 made with ``changes`` to its arguments."""
+    sizes = {"num_hiddens": 8, "ffn_num_hiddens": 16, "num_heads": 2}
+    if name != "TransformerEncoderBlock" and "Block" not in name:
+        sizes = {"vocab_size": 11, "num_blks": 1, **sizes}
+    return getattr(c.h.module, name)(**sizes, **changes)
+
+
+_BIAS = "bias must be True, False or 'qkv' (biases on W_q, W_k and W_v only), got "
+
+#: The options of current-model blocks and stacks: norms, activations, biases.
+BLOCK_ROWS: list[Bad] = [
+    Bad("block_unknown_norm", "sizes", lambda c: _block(c, norm="batch"), ValueError,
+        "norm must be 'layer' or 'rms', got 'batch'"),
+    Bad("decoder_unknown_activation", "sizes",
+        lambda c: _block(c, "TransformerDecoder", activation="silu"), ValueError,
+        "activation must be 'relu', 'gelu' or 'swiglu', got 'silu'"),
+    Bad("decoder_block_bias_string", "sizes",
+        lambda c: _block(c, "TransformerDecoderBlock", bias="qk"), ValueError, _BIAS + "'qk'"),
+    Bad("encoder_bias_number", "sizes", lambda c: _block(c, "TransformerEncoder", bias=1),
+        TypeError, _BIAS + "1"),
+    Bad("block_norm_eps_zero", "sizes", lambda c: _block(c, norm="rms", norm_eps=0.0),
+        ValueError, "norm_eps must be None or a positive finite number, got 0.0"),
+    Bad("add_norm_eps_negative", "sizes", lambda c: c.h.module.AddNorm(8, eps=-1e-5),
+        ValueError, "eps must be None or a positive finite number, got -1e-05"),
+    Bad("ffn_bias_qkv", "sizes",
+        lambda c: c.h.module.PositionWiseFFN(8, 4, bias="qkv"), TypeError,
+        "bias must be True or False, got 'qkv'"),
+    Bad("transformer_norm_first_string", "sizes",
+        lambda c: c.h.module.Transformer(11, 11, 8, 16, 2, 1, norm_first="yes"), TypeError,
+        "norm_first must be True or False, got 'yes'"),
+    Bad("fn_ffn_unknown_activation", "sizes", lambda c: ac.position_wise_ffn(
+        c.h.array(arr((2, 3, 5))), fn_weights(c.h, FFN), activation="tanh"), ValueError,
+        "activation must be 'relu', 'gelu' or 'swiglu', got 'tanh'"),
+    Bad("fn_ffn_swiglu_without_gate", "functional_weights", lambda c: ac.position_wise_ffn(
+        c.h.array(arr((2, 3, 5))), fn_weights(c.h, FFN), activation="swiglu"), ValueError,
+        names_message("position_wise_ffn", ["gate.bias", "gate.kernel"], [],
+                      [*FFN, "gate.bias", "gate.kernel"])),
+    Bad("fn_add_norm_rms_with_beta", "functional_weights",
+        lambda c: ac.add_norm(c.h.array(arr((2, 3, 8))), c.h.array(arr((2, 3, 8))),
+                              fn_weights(c.h, LN), norm="rms"), ValueError,
+        names_message("add_norm", [], ["ln.beta"], ["ln.gamma"])),
+    Bad("fn_decoder_block_options_not_options", "sizes",
+        lambda c: ac.transformer_decoder_block(c.h.array(arr((2, 3, 8))), {}, 2,
+                                               block={"norm": "rms"}), TypeError,
+        "block must be a BlockOptions, got dict"),
+    Bad("fn_decoder_block_options_bad_norm", "sizes",
+        lambda c: ac.transformer_decoder_block(c.h.array(arr((2, 3, 8))), {}, 2,
+                                               block=ac.BlockOptions(norm="Rms")), ValueError,
+        "norm must be 'layer' or 'rms', got 'Rms'"),
+]
+
+
 def _not_bool(b: Any, h: Any, q: Any, k: Any) -> Any:
     """A mask_mod that returns integers, not booleans."""
     return q - k
@@ -1690,6 +1743,7 @@ MODIFIER_ROWS: list[Bad] = [
 
 CATALOGUE += (BATCH_ROWS + SCALE_SINK_ROWS + GENERATION_ROWS + HOST_ROWS + CONVERTER_ROWS
               + MODIFIER_ROWS)
+CATALOGUE += BLOCK_ROWS
 
 assert len({row.name for row in CATALOGUE}) == len(CATALOGUE), "row names must be unique"
 

@@ -178,6 +178,12 @@ class JaxOps(NamespaceOps):
         return jax.random.uniform(key, shape), state
 
 
+    def silu(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(x)
+
+    def erf(self, x: jax.Array) -> jax.Array:
+        return jax.lax.erf(x)
+
 #: The default JAX ops (used by the functional API for JAX arrays); it has no key, so dropout
 #: through it raises: bind a key with ``JaxOps(rng=key)``.
 OPS = JaxOps()

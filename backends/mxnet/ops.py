@@ -229,6 +229,12 @@ class MXNetOps(NamespaceOps):
     def uniform(self, shape: tuple[int, ...], state: GlobalSeed) -> tuple[Any, GlobalSeed]:
         return self.xp.random.uniform(0, 1, size=shape, ctx=state.ctx), state
 
+    def silu(self, x: Any) -> Any:
+        return x * self.npx.sigmoid(x)
+
+    def erf(self, x: Any) -> Any:
+        return self.npx.erf(x)
+
 
 class _Recomputed(mx.autograd.Function):
     """Blockwise attention whose query blocks are recomputed, one at a time, in the backward.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,17 @@ class NumpyOps(NamespaceOps):
                 state: np.random.Generator) -> tuple[np.ndarray, np.random.Generator]:
         return state.random(shape), state  # the Generator advances in place
 
+
+    def silu(self, x: np.ndarray) -> np.ndarray:
+        e = np.exp(-np.abs(x))  # no overflow: the sigmoid of either sign from exp(-|x|)
+        return x * np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+    def erf(self, x: np.ndarray) -> np.ndarray:
+        # no SciPy here: math.erf, exact to float64, over every entry
+        return np.asarray(_ERF(x), dtype=np.float64).astype(x.dtype, copy=False)
+
+#: ``math.erf`` over an array (float64 results).
+_ERF = np.vectorize(math.erf, otypes=[np.float64])
 
 #: The default NumPy ops (used by the functional API for NumPy arrays).
 OPS = NumpyOps()

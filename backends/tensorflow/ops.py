@@ -371,6 +371,12 @@ class TensorFlowOps:
         return tf.convert_to_tensor(keras.random.uniform(shape, seed=state)), state
 
 
+    def silu(self, x: Any) -> tf.Tensor:
+        return tf.nn.silu(x)
+
+    def erf(self, x: Any) -> tf.Tensor:
+        return tf.math.erf(x)
+
 #: The default TensorFlow ops (used by the functional API for TensorFlow tensors).
 OPS = TensorFlowOps()
 

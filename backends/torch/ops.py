@@ -205,6 +205,12 @@ class TorchOps(NamespaceOps):
         return torch.rand(shape, generator=state, device=state.device), state
 
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x)
+
+    def erf(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.erf(x)
+
 def autocasting(device_type: str) -> bool:
     """Whether ``torch.autocast`` is on for ``device_type`` (never for one it does not know: meta)."""
     try:
@@ -272,8 +278,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 def _zero(n: Any) -> bool:
     """Whether ``n`` is 0, as a bool (SDPA takes no SymBool).
 
-    A size traced as a symbol is compared by a branch, which Dynamo guards.
+    A size traced as a symbol is compared by a branch, which Dynamo guards; a tensor (a
+    run-time position) is not known to be 0.
     """
+    if isinstance(n, torch.Tensor):
+        return False
     if n == 0:  # noqa: SIM103 (``return n == 0`` gives a SymBool)
         return True
     return False
