@@ -20,6 +20,7 @@ from attention_core.attention import (
 from attention_core.generation import (
     Generated,
     beam_search,
+    decoder_step,
     generate,
     greedy_search,
     repeat_rows,
@@ -101,6 +102,7 @@ __all__ = [
     "cached_multi_head_attention",
     "choose",
     "dot_product_attention",
+    "decoder_step",
     "generate",
     "greedy_search",
     "load_weights",

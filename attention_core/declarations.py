@@ -1464,15 +1464,18 @@ class TransformerDecoderBlock(Declaration):
     def compute(
         self, run: Run, X: Array, enc_outputs: Array | None = None, enc_valid_lens: Any = None,
         *, valid_lens: Any = None, mask: Any = None, enc_mask: Any = None, past: Any = None,
-        cache: Any = None, start: Any = 0, capacity: int | None = None,
+        cache: Any = None, start: Any = 0, capacity: int | None = None, lengths: Any = None,
+        padding: str = "right", padding_mask: Any = None,
     ) -> Any:
         """One block over ``X (B, T, h)``, attending to ``enc_outputs (B, S, h)``.
 
-        With ``cache`` or ``capacity``, ``X`` holds positions ``start .. start + T - 1`` and
-        the call returns ``(output, cache)`` (:func:`attention_core.transformer.cached_decoder_block`);
-        with ``past``, the block's earlier inputs are the self-attention's first keys, as in the
-        d2l book's prediction loop.
+        With ``cache`` or ``capacity``, ``X`` holds positions ``start .. start + T - 1`` (per
+        example with ``lengths`` or ``padding_mask``) and the call returns ``(output, cache)``
+        (:func:`attention_core.transformer.cached_decoder_block`); with ``past``, the block's
+        earlier inputs are the self-attention's first keys, as in the d2l book's prediction
+        loop.
         """
+        ragged = multihead.ragged_arguments(cache, capacity, lengths, padding, padding_mask)
         if cache is None and capacity is None:
             return transformer.transformer_decoder_block(
                 X, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
@@ -1485,7 +1488,7 @@ class TransformerDecoderBlock(Declaration):
             X, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
             implementation=self.pooling(run), options=_head_options(self),
-            block=_block_options(self), ops=run.ops,
+            block=_block_options(self), ragged=ragged, ops=run.ops,
         ))
 
 
@@ -1657,13 +1660,15 @@ class TransformerDecoder(Declaration):
         self, run: Run, tokens: Array, enc_outputs: Array | None = None,
         enc_valid_lens: Any = None, *, valid_lens: Any = None, mask: Any = None,
         enc_mask: Any = None, cache: Any = None, start: Any = 0, capacity: int | None = None,
+        lengths: Any = None, padding: str = "right", padding_mask: Any = None,
     ) -> Any:
         """The logits ``(B, T, V)`` of ``tokens (B, T)``, attending to ``enc_outputs``.
 
         With ``cache`` or ``capacity``, ``tokens`` are positions ``start .. start + T - 1``
-        and the call returns ``(logits, cache)``
-        (:func:`attention_core.transformer.cached_decoder`).
+        (per example with ``lengths`` or ``padding_mask``, a ragged batch) and the call
+        returns ``(logits, cache)`` (:func:`attention_core.transformer.cached_decoder`).
         """
+        ragged = multihead.ragged_arguments(cache, capacity, lengths, padding, padding_mask)
         if cache is None and capacity is None:
             return transformer.transformer_decoder(
                 tokens, run.weights, self.num_heads, enc_outputs, enc_valid_lens,
@@ -1677,7 +1682,7 @@ class TransformerDecoder(Declaration):
             tokens, run.weights, self.num_heads, cache, start, enc_outputs, enc_valid_lens,
             enc_mask=enc_mask, capacity=capacity, dropout=run.dropout, return_weights=run.need,
             implementation=self.pooling(run), positions=run.constants["P"],
-            options=_head_options(self), block=_block_options(self), ops=run.ops,
+            options=_head_options(self), block=_block_options(self), ops=run.ops, **ragged,
         ))
 
 

@@ -32,8 +32,28 @@ from attention_core.host import host_array, plain
 from attention_core.ops import Array, SamplingOps
 from attention_core.registry import ops_for
 
-#: A decoding step: ``(tokens (N, t), cache or None, start) -> (logits (N, t, V), cache)``.
-Step = Callable[[Array, Any, int], tuple[Array, Any]]
+#: A decoding step: ``(tokens (N, t), cache or None, start) -> (logits (N, t, V), cache)``;
+#: for ragged prompts also ``lengths=`` and ``padding=`` at the first call, ``start`` ``(N,)``.
+Step = Callable[..., tuple[Array, Any]]
+
+
+def decoder_step(decoder: Callable[..., Any], capacity: int, *args: Any, **kwargs: Any) -> Step:
+    """The decoding step of a cached decoder: a layer, or anything called as one.
+
+    ``step(tokens, cache, start, **ragged)`` is ``decoder(tokens, *args, capacity=capacity,
+    start=start, **ragged, **kwargs)`` at the first call (cache None: it makes the cache of
+    ``capacity`` positions; ``ragged`` holds :func:`generate`'s ``lengths`` and ``padding``),
+    then ``decoder(tokens, *args, cache=cache, start=start, **kwargs)``. For a Flax module,
+    pass ``functools.partial(module.apply, variables)``.
+    """
+    capacity = checks.check_positive_int("capacity", capacity)
+
+    def step(tokens: Array, cache: Any, start: Any, **ragged: Any) -> tuple[Array, Any]:
+        if cache is None:
+            return decoder(tokens, *args, capacity=capacity, start=start, **ragged, **kwargs)
+        return decoder(tokens, *args, cache=cache, start=start, **kwargs)
+
+    return step
 
 
 class Generated(NamedTuple):
@@ -315,12 +335,18 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     vocab_size: int | None = None,
+    lengths: Any = None,
+    padding: str = "left",
 ) -> Generated:
     """Continues each prompt by up to ``max_new_tokens`` tokens, greedily or by sampling.
 
     The step first runs on the whole prompts (positions ``0 .. T - 1``, cache None); the
     next token comes from the last position's logits, then each step feeds the chosen tokens
-    ``(B, 1)`` at the next position. Tokens are chosen on the device by
+    ``(B, 1)`` at the next position. Prompts of different lengths (``lengths``) share the
+    batch padded on one side: the first step gets ``start`` zeros ``(B,)``, ``lengths=`` and
+    ``padding=`` (a cached decoder takes them as they are, see :func:`decoder_step`), the next
+    token comes from each prompt's last real position, and row ``b`` continues at position
+    ``lengths[b]``, so each equals its prompt generated alone. Tokens are chosen on the device by
     :func:`attention_core.sampling.choose`, drawing from the framework's own generator seeded
     by ``seed`` (the same seed gives the same tokens again on one backend; the streams differ
     between backends, and MXNet's generator is global).
@@ -340,6 +366,9 @@ def generate(
         seed: The seed of the generator, an int >= 0 (unused when greedy).
         vocab_size: V, to check ``eos``, ``pad_id``, ``top_k`` and host prompts before the
             first step; None to check them against the first step's logits.
+        lengths: None (every prompt fills its row), or integers ``(B,)`` in ``[1, T]`` on the
+            host: each prompt's real tokens, the rest of its row padding.
+        padding: Where a shorter prompt's padding sits: ``"left"`` or ``"right"``.
 
     Returns:
         A :class:`Generated`: ``tokens (B, L)`` (``L <= max_new_tokens``), ``lengths`` up
@@ -353,13 +382,17 @@ def generate(
     """
     run = _check_generate(prompts, max_new_tokens, eos, pad_id, temperature, top_k, top_p,
                           seed, vocab_size)
-    # The prompts' positions: 0 .. T - 1 for every row, so the next start is the scalar T.
-    # Ragged prompts (lengths, padding) make it (B,) and pick each row's last real column.
-    logits, cache = step(run.prompts, None, 0)
-    start = run.width
+    real = _prompt_lengths(lengths, padding, run.batch, run.width)
+    if real is None:  # every row at positions 0 .. T - 1: the next start is the scalar T
+        logits, cache = step(run.prompts, None, 0)
+        start: Any = run.width
+    else:
+        logits, cache = step(run.prompts, None, np.zeros(run.batch, np.int32), lengths=real,
+                             padding=padding)
+        start = real
     ops: Any = ops_for(logits)
     run = _first_logits(ops, logits, run)
-    last = _next_logits(ops, logits, run)
+    last = _next_logits(ops, logits, run, None if padding == "left" else real)
     state = ops.new_sampling_state(run.seed, like=last) if run.settings.temperature else None
     live = ops.from_numpy(np.ones(run.batch, bool), like=last)
     chosen, scores = [], ops.from_numpy(np.zeros((run.batch, 1), np.float32), like=last)
@@ -482,10 +515,38 @@ def _next_logits_shape(ops: Any, logits: Any, run: _Generate) -> tuple[int, ...]
     return shape
 
 
-def _next_logits(ops: Any, logits: Any, run: _Generate) -> Any:
-    """The last position's logits ``(B, V)`` of a step's ``(B, t, V)``."""
+def _next_logits(ops: Any, logits: Any, run: _Generate, lengths: np.ndarray | None = None
+                 ) -> Any:
+    """The last position's logits ``(B, V)`` of a step's ``(B, t, V)``.
+
+    With ``lengths``, those of position ``lengths[b] - 1`` of row b (right-padded prompts).
+    """
     batch, t, vocab = _next_logits_shape(ops, logits, run)
-    return ops.reshape(ops.slice(logits, 1, t - 1, 1), (batch, vocab))
+    if lengths is None:
+        return ops.reshape(ops.slice(logits, 1, t - 1, 1), (batch, vocab))
+    picked = ops.from_numpy(np.arange(t)[None, :, None] == (lengths - 1)[:, None, None],
+                            like=logits)
+    return ops.reshape(ops.sum(ops.where(picked, logits, 0.0), 1), (batch, vocab))
+
+
+def _prompt_lengths(lengths: Any, padding: Any, batch: int, width: int) -> np.ndarray | None:
+    """Checks :func:`generate`'s ``lengths`` and ``padding``.
+
+    Returns:
+        The lengths (host integers ``(B,)`` in ``[1, T]``) as int32, or None when not given.
+    """
+    if padding not in ("left", "right"):
+        raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
+    if lengths is None:
+        return None
+    given = host_array(lengths)
+    if given.dtype.kind not in "iu":
+        raise TypeError(f"lengths must have an integer dtype, got {given.dtype.name}")
+    if given.shape != (batch,):
+        raise ValueError(f"lengths must have shape (B,) = ({batch},), got {given.shape}")
+    if given.size and (given.min() < 1 or given.max() > width):
+        raise ValueError(f"lengths must be in [1, T] = [1, {width}], got {given.tolist()}")
+    return given.astype(np.int32)
 
 
 def _log_prob(ops: Any, logits: Any, tokens: Any) -> Any:

@@ -386,7 +386,8 @@ def embed_with_positions(
         ops: The backend's ops.
         start: The position of the first token (a cached decoder's step): rows
             ``start .. start + T - 1`` of ``positions`` are added. An int or an integer scalar
-            array, checked by the caller.
+            array, checked by the caller; or each token's own position, integers ``(B, T)``
+            (a ragged batch).
         side: See :func:`embed_tokens`.
         scale_embeddings: False leaves out the factor sqrt(h).
 
@@ -394,6 +395,7 @@ def embed_with_positions(
         ``(B, T, h)``.
     """
     X = _embedded(ops, tokens, table, side, scale_embeddings)
+    per_token = not isinstance(start, int) and len(ops.shape(start)) == 2
     at_zero = isinstance(start, int) and start == 0
     if positions is None and at_zero:
         return positional_encoding(X, dropout, max_len=max_len, ops=ops)
@@ -402,6 +404,8 @@ def embed_with_positions(
             raise ValueError("positions or max_len is required when start is not 0")
         table = sinusoidal_encoding(max_len, fixed_shape(ops, table)[1], ops.dtype_name(X))
         positions = ops.from_numpy(table[None], like=X)
+    if per_token:  # each token's row of the table (positions checked by the caller)
+        return _dropped(ops, X + ops.take(positions[0], start), dropout)
     steps, rows = ops.shape(tokens)[1], ops.shape(positions)[1]
     known = start if isinstance(start, int) else ops.concrete(start)
     if isinstance(steps, int) and known is not None and int(known) + steps > rows:
@@ -611,6 +615,7 @@ def cached_decoder_block(
     implementation: str | None = None,
     options: HeadOptions = CLASSIC,
     block: BlockOptions = POST_NORM,
+    ragged: Mapping[str, Any] | None = None,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, list[Array]], tuple[Any, ...]]:
     """A decoder block over ``t`` new positions, against its key/value cache.
@@ -639,6 +644,8 @@ def cached_decoder_block(
         implementation: How the heads pool.
         options: See :func:`transformer_decoder_block`.
         block: See :func:`transformer_decoder_block`.
+        ragged: A ragged batch's ``lengths``, ``padding`` or ``padding_mask``, with ``start``
+            one position per example (:func:`~attention_core.multihead.multi_head_attention`).
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
@@ -665,6 +672,7 @@ def cached_decoder_block(
             ops, Y, Y, Y, subset(weights, "self_attention"), num_heads,
             None if cache is None else cache[0], start, capacity=capacity, dropout=dropout,
             return_weights=return_weights, implementation=implementation, options=options,
+            ragged=ragged,
         )
         new_cache.append(pair)
         return result
@@ -933,6 +941,9 @@ def cached_decoder(
     max_len: int | None = None,
     options: HeadOptions = CLASSIC,
     block: BlockOptions = POST_NORM,
+    lengths: Any = None,
+    padding: str = "right",
+    padding_mask: Any = None,
     ops: Ops | None = None,
 ) -> tuple[Array | tuple[Array, list[list[Array]]], list[Any]]:
     """The decoder over ``t`` new positions, each block against its key/value cache.
@@ -947,7 +958,8 @@ def cached_decoder(
         weights: Those of :func:`transformer_decoder`.
         num_heads: Heads of every attention.
         cache: One block cache per block (:func:`cached_decoder_block`), or None.
-        start: The position of the first token: an int or an integer scalar array.
+        start: The position of the first token: an int or an integer scalar array; or one
+            per example ``(B,)``, a ragged batch.
         enc_outputs: ``(B, S, h_enc)``, required when the cache is made with cross-attention.
         enc_valid_lens: Integer lengths of the encoder outputs, given at every call.
         enc_mask: Boolean cross-attention mask of these rows.
@@ -960,11 +972,15 @@ def cached_decoder(
         max_len: Rows of the table made here when ``positions`` is None.
         options: See :func:`transformer_decoder`.
         block: See :func:`transformer_decoder`.
+        lengths: A ragged batch's real tokens per example ``(B,)``, the rest padding
+            (:func:`~attention_core.multihead.multi_head_attention`).
+        padding: Where the padding of ``lengths`` sits, ``"right"`` or ``"left"``.
+        padding_mask: Boolean ``(B, t)``, True at the real tokens, in place of ``lengths``.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
         ``(logits, cache)``: the logits ``(B, t, V_out)`` (with the weights if asked) and
-        the new cache, one block cache per block.
+        the new cache, one block cache per block. The logits at padding are meaningless.
     """
     ops = ops or ops_for(tokens, "tokens")
     block = check_block_options(block)
@@ -979,10 +995,15 @@ def cached_decoder(
         kv_cache.check_block_cache(ops, f"cache[{i}]", block_cache, crossed, ("tokens", tokens))
     check_encoder_outputs(ops, enc_outputs, None if cache else crossed, like=("tokens", tokens))
     held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
-    start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
-                                 kv_cache.capacity_of(ops, held, capacity))
+    ragged = {"padding": padding, **{name: value for name, value in
+                                     (("lengths", lengths), ("padding_mask", padding_mask))
+                                     if value is not None}}
+    at = kv_cache.placed(ops, start, ops.shape(tokens)[1],
+                         kv_cache.capacity_of(ops, held, capacity), batch=ops.shape(tokens)[0],
+                         like=tokens, **ragged)
+    start = at.start if not kv_cache.per_example(at) else start
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
-                       start, side, options, block)
+                       at.query, side, options, block)
     kept: list[list[Array]] = []
     new_cache = []
     for i in range(blocks):
@@ -990,7 +1011,7 @@ def cached_decoder(
             X, subset(weights, f"blks.{i}"), num_heads, None if cache is None else cache[i],
             start, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
             dropout=dropout, return_weights=return_weights, implementation=implementation,
-            options=options, block=block, ops=ops,
+            options=options, block=block, ragged=ragged, ops=ops,
         )
         new_cache.append(block_cache)
         X, formed = result if return_weights else (result, [])

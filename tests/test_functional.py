@@ -104,7 +104,8 @@ def test_every_public_function_is_covered() -> None:
     # tests/test_sampling.py)
     assert rest == {"transformer_encoder_decoder", "transformer_decoder", "transformer_decoder_block",
                     "cached_decoder", "cached_decoder_block", "cached_multi_head_attention",
-                    "greedy_search", "beam_search", "generate", "choose", "repeat_rows", "alibi_slopes",
+                    "greedy_search", "beam_search", "generate", "choose", "decoder_step",
+                    "repeat_rows", "alibi_slopes",
                     "masked_softmax", "sinusoidal_encoding", "relative_rotation", "save_weights",
                     "load_weights", "available_backends", "backend", "set_backend",
                     "use_backend"}
