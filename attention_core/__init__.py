@@ -17,6 +17,7 @@ from attention_core.attention import (
     masked_softmax,
     nadaraya_watson,
 )
+from attention_core.convert_hf import from_hf_llama, hf_config, to_hf_llama
 from attention_core.generation import (
     Generated,
     beam_search,
@@ -101,8 +102,10 @@ __all__ = [
     "cached_multi_head_attention",
     "choose",
     "dot_product_attention",
+    "from_hf_llama",
     "generate",
     "greedy_search",
+    "hf_config",
     "load_weights",
     "masked_softmax",
     "multi_head_attention",
@@ -116,6 +119,7 @@ __all__ = [
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",
+    "to_hf_llama",
     "transformer_decoder",
     "transformer_decoder_block",
     "transformer_encoder",

@@ -83,7 +83,10 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str], where: str
                         f"{type(config).__name__}")
     path = Path(config)
     path = path / "config.json" if path.is_dir() else path
-    loaded = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: {os.fspath(path)!r} is not JSON: {err}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{where}: {os.fspath(path)!r} does not hold a JSON object")
     return loaded
@@ -222,7 +225,7 @@ def hf_names(kwargs: Mapping[str, Any], where: str = "hf_names"
             hf = f"model.layers.{block}.{hf}"
         else:
             hf, transposed = _STACK_NAMES[name]
-        out[name] = (hf, tuple(int(n) for n in shape), transposed)
+        out[name] = (hf, W._known_dims(name, shape), transposed)
     return out
 
 
