@@ -229,6 +229,10 @@ def test_transformers_logits(hf: Any, family: str, tmp_path: Path) -> None:
     model.save_pretrained(tmp_path)
     weights, kwargs = convert_hf.from_hf_llama(tmp_path)
     assert kwargs["window"] == extra.get("sliding_window")
+    # the module's own state dict (torch tensors; a tied lm_head is there too) and config
+    from_module = convert_hf.from_hf_llama(model.state_dict(), model.config.to_dict())
+    assert from_module[1] == kwargs and sorted(from_module[0]) == sorted(weights)
+    assert all(np.array_equal(from_module[0][name], w) for name, w in weights.items())
     tokens = np.random.default_rng(1).integers(0, 50, (2, 12))
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)).logits.double().numpy()
