@@ -17,6 +17,7 @@ from attention_core.attention import (
     masked_softmax,
     nadaraya_watson,
 )
+from attention_core.convert_hf import from_hf_llama, hf_config, to_hf_llama
 from attention_core.generation import (
     Generated,
     beam_search,
@@ -103,8 +104,10 @@ __all__ = [
     "choose",
     "dot_product_attention",
     "decoder_step",
+    "from_hf_llama",
     "generate",
     "greedy_search",
+    "hf_config",
     "load_weights",
     "masked_softmax",
     "multi_head_attention",
@@ -118,6 +121,7 @@ __all__ = [
     "save_weights",
     "set_backend",
     "sinusoidal_encoding",
+    "to_hf_llama",
     "transformer_decoder",
     "transformer_decoder_block",
     "transformer_encoder",

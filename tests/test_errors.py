@@ -1616,6 +1616,42 @@ def _flax_params_for(use_bias: bool) -> tuple[Any, Any]:
 
 _PARTIAL = "; this library's MultiHeadAttention has biases on all four projections or none"
 
+#: A tiny Hugging Face Llama config (width 8, 2 heads, 1 key/value head, 2 layers).
+_HF = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12,
+       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def _hf(**changes: Any) -> Any:
+    """``hf_config`` of :data:`_HF` with ``changes``."""
+    from attention_core import convert_hf
+
+    return convert_hf.hf_config({**_HF, **changes})
+
+
+def _hf_state(c: Ctx, **changes: Any) -> dict[str, Any]:
+    """A state dict of :data:`_HF` in the backend's arrays, ``changes`` applied (None: removed)."""
+    from attention_core import convert_hf
+
+    state = {hf: arr(shape[::-1] if transposed else shape)
+             for hf, shape, transposed in convert_hf.hf_names(convert_hf.hf_config(_HF)).values()}
+    state.update(changes)
+    return {key: c.h.array(value) for key, value in state.items() if value is not None}
+
+
+def _from_hf(c: Ctx, config: Any = None, **changes: Any) -> Any:
+    from attention_core import convert_hf
+
+    return convert_hf.from_hf_llama(_hf_state(c, **changes), config or _HF)
+
+
+def _to_hf(**changes: Any) -> Any:
+    from attention_core import convert_hf
+
+    return convert_hf.to_hf_llama({}, {**convert_hf.hf_config(_HF), **changes})
+
+
+_HF_KEY = "model.layers.0.self_attn.k_proj.weight"
+
 CONVERTER_ROWS: list[Bad] = [
     Bad("from_torch_in_proj_bias_none", "converter",
         lambda c: importlib.import_module("backends.torch.convert").from_torch(
@@ -1647,6 +1683,69 @@ CONVERTER_ROWS: list[Bad] = [
             *_flax_params_for(use_bias=False)), ValueError,
         "from_flax: the params are those of 2 heads with biases, but the module has "
         "num_heads=2, use_bias=False: pass the module that made them", without=_only("jax")),
+    Bad("hf_unknown_key", "converter",
+        lambda c: _from_hf(c, **{"model.layers.2.mlp.up_proj.weight": arr((12, 8))}), ValueError,
+        "from_hf_llama: unexpected key 'model.layers.2.mlp.up_proj.weight': the config's model "
+        "has no such weight"),
+    Bad("hf_missing_key", "converter",
+        lambda c: _from_hf(c, **{"model.layers.1.post_attention_layernorm.weight": None}),
+        ValueError, "from_hf_llama: missing key 'model.layers.1.post_attention_layernorm.weight'"),
+    Bad("hf_misshapen_key", "converter", lambda c: _from_hf(c, **{_HF_KEY: arr((8, 8))}),
+        ValueError, f"from_hf_llama: {_HF_KEY!r} has shape (8, 8), expected (4, 8)"),
+    Bad("hf_integer_weight", "converter",
+        lambda c: _from_hf(c, **{"model.norm.weight": np.ones(8, np.int32)}), TypeError,
+        "from_hf_llama: 'model.norm.weight' must be floating point, got int32"),
+    Bad("hf_untied_without_lm_head", "converter",
+        lambda c: _from_hf(c, {**_HF, "tie_word_embeddings": False}, **{"lm_head.weight": None}),
+        ValueError,
+        "from_hf_llama: missing key 'lm_head.weight' (the config has tie_word_embeddings: "
+        "false)"),
+    Bad("hf_tied_lm_head_differs", "converter",
+        lambda c: _from_hf(c, {**_HF, "tie_word_embeddings": True},
+                           **{"lm_head.weight": arr((11, 8))}), ValueError,
+        "from_hf_llama: lm_head.weight differs from model.embed_tokens.weight, but the config "
+        "has tie_word_embeddings: true"),
+    Bad("hf_both_prefixes", "converter",
+        lambda c: _from_hf(c, **{"norm.weight": arr((8,))}), ValueError,
+        "from_hf_llama: state has both 'model.norm.weight' and 'norm.weight'"),
+    Bad("hf_config_head_dim", "converter", lambda c: _hf(head_dim=8), ValueError,
+        "hf_config: head_dim is 8, but hidden_size / num_attention_heads is 8 / 2; this "
+        "library's heads are num_hiddens / num_heads wide"),
+    Bad("hf_config_rope_type", "converter",
+        lambda c: _hf(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+        ValueError, "hf_config: rope_parameters['rope_type'] is 'llama3'; only 'default' "
+        "rotary positions are supported (no rope scaling)"),
+    Bad("hf_config_rope_scaling", "converter",
+        lambda c: _hf(rope_scaling={"type": "linear", "factor": 2.0}), ValueError,
+        "hf_config: rope_scaling['type'] is 'linear'; only 'default' rotary positions are "
+        "supported (no rope scaling)"),
+    Bad("hf_config_hidden_act", "converter", lambda c: _hf(hidden_act="gelu"), ValueError,
+        "hf_config: hidden_act 'gelu' is not supported; expected 'silu' (SwiGLU)"),
+    Bad("hf_config_gemma", "converter", lambda c: _hf(model_type="gemma"), ValueError,
+        "hf_config: model_type 'gemma' is not supported; expected one of ('llama', 'mistral', "
+        "'qwen2'); Gemma's RMSNorm scales by 1 + weight and its embeddings by "
+        "sqrt(hidden_size), which a Llama-family decoder does not"),
+    Bad("hf_config_mixed_layer_types", "converter",
+        lambda c: _hf(model_type="qwen2", sliding_window=4,
+                      layer_types=["full_attention", "sliding_attention"]), ValueError,
+        "hf_config: layer_types mixes ['full_attention', 'sliding_attention']; this library's "
+        "decoder gives every block the same attention"),
+    Bad("hf_config_qwen2_max_window_layers", "converter",
+        lambda c: _hf(model_type="qwen2", use_sliding_window=True, sliding_window=4,
+                      max_window_layers=1), ValueError,
+        "hf_config: layer_types (from use_sliding_window and max_window_layers) mixes "
+        "['full_attention', 'sliding_attention']; this library's decoder gives every block "
+        "the same attention"),
+    Bad("hf_config_missing_key", "converter",
+        lambda c: _hf(intermediate_size=None), ValueError,
+        "hf_config: config has no 'intermediate_size'"),
+    Bad("hf_config_not_a_mapping", "converter",
+        lambda c: importlib.import_module("attention_core.convert_hf").hf_config(3), TypeError,
+        "hf_config: config must be a mapping or the path of a config.json, got int"),
+    Bad("to_hf_layer_norm", "converter", lambda c: _to_hf(norm="layer"), ValueError,
+        "to_hf_llama: kwargs['norm'] is 'layer'; a Llama-family model has 'rms'"),
+    Bad("to_hf_sinks", "converter", lambda c: _to_hf(sinks=True), ValueError,
+        "to_hf_llama: kwargs['sinks'] is True; a Llama-family model has False"),
 ]
 
 
