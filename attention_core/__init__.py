@@ -28,7 +28,6 @@ from attention_core.generation import (
 )
 from attention_core.multihead import (
     HeadOptions,
-    cached_multi_head_attention,
     multi_head_attention,
     relative_multi_head_attention,
 )
@@ -51,8 +50,6 @@ from attention_core.registry import (
 from attention_core.sampling import choose
 from attention_core.transformer import (
     add_norm,
-    cached_decoder,
-    cached_decoder_block,
     position_wise_ffn,
     transformer_decoder,
     transformer_decoder_block,
@@ -98,9 +95,6 @@ __all__ = [
     "available_backends",
     "backend",
     "beam_search",
-    "cached_decoder",
-    "cached_decoder_block",
-    "cached_multi_head_attention",
     "choose",
     "dot_product_attention",
     "decoder_step",

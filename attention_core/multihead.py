@@ -309,80 +309,25 @@ def pool_heads(
     return (out, attn) if return_weights else out
 
 
-def cached_multi_head_attention(
-    queries: Array,
-    keys: Array,
-    values: Array,
-    weights: Mapping[str, Array],
-    num_heads: int,
-    cache: Any = None,
-    start: Any = 0,
-    *,
-    capacity: int | None = None,
-    dropout: float = 0.0,
-    return_weights: bool | str = False,
-    implementation: str | None = None,
-    num_kv_heads: int | None = None,
-    positional: str | None = None,
-    rotary_base: float = 10000.0,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    ops: Ops | None = None,
-) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
-    """Causal multi-head attention of ``t`` new positions against a key/value cache.
-
-    The new keys and values are projected (the keys rotated by their positions under rotary
-    positions) and written into the cache at rows ``[start, start + t)``; query ``i``
-    (position ``start + i``) then attends to rows ``j <= start + i`` (within ``window`` of it,
-    if given). Calling it on positions ``0..T-1``, in one call or in several chunks, gives the
-    causal self-attention of the whole sequence (:mod:`attention_core.cache`).
-
-    Args:
-        queries: ``(B, t, Dq)``.
-        keys: ``(B, t, Dk)``, the new positions' keys.
-        values: ``(B, t, Dv)``.
-        weights: Those of :func:`multi_head_attention`.
-        num_heads: H; must divide h.
-        cache: ``(keys, values)`` ``(B, Hkv, C, h/H)`` each from an earlier call, or None to
-            make one of ``capacity`` rows (zero beyond the written ones).
-        start: The position of the first new token: an int or an integer scalar array.
-        capacity: C of a cache made now; checked against the given cache's otherwise.
-        dropout: Dropout rate on the attention weights.
-        return_weights: Also return the weights ``(B, H, t, C)`` (zero on unwritten rows).
-        implementation: How the heads pool; see
-            :func:`~attention_core.attention.dot_product_attention`.
-        num_kv_heads: See :func:`multi_head_attention`: the cache holds Hkv heads.
-        positional: See :func:`multi_head_attention`.
-        rotary_base: See :func:`multi_head_attention`.
-        window: See :func:`multi_head_attention`.
-        softcap: See :func:`multi_head_attention`.
-        scale: See :func:`multi_head_attention`.
-        ops: The backend's ops; found from ``queries`` when omitted.
-
-    Returns:
-        ``(output, cache)``: the output ``(B, t, h)`` (with the weights, as
-        ``(output, weights)``, if asked) and the updated cache.
-    """
-    ops = ops or ops_for(queries, "queries")
-    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
-    return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
-                        capacity=capacity, dropout=dropout, return_weights=return_weights,
-                        implementation=implementation, options=options)
-
-
 def cached_heads(
     ops: Ops, queries: Array, keys: Array, values: Array, weights: Mapping[str, Array],
     num_heads: int, cache: Any, start: Any, *, capacity: int | None, dropout: float,
     return_weights: bool | str, implementation: str | None, options: HeadOptions,
     mask_mod: Any = None, score_mod: Any = None, ragged: Mapping[str, Any] | None = None,
 ) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
-    """:func:`cached_multi_head_attention` with its options as :class:`HeadOptions`.
+    """Causal multi-head attention of ``t`` new positions against a key/value cache.
+
+    The new keys and values are projected (the keys rotated by their positions under rotary
+    positions) and written into the cache at rows ``[start, start + t)``; query ``i``
+    (position ``start + i``) then attends to rows ``j <= start + i`` (within the window, if
+    any). Calling it on positions ``0..T-1``, in one call or in several chunks, gives the
+    causal self-attention of the whole sequence (:mod:`attention_core.cache`). Returns
+    ``(output, cache)`` (the output with the weights if asked).
 
     ``mask_mod`` and ``score_mod`` see query ``i`` at index ``start + i``. ``ragged``: the
     call's ``lengths``, ``padding`` and ``padding_mask`` (:func:`attention_core.cache.placed`).
     """
-    weights, options, new = _keys_values(ops, "cached_multi_head_attention", queries, keys,
+    weights, options, new = _keys_values(ops, "multi_head_attention", queries, keys,
                                          values, weights, num_heads, options, None)
     B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)
     pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, Hkv, D),

@@ -25,6 +25,8 @@ from attention_core.multihead import (
     heads,
     multi_head_attention,
     pool_heads,
+    ragged_arguments,
+    refuse_in_cached_call,
 )
 from attention_core.ops import Array, Ops, fixed_shape
 from attention_core.positional import add_positions, positional_encoding, sinusoidal_encoding
@@ -509,8 +511,14 @@ def transformer_decoder_block(
     implementation: str | None = None,
     options: HeadOptions = CLASSIC,
     block: BlockOptions = POST_NORM,
+    cache: Any = None,
+    start: Any = 0,
+    capacity: int | None = None,
+    lengths: Any = None,
+    padding: str = "right",
+    padding_mask: Any = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, list[Array]]:
+) -> Any:
     """One Transformer decoder block, with or without cross-attention, post- or pre-norm.
 
     ``Y = AddNorm1(X, MHA_self(X, X, X, causal))``; with cross-attention (the mapping holds
@@ -551,11 +559,26 @@ def transformer_decoder_block(
             cross-attention is the classic one, but for ``options.scale``, which both take.
             Each attention has sinks when the mapping holds its ``sinks``.
         block: The norms and FFN (:class:`~attention_core.weights.BlockOptions`).
+        cache: With ``capacity``, makes the call one against a key/value cache: ``X`` holds
+            positions ``start ..`` and the call returns ``(output, cache)``
+            (:func:`cached_decoder_block`, whose arguments ``cache`` to ``padding_mask`` are).
+        start: See :func:`cached_decoder_block`.
+        capacity: See :func:`cached_decoder_block`.
+        lengths: See :func:`~attention_core.multihead.multi_head_attention`.
+        padding: See :func:`~attention_core.multihead.multi_head_attention`.
+        padding_mask: See :func:`~attention_core.multihead.multi_head_attention`.
         ops: The backend's ops; found from ``X`` when omitted.
 
     Returns:
-        ``(B, T, h)``, and the list of weights if asked.
+        ``(B, T, h)``, and the list of weights if asked; a cached call ``(that, cache)``.
     """
+    ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
+    if cache is not None or capacity is not None:
+        refuse_in_cached_call(valid_lens=valid_lens, mask=mask, past=past)
+        return cached_decoder_block(
+            X, weights, num_heads, cache, start, enc_outputs, enc_valid_lens, enc_mask=enc_mask,
+            capacity=capacity, dropout=dropout, return_weights=return_weights,
+            implementation=implementation, options=options, block=block, ragged=ragged, ops=ops)
     ops = ops or ops_for(X, "X")
     block = check_block_options(block)
     weights = _checked_block(ops, X, weights, num_heads, enc_outputs, cached_cross=False,
@@ -621,7 +644,7 @@ def cached_decoder_block(
     """A decoder block over ``t`` new positions, against its key/value cache.
 
     Equal to :func:`transformer_decoder_block` on the whole sequence, row for row: the
-    self-attention is :func:`~attention_core.multihead.cached_multi_head_attention`, and the
+    self-attention is :func:`~attention_core.multihead.cached_heads`, and the
     cross-attention's keys and values, projected from ``enc_outputs`` by the call that makes
     the cache, are kept in it.
 
@@ -806,8 +829,14 @@ def transformer_decoder(
     max_len: int | None = None,
     options: HeadOptions = CLASSIC,
     block: BlockOptions = POST_NORM,
+    cache: Any = None,
+    start: Any = 0,
+    capacity: int | None = None,
+    lengths: Any = None,
+    padding: str = "right",
+    padding_mask: Any = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, list[list[Array]]]:
+) -> Any:
     """The Transformer decoder: embed, scale, add positions, the blocks, then the vocabulary.
 
     ``X = dropout(E[tokens] * sqrt(h) + P)``, ``X = block_i(X, enc_outputs)`` for each block,
@@ -836,14 +865,32 @@ def transformer_decoder(
         options: Every block's self-attention options (see
             :func:`transformer_decoder_block`). With rotary or ALiBi positions the attention
             places the tokens, and no sinusoidal table is added.
-        block: Every block's norms and FFN, and the stack's: the final norm ``norm.*`` with
-            ``norm_first``, ``output_bias``, ``tie_output``, ``scale_embeddings`` (see
-            :class:`~attention_core.weights.BlockOptions`).
+        block: Every block's norms and FFN, and the stack's: the final norm
+            ``final_norm.*`` with ``norm_first``, ``output_bias``, ``tie_output``,
+            ``scale_embeddings`` (see :class:`~attention_core.weights.BlockOptions`).
+        cache: With ``capacity``, makes the call one against the blocks' key/value caches:
+            ``tokens`` are positions ``start ..`` and the call returns ``(logits, cache)``
+            (:func:`cached_decoder`, whose arguments ``cache`` to ``padding_mask`` are).
+        start: See :func:`cached_decoder`.
+        capacity: See :func:`cached_decoder`.
+        lengths: See :func:`cached_decoder`.
+        padding: See :func:`cached_decoder`.
+        padding_mask: See :func:`cached_decoder`.
         ops: The backend's ops; found from ``tokens`` when omitted.
 
     Returns:
-        The logits ``(B, T, V_out)``, and the weights if asked.
+        The logits ``(B, T, V_out)``, and the weights if asked; a cached call
+        ``(that, cache)``.
     """
+    ragged_arguments(cache, capacity, lengths, padding, padding_mask)
+    if cache is not None or capacity is not None:
+        refuse_in_cached_call(valid_lens=valid_lens, mask=mask)
+        return cached_decoder(
+            tokens, weights, num_heads, cache, start, enc_outputs, enc_valid_lens,
+            enc_mask=enc_mask, capacity=capacity, dropout=dropout, return_weights=return_weights,
+            implementation=implementation, positions=positions, max_len=max_len,
+            options=options, block=block, lengths=lengths, padding=padding,
+            padding_mask=padding_mask, ops=ops)
     ops = ops or ops_for(tokens, "tokens")
     block = check_block_options(block)
     side = _ids_side(weights)

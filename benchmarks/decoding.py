@@ -5,7 +5,7 @@ generation with a decoder-only ``TransformerDecoder`` (GPT-style) on one backend
 process, two ways, interleaved round by round:
 
 * **cached**: each step feeds the new token alone against the key/value cache
-  (:func:`attention_core.cached_decoder`);
+  (:func:`attention_core.transformer_decoder` with ``cache=``);
 * **uncached**: each step runs the decoder over the whole prefix again and reads its last row
   (the d2l book's prediction loop without a cache). On JAX both are jitted: the cached step
   once, with the position as an array; the uncached one over a buffer of the full length
@@ -66,8 +66,8 @@ def steps(backend: str) -> dict[str, Callable[..., Any]]:
     ops = registry.get_ops(backend)
 
     def cached(ids: Any, cache: Any, start: int) -> Any:
-        return ac.cached_decoder(ids, w, heads, cache, start,
-                                 capacity=capacity if cache is None else None, positions=P)
+        return ac.transformer_decoder(ids, w, heads, cache=cache, start=start,
+                                      capacity=capacity if cache is None else None, positions=P)
 
     def uncached(ids: Any, prefix: Any, start: int) -> Any:
         rows = ids if prefix is None else ops.concatenate([prefix, ids], 1)
@@ -82,8 +82,8 @@ def _jitted(w: dict[str, Any], P: Any) -> dict[str, Callable[..., Any]]:
     import jax.numpy as jnp
 
     heads, capacity = MODEL["num_heads"], TOKENS + 1
-    step = jax.jit(lambda ids, cache, start: ac.cached_decoder(ids, w, heads, cache, start,
-                                                               positions=P))
+    step = jax.jit(lambda ids, cache, start: ac.transformer_decoder(
+        ids, w, heads, cache=cache, start=start, positions=P))
     def last_row(rows: Any, t: Any) -> Any:
         logits: Any = ac.transformer_decoder(rows, w, heads, positions=P)
         return jax.lax.dynamic_slice_in_dim(logits, t, 1, axis=1)
@@ -92,7 +92,7 @@ def _jitted(w: dict[str, Any], P: Any) -> dict[str, Callable[..., Any]]:
 
     def cached(ids: Any, cache: Any, start: int) -> Any:
         if cache is None:
-            return ac.cached_decoder(ids, w, heads, None, 0, capacity=capacity, positions=P)
+            return ac.transformer_decoder(ids, w, heads, capacity=capacity, positions=P)
         return step(ids, cache, jnp.asarray(start, jnp.int32))
 
     def uncached(ids: Any, buffer: Any, start: int) -> Any:

@@ -18,7 +18,7 @@ on numpy and jax, ``gqa`` on numpy, torch, jax and tensorflow):
 * ``gqa``: ``MultiHeadAttention(512, 8)`` against ``MultiHeadAttention(512, 8,
   num_kv_heads=2)`` (both ``keep_attention_weights=False``, no biases): the bytes of
   ``W_k`` and ``W_v`` (from the layer's weights), the bytes of the key/value cache of capacity
-  4096 that :func:`attention_core.cached_multi_head_attention` returns (the arrays' own
+  4096 that :func:`attention_core.multi_head_attention` with ``capacity=`` returns (the arrays' own
   ``nbytes``), and the forward time of causal self-attention at n = 1024 and 4096 (B = 1),
   the four layer calls in interleaved rounds (MHA and GQA at one n back to back, their order
   alternating), with the ratio GQA ÷ MHA per round. The implementation each call takes by
@@ -314,9 +314,9 @@ def measure_gqa(backend: str, rounds: int, config: Mapping[str, Any],
                           "shapes": {k: list(read[k].shape) for k in names}}
         w = {k: ops.from_numpy(v) for k, v in read.items()}
         with _no_autograd(backend):
-            _, pair = ac.cached_multi_head_attention(prompt, prompt, prompt, w, H,
-                                                     capacity=config["capacity"],
-                                                     num_kv_heads=kinds[kind])
+            _, pair = ac.multi_head_attention(prompt, prompt, prompt, w, H,
+                                              capacity=config["capacity"],
+                                              num_kv_heads=kinds[kind])
         cache[kind] = {"bytes": sum(_nbytes(backend, a) for a in pair),
                        "shape": [int(d) for d in ops.shape(pair[0])], "arrays": len(pair),
                        "dtype": ops.dtype_name(pair[0])}
@@ -438,7 +438,7 @@ def render(results: Sequence[Mapping[str, Any]]) -> str:
                   f"MHA is {mha}, GQA is {gqa}, both with `keep_attention_weights=False` and no "
                   f"biases. Key/value weights: the bytes of `W_k` and `W_v` from the layer's "
                   f"weights. Cache: the `nbytes` of the key and value arrays that "
-                  f"`cached_multi_head_attention(..., capacity={c['capacity']})` returns "
+                  f"`multi_head_attention(..., capacity={c['capacity']})` returns "
                   f"(batch {c['batch']}).", "",
                   "| backend | K/V weights MHA | GQA | MHA ÷ GQA | cache MHA | GQA | MHA ÷ GQA "
                   "| cache arrays MHA → GQA |", "|---|---|---|---|---|---|---|---|"]

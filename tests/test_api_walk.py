@@ -173,7 +173,7 @@ def functions(h: Harness) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]
         "transformer_decoder": (ac.transformer_decoder, {
             "weights": numpy_weights(h, "TransformerDecoder", **decoder), "num_heads": 2,
             **{name: h.array(value) for name, value in decoder.items()}}),
-        "cached_decoder": (ac.cached_decoder, {
+        "cached_decoder": (ac.transformer_decoder, {
             "weights": numpy_weights(h, "TransformerDecoder", **decoder), "num_heads": 2,
             "capacity": 3, **{name: h.array(value) for name, value in decoder.items()}}),
         "transformer_decoder_block": (ac.transformer_decoder_block, {

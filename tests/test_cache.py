@@ -81,8 +81,8 @@ def test_cached_multi_head_attention_equals_causal_attention(backend: str) -> No
     rows, weights, cache = [], [], None
     for start, n in CHUNKS:
         x = hb.array(X[:, start:start + n], "float32")
-        (out, a), cache = ac.cached_multi_head_attention(x, x, x, w, H, cache, start,
-                                                         capacity=STEPS, return_weights=True)
+        (out, a), cache = ac.multi_head_attention(x, x, x, w, H, cache=cache, start=start,
+                                                  capacity=STEPS, return_weights=True)
         rows.append(hb.numpy(out))
         weights.append(hb.numpy(a))
     assert max_diff(np.concatenate(rows, axis=1), hb.numpy(full)) <= BOUND

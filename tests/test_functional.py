@@ -103,7 +103,6 @@ def test_every_public_function_is_covered() -> None:
     # tests/test_cache.py, the searches in tests/test_generation.py, sampling in
     # tests/test_sampling.py, the Hugging Face converter in tests/test_convert_hf.py)
     assert rest == {"transformer_encoder_decoder", "transformer_decoder", "transformer_decoder_block",
-                    "cached_decoder", "cached_decoder_block", "cached_multi_head_attention",
                     "greedy_search", "beam_search", "generate", "choose", "decoder_step",
                     "repeat_rows", "alibi_slopes", "hf_config", "from_hf_llama", "to_hf_llama",
                     "masked_softmax", "sinusoidal_encoding", "relative_rotation", "save_weights",
