@@ -979,8 +979,10 @@ def cached_decoder(
         kv_cache.check_block_cache(ops, f"cache[{i}]", block_cache, crossed, ("tokens", tokens))
     check_encoder_outputs(ops, enc_outputs, None if cache else crossed, like=("tokens", tokens))
     held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
+    window = checks.check_window(options.window)  # a ring holds the window: no bound
+    rows = kv_cache.capacity_of(ops, held, capacity, window)
     start = kv_cache.check_start(ops, start, ops.shape(tokens)[1],
-                                 kv_cache.capacity_of(ops, held, capacity))
+                                 None if kv_cache.is_ring(rows, window) else rows)
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
                        start, side, options, block)
     kept: list[list[Array]] = []
