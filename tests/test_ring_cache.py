@@ -112,8 +112,9 @@ def test_chunks_longer_than_the_window(backend: str, name: str) -> None:
 LENGTHS, PROMPT, MORE = np.array([3, 8, 5, 1]), 8, 6
 
 
-@pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("name", ["mha_gqa_rotary", "dpa_rotary"])
+@pytest.mark.parametrize(("name", "padding"), [("mha_gqa_rotary", "left"),
+                                                ("mha_gqa_rotary", "right"),
+                                                ("dpa_rotary", "left")])
 def test_ragged_batch_with_a_ring(backend: str, name: str, padding: str) -> None:
     """Padded prompts prefill a ring in one call (``start`` per example, ``lengths``) and
     decode together: each example's rows equal its own windowed pass."""
