@@ -7,6 +7,9 @@ rows ``[start, start + t)`` and its queries attend to rows ``j <= start + i``. N
 on ``start``, so a compiled step (``jax.jit``, ``tf.function(jit_compile=True)``,
 ``torch.compile``) is traced once and reused at every position.
 
+A sliding-window call (``window`` w) makes a ring of ``R = min(C, w)`` rows instead: position
+``p`` at slot ``p mod R`` (:func:`is_ring`, :func:`ring_keys`, :func:`ring_written`).
+
 Shape legend: B batch, H heads, C capacity, t the call's positions, D depth (h/H).
 """
 

@@ -176,7 +176,9 @@ def multi_head_attention(
             call is then causal over the cache (:func:`cached_heads`).
         start: A cached call's position of its first token: an int, or one per example
             ``(B,)`` (a ragged batch).
-        capacity: C of a cache made now (with ``cache`` None): makes the call cached.
+        capacity: C of a cache made now (with ``cache`` None): makes the call cached. With
+            a ``window``, the cache is a ring of ``min(C, window)`` rows
+            (:func:`~attention_core.cache.is_ring`).
         lengths: A cached call's real tokens per example ``(B,)``, the rest padding: example
             ``b``'s tokens sit at positions ``start[b] ..`` and only they are written.
         padding: Where the padding of ``lengths`` sits, ``"right"`` or ``"left"``.
@@ -304,7 +306,8 @@ def pool_heads(
         return_weights=return_weights, implementation=implementation, window=options.window,
         softcap=options.softcap, score_bias=score_bias, scale=options.scale,
         positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
-        _offset=offset, _positions=positions, **_keys_at(keys_at),
+        _offset=offset, _positions=positions, _key_positions=keys_at and keys_at[0],
+        _key_valid=keys_at and keys_at[1],
         **{name: value for name, value in given.items() if value is not None},
     )
     out, attn = pooled if return_weights else (pooled, None)
@@ -407,12 +410,12 @@ Seen = tuple[tuple[Array, Array], tuple[Array, Array] | None]
 def _written(ops: Ops, pair: tuple[Array, Array] | None, new: tuple[Array, Array], start: Any,
              steps: Any, size: int, options: HeadOptions, ragged: Mapping[str, Any]
              ) -> tuple[kv_cache.Positions, tuple[Array, Array], Seen]:
-    """The new tokens' positions, the cache with their keys (rotated) and values written, and
-    the keys and values the call attends.
+    """The new tokens' positions, the cache with them written, and the keys the call attends.
 
-    Those are the cache written, or of a ring (:func:`~attention_core.cache.is_ring`), its
-    rows before the write then the new ones, with their positions
-    (:func:`~attention_core.cache.ring_keys`): a chunk longer than the ring sees all it must.
+    The new keys are rotated at their positions under rotary. The call attends to the cache
+    written, or of a ring (:func:`~attention_core.cache.is_ring`), to its rows before the
+    write then the new ones, with their positions (:func:`~attention_core.cache.ring_keys`):
+    a chunk longer than the ring sees all it must.
     """
     ring = kv_cache.is_ring(size, options.window)
     rotary = options.positional == "rotary"
@@ -433,11 +436,6 @@ def _written(ops: Ops, pair: tuple[Array, Array] | None, new: tuple[Array, Array
                                 kv_cache.ring_keys(ops, at, size, steps, pair is not None))
 
 
-def _keys_at(keys_at: tuple[Array, Array] | None) -> dict[str, Any]:
-    """``dot_product_attention``'s private keywords of the keys' positions, if given."""
-    return {} if keys_at is None else {"_key_positions": keys_at[0], "_key_valid": keys_at[1]}
-
-
 def cached_attention(
     ops: Ops, queries: Array, keys: Array, values: Array, cache: Any, start: Any, *,
     capacity: int | None, options: HeadOptions, ragged: Mapping[str, Any] | None = None,
@@ -448,7 +446,8 @@ def cached_attention(
     :func:`~attention_core.attention.dot_product_attention`, no projections. The cache pair
     has the inputs' rank: ``(B, C, D)`` or ``(B, Hkv, C, D)`` each, keys rotated under rotary
     positions; the new keys and values are written at rows ``[start,
-    start + t)`` and query ``i`` sees rows ``j <= start + i``, as in :func:`cached_heads`.
+    start + t)`` and query ``i`` sees rows ``j <= start + i``, as in :func:`cached_heads`
+    (or a windowed call's ring, :func:`~attention_core.cache.is_ring`).
     ``ragged``: as for :func:`cached_heads`. ``pooling``: the keywords of
     ``dot_product_attention`` that pool (dropout, return_weights, implementation, mask_mod,
     score_mod).
@@ -471,7 +470,8 @@ def cached_attention(
         q, *seen, causal=True, window=options.window, softcap=options.softcap,
         scale=options.scale, positional="alibi" if options.positional == "alibi" else None,
         ops=ops, _heads=True, _offset=at.query, _positions=at if ragged_rows else None,
-        **_keys_at(keys_at), **{name: value for name, value in pooling.items() if value is not None})
+        _key_positions=keys_at and keys_at[0], _key_valid=keys_at and keys_at[1],
+        **{name: value for name, value in pooling.items() if value is not None})
     if rank == 3:
         out = result[0][:, 0] if isinstance(result, tuple) else result[:, 0]
         result = (out, *result[1:]) if isinstance(result, tuple) else out
