@@ -322,7 +322,7 @@ def ring_keys(ops: Ops, at: Positions, rows: int, steps: Any, held: bool
     shared = isinstance(at.start, int) or tuple(ops.shape(at.start)) == ()
     begin = at.start if shared else ops.expand_dims(at.start, -1)  # a scalar or (B, 1)
     back = begin - 1 - ops.expand_dims(ops.arange(rows), 0) + rows  # (B|1, R), >= 0
-    kept = begin - 1 - (back - (back // rows) * rows)  # (B|1, R)
+    kept = begin - 1 - _mod(ops, back, rows)  # (B|1, R)
     if shared and rows_b:  # one start, rows per example: the ring's positions for each
         kept = kept + ops.astype(new[:, :1] < 0, "int32")  # + 0, as (B, R)
     return (ops.concatenate([kept, new], 1),
@@ -340,7 +340,7 @@ def ring_written(ops: Ops, cache: Array | None, new: Array, at: Positions, rows:
     column = ops.expand_dims(ops.arange(steps), 0)  # (1, t)
     if not per_example(at):
         if cache is not None and steps == 1:  # one row: broadcast it, no product needed
-            slot = ops.arange(rows) == _mod(at.query, rows)  # (R,)
+            slot = ops.arange(rows) == _mod(ops, at.query, rows)  # (R,)
             return ops.where(ops.expand_dims(slot, -1), new, cache)
         positions, keep = column + at.query, column >= steps - rows  # (1, t)
     else:
@@ -352,7 +352,7 @@ def ring_written(ops: Ops, cache: Array | None, new: Array, at: Positions, rows:
         if at.valid is not None:
             keep = ops.logical_and(keep, at.valid)
     slots = ops.expand_dims(ops.arange(rows), -1)  # (R, 1)
-    hits = ops.logical_and(ops.expand_dims(_mod(positions, rows), 1) == slots,
+    hits = ops.logical_and(ops.expand_dims(_mod(ops, positions, rows), 1) == slots,
                            ops.expand_dims(keep, 1))  # (B|1, R, t)
     onehot = ops.astype(ops.expand_dims(hits, 1), ops.dtype_name(new))  # (B|1, 1, R, t)
     put = ops.matmul(onehot, new)  # (B, H, R, D)
@@ -361,9 +361,18 @@ def ring_written(ops: Ops, cache: Array | None, new: Array, at: Positions, rows:
     return ops.where(ops.sum(onehot, -1) > 0, put, cache)
 
 
-def _mod(x: Any, rows: int) -> Any:
-    """``x mod rows`` of non-negative integers (an int or an array)."""
-    return x % rows if isinstance(x, int) else x - (x // rows) * rows
+def _mod(ops: Ops, x: Any, rows: int) -> Any:
+    """``x mod rows``, exact, of an int or an int32 array (no integer division in every ops).
+
+    The quotient is taken in float32 twice: once of ``x``, then of the small remainder left,
+    which two comparisons bring into ``[0, rows)``.
+    """
+    if isinstance(x, int) or rows == 1:
+        return x % rows if isinstance(x, int) else x * 0
+    for _ in range(2):
+        x = x - ops.astype(ops.astype(x, "float32") * (1.0 / rows), "int32") * rows
+    x = ops.where(x < 0, x + rows, x)
+    return ops.where(x >= rows, x - rows, x)
 
 
 def visible(ops: Ops, start: Any, steps: int, capacity: int) -> Array:
