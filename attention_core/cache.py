@@ -7,6 +7,9 @@ rows ``[start, start + t)`` and its queries attend to rows ``j <= start + i``. N
 on ``start``, so a compiled step (``jax.jit``, ``tf.function(jit_compile=True)``,
 ``torch.compile``) is traced once and reused at every position.
 
+A sliding-window call (``window`` w) makes a ring of ``R = min(C, w)`` rows instead: position
+``p`` at slot ``p mod R`` (:func:`is_ring`, :func:`ring_keys`, :func:`ring_written`).
+
 Shape legend: B batch, H heads, C capacity, t the call's positions, D depth (h/H).
 """
 
@@ -182,16 +185,46 @@ def check_block_cache(ops: Ops, name: str, cache: Any, crossed: bool,
             checks.check_batch(ops, f"{name} {part} {which}", x, *like)
 
 
-def capacity_of(ops: Ops, cache: Array | None, capacity: Any) -> int:
-    """C: the cache's, or ``capacity`` for a cache made now; both given must agree."""
+def capacity_of(ops: Ops, cache: Array | None, capacity: Any, window: int | None = None) -> int:
+    """R, the rows held: the cache's, or those of a cache made now of ``capacity``.
+
+    A windowed call (``window`` w) makes a ring of ``min(capacity, w)`` rows
+    (:func:`ring_rows`); a capacity given with a cache must be the one that makes it.
+    """
     if cache is None:
         if capacity is None:
             raise ValueError("capacity is required to make a cache (cache is None)")
-        return checks.check_positive_int("capacity", capacity)
+        return ring_rows(checks.check_positive_int("capacity", capacity), window)
     held = int(fixed_shape(ops, cache)[2])
-    if capacity is not None and plain(capacity) != held:
-        raise ValueError(f"capacity ({capacity}) must equal the given cache's ({held})")
+    given = plain(capacity)
+    if capacity is None or given == held:
+        return held
+    if window is None or type(given) is not int or ring_rows(given, window) != held:
+        if window is None or type(given) is not int:
+            raise ValueError(f"capacity ({capacity}) must equal the given cache's ({held})")
+        raise ValueError(f"capacity ({capacity}) must make the given cache's {held} rows: a "
+                         f"windowed layer keeps min(capacity, window) = min({given}, {window}) "
+                         f"= {ring_rows(given, window)}")
     return held
+
+
+def ring_rows(capacity: int, window: int | None) -> int:
+    """R: the rows a cache of ``capacity`` holds, ``min(capacity, window)`` for a windowed call.
+
+    Its query sees no key ``window`` or more positions back, so the last ``window`` keys
+    are all it needs: position ``p`` is kept at slot ``p mod R`` (:func:`is_ring`).
+    """
+    return capacity if window is None else min(capacity, window)
+
+
+def is_ring(rows: int, window: int | None) -> bool:
+    """Whether a windowed call's cache of ``rows`` is a ring: it holds ``window`` rows.
+
+    A ring keeps position ``p`` at slot ``p mod R`` and takes positions past R. A cache of
+    fewer rows than the window holds positions ``0 .. R - 1`` only (slot = position), as
+    one of any size does without a window.
+    """
+    return window is not None and rows == window
 
 
 def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int) -> Array:
@@ -216,16 +249,31 @@ def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int
 
 def placed(ops: Ops, start: Any, steps: Any, capacity: int, *, lengths: Any = None,
            padding: str = "right", padding_mask: Any = None, batch: Any = None,
-           like: Array | None = None) -> Positions:
+           like: Array | None = None, ring: bool = False, limit: int | None = None
+           ) -> Positions:
     """The positions of a cached call's t tokens (:func:`positions_of`), within the capacity.
 
+    A ring (``ring``, :func:`is_ring`) takes positions past its rows; ``limit``, the
+    rotary tables' bound on positions, then bounds them where the starts are known now.
+
     Raises:
-        ValueError: A position past the capacity (when the starts are known now), and the
-            errors of :func:`positions_of`.
+        ValueError: A position past the capacity (or ``limit``, for a ring) when the starts
+            are known now, and the errors of :func:`positions_of`.
     """
-    check_start(ops, start, steps, capacity, batch=batch)
+    first = check_start(ops, start, steps, None if ring else capacity, batch=batch)
+    if ring and limit is not None:
+        _check_limit(first, steps, limit)
     return positions_of(ops, start, steps, lengths=lengths, padding=padding,
                         padding_mask=padding_mask, batch=batch, like=like)
+
+
+def _check_limit(first: Any, steps: Any, limit: int) -> None:
+    """Refuses known positions ``first .. first + steps - 1`` at or past ``limit`` (rotary's)."""
+    known = first if isinstance(first, int) else (
+        int(first.max()) if isinstance(first, np.ndarray) and first.size else None)
+    if known is not None and isinstance(steps, int) and known + steps > limit:
+        raise ValueError(f"rotary positions must be in [0, {limit}), got [{known}, "
+                         f"{known + steps - 1}]")
 
 
 def per_example(at: Positions) -> bool:
@@ -251,6 +299,80 @@ def written_at(ops: Ops, cache: Array | None, new: Array, at: Positions, capacit
     if cache is None:
         return put
     return ops.where(ops.sum(onehot, -1) > 0, put, cache)  # rows written now, else kept
+
+
+def ring_keys(ops: Ops, at: Positions, rows: int, steps: Any, held: bool
+              ) -> tuple[Array, Array]:
+    """The positions of the keys a ring call attends, and whether each holds a token.
+
+    The keys are the ring's R rows (when ``held``), then the t new ones, all read before the
+    new ones are written. Slot ``c`` holds position ``s - 1 - ((s - 1 - c) mod R)``, the
+    latest one ``p < s`` with ``p mod R = c`` (``s`` the example's start), a token if
+    ``>= 0``; the new rows stand at their own positions, a token where ``at.valid`` says.
+
+    Returns:
+        int32 positions and boolean validity, ``(B, R + t)`` (``(1, R + t)`` when every
+        example shares one start and no padding).
+    """
+    rows_b = per_example(at)
+    new = at.query if rows_b else ops.expand_dims(ops.arange(steps) + at.query, 0)  # (B|1, t)
+    valid = at.valid if at.valid is not None else new >= 0
+    if not held:
+        return new, valid
+    shared = isinstance(at.start, int) or tuple(ops.shape(at.start)) == ()
+    begin = at.start if shared else ops.expand_dims(at.start, -1)  # a scalar or (B, 1)
+    back = begin - 1 - ops.expand_dims(ops.arange(rows), 0) + rows  # (B|1, R), >= 0
+    kept = begin - 1 - _mod(ops, back, rows)  # (B|1, R)
+    if shared and rows_b:  # one start, rows per example: the ring's positions for each
+        kept = kept + ops.astype(new[:, :1] < 0, "int32")  # + 0, as (B, R)
+    return (ops.concatenate([kept, new], 1),
+            ops.concatenate([kept >= 0, ops.logical_and(valid, new >= 0)], 1))
+
+
+def ring_written(ops: Ops, cache: Array | None, new: Array, at: Positions, rows: int) -> Array:
+    """A ring ``(B, H, R, D)`` with each real token of ``new (B, H, t, D)`` at its slot.
+
+    Position ``p`` goes to slot ``p mod R``; of a chunk longer than the ring, each example's
+    last R real tokens alone are written (distinct slots). A product with a one-hot ``(B, 1,
+    R, t)`` matrix, exact, then the untouched slots kept; one shared new row is broadcast.
+    """
+    steps = ops.shape(new)[2]
+    column = ops.expand_dims(ops.arange(steps), 0)  # (1, t)
+    if not per_example(at):
+        if cache is not None and steps == 1:  # one row: broadcast it, no product needed
+            slot = ops.arange(rows) == _mod(ops, at.query, rows)  # (R,)
+            return ops.where(ops.expand_dims(slot, -1), new, cache)
+        positions, keep = column + at.query, column >= steps - rows  # (1, t)
+    else:
+        positions = at.query  # (B, t)
+        shared = isinstance(at.start, int) or tuple(ops.shape(at.start)) == ()
+        begin = at.start if shared else ops.expand_dims(at.start, -1)
+        count = steps if at.valid is None else ops.sum(ops.astype(at.valid, "int32"), -1)
+        keep = positions >= begin + count - rows  # each example's last R real tokens
+        if at.valid is not None:
+            keep = ops.logical_and(keep, at.valid)
+    slots = ops.expand_dims(ops.arange(rows), -1)  # (R, 1)
+    hits = ops.logical_and(ops.expand_dims(_mod(ops, positions, rows), 1) == slots,
+                           ops.expand_dims(keep, 1))  # (B|1, R, t)
+    onehot = ops.astype(ops.expand_dims(hits, 1), ops.dtype_name(new))  # (B|1, 1, R, t)
+    put = ops.matmul(onehot, new)  # (B, H, R, D)
+    if cache is None:
+        return put
+    return ops.where(ops.sum(onehot, -1) > 0, put, cache)
+
+
+def _mod(ops: Ops, x: Any, rows: int) -> Any:
+    """``x mod rows``, exact, of an int or an int32 array (no integer division in every ops).
+
+    The quotient is taken in float32 twice: once of ``x``, then of the small remainder left,
+    which two comparisons bring into ``[0, rows)``.
+    """
+    if isinstance(x, int) or rows == 1:
+        return x % rows if isinstance(x, int) else x * 0
+    for _ in range(2):
+        x = x - ops.astype(ops.astype(x, "float32") * (1.0 / rows), "int32") * rows
+    x = ops.where(x < 0, x + rows, x)
+    return ops.where(x >= rows, x - rows, x)
 
 
 def visible(ops: Ops, start: Any, steps: int, capacity: int) -> Array:

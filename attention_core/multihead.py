@@ -26,7 +26,7 @@ from attention_core.attention import (
 )
 from attention_core.linear import dense
 from attention_core.ops import Array, Ops, fixed_shape, matmul_transposed
-from attention_core.positional import relative_offsets, rotated_heads
+from attention_core.positional import ROTARY_MAX_POSITIONS, relative_offsets, rotated_heads
 from attention_core.registry import ops_for
 
 
@@ -176,7 +176,9 @@ def multi_head_attention(
             call is then causal over the cache (:func:`cached_heads`).
         start: A cached call's position of its first token: an int, or one per example
             ``(B,)`` (a ragged batch).
-        capacity: C of a cache made now (with ``cache`` None): makes the call cached.
+        capacity: C of a cache made now (with ``cache`` None): makes the call cached. With
+            a ``window``, the cache is a ring of ``min(C, window)`` rows
+            (:func:`~attention_core.cache.is_ring`).
         lengths: A cached call's real tokens per example ``(B,)``, the rest padding: example
             ``b``'s tokens sit at positions ``start[b] ..`` and only they are written.
         padding: Where the padding of ``lengths`` sits, ``"right"`` or ``"left"``.
@@ -263,6 +265,7 @@ def pool_heads(
     mask_mod: Any = None,
     score_mod: Any = None,
     positions: Any = None,
+    keys_at: tuple[Array, Array] | None = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
@@ -288,6 +291,8 @@ def pool_heads(
         score_mod: See :func:`multi_head_attention`.
         positions: The queries' positions per example (a ragged cached call,
             :class:`~attention_core.cache.Positions`), in place of ``offset``.
+        keys_at: The keys' positions and whether each holds a token, ``(B, K)`` each (a
+            ring's, :func:`~attention_core.cache.ring_keys`); None: key ``j`` at ``j``.
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     if options.positional == "rotary":
@@ -301,7 +306,8 @@ def pool_heads(
         return_weights=return_weights, implementation=implementation, window=options.window,
         softcap=options.softcap, score_bias=score_bias, scale=options.scale,
         positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
-        _offset=offset, _positions=positions,
+        _offset=offset, _positions=positions, _key_positions=keys_at and keys_at[0],
+        _key_valid=keys_at and keys_at[1],
         **{name: value for name, value in given.items() if value is not None},
     )
     out, attn = pooled if return_weights else (pooled, None)
@@ -332,27 +338,47 @@ def cached_heads(
     B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)
     pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, Hkv, D),
                                                           ops.dtype_name(new[0]))
-    size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
-    at, written = _written(ops, pair, new, start, steps, size, options, ragged or {})
-    result = pool_heads(ops, queries, written, weights, num_heads, causal=True, dropout=dropout,
+    size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity, options.window)
+    at, written, seen = _written(ops, pair, new, start, steps, size, options, ragged or {})
+    result = pool_heads(ops, queries, seen[0], weights, num_heads, causal=True, dropout=dropout,
                         return_weights=return_weights, implementation=implementation,
                         options=options, offset=at.query, mask_mod=mask_mod,
-                        score_mod=score_mod, positions=at if kv_cache.per_example(at) else None)
+                        score_mod=score_mod, positions=at if kv_cache.per_example(at) else None,
+                        keys_at=seen[1])
     return result, written
+
+
+#: The keys and values a cached call attends, and their positions and validity (a ring's).
+Seen = tuple[tuple[Array, Array], tuple[Array, Array] | None]
 
 
 def _written(ops: Ops, pair: tuple[Array, Array] | None, new: tuple[Array, Array], start: Any,
              steps: Any, size: int, options: HeadOptions, ragged: Mapping[str, Any]
-             ) -> tuple[kv_cache.Positions, tuple[Array, Array]]:
-    """The new tokens' positions, and the cache with their keys (rotated) and values written."""
+             ) -> tuple[kv_cache.Positions, tuple[Array, Array], Seen]:
+    """The new tokens' positions, the cache with them written, and the keys the call attends.
+
+    The new keys are rotated at their positions under rotary. The call attends to the cache
+    written, or of a ring (:func:`~attention_core.cache.is_ring`), to its rows before the
+    write then the new ones, with their positions (:func:`~attention_core.cache.ring_keys`):
+    a chunk longer than the ring sees all it must.
+    """
+    ring = kv_cache.is_ring(size, options.window)
+    rotary = options.positional == "rotary"
     at = kv_cache.placed(ops, start, steps, size, batch=ops.shape(new[0])[0], like=new[0],
-                         **ragged)
-    if options.positional == "rotary":  # the new keys at their positions
+                         ring=ring, limit=ROTARY_MAX_POSITIONS if rotary else None, **ragged)
+    if rotary:  # the new keys at their positions
         rows = at.query if kv_cache.per_example(at) else None
         new = (rotated_heads(ops, new[0], at.query, options.rotary_base, rows), new[1])
-    keys, values = (kv_cache.written_at(ops, old, rows, at, size)
+    if not ring:
+        keys, values = (kv_cache.written_at(ops, old, rows, at, size)
+                        for old, rows in zip(pair or (None, None), new, strict=True))
+        return at, (keys, values), ((keys, values), None)
+    seen = tuple(x if old is None else ops.concatenate([old, x], 2)
+                 for old, x in zip(pair or (None, None), new, strict=True))
+    keys, values = (kv_cache.ring_written(ops, old, rows, at, size)
                     for old, rows in zip(pair or (None, None), new, strict=True))
-    return at, (keys, values)
+    return at, (keys, values), ((seen[0], seen[1]),
+                                kv_cache.ring_keys(ops, at, size, steps, pair is not None))
 
 
 def cached_attention(
@@ -365,7 +391,8 @@ def cached_attention(
     :func:`~attention_core.attention.dot_product_attention`, no projections. The cache pair
     has the inputs' rank: ``(B, C, D)`` or ``(B, Hkv, C, D)`` each, keys rotated under rotary
     positions; the new keys and values are written at rows ``[start,
-    start + t)`` and query ``i`` sees rows ``j <= start + i``, as in :func:`cached_heads`.
+    start + t)`` and query ``i`` sees rows ``j <= start + i``, as in :func:`cached_heads`
+    (or a windowed call's ring, :func:`~attention_core.cache.is_ring`).
     ``ragged``: as for :func:`cached_heads`. ``pooling``: the keywords of
     ``dot_product_attention`` that pool (dropout, return_weights, implementation, mask_mod,
     score_mod).
@@ -377,16 +404,18 @@ def cached_attention(
     pair = None if cache is None else kv_cache.check_pair(
         ops, "cache", _lifted_pair(ops, cache, rank), (B, Hkv, D), ops.dtype_name(k),
         ops.shape(v)[3])
-    size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
-    at, written = _written(ops, pair, (k, v), start, steps, size, options, ragged or {})
+    size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity, options.window)
+    at, written, (seen, keys_at) = _written(ops, pair, (k, v), start, steps, size, options,
+                                            ragged or {})
     ragged_rows = kv_cache.per_example(at)
     if options.positional == "rotary":
         q = rotated_heads(ops, q, at.query, options.rotary_base,
                           at.query if ragged_rows else None)
     result = dot_product_attention(
-        q, *written, causal=True, window=options.window, softcap=options.softcap,
+        q, *seen, causal=True, window=options.window, softcap=options.softcap,
         scale=options.scale, positional="alibi" if options.positional == "alibi" else None,
         ops=ops, _heads=True, _offset=at.query, _positions=at if ragged_rows else None,
+        _key_positions=keys_at and keys_at[0], _key_valid=keys_at and keys_at[1],
         **{name: value for name, value in pooling.items() if value is not None})
     if rank == 3:
         out = result[0][:, 0] if isinstance(result, tuple) else result[:, 0]

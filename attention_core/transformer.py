@@ -1045,9 +1045,10 @@ def cached_decoder(
     ragged = {"padding": padding, **{name: value for name, value in
                                      (("lengths", lengths), ("padding_mask", padding_mask))
                                      if value is not None}}
-    at = kv_cache.placed(ops, start, ops.shape(tokens)[1],
-                         kv_cache.capacity_of(ops, held, capacity), batch=ops.shape(tokens)[0],
-                         like=tokens, **ragged)
+    window = checks.check_window(options.window)  # a ring holds the window: no bound
+    rows = kv_cache.capacity_of(ops, held, capacity, window)
+    at = kv_cache.placed(ops, start, ops.shape(tokens)[1], rows, batch=ops.shape(tokens)[0],
+                         like=tokens, ring=kv_cache.is_ring(rows, window), **ragged)
     start = at.start if not kv_cache.per_example(at) else start
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
                        at.query, side, options, block)

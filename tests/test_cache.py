@@ -167,7 +167,8 @@ MODERN = {
 @pytest.mark.parametrize("options", list(MODERN))
 def test_cached_modern_decoder_equals_the_full_pass(backend: str, options: str) -> None:
     """A decoder-only stack with the options of current models: its cached calls (a prompt,
-    single tokens, a chunk) give the full pass's logits; the cache holds Hkv heads."""
+    single tokens, a chunk) give the full pass's logits; the cache holds Hkv heads, and the
+    window's rows (tests/test_ring_cache.py)."""
     rng = np.random.default_rng(17)
     hb = Harness(backend)
     config = {"vocab_size": V, "num_hiddens": 16, "ffn_num_hiddens": 12, "num_heads": 4,
@@ -177,8 +178,9 @@ def test_cached_modern_decoder_equals_the_full_pass(backend: str, options: str) 
     full = hb.numpy(hb.call(layer, hb.array(tokens.astype(np.int32))))
     logits, cache = _chunked(hb, layer, tokens, [])
     assert max_diff(logits, full) <= BOUND
-    keys = cache[0][0][0]  # block 0's self-attention keys
-    assert tuple(keys.shape) == (B, MODERN[options]["num_kv_heads"], STEPS, 4)
+    keys = cache[0][0][0]  # block 0's self-attention keys: a ring of the window's rows
+    rows = min(STEPS, MODERN[options]["window"])
+    assert tuple(keys.shape) == (B, MODERN[options]["num_kv_heads"], rows, 4)
 
 
 def test_cached_modern_steps_compile_once(backend: str) -> None:

@@ -1346,6 +1346,20 @@ SAMPLING_STATE = ("sampling (temperature > 0) needs state=: a generator from "
                   "ops.new_sampling_state(seed), or the state the last call returned")
 
 
+def windowed_mha(h: Harness) -> Any:
+    """A built rotary MultiHeadAttention with a window of 4: its caches are rings of 4 rows."""
+    layer = h.make("MultiHeadAttention", {"num_hiddens": 8, "num_heads": 2,
+                                          "positional": "rotary", "window": 4})
+    call(h, layer, *qkv())
+    return layer
+
+
+def ring_call(c: Ctx, **kwargs: Any) -> Any:
+    """A cached call of 3 positions of the row's windowed layer on a ring of its 4 rows."""
+    ring = tuple(c.h.array(np.zeros((2, 2, 4, 4), np.float32)) for _ in range(2))
+    return call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)), cache=ring, **kwargs)
+
+
 GENERATION_ROWS: list[Bad] = [
     # a cached attention layer: its keys are the cache's rows
     Bad("cached_layer_valid_lens", "mask",
@@ -1389,6 +1403,14 @@ GENERATION_ROWS: list[Bad] = [
                        capacity=4), ValueError,
         "start + positions must be <= the cache's capacity (4), got start 2 + 3 positions = 5",
         mha),
+    # a windowed layer's ring: positions past its rows, but within the rotary tables
+    Bad("ring_past_rotary_positions", "sizes",
+        lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)),
+                       start=2 ** 22 - 2, capacity=8), ValueError,
+        "rotary positions must be in [0, 4194304), got [4194302, 4194304]", windowed_mha),
+    Bad("ring_other_capacity", "mismatch", lambda c: ring_call(c, start=3, capacity=2),
+        ValueError, "capacity (2) must make the given cache's 4 rows: a windowed layer keeps "
+        "min(capacity, window) = min(2, 4) = 2", windowed_mha),
     # ids against the vocabulary: the step's V, or vocab_size before any step
     Bad("search_eos_past_vocabulary", "tokens", lambda c: search(c, eos=11), ValueError,
         f"eos must be in {VOCAB}, got 11", search_decoder),

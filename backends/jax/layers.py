@@ -174,7 +174,8 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
         """``decode=True``: only for a layer with a cache, which the collection then holds."""
         if not self.cache_arguments:
             raise TypeError(f"{type(self).__name__} has no key/value cache: decode must be False")
-        given = [n for n in self.cache_arguments if bound.get(n) not in (None, 0)]
+        defaults = {n: p.default for n, p in self.call_signature().parameters.items()}
+        given = [n for n in self.cache_arguments if not _unset(bound.get(n), defaults.get(n))]
         if given:
             raise ValueError(f"decode=True keeps the cache in the 'cache' collection: {given[0]} "
                              "must not be given")
@@ -205,6 +206,11 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
             state.value = cache
             index.value = jnp.zeros((), jnp.int32) if made else index.value + steps
         return out
+
+
+def _unset(value: Any, default: Any) -> bool:
+    """Whether a call argument is left at its default (None, or a plain value equal to it)."""
+    return value is None or (isinstance(value, (int, str)) and value == default)
 
 
 def _params_of(variables: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, bool]:
