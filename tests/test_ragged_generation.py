@@ -16,8 +16,9 @@ from attention_core import weights as W
 from attention_core.declarations import TransformerDecoder
 from tests.harness import Harness, max_diff
 
-#: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
-COLUMN_TESTS = True
+#: Not on the columns (conftest.py): the columns' ragged cached calls are tested in
+#: tests/test_layer_cache.py.
+COLUMN_TESTS = False
 
 V, WIDTH, LENGTHS, PROMPT, STEPS = 23, 16, np.array([3, 8, 5, 1]), 8, 6
 BOUND = 1e-5
