@@ -466,17 +466,18 @@ def torch_eager(decoder: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def torch_programs() -> tuple[Any, Any, Any]:
-    """The decoder and its prefill and step programs, exported once for the torch tests."""
+def torch_programs() -> tuple[Any, Any, Any, tuple[np.ndarray, np.ndarray]]:
+    """The decoder, its prefill and step programs (exported once for the torch tests), and the
+    eager layer's greedy tokens and logits."""
     decoder = torch_decoder()
-    return decoder, *torch_export.export_decoder(decoder, CAPACITY)
+    return decoder, *torch_export.export_decoder(decoder, CAPACITY), torch_eager(decoder)
 
 
 @section("torch")
-def test_torch_export_of_a_decode_step(torch_programs: tuple[Any, Any, Any]) -> None:
+def test_torch_export_of_a_decode_step(torch_programs: tuple[Any, ...]) -> None:
     """``torch.export`` of the prefill (any batch, 2 to C tokens) and of the step (any batch):
     the positions are inputs, read by no value under tracing."""
-    decoder, *programs = torch_programs
+    _, *programs, want = torch_programs
     for program in programs:
         assert "_local_scalar_dense" not in program.graph_module.code  # no host read
     prefill, step = (program.module() for program in programs)
@@ -485,17 +486,34 @@ def test_torch_export_of_a_decode_step(torch_programs: tuple[Any, Any, Any]) -> 
         return lambda *arrays: [x.numpy() for x in program(*map(torch.from_numpy, arrays))]
 
     with torch.no_grad():
-        check_decode("torch.export", greedy(numpy(prefill), numpy(step)), torch_eager(decoder))
+        check_decode("torch.export", greedy(numpy(prefill), numpy(step)), want)
 
 
 @section("torch")
-def test_onnx_export_of_a_decode_step(tmp_path: Path, torch_programs: tuple[Any, Any, Any]
-                                      ) -> None:
+def test_decode_step_wrappers_refuse_what_they_cannot_export(
+        torch_programs: tuple[Any, ...]) -> None:
+    """An encoder-decoder's decoder (its cache needs the encoder's outputs), and a flat cache
+    that is not whole blocks, each with the library's error."""
+    crossed = torch_layers.TransformerDecoder(11, 12, 16, 3, 2)
+    with pytest.raises(TypeError, match=r"^decoder must be a TransformerDecoder with "
+                       r"decoder_only=True, got TransformerDecoder with decoder_only=False$"):
+        torch_export.DecodeStep(crossed)
+    decoder = torch_programs[0]
+    cache = torch_export.Prefill(decoder, CAPACITY)(torch.from_numpy(PROMPTS),
+                                                     torch.from_numpy(PROMPT_LENGTHS))[1:]
+    with pytest.raises(ValueError, match=r"^a flat cache must hold 2 arrays per block \(keys "
+                       r"and values of 1 pair\(s\)\), got 3$"):
+        torch_export.DecodeStep(decoder)(torch.ones(2, 1, dtype=torch.int32),
+                                         torch.from_numpy(PROMPT_LENGTHS), *cache[:3])
+
+
+@section("torch")
+def test_onnx_export_of_a_decode_step(tmp_path: Path, torch_programs: tuple[Any, ...]) -> None:
     """The two programs to ONNX (the dynamo exporter, from the exported programs), run in
     onnxruntime, their inputs and outputs named as the wrappers name them."""
     pytest.importorskip("onnxscript", reason="onnxscript is in the torch tox env's deps")
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is in the torch tox env's deps")
-    decoder, *programs = torch_programs
+    decoder, *programs, want = torch_programs
     wrappers = torch_export.Prefill(decoder, CAPACITY), torch_export.DecodeStep(decoder)
     runs = []
     for wrapper, program in zip(wrappers, programs, strict=True):
@@ -507,7 +525,7 @@ def test_onnx_export_of_a_decode_step(tmp_path: Path, torch_programs: tuple[Any,
         assert [i.name for i in session.get_inputs()] == wrapper.input_names
         runs.append(lambda *arrays, session=session, names=wrapper.input_names: session.run(
             None, dict(zip(names, (arrays[0].astype(np.int64), *arrays[1:]), strict=True))))
-    check_decode("onnx", greedy(*runs), torch_eager(decoder))
+    check_decode("onnx", greedy(*runs), want)
 
 
 @section("jax")
