@@ -508,9 +508,10 @@ def test_decode_step_wrappers_refuse_what_they_cannot_export(
 
 
 @section("torch")
+@pytest.mark.filterwarnings("ignore:# The axis name.*shares the same shape constraints:UserWarning")
 def test_onnx_export_of_a_decode_step(tmp_path: Path, torch_programs: tuple[Any, ...]) -> None:
     """The two programs to ONNX (the dynamo exporter, from the exported programs), run in
-    onnxruntime, their inputs and outputs named as the wrappers name them."""
+    onnxruntime, their inputs, outputs and dynamic axes named as the wrappers name them."""
     pytest.importorskip("onnxscript", reason="onnxscript is in the torch tox env's deps")
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is in the torch tox env's deps")
     decoder, *programs, want = torch_programs
@@ -519,10 +520,11 @@ def test_onnx_export_of_a_decode_step(tmp_path: Path, torch_programs: tuple[Any,
     for wrapper, program in zip(wrappers, programs, strict=True):
         path = tmp_path / f"{type(wrapper).__name__}.onnx"
         torch.onnx.export(program, input_names=wrapper.input_names,
-                          output_names=wrapper.output_names, dynamo=True,
-                          verbose=False).save(str(path))
+                          output_names=wrapper.output_names, dynamic_shapes=wrapper.axis_names,
+                          dynamo=True, verbose=False).save(str(path))
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         assert [i.name for i in session.get_inputs()] == wrapper.input_names
+        assert [i.shape[0] for i in session.get_inputs()] == ["batch"] * len(wrapper.input_names)
         runs.append(lambda *arrays, session=session, names=wrapper.input_names: session.run(
             None, dict(zip(names, (arrays[0].astype(np.int64), *arrays[1:]), strict=True))))
     check_decode("onnx", greedy(*runs), want)

@@ -12,7 +12,9 @@ positions as inputs, so that an exported program carries no state:
   ``lengths``, then it grows by t each step.
 
 ``cache`` is :func:`attention_core.cache.flat_cache`'s list: per block, its keys then its
-values, each ``(B, Hkv, C, D)`` (``input_names`` and ``output_names`` name them).
+values, each ``(B, Hkv, C, D)``. Each wrapper's ``input_names`` and ``output_names`` name
+them, and its ``axis_names`` (``torch.onnx.export``'s ``dynamic_shapes``) the dynamic axes,
+``batch`` and the prefill's ``steps``.
 :func:`export_decoder` exports both; two programs because ``torch.export`` specialises a
 dimension of size 1, so one traced at t = 1 (a decode step) does not serve a prompt.
 """
@@ -58,6 +60,7 @@ class Prefill(nn.Module):
         self.capacity = capacity
         self.input_names = ["tokens", "lengths"]
         self.output_names = ["logits", *cache_names(decoder.num_blks, "new_cache")]
+        self.axis_names = {"tokens": {0: "batch", 1: "steps"}, "lengths": {0: "batch"}}
         self.train(decoder.training)
 
     def forward(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, ...]:
@@ -78,6 +81,8 @@ class DecodeStep(nn.Module):
         self.decoder = _checked(decoder)
         self.input_names = ["tokens", "start", *cache_names(decoder.num_blks)]
         self.output_names = ["logits", *cache_names(decoder.num_blks, "new_cache")]
+        self.axis_names = {"tokens": {0: "batch"}, "start": {0: "batch"},
+                           "cache": tuple({0: "batch"} for _ in range(2 * decoder.num_blks))}
         self.train(decoder.training)
 
     def forward(self, tokens: Tensor, start: Tensor, *cache: Tensor) -> tuple[Tensor, ...]:
