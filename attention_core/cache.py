@@ -154,6 +154,29 @@ def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtyp
     return pair[0], pair[1]
 
 
+def flat_cache(cache: Sequence[Any]) -> list[Array]:
+    """A decoder's cache as one list, for programs of plain array inputs and outputs.
+
+    Block by block, each pair's keys then values: ``[blks.0 keys, blks.0 values, blks.1 keys,
+    ...]`` (a block with cross-attention puts its cross pair after its self pair).
+    """
+    return [x for block in cache for pair in block for x in pair]
+
+
+def nested_cache(flat: Sequence[Array], pairs: int = 1) -> list[tuple[Pair, ...]]:
+    """The decoder's cache from :func:`flat_cache`'s list, ``pairs`` pairs per block.
+
+    Raises:
+        ValueError: A list whose length is not a whole number of blocks.
+    """
+    size = 2 * pairs
+    if len(flat) % size:
+        raise ValueError(f"a flat cache must hold {size} arrays per block (keys and values of "
+                         f"{pairs} pair(s)), got {len(flat)}")
+    return [tuple((flat[i + j], flat[i + j + 1]) for j in range(0, size, 2))
+            for i in range(0, len(flat), size)]
+
+
 def check_block_cache(ops: Ops, name: str, cache: Any, crossed: bool,
                       like: tuple[str, Array]) -> None:
     """Checks the form of a decoder block's cache: ``(self_pair,)`` or ``(self_pair, cross_pair)``.

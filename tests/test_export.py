@@ -17,6 +17,11 @@ dynamic sequence length, the program is traced at length 5 and run at 3 and 9; t
 values are the eager layer's on the same inputs, in float32, within ``TOLERANCE["float32"]``
 (1e-5). Each check prints its max |diff| (``pytest -s``): the figures
 of docs/export.md come from these lines.
+
+The decode section exports a Llama-style decoder's cached calls, the cache and positions as
+plain inputs and outputs: a prefill of left-padded prompts and a one-token step, on each
+framework's exporter, and decodes greedily through them (docs/export.md, "Exporting a decode
+step").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from attention_core.cache import flat_cache, nested_cache
 from conftest import test_backends
 from tests import naive
 from tests.harness import TOLERANCE, max_diff
@@ -41,6 +47,7 @@ if "torch" in TESTED:
 
     import attention_core as ac
     import backends.torch as torch_layers
+    from backends.torch import export as torch_export
 if "tensorflow" in TESTED:
     import keras
     import tensorflow as tf
@@ -384,6 +391,214 @@ def test_jax_export_of_nnx_with_symbolic_shapes(case: str) -> None:
     for length in LENGTHS:
         args = [jnp.asarray(a) for a in inputs_of(case, length)]
         check("jax.export nnx", case, length, call(params, *args), eager(*args))
+
+
+# -- decode: a prefill and a cached step, exported --------------------------------------------
+
+#: A tiny Llama-style decoder (its output head untied, so the greedy tokens vary).
+DECODER = {"vocab_size": 23, "num_hiddens": 16, "ffn_num_hiddens": 24, "num_heads": 4,
+           "num_blks": 2, "decoder_only": True, "max_len": 32, "num_kv_heads": 2,
+           "positional": "rotary", "norm_first": True, "norm": "rms", "activation": "swiglu",
+           "ffn_bias": False, "output_bias": False, "tie_output": False,
+           "scale_embeddings": False, "bias": "qkv"}
+#: The cache's rows, and the greedy steps after the prefill.
+CAPACITY, NEW_TOKENS = 16, 8
+#: Prompts of lengths 3 and 5, left-padded to 5 (0 is the padding).
+PROMPTS = np.array([[0, 0, 4, 5, 6], [7, 8, 9, 10, 11]], np.int32)
+PROMPT_LENGTHS = np.array([3, 5], np.int32)
+#: ``f(tokens, positions, *cache) -> [logits, *cache]`` over NumPy arrays: ``positions`` are
+#: the prefill's lengths or the step's starts.
+Program = Callable[..., list[np.ndarray]]
+
+
+def greedy(prefill: Program, step: Program, alone: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts' next tokens, the prefill's then :data:`NEW_TOKENS` steps', and their logits.
+
+    With ``alone``, the first step is also run on the last example alone (batch 1, not the
+    traced one): its logits must be the batch's.
+    """
+    logits, *cache = prefill(PROMPTS, PROMPT_LENGTHS)
+    rows, start = [logits[:, -1]], PROMPT_LENGTHS.copy()
+    tokens = [rows[0].argmax(-1).astype(np.int32)]
+    for s in range(NEW_TOKENS):
+        logits, *cache_next = step(tokens[-1][:, None], start, *cache)
+        if alone and s == 0:
+            single = step(tokens[-1][-1:, None], start[-1:], *(c[-1:] for c in cache))[0]
+            assert max_diff(single, logits[-1:]) <= BOUND
+        rows.append(logits[:, 0])
+        tokens.append(rows[-1].argmax(-1).astype(np.int32))
+        cache, start = cache_next, start + 1
+    return np.stack(tokens, 1), np.stack(rows, 1)
+
+
+def check_decode(path: str, got: tuple[np.ndarray, np.ndarray],
+                 want: tuple[np.ndarray, np.ndarray]) -> None:
+    """The same greedy tokens, and logits within the bound."""
+    diff = max_diff(got[1], want[1])
+    print(f"max |diff| {path} decode, {NEW_TOKENS} steps: {diff:.1e}")
+    assert len(set(want[0].ravel().tolist())) > 2  # the tokens are not one repeated id
+    np.testing.assert_array_equal(got[0], want[0])
+    assert diff <= BOUND, (path, diff)
+
+
+def torch_decoder() -> Any:
+    torch.manual_seed(0)
+    decoder = torch_layers.TransformerDecoder(**DECODER).eval()
+    decoder(torch.from_numpy(PROMPTS))  # builds it
+    return decoder
+
+
+def torch_eager(decoder: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy decoding by the layer's own cached calls."""
+
+    def prefill(tokens: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        logits, cache = decoder(torch.from_numpy(tokens), capacity=CAPACITY,
+                                start=np.zeros_like(lengths), lengths=lengths, padding="left")
+        return [x.numpy() for x in (logits, *flat_cache(cache))]
+
+    def step(tokens: np.ndarray, start: np.ndarray, *cache: np.ndarray) -> list[np.ndarray]:
+        logits, new = decoder(torch.from_numpy(tokens), start=start,
+                              cache=nested_cache([torch.from_numpy(c) for c in cache]))
+        return [x.numpy() for x in (logits, *flat_cache(new))]
+
+    with torch.no_grad():
+        return greedy(prefill, step, alone=False)
+
+
+@pytest.fixture(scope="module")
+def torch_programs() -> tuple[Any, Any, Any, tuple[np.ndarray, np.ndarray]]:
+    """The decoder, its prefill and step programs (exported once for the torch tests), and the
+    eager layer's greedy tokens and logits."""
+    decoder = torch_decoder()
+    return decoder, *torch_export.export_decoder(decoder, CAPACITY), torch_eager(decoder)
+
+
+@section("torch")
+def test_torch_export_of_a_decode_step(torch_programs: tuple[Any, ...]) -> None:
+    """``torch.export`` of the prefill (any batch, 2 to C tokens) and of the step (any batch):
+    the positions are inputs, read by no value under tracing."""
+    _, *programs, want = torch_programs
+    for program in programs:
+        assert "_local_scalar_dense" not in program.graph_module.code  # no host read
+    prefill, step = (program.module() for program in programs)
+
+    def numpy(program: Any) -> Program:
+        return lambda *arrays: [x.numpy() for x in program(*map(torch.from_numpy, arrays))]
+
+    with torch.no_grad():
+        check_decode("torch.export", greedy(numpy(prefill), numpy(step)), want)
+
+
+@section("torch")
+def test_decode_step_wrappers_refuse_what_they_cannot_export(
+        torch_programs: tuple[Any, ...]) -> None:
+    """An encoder-decoder's decoder (its cache needs the encoder's outputs), and a flat cache
+    that is not whole blocks, each with the library's error."""
+    crossed = torch_layers.TransformerDecoder(11, 12, 16, 3, 2)
+    with pytest.raises(TypeError, match=r"^decoder must be a TransformerDecoder with "
+                       r"decoder_only=True, got TransformerDecoder with decoder_only=False$"):
+        torch_export.DecodeStep(crossed)
+    decoder = torch_programs[0]
+    cache = torch_export.Prefill(decoder, CAPACITY)(torch.from_numpy(PROMPTS),
+                                                     torch.from_numpy(PROMPT_LENGTHS))[1:]
+    with pytest.raises(ValueError, match=r"^a flat cache must hold 2 arrays per block \(keys "
+                       r"and values of 1 pair\(s\)\), got 3$"):
+        torch_export.DecodeStep(decoder)(torch.ones(2, 1, dtype=torch.int32),
+                                         torch.from_numpy(PROMPT_LENGTHS), *cache[:3])
+
+
+@section("torch")
+@pytest.mark.filterwarnings("ignore:# The axis name.*shares the same shape constraints:UserWarning")
+def test_onnx_export_of_a_decode_step(tmp_path: Path, torch_programs: tuple[Any, ...]) -> None:
+    """The two programs to ONNX (the dynamo exporter, from the exported programs), run in
+    onnxruntime, their inputs, outputs and dynamic axes named as the wrappers name them."""
+    pytest.importorskip("onnxscript", reason="onnxscript is in the torch tox env's deps")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is in the torch tox env's deps")
+    decoder, *programs, want = torch_programs
+    wrappers = torch_export.Prefill(decoder, CAPACITY), torch_export.DecodeStep(decoder)
+    runs = []
+    for wrapper, program in zip(wrappers, programs, strict=True):
+        path = tmp_path / f"{type(wrapper).__name__}.onnx"
+        torch.onnx.export(program, input_names=wrapper.input_names,
+                          output_names=wrapper.output_names, dynamic_shapes=wrapper.axis_names,
+                          dynamo=True, verbose=False).save(str(path))
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        assert [i.name for i in session.get_inputs()] == wrapper.input_names
+        assert [i.shape[0] for i in session.get_inputs()] == ["batch"] * len(wrapper.input_names)
+        runs.append(lambda *arrays, session=session, names=wrapper.input_names: session.run(
+            None, dict(zip(names, (arrays[0].astype(np.int64), *arrays[1:]), strict=True))))
+    check_decode("onnx", greedy(*runs), want)
+
+
+@section("jax")
+def test_jax_export_of_a_decode_step() -> None:
+    """``jax.export`` of a jitted prefill (symbolic batch ``b`` and length ``t``) and step
+    (symbolic ``b``) over the linen decoder's apply, serialised and deserialised."""
+    decoder = flax_layers.TransformerDecoder(**DECODER)
+    params = decoder.init(jax.random.key(0), jnp.asarray(PROMPTS))["params"]
+
+    def prefill(p: Any, tokens: Any, lengths: Any) -> Any:
+        logits, cache = decoder.apply({"params": p}, tokens, capacity=CAPACITY,
+                                      start=jnp.zeros_like(lengths), lengths=lengths,
+                                      padding="left")
+        return logits, flat_cache(cache)
+
+    def step(p: Any, tokens: Any, start: Any, cache: list[Any]) -> Any:
+        logits, new = decoder.apply({"params": p}, tokens, cache=nested_cache(cache), start=start)
+        return logits, flat_cache(new)
+
+    b, t = jax.export.symbolic_shape("b, t")
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    heads = (b, DECODER["num_kv_heads"], CAPACITY, DECODER["num_hiddens"] // DECODER["num_heads"])
+    cache = [jax.ShapeDtypeStruct(heads, jnp.float32)] * (2 * DECODER["num_blks"])
+
+    def numpy(f: Callable[..., Any]) -> Program:
+        def run(tokens: np.ndarray, positions: np.ndarray, *flat: np.ndarray) -> list[np.ndarray]:
+            logits, new = f(params, tokens, positions, *([list(flat)] if flat else []))
+            return [np.asarray(x) for x in (logits, *new)]
+        return run
+
+    exported_programs = (exported(prefill, params, ints(b, t), ints(b)),
+                         exported(step, params, ints(b, 1), ints(b), cache))
+    check_decode("jax.export", greedy(*map(numpy, exported_programs)),
+                 greedy(numpy(prefill), numpy(step), alone=False))
+
+
+@section("tensorflow")
+def test_keras_export_archive_of_a_decode_step(tmp_path: Path) -> None:
+    """A Keras ``ExportArchive`` with two serving endpoints, ``prefill`` and ``step`` (the
+    cache flattened), reloaded with ``tf.saved_model.load``."""
+    keras.utils.set_random_seed(0)
+    decoder = keras_layers.TransformerDecoder(**DECODER)
+    decoder(PROMPTS)  # builds it
+
+    def prefill(tokens: Any, lengths: Any) -> list[Any]:
+        logits, cache = decoder(tokens, capacity=CAPACITY, start=tf.zeros_like(lengths),
+                                lengths=lengths, padding="left")
+        return [logits, *flat_cache(cache)]
+
+    def step(tokens: Any, start: Any, *cache: Any) -> list[Any]:
+        logits, new = decoder(tokens, cache=nested_cache(cache), start=start)
+        return [logits, *flat_cache(new)]
+
+    ints = lambda *shape, name: tf.TensorSpec(shape, tf.int32, name=name)  # noqa: E731
+    heads = (None, DECODER["num_kv_heads"], CAPACITY, DECODER["num_hiddens"] // DECODER["num_heads"])
+    archive = keras.export.ExportArchive()
+    archive.track(decoder)
+    archive.add_endpoint("prefill", prefill, input_signature=[
+        ints(None, None, name="tokens"), ints(None, name="lengths")])
+    archive.add_endpoint("step", step, input_signature=[
+        ints(None, 1, name="tokens"), ints(None, name="start"),
+        *(tf.TensorSpec(heads, tf.float32, name=f"cache.{i // 2}.{('keys', 'values')[i % 2]}")
+          for i in range(2 * DECODER["num_blks"]))])
+    archive.write_out(str(tmp_path), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path))
+
+    def numpy(f: Callable[..., Any]) -> Program:
+        return lambda *arrays: [np.asarray(x) for x in f(*map(tf.constant, arrays))]
+
+    check_decode("keras serving", greedy(numpy(loaded.prefill), numpy(loaded.step)),
+                 greedy(numpy(prefill), numpy(step), alone=False))
 
 
 # -- Gluon: export() and SymbolBlock.imports ------------------------------------------------------
