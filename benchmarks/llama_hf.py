@@ -131,7 +131,7 @@ def table(result: dict[str, Any]) -> str:
     m = result["machine"]
     rows.append("")
     rows.append(f"torch {result['torch']}, transformers {result['transformers']}, "
-                f"{result['threads']} threads, {m.get('cpu', '?')}, {m.get('date', '?')[:10]}.")
+                f"threads: {result['threads']}, {m.get('cpu', '?')}, {m.get('date', '?')[:10]}.")
     return "\n".join(rows)
 
 
