@@ -423,6 +423,10 @@ def _host_mapping(weights: Any, where: str) -> dict[str, np.ndarray]:
 
 
 def _check_biased(host: Mapping[str, Any], prefixes: tuple[str, ...], where: str, why: str) -> None:
-    """ValueError unless each attention sublayer ``prefixes`` has projection biases."""
-    if any(f"{prefix}.W_q.bias" not in host for prefix in prefixes):
+    """ValueError unless each attention sublayer ``prefixes`` has all four projection biases.
+
+    (A native ``bias=True`` covers the output projection too: ``bias="qkv"`` weights have none.)
+    """
+    if any(f"{prefix}.{part}.bias" not in host for prefix in prefixes
+           for part in ("W_q", "W_k", "W_v", "W_o")):
         raise ValueError(f"{where}: the attention projections must have biases (bias=True): {why}")
