@@ -874,13 +874,13 @@ def _cached_dot_product(layer: DotProductAttention, run: Run, queries: Array, ke
                         capacity: int | None, padding: str = "right", lengths: Any = None,
                         padding_mask: Any = None, **options: Any) -> Any:
     """A :class:`DotProductAttention` call against a key/value cache."""
-    ragged = {"padding": padding, "lengths": lengths, "padding_mask": padding_mask}
+    ragged = multihead.ragged_arguments(cache, capacity, lengths, padding, padding_mask)
     multihead.refuse_in_cached_call(valid_lens=valid_lens, mask=options["mask"],
                                     score_bias=options["score_bias"],
                                     segment_ids=options.get("segment_ids"))
     return multihead.cached_attention(
         run.ops, queries, keys, values, cache, start, capacity=capacity,
-        ragged={name: value for name, value in ragged.items() if value is not None},
+        ragged=ragged,
         options=multihead.HeadOptions(None, layer.positional, layer.rotary_base, layer.window,
                                       layer.softcap, layer.scale),
         dropout=options["dropout"], return_weights=options["return_weights"],

@@ -1042,9 +1042,7 @@ def cached_decoder(
         kv_cache.check_block_cache(ops, f"cache[{i}]", block_cache, crossed, ("tokens", tokens))
     check_encoder_outputs(ops, enc_outputs, None if cache else crossed, like=("tokens", tokens))
     held = None if cache is None else cache[0][0][0]  # block 0's self-attention keys
-    ragged = {"padding": padding, **{name: value for name, value in
-                                     (("lengths", lengths), ("padding_mask", padding_mask))
-                                     if value is not None}}
+    ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
     window = checks.check_window(options.window)  # a ring holds the window: no bound
     rows = kv_cache.capacity_of(ops, held, capacity, window)
     at = kv_cache.placed(ops, start, ops.shape(tokens)[1], rows, batch=ops.shape(tokens)[0],
