@@ -16,7 +16,7 @@ Shape legend: B batch, H heads, C capacity, t the call's positions, D depth (h/H
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -253,11 +253,14 @@ def is_ring(rows: int, window: int | None) -> bool:
 def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int) -> Array:
     """``cache`` with rows ``[start, start + t)`` replaced by ``new (B, H, t, D)``.
 
-    The rows are placed by a product with a one-hot ``(C, t)`` matrix, exact (each row is one
-    entry times 1 plus zeros), or for one row by broadcasting it, so the position may be a
-    run-time scalar. A cache made now (``cache`` None) is zero elsewhere.
+    Rows known now (an int ``start``) are put in place by slicing. Otherwise they are placed
+    by a product with a one-hot ``(C, t)`` matrix, exact (each row is one entry times 1 plus
+    zeros), or for one row by broadcasting it, so the position may be a run-time scalar. A
+    cache made now (``cache`` None) is zero elsewhere.
     """
     steps = ops.shape(new)[2]
+    if cache is not None and isinstance(start, int) and isinstance(steps, int):
+        return _put(ops, cache, new, start, capacity)
     offset = ops.arange(capacity) - start  # (C,): row c holds new row c - start
     if cache is not None and steps == 1:  # one row: broadcast it, no product needed
         return ops.where(ops.expand_dims(offset == 0, -1), new, cache)
@@ -270,6 +273,16 @@ def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int
     return ops.where(ops.expand_dims(inside, -1), placed, cache)
 
 
+def _put(ops: Ops, cache: Array, new: Array, start: int, capacity: int) -> Array:
+    """``cache`` with rows ``[start, start + t)`` replaced, the rows known now: one concatenation."""
+    end = start + ops.shape(new)[2]
+    parts = [ops.slice(cache, 2, 0, start)] if start > 0 else []
+    parts.append(new)
+    if end < capacity:
+        parts.append(ops.slice(cache, 2, end, capacity - end))
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, 2)
+
+
 def placed(ops: Ops, start: Any, steps: Any, capacity: int, *, lengths: Any = None,
            padding: str = "right", padding_mask: Any = None, batch: Any = None,
            like: Array | None = None, ring: bool = False, limit: int | None = None
@@ -278,11 +291,15 @@ def placed(ops: Ops, start: Any, steps: Any, capacity: int, *, lengths: Any = No
 
     A ring (``ring``, :func:`is_ring`) takes positions past its rows; ``limit``, the
     rotary tables' bound on positions, then bounds them where the starts are known now.
+    ``start`` may be the :class:`Positions` that a stack placed for all its blocks, whose
+    caches it checked to have the same rows: they are returned as they are.
 
     Raises:
         ValueError: A position past the capacity (or ``limit``, for a ring) when the starts
             are known now, and the errors of :func:`positions_of`.
     """
+    if isinstance(start, Positions):
+        return start
     first = check_start(ops, start, steps, None if ring else capacity, batch=batch)
     if ring and limit is not None:
         _check_limit(first, steps, limit)
@@ -418,12 +435,15 @@ class Positions:
         valid: None (every token is real), or boolean ``(B, t)``: the real tokens.
         bound: A bound known now on every position plus one, ``max(start) + t``; None when
             the starts are known only at run time.
+        tables: Arrays made from the positions once per call and shared by its layers (the
+            rotary tables, :func:`attention_core.positional.rotated_heads`).
     """
 
     start: Any
     query: Any
     valid: Any = None
     bound: int | None = None
+    tables: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 #: The sides ``padding=`` may name.

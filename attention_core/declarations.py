@@ -401,6 +401,11 @@ class Declaration:
         """The declared layers this one is made of, by name (their weights go under it)."""
         return {}
 
+    def has_weights(self) -> bool:
+        """Whether the layer, or one of its sublayers, has weights."""
+        return bool(self.own_weight_shapes()) or any(
+            sub.layer.has_weights() for sub in self.sublayers().values())
+
     def weight_shapes(self, **dims: int | None) -> W.Spec:
         """Every weight's canonical name and shape (None = an input size not known yet)."""
         spec = self.own_weight_shapes(**dims)
@@ -507,7 +512,7 @@ class Declaration:
         arguments, training = conventions.convert(self, ops, arguments)
         return_attention = _return_form(ops, arguments.pop("return_attention", False))
         names = [n for n in self.cast_inputs if n in arguments]
-        weighted = dtype if self.weight_shapes() else None
+        weighted = dtype if self.has_weights() else None
         given = {n: arguments[n] for n in names}
         cast = checks.compute_inputs(ops, weighted, **given)
         arguments.update(zip(names, cast, strict=True))

@@ -53,13 +53,16 @@ class HeadOptions:
 
     def checked(self, num_heads: int) -> HeadOptions:
         """The options checked (as every backend raises), numbers made plain."""
+        return checks.memo_checked(HeadOptions._checked, self, num_heads)
+
+    def _checked(self, num_heads: int) -> HeadOptions:
         kv_heads = checks.check_kv_heads(num_heads, self.num_kv_heads)
         return HeadOptions(kv_heads, **{name: rule(getattr(self, name))
                                         for name, rule in checks.SCORE_OPTION_CHECKS.items()})
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :func:`multi_head_attention`."""
-        return dataclasses.asdict(self)
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 #: The options of the 2017 multi-head attention.
@@ -266,6 +269,7 @@ def pool_heads(
     score_mod: Any = None,
     positions: Any = None,
     keys_at: tuple[Array, Array] | None = None,
+    tables: dict[Any, Any] | None = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
@@ -293,12 +297,14 @@ def pool_heads(
             :class:`~attention_core.cache.Positions`), in place of ``offset``.
         keys_at: The keys' positions and whether each holds a token, ``(B, K)`` each (a
             ring's, :func:`~attention_core.cache.ring_keys`); None: key ``j`` at ``j``.
+        tables: The rotary tables of the queries' positions, kept for the call's other heads
+            (:attr:`~attention_core.cache.Positions.tables` of a cached call).
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     if options.positional == "rotary":
         first = ops.shape(pair[0])[2] - ops.shape(q)[2] if offset is None else offset
         q = rotated_heads(ops, q, first, options.rotary_base,
-                          None if positions is None else positions.query)
+                          None if positions is None else positions.query, tables)
     given = {"sinks": weights.get("sink_logits"), "segment_ids": segment_ids,
              "mask_mod": mask_mod, "score_mod": score_mod}
     pooled = dot_product_attention(
@@ -344,7 +350,7 @@ def cached_heads(
                         return_weights=return_weights, implementation=implementation,
                         options=options, offset=at.query, mask_mod=mask_mod,
                         score_mod=score_mod, positions=at if kv_cache.per_example(at) else None,
-                        keys_at=seen[1])
+                        keys_at=seen[1], tables=at.tables)
     return result, written
 
 
@@ -368,7 +374,8 @@ def _written(ops: Ops, pair: tuple[Array, Array] | None, new: tuple[Array, Array
                          ring=ring, limit=ROTARY_MAX_POSITIONS if rotary else None, **ragged)
     if rotary:  # the new keys at their positions
         rows = at.query if kv_cache.per_example(at) else None
-        new = (rotated_heads(ops, new[0], at.query, options.rotary_base, rows), new[1])
+        new = (rotated_heads(ops, new[0], at.query, options.rotary_base, rows, at.tables),
+               new[1])
     if not ring:
         keys, values = (kv_cache.written_at(ops, old, rows, at, size)
                         for old, rows in zip(pair or (None, None), new, strict=True))
@@ -410,7 +417,7 @@ def cached_attention(
     ragged_rows = kv_cache.per_example(at)
     if options.positional == "rotary":
         q = rotated_heads(ops, q, at.query, options.rotary_base,
-                          at.query if ragged_rows else None)
+                          at.query if ragged_rows else None, at.tables)
     result = dot_product_attention(
         q, *seen, causal=True, window=options.window, softcap=options.softcap,
         scale=options.scale, positional="alibi" if options.positional == "alibi" else None,

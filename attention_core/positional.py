@@ -199,18 +199,27 @@ def check_rotary(depth: Any, base: Any, base_name: str = "rotary_base") -> tuple
     return depth, checks.check_rotary_base(base, base_name)
 
 
-def rotated_heads(ops: Ops, x: Array, start: Any, base: float, positions: Any = None) -> Array:
+def rotated_heads(ops: Ops, x: Array, start: Any, base: float, positions: Any = None,
+                  tables: dict[Any, Any] | None = None) -> Array:
     """Heads ``(B, H, N, D)`` rotated by the angles of positions ``start .. start + N - 1``.
 
     Or, per example, by those of ``positions``: integers ``(B, N)`` (``start`` unused), a
-    backend array or NumPy.
+    backend array or NumPy. ``tables``: where the tables of these positions are kept for
+    other heads at the same positions (a cached call's, shared by its layers), by depth,
+    base, dtype and device.
     """
     depth, base = check_rotary(fixed_width(ops, x), base)
+    key = ("rotary", depth, base, ops.dtype_name(x), str(getattr(x, "device", None)))
+    found = None if tables is None else tables.get(key)
+    if found is not None:
+        return rotate(ops, x, *found)
     if positions is None:
         cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)  # (N, d/2)
     else:
         cos, sin = (ops.expand_dims(c, 1)  # (B, 1, N, d/2): the same for every head
                     for c in rotary_table(ops, positions, depth, base, x))
+    if tables is not None:
+        tables[key] = (cos, sin)
     return rotate(ops, x, cos, sin)
 
 

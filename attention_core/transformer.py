@@ -29,7 +29,12 @@ from attention_core.multihead import (
     refuse_in_cached_call,
 )
 from attention_core.ops import Array, Ops, fixed_shape
-from attention_core.positional import add_positions, positional_encoding, sinusoidal_encoding
+from attention_core.positional import (
+    ROTARY_MAX_POSITIONS,
+    add_positions,
+    positional_encoding,
+    sinusoidal_encoding,
+)
 from attention_core.registry import backend_of, ops_for
 from attention_core.weights import POST_NORM, BlockOptions, subset
 
@@ -186,7 +191,7 @@ def check_block_options(block: Any) -> BlockOptions:
     """Checks a functional call's ``block`` (:class:`~attention_core.weights.BlockOptions`)."""
     if not isinstance(block, BlockOptions):
         raise TypeError(f"block must be a BlockOptions, got {type(block).__name__}")
-    return block if block is POST_NORM else block.checked()
+    return block if block is POST_NORM else checks.memo_checked(BlockOptions.checked, block)
 
 
 def _with_scale(options: HeadOptions | None, scale: float | None) -> HeadOptions:
@@ -655,7 +660,9 @@ def cached_decoder_block(
         cache: The block's cache from an earlier call: ``(self_pair,)``, or
             ``(self_pair, cross_pair)`` with cross-attention, each pair ``(keys, values)``
             ``(B, Hkv or H, C or S, h/H)``; None to make one of ``capacity`` rows.
-        start: The position of ``X``'s first row: an int or an integer scalar array.
+        start: The position of ``X``'s first row: an int or an integer scalar array; or
+            one per example ``(B,)``; or the :class:`~attention_core.cache.Positions` a stack
+            placed for its blocks (it checked their caches).
         enc_outputs: ``(B, S, h_enc)``: required when the block has cross-attention and the
             cache is made now; when the cache holds their projections it is not read.
         enc_valid_lens: See :func:`transformer_decoder_block`; given at every call.
@@ -677,7 +684,7 @@ def cached_decoder_block(
     ops = ops or ops_for(X, "X")
     block = check_block_options(block)
     crossed = "cross_attention.W_q.kernel" in weights
-    if cache is not None:
+    if cache is not None and not isinstance(start, kv_cache.Positions):  # else a stack's, checked
         kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
     cached_cross = cache is not None and crossed
     if cached_cross:  # enc_outputs are not read, but if given they must be of this batch
@@ -1045,9 +1052,14 @@ def cached_decoder(
     ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
     window = checks.check_window(options.window)  # a ring holds the window: no bound
     rows = kv_cache.capacity_of(ops, held, capacity, window)
+    for i, block_cache in enumerate(cache or ()):  # one placing serves every block
+        if ops.shape(block_cache[0][0])[2] != rows:
+            raise ValueError(f"cache[{i}] self pair keys must have cache[0]'s {rows} rows (C), "
+                             f"got {ops.shape(block_cache[0][0])[2]}")
+    rotary = options.positional == "rotary"
     at = kv_cache.placed(ops, start, ops.shape(tokens)[1], rows, batch=ops.shape(tokens)[0],
-                         like=tokens, ring=kv_cache.is_ring(rows, window), **ragged)
-    start = at.start if not kv_cache.per_example(at) else start
+                         like=tokens, ring=kv_cache.is_ring(rows, window),
+                         limit=ROTARY_MAX_POSITIONS if rotary else None, **ragged)
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
                        at.query, side, options, block)
     kept: list[list[Array]] = []
@@ -1055,7 +1067,7 @@ def cached_decoder(
     for i in range(blocks):
         result, block_cache = cached_decoder_block(
             X, subset(weights, f"blks.{i}"), num_heads, None if cache is None else cache[i],
-            start, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
+            at, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
             dropout=dropout, return_weights=return_weights, implementation=implementation,
             options=options, block=block, ragged=ragged, ops=ops,
         )

@@ -274,7 +274,9 @@ def query_spans(request: Request, block: int) -> list[tuple[int, int, int, int]]
 
     From the mask modifiers' spans (:meth:`~attention_core.modifiers.MaskMod.span`); None when
     the sizes are not known now or when the spans leave more than half of the scores, where
-    cutting the call into blocks is not worth its overhead. A kernel that forms whole calls
+    cutting the call into blocks is not worth its overhead. One block of queries (``Q <=
+    block``) is one call either way: its span is taken whenever it leaves out a key (a cached
+    step's keys not written yet), and often leaves no mask to form. A kernel that forms whole calls
     (a fused one) can then run one call per block on its keys alone: every key a block may see
     is in its span, so the blocks' outputs need no merging.
     """
@@ -292,6 +294,8 @@ def query_spans(request: Request, block: int) -> list[tuple[int, int, int, int]]
             return None
         spans.append((q0, qn, found[0], found[1]))
     kept = sum(qn * kn for _, qn, _, kn in spans)
+    if len(spans) == 1:
+        return spans if kept < Q * K else None
     return spans if 2 * kept <= Q * K else None
 
 

@@ -256,7 +256,7 @@ def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = tile_visible(request, request.call.tile(q0, qn, k0, kn))
         parts.append(_sdpa(q[:, :, q0:q0 + qn], k[:, :, k0:k0 + kn], v[:, :, k0:k0 + kn],
                            mask, request))
-    return Result(torch.cat(parts, 2))
+    return Result(parts[0] if len(parts) == 1 else torch.cat(parts, 2))
 
 
 #: Queries per block when SDPA runs block by block on each block's keys.
