@@ -275,30 +275,6 @@ def check_same_dtype(ops: Ops, ref_name: str, ref: Array, **others: Array) -> No
             raise TypeError(f"{name} dtype ({got}) must match {ref_name} dtype ({want})")
 
 
-#: Options already checked, by value and the types of their fields (:func:`memo_checked`).
-_CHECKED: dict[Any, Any] = {}
-
-
-def memo_checked(check: Callable[..., Any], options: Any, *args: Any) -> Any:
-    """``check(options, *args)``, kept for options of equal value and field types.
-
-    For frozen dataclasses of options, checked once rather than at every call. A check that
-    raises keeps nothing; options that cannot be hashed are checked each time.
-    """
-    types = tuple(map(type, vars(options).values()))  # True is 1, but not as a window
-    try:
-        key = (check, options, types, args, tuple(type(a) for a in args))
-        found = _CHECKED.get(key)
-    except TypeError:  # an unhashable value
-        return check(options, *args)
-    if found is None:
-        found = check(options, *args)
-        if len(_CHECKED) >= 256:
-            _CHECKED.clear()
-        _CHECKED[key] = found
-    return found
-
-
 def check_equal(what: str | Callable[[], str], a: Any, b: Any) -> None:
     """Raises ``ValueError`` with the message ``what`` when two known dimensions differ.
 

@@ -1009,6 +1009,30 @@ class RelativeMultiHeadAttention(_Attention):
             self.relative_values, dims.get("q_in"), dims.get("k_in"), dims.get("v_in"),
         )
 
+    cache_arguments: ClassVar[tuple[str, ...]] = CACHE_ARGUMENTS
+
+    def compute(
+        self, run: Run, queries: Array, keys: Array | None = None, values: Array | None = None,
+        valid_lens: Any = None, *, mask: Any = None, causal: bool = False, cache: Any = None,
+        start: Any = 0, capacity: int | None = None, lengths: Any = None,
+        padding: str = "right", padding_mask: Any = None,
+    ) -> Any:
+        """Attends ``queries (B, Q, Dq)`` to ``keys (B, K, Dk)`` over ``values (B, K, Dv)``.
+
+        Keys default to the queries and values to the keys. With ``cache`` or ``capacity``
+        the call is causal over a key/value cache and returns ``(output, cache)``, as
+        :class:`MultiHeadAttention`'s.
+        """
+        if cache is None and capacity is None:
+            multihead.ragged_arguments(cache, capacity, lengths, padding, padding_mask)
+            return super().compute(run, queries, keys, values, valid_lens, mask=mask,
+                                   causal=causal)
+        return _with_cache(run, multihead.relative_multi_head_attention(
+            queries, keys, values, run.weights, self.num_heads, valid_lens, mask=mask,
+            causal=causal, dropout=run.dropout, return_weights=run.need, cache=cache,
+            start=start, capacity=capacity, lengths=lengths, padding=padding,
+            padding_mask=padding_mask, ops=run.ops))
+
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
         q, k, v, valid_lens = args
         return multihead.relative_multi_head_attention(

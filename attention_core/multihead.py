@@ -53,9 +53,6 @@ class HeadOptions:
 
     def checked(self, num_heads: int) -> HeadOptions:
         """The options checked (as every backend raises), numbers made plain."""
-        return checks.memo_checked(HeadOptions._checked, self, num_heads)
-
-    def _checked(self, num_heads: int) -> HeadOptions:
         kv_heads = checks.check_kv_heads(num_heads, self.num_kv_heads)
         return HeadOptions(kv_heads, **{name: rule(getattr(self, name))
                                         for name, rule in checks.SCORE_OPTION_CHECKS.items()})
@@ -466,11 +463,13 @@ def per_query(ops: Ops, x: Array, table: Array) -> Array:
     Args:
         ops: The backend's ops.
         x: ``(B, H, Q, A)``.
-        table: ``(Q, A, C)``.
+        table: ``(Q, A, C)``, or ``(B, Q, A, C)``: one per example and query.
 
     Returns:
         ``(B, H, Q, C)``, by one batched product over the queries.
     """
+    if len(ops.shape(table)) == 4:  # (B, Q, H, A) @ (B, Q, A, C)
+        return ops.transpose(ops.matmul(ops.transpose(x, (0, 2, 1, 3)), table), (0, 2, 1, 3))
     heads = ops.shape(x)[1]
     rows = ops.shape(table)[0]
     columns = ops.shape(table)[2]
@@ -491,8 +490,14 @@ def relative_multi_head_attention(
     causal: bool = False,
     dropout: float = 0.0,
     return_weights: bool | str = False,
+    cache: Any = None,
+    start: Any = 0,
+    capacity: int | None = None,
+    lengths: Any = None,
+    padding: str = "right",
+    padding_mask: Any = None,
     ops: Ops | None = None,
-) -> Array | tuple[Array, Array]:
+) -> Any:
     """Multi-head attention with relative position representations (Shaw et al., 2018).
 
     With ``a_ij = E[clip(j - i, -m, m) + m]`` the learned vector of the offset between key ``j``
@@ -518,10 +523,18 @@ def relative_multi_head_attention(
         dropout: Dropout rate on the attention weights (both value terms use the dropped ones).
         return_weights: Also return the weights ``(B, H, Q, K)``, before dropout; see
             :func:`attention_core.attention.dot_product_attention` for ``ON_READ``.
+        cache: A key/value cache (see :func:`multi_head_attention`): the call is causal over
+            it, query ``i`` at position ``start + i``, each offset measured from there.
+        start: See :func:`multi_head_attention`.
+        capacity: See :func:`multi_head_attention`.
+        lengths: See :func:`multi_head_attention`.
+        padding: See :func:`multi_head_attention`.
+        padding_mask: See :func:`multi_head_attention`.
         ops: The backend's ops; found from ``queries`` when omitted.
 
     Returns:
-        The output ``(B, Q, h)``, and the weights if asked.
+        The output ``(B, Q, h)``, and the weights if asked; then the new cache when ``cache``
+        or ``capacity`` is given.
     """
     ops = ops or ops_for(queries, "queries")
     weights = _checked(ops, "relative_multi_head_attention", weights,
@@ -530,22 +543,53 @@ def relative_multi_head_attention(
     dropout = checks.check_dropout(dropout)
     num_hiddens = fixed_shape(ops, weights["W_q.kernel"])[-1]
     num_hiddens, num_heads = checks.check_heads(num_hiddens, num_heads)
+    ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
+    cached = cache is not None or capacity is not None
+    if cached:
+        refuse_in_cached_call(valid_lens=valid_lens, mask=mask)
     table_k, table_v = weights["rel_k.embedding"], weights.get("rel_v.embedding")
+    m = (fixed_shape(ops, table_k)[0] - 1) // 2
     q = split_heads(ops, project(ops, queries, weights, "W_q"), num_heads)  # (B, H, Q, d)
     k = split_heads(ops, project(ops, keys, weights, "W_k"), num_heads)  # (B, H, K, d)
     v = split_heads(ops, project(ops, values, weights, "W_v"), num_heads)  # (B, H, K, d)
     B, H, Q, _ = ops.shape(q)
-    K = ops.shape(k)[2]
-    offsets = relative_offsets(ops, Q, K, (fixed_shape(ops, table_k)[0] - 1) // 2, like=q)  # (Q,K,R)
+    if cached:
+        pair = None if cache is None else kv_cache.check_pair(
+            ops, "cache", cache, (B, H, ops.shape(k)[3]), ops.dtype_name(k))
+        size = kv_cache.capacity_of(ops, None if pair is None else pair[0], capacity)
+        at, new_cache, ((k, v), _) = _written(ops, pair, (k, v), start, Q, size, CLASSIC, ragged)
+        offsets, visible = _cached_offsets(ops, at, Q, size, m, q)
+    else:
+        offsets = relative_offsets(ops, Q, ops.shape(k)[2], m, like=q)  # (Q, K, R)
+        visible = visibility(ops, (B, H, Q, ops.shape(k)[2]), valid_lens, mask, causal)
     q = q * (1.0 / math.sqrt(num_hiddens // num_heads))  # the heads' depth
     scores = matmul_transposed(ops, q, k)  # (B, H, Q, K)
     by_offset = ops.matmul(q, ops.transpose(table_k, (1, 0)))  # (B, H, Q, R)
-    scores = scores + per_query(ops, by_offset, ops.transpose(offsets, (0, 2, 1)))
-    visible = visibility(ops, (B, H, Q, K), valid_lens, mask, causal)
+    rank = len(ops.shape(offsets))
+    scores = scores + per_query(ops, by_offset, ops.transpose(
+        offsets, (0, 2, 1) if rank == 3 else (0, 1, 3, 2)))
     attn = softmax_visible(ops, scores, visible)  # (B, H, Q, K)
     dropped = ops.dropout(attn, dropout) if dropout > 0 else attn
     out = ops.matmul(dropped, v)  # (B, H, Q, d)
     if table_v is not None:
         out = out + ops.matmul(per_query(ops, dropped, offsets), table_v)  # (B, H, Q, R) @ (R, d)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
-    return (out, attn) if return_weights else out
+    result = (out, attn) if return_weights else out
+    return (result, new_cache) if cached else result
+
+
+def _cached_offsets(ops: Ops, at: kv_cache.Positions, steps: int, capacity: int, m: int,
+                    like: Array) -> tuple[Array, Array]:
+    """A cached call's relative offsets and causal mask, its queries at their positions.
+
+    Returns:
+        The one-hot offsets ``(t, C, 2m + 1)`` (``(B, t, C, 2m + 1)`` per example) and the
+        mask of the rows each query sees, ``j <= p_i``: ``(t, C)`` (``(B, 1, t, C)``).
+    """
+    if not kv_cache.per_example(at):
+        return (relative_offsets(ops, steps, capacity, m, like, first=at.query),
+                kv_cache.visible(ops, at.query, steps, capacity))
+    rows = ops.expand_dims(ops.expand_dims(ops.arange(capacity), 0), 0)  # (1, 1, C)
+    seen = rows <= ops.expand_dims(at.query, -1)  # (B, t, C)
+    return (relative_offsets(ops, steps, capacity, m, like, rows=at.query),
+            ops.expand_dims(seen, 1))

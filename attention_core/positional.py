@@ -146,14 +146,15 @@ _UNBOUNDED = 2**30
 
 
 def relative_offsets(
-    ops: Ops, num_queries: Any, num_keys: Any, max_relative_position: int, like: Array
+    ops: Ops, num_queries: Any, num_keys: Any, max_relative_position: int, like: Array,
+    first: Any = None, rows: Any = None,
 ) -> Array:
     """One-hot ``(Q, K, 2m + 1)`` of the clipped offset between each query and key.
 
-    Query ``i`` stands at position ``i + (K - Q)`` (aligned at the end, like ``causal``), key
-    ``j`` at ``j``. Entry ``[i, j, r]`` is 1 when ``clip(j - i - (K - Q), -m, m) == r - m``, else
-    0. Contracting the keys axis with it gathers per-offset embeddings by matrix products,
-    which every backend differentiates.
+    Query ``i`` stands at position ``p_i = first + i``, ``first`` by default ``K - Q``
+    (aligned at the end, like ``causal``), key ``j`` at ``j``. Entry ``[i, j, r]`` is 1 when
+    ``clip(j - p_i, -m, m) == r - m``, else 0. Contracting the keys axis with it gathers
+    per-offset embeddings by matrix products, which every backend differentiates.
 
     Args:
         ops: The backend's ops.
@@ -161,10 +162,18 @@ def relative_offsets(
         num_keys: K (an int, or a run-time scalar).
         max_relative_position: m >= 1; offsets beyond it share the edge vectors.
         like: An array whose floating dtype and device the result takes.
+        first: The position of query 0 (an int or a run-time scalar); None for ``K - Q``.
+        rows: Integer positions ``(B, Q)`` of the queries per example, in place of
+            ``first``: the result is then ``(B, Q, K, 2m + 1)``.
     """
     m = checks.check_positive_int("max_relative_position", max_relative_position)
-    rows = ops.expand_dims(ops.arange(num_queries), -1) + (num_keys - num_queries)  # (Q, 1)
-    offsets = ops.expand_dims(ops.expand_dims(ops.arange(num_keys), 0) - rows, -1)  # (Q, K, 1)
+    keys = ops.expand_dims(ops.arange(num_keys), 0)  # (1, K)
+    if rows is None:
+        first = num_keys - num_queries if first is None else first
+        rows = ops.expand_dims(ops.arange(num_queries) + first, -1)  # (Q, 1)
+    else:
+        keys, rows = ops.expand_dims(keys, 0), ops.expand_dims(rows, -1)  # (1, 1, K), (B, Q, 1)
+    offsets = ops.expand_dims(keys - rows, -1)  # (Q, K, 1) or (B, Q, K, 1)
     r = ops.arange(2 * m + 1) - m  # (2m + 1,): the offsets -m .. m
     low = r - ops.astype(r <= -m, "int32") * _UNBOUNDED  # the edge vectors take every offset
     high = r + ops.astype(r >= m, "int32") * _UNBOUNDED  # beyond m

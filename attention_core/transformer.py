@@ -191,7 +191,7 @@ def check_block_options(block: Any) -> BlockOptions:
     """Checks a functional call's ``block`` (:class:`~attention_core.weights.BlockOptions`)."""
     if not isinstance(block, BlockOptions):
         raise TypeError(f"block must be a BlockOptions, got {type(block).__name__}")
-    return block if block is POST_NORM else checks.memo_checked(BlockOptions.checked, block)
+    return block if block is POST_NORM else block.checked()
 
 
 def _with_scale(options: HeadOptions | None, scale: float | None) -> HeadOptions:

@@ -277,9 +277,10 @@ def subset(mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
     The result is still marked as checked if ``mapping`` was (:class:`CheckedWeights`).
     """
+    if isinstance(mapping, CheckedWeights):
+        return mapping.part(prefix)
     start = len(prefix) + 1
-    out = {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
-    return CheckedWeights(out) if isinstance(mapping, CheckedWeights) else out
+    return {name[start:]: v for name, v in mapping.items() if name.startswith(prefix + ".")}
 
 
 # -- initialisation -----------------------------------------------------------------------
@@ -497,6 +498,24 @@ class CheckedWeights(dict[str, Any]):
     (a block's attention, an encoder's blocks) receive this type, directly or through
     :func:`subset`, and do not check it again.
     """
+
+    def part(self, prefix: str) -> CheckedWeights:
+        """The entries under ``prefix.``, prefix removed (:func:`subset`).
+
+        The mapping is grouped by the first part of the names once, when a part is first
+        asked for; a checked mapping is not changed after it is made.
+        """
+        groups: dict[str, CheckedWeights] | None = self.__dict__.get("_groups")
+        if groups is None:
+            groups = {}
+            for name, value in self.items():
+                head, dot, rest = name.partition(".")
+                if dot:
+                    groups.setdefault(head, CheckedWeights())[rest] = value
+            self.__dict__["_groups"] = groups
+        head, dot, rest = prefix.partition(".")
+        found = groups.get(head, CheckedWeights())
+        return found.part(rest) if dot else found
 
 
 def check_call_weights(

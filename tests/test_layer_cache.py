@@ -1,9 +1,10 @@
 """A key/value cache on the attention layers: ``cache=``, ``start=``, ``capacity=`` in the call.
 
-``MultiHeadAttention`` and ``DotProductAttention`` run a prompt, single tokens and a chunk
-against their cache and give the full causal pass, with grouped-query heads, rotary and ALiBi
-positions, a window, soft-capping and sinks; the functional ``multi_head_attention`` takes the
-same cache and the layer's own ``get_weights()``; one compiled step serves every position.
+``MultiHeadAttention``, ``DotProductAttention`` and ``RelativeMultiHeadAttention`` run a
+prompt, single tokens and a chunk against their cache and give the full causal pass, with
+grouped-query heads, rotary and ALiBi positions, a window, soft-capping and sinks; the
+functional ``multi_head_attention`` takes the same cache and the layer's own
+``get_weights()``; one compiled step serves every position.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import attention_core as ac
+from tests import naive
 from tests.harness import Harness, max_diff
 
 #: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
@@ -32,6 +34,8 @@ LAYERS: dict[str, tuple[str, dict[str, Any]]] = {
         "softcap": 5.0, "sinks": True, "scale": 0.3, "bias": True}),
     "dpa_rotary": ("DotProductAttention", {"positional": "rotary"}),
     "dpa_window_softcap": ("DotProductAttention", {"window": 2, "softcap": 4.0}),
+    "relative": ("RelativeMultiHeadAttention", {"num_hiddens": WIDTH, "num_heads": HEADS,
+                                                "max_relative_position": 2, "bias": True}),
 }
 
 
@@ -66,10 +70,29 @@ def test_cached_layer_equals_the_causal_pass(backend: str, name: str) -> None:
         pieces.append(hb.numpy(out))
     assert max_diff(np.concatenate(pieces, axis=1), full) <= BOUND
     kind, config = LAYERS[name]
-    heads = (config.get("num_kv_heads") or HEADS,) if kind == "MultiHeadAttention" else ()
+    heads = (config.get("num_kv_heads") or HEADS,) if "MultiHead" in kind else ()
     depth = WIDTH // HEADS if heads else WIDTH
     rows = min(STEPS, config.get("window") or STEPS)  # a windowed layer's ring: the window
     assert [tuple(c.shape) for c in cache] == [(B, *heads, rows, depth)] * 2
+
+
+def test_cached_relative_attention_equals_the_float64_reference(backend: str) -> None:
+    """Relative positions against a cache: each query's offsets measured from its position
+    ``start + i``, the chunks of :data:`CHUNKS` equal to Shaw et al.'s causal attention in
+    float64, one pair of positions at a time."""
+    hb = Harness(backend)
+    X = np.random.default_rng(23).standard_normal((B, STEPS, WIDTH)).astype(np.float32)
+    layer = _layer(hb, "relative", hb.array(X))
+    w = {n: x.astype(np.float64) for n, x in layer.get_weights().items()}
+    causal = np.broadcast_to(np.tril(np.ones((STEPS, STEPS), bool)), (B, HEADS, STEPS, STEPS))
+    expected, _ = naive.relative_multi_head(*[X.astype(np.float64)] * 3, w, HEADS, causal)
+    pieces, cache = [], None
+    for start, n in CHUNKS:
+        x = hb.array(X[:, start:start + n])
+        extra = {"capacity": STEPS} if cache is None else {"cache": cache, "start": start}
+        out, cache = hb.call(layer, x, **extra)
+        pieces.append(hb.numpy(out))
+    assert max_diff(np.concatenate(pieces, axis=1), expected) <= BOUND
 
 
 def test_the_cache_a_layer_makes(backend: str) -> None:
@@ -173,7 +196,8 @@ LENGTHS, PROMPT, MORE = np.array([3, 8, 5, 1]), 8, 4
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("name", ["mha_gqa_rotary", "mha_alibi_window_sinks", "dpa_rotary"])
+@pytest.mark.parametrize("name", ["mha_gqa_rotary", "mha_alibi_window_sinks", "dpa_rotary",
+                                  "relative"])
 def test_ragged_batch_equals_each_example_alone(backend: str, name: str, padding: str) -> None:
     """Prompts of different lengths, padded, prefill in one call (``start`` per example,
     ``lengths``) and decode together: each example's rows equal its own causal pass."""

@@ -114,6 +114,21 @@ class TorchOps(NamespaceOps):
     def relu(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
 
+    # The primitives that are one torch function taking the same arguments are that function
+    # itself: a call costs no Python frame of ours (a decode step makes a few hundred). Their
+    # parameters have torch's names, not the protocol's: they are passed by position.
+    matmul = staticmethod(torch.matmul)  # type: ignore[assignment]
+    exp = staticmethod(torch.exp)  # type: ignore[assignment]
+    tanh = staticmethod(torch.tanh)  # type: ignore[assignment]
+    sqrt = staticmethod(torch.sqrt)  # type: ignore[assignment]
+    log = staticmethod(torch.log)  # type: ignore[assignment]
+    logical_and = staticmethod(torch.logical_and)  # type: ignore[assignment]
+    maximum = staticmethod(torch.maximum)  # type: ignore[assignment]
+    transpose = staticmethod(torch.permute)  # type: ignore[assignment]
+    expand_dims = staticmethod(torch.unsqueeze)  # type: ignore[assignment]
+    slice = staticmethod(torch.narrow)
+    concatenate = staticmethod(torch.cat)  # type: ignore[assignment]
+
     def where(self, cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
         return torch.where(cond, x, y)
 
@@ -125,18 +140,6 @@ class TorchOps(NamespaceOps):
 
     def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return torch.mean(x, dim=axis, keepdim=True)
-
-    def transpose(self, x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-        return torch.permute(x, axes)
-
-    def expand_dims(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return torch.unsqueeze(x, axis)
-
-    def slice(self, x: torch.Tensor, axis: int, start: Any, size: int) -> torch.Tensor:
-        return torch.narrow(x, axis, start, size)
-
-    def concatenate(self, xs: list[torch.Tensor], axis: int) -> torch.Tensor:
-        return torch.cat(xs, axis)
 
     def arange(self, n: Any) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int32, device=self.device)

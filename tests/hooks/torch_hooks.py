@@ -208,10 +208,14 @@ def adam_steps(make_layer: Callable[[], Any], args: Sequence[Any], target: np.nd
     return losses, first, moved
 
 
-def compiled_step(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[], int]]:
+def compiled_step(fn: Callable[..., Any], compiler: str = "inductor"
+                  ) -> tuple[Callable[..., Any], Callable[[], int]]:
     """A decoding step as one graph, ``torch.compile(fn, fullgraph=True)`` (Dynamo's caches
     reset first), and the number of graphs Dynamo has compiled since (a counter in ``fn``
-    would itself be guarded on, and force a recompilation per call)."""
+    would itself be guarded on, and force a recompilation per call). ``compiler``: the
+    ``backend`` of ``torch.compile`` (``"aot_eager"``: Dynamo's graph run by torch's own
+    operators, without Inductor's code generation, for a test of the graph alone)."""
     torch._dynamo.reset()
     counters.clear()
-    return torch.compile(fn, fullgraph=True), lambda: int(counters["stats"]["unique_graphs"])
+    return (torch.compile(fn, fullgraph=True, backend=compiler),
+            lambda: int(counters["stats"]["unique_graphs"]))
