@@ -29,6 +29,8 @@ def fmt_shape(shape: Sequence[Any]) -> str:
 
 def check_dropout(dropout: float) -> float:
     """Checks a dropout rate (a Python or NumPy number) and returns it as a float."""
+    if type(dropout) is float and 0.0 <= dropout < 1.0:  # the usual case, at every call
+        return dropout
     dropout = plain(dropout)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
@@ -64,6 +66,8 @@ def check_implementation(implementation: Any) -> str | None:
 
 def check_causal(causal: Any) -> bool:
     """Checks ``causal``: True or False (NumPy's bool too)."""
+    if causal is True or causal is False:
+        return causal
     causal = plain(causal)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -80,6 +84,8 @@ def check_return_weights(return_weights: Any) -> None:
 
 def check_positive_int(name: str, value: Any) -> int:
     """Checks that a size argument is a positive int (Python or NumPy) and returns it as an int."""
+    if type(value) is int and value > 0:
+        return value
     value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -88,6 +94,8 @@ def check_positive_int(name: str, value: Any) -> int:
 
 def check_flag(name: str, value: Any) -> bool:
     """Checks a yes/no argument: True or False (Python or NumPy); a string or number is refused."""
+    if value is True or value is False:
+        return value
     value = plain(value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -402,9 +402,13 @@ class Declaration:
         return {}
 
     def has_weights(self) -> bool:
-        """Whether the layer, or one of its sublayers, has weights."""
-        return bool(self.own_weight_shapes()) or any(
-            sub.layer.has_weights() for sub in self.sublayers().values())
+        """Whether the layer, or one of its sublayers, has weights (found once, then kept)."""
+        known = self.__dict__.get("_has_weights")
+        if known is None:
+            known = bool(self.own_weight_shapes()) or any(
+                sub.layer.has_weights() for sub in self.sublayers().values())
+            self.__dict__["_has_weights"] = known  # set as on a plain object (see keep_plan)
+        return bool(known)
 
     def weight_shapes(self, **dims: int | None) -> W.Spec:
         """Every weight's canonical name and shape (None = an input size not known yet)."""

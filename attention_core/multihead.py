@@ -200,7 +200,8 @@ def multi_head_attention(
         return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
                             capacity=capacity, dropout=dropout, return_weights=return_weights,
                             implementation=implementation, options=options,
-                            mask_mod=mask_mod, score_mod=score_mod, ragged=ragged)
+                            mask_mod=mask_mod, score_mod=score_mod, ragged=ragged,
+                            checked=_layer)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
                                           weights, num_heads, options, checked=_layer)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
@@ -323,6 +324,7 @@ def cached_heads(
     num_heads: int, cache: Any, start: Any, *, capacity: int | None, dropout: float,
     return_weights: bool | str, implementation: str | None, options: HeadOptions,
     mask_mod: Any = None, score_mod: Any = None, ragged: Mapping[str, Any] | None = None,
+    checked: bool = False,
 ) -> tuple[Array | tuple[Array, Array], tuple[Array, Array]]:
     """Causal multi-head attention of ``t`` new positions against a key/value cache.
 
@@ -335,9 +337,10 @@ def cached_heads(
 
     ``mask_mod`` and ``score_mod`` see query ``i`` at index ``start + i``. ``ragged``: the
     call's ``lengths``, ``padding`` and ``padding_mask`` (:func:`attention_core.cache.placed`).
+    ``checked``: as for :func:`_keys_values` (a layer's call, or a stack's block's).
     """
     weights, options, new = _keys_values(ops, "multi_head_attention", queries, keys,
-                                         values, weights, num_heads, options, None)
+                                         values, weights, num_heads, options, None, checked)
     B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)
     pair = None if cache is None else kv_cache.check_pair(ops, "cache", cache, (B, Hkv, D),
                                                           ops.dtype_name(new[0]))

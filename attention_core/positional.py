@@ -217,11 +217,11 @@ def rotated_heads(ops: Ops, x: Array, start: Any, base: float, positions: Any = 
     other heads at the same positions (a cached call's, shared by its layers), by depth,
     base, dtype and device.
     """
-    depth, base = check_rotary(fixed_width(ops, x), base)
-    key = ("rotary", depth, base, ops.dtype_name(x), str(getattr(x, "device", None)))
+    key = ("rotary", ops.shape(x)[-1], base, ops.dtype_name(x), str(getattr(x, "device", None)))
     found = None if tables is None else tables.get(key)
-    if found is not None:
+    if found is not None:  # made for these depth and base, which were checked then
         return rotate(ops, x, *found)
+    depth, base = check_rotary(fixed_width(ops, x), base)
     if positions is None:
         cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)  # (N, d/2)
     else:
@@ -307,8 +307,9 @@ def rotate(ops: Ops, x: Array, cos: Array, sin: Array) -> Array:
     axis = len(ops.shape(x)) - 1
     half = fixed_width(ops, x) // 2
     first, second = ops.slice(x, axis, 0, half), ops.slice(x, axis, half, half)
-    cos, sin = (c if ops.dtype_name(c) == ops.dtype_name(x) else ops.astype(c, ops.dtype_name(x))
-                for c in (cos, sin))
+    dtype = ops.dtype_name(x)
+    if ops.dtype_name(cos) != dtype:  # the tables are made in x's dtype but for autocast's
+        cos, sin = ops.astype(cos, dtype), ops.astype(sin, dtype)
     return ops.concatenate([first * cos - second * sin, second * cos + first * sin], axis)
 
 

@@ -645,6 +645,7 @@ def cached_decoder_block(
     block: BlockOptions = POST_NORM,
     ragged: Mapping[str, Any] | None = None,
     ops: Ops | None = None,
+    _stacked: bool = False,
 ) -> tuple[Array | tuple[Array, list[Array]], tuple[Any, ...]]:
     """A decoder block over ``t`` new positions, against its key/value cache.
 
@@ -662,7 +663,7 @@ def cached_decoder_block(
             ``(B, Hkv or H, C or S, h/H)``; None to make one of ``capacity`` rows.
         start: The position of ``X``'s first row: an int or an integer scalar array; or
             one per example ``(B,)``; or the :class:`~attention_core.cache.Positions` a stack
-            placed for its blocks (it checked their caches).
+            placed for its blocks.
         enc_outputs: ``(B, S, h_enc)``: required when the block has cross-attention and the
             cache is made now; when the cache holds their projections it is not read.
         enc_valid_lens: See :func:`transformer_decoder_block`; given at every call.
@@ -677,21 +678,25 @@ def cached_decoder_block(
         ragged: A ragged batch's ``lengths``, ``padding`` or ``padding_mask``, with ``start``
             one position per example (:func:`~attention_core.multihead.multi_head_attention`).
         ops: The backend's ops; found from ``X`` when omitted.
+        _stacked: Internal: a stack's call, which checked the heads, the options, the weights
+            and the caches of its blocks (the encoder outputs' widths are checked here).
 
     Returns:
         ``(output, cache)``: as :func:`transformer_decoder_block` returns, and the new cache.
     """
     ops = ops or ops_for(X, "X")
-    block = check_block_options(block)
     crossed = "cross_attention.W_q.kernel" in weights
-    if cache is not None and not isinstance(start, kv_cache.Positions):  # else a stack's, checked
-        kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
     cached_cross = cache is not None and crossed
-    if cached_cross:  # enc_outputs are not read, but if given they must be of this batch
-        check_encoder_outputs(ops, enc_outputs, None, like=("X", X))
-    weights = _checked_block(ops, X, weights, num_heads,
-                             None if cached_cross else enc_outputs, cached_cross=cached_cross,
-                             num_kv_heads=options.num_kv_heads, block=block)
+    if not _stacked:
+        block = check_block_options(block)
+        if cache is not None:
+            kv_cache.check_block_cache(ops, "cache", cache, crossed, ("X", X))
+        if cached_cross:  # enc_outputs are not read, but if given they must be of this batch
+            check_encoder_outputs(ops, enc_outputs, None, like=("X", X))
+    if not _stacked or (crossed and not cached_cross):  # encoder outputs read: their widths
+        weights = _checked_block(ops, X, weights, num_heads,
+                                 None if cached_cross else enc_outputs, cached_cross=cached_cross,
+                                 num_kv_heads=options.num_kv_heads, block=block)
     if crossed:
         keys = cache[1][0] if cached_cross else enc_outputs
         check_cross_masks(ops, X, num_heads, ops.shape(keys)[-2], enc_valid_lens, enc_mask)
@@ -702,7 +707,7 @@ def cached_decoder_block(
             ops, Y, Y, Y, subset(weights, "self_attention"), num_heads,
             None if cache is None else cache[0], start, capacity=capacity, dropout=dropout,
             return_weights=return_weights, implementation=implementation, options=options,
-            ragged=ragged,
+            ragged=ragged, checked=_stacked,
         )
         new_cache.append(pair)
         return result
@@ -1062,6 +1067,9 @@ def cached_decoder(
                          limit=ROTARY_MAX_POSITIONS if rotary else None, **ragged)
     X = _decoder_input(ops, tokens, weights["token.embedding"], dropout, positions, max_len,
                        at.query, side, options, block)
+    width = fixed_shape(ops, weights["token.embedding"])[1]
+    num_heads = checks.check_heads(width, num_heads)[1]  # the blocks' heads, checked once
+    options = options.checked(num_heads)
     kept: list[list[Array]] = []
     new_cache = []
     for i in range(blocks):
@@ -1069,7 +1077,7 @@ def cached_decoder(
             X, subset(weights, f"blks.{i}"), num_heads, None if cache is None else cache[i],
             at, enc_outputs, enc_valid_lens, enc_mask=enc_mask, capacity=capacity,
             dropout=dropout, return_weights=return_weights, implementation=implementation,
-            options=options, block=block, ragged=ragged, ops=ops,
+            options=options, block=block, ragged=ragged, ops=ops, _stacked=True,
         )
         new_cache.append(block_cache)
         X, formed = result if return_weights else (result, [])

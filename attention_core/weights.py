@@ -694,6 +694,15 @@ def block_call_spec(
 
 def count_blocks(names: Any, prefix: str = "") -> int:
     """How many blocks ``<prefix>blks.<i>.*`` a stack's names hold (numbered from 0)."""
+    if isinstance(names, CheckedWeights):  # not changed after it is made: counted once
+        counted = names.__dict__.setdefault("_blocks", {})
+        if prefix not in counted:
+            counted[prefix] = _count_blocks(names, prefix)
+        return int(counted[prefix])
+    return _count_blocks(names, prefix)
+
+
+def _count_blocks(names: Any, prefix: str) -> int:
     start = f"{prefix}blks."
     return len({name[len(start):].split(".")[0] for name in names if name.startswith(start)})
 

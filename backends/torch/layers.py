@@ -28,6 +28,7 @@ through ``torch.nn.functional.scaled_dot_product_attention``, and they are then 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -241,7 +242,8 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
             first = param
         ops = TorchOps(None if first is None else first.device)
         bound = self._numpy_inputs(ops, bound)
-        prepared = self.prepare(ops, _compute_dtype(param), bound, _state(params))
+        state = None if self.id_inputs else _state(params)  # token ids: no plans (prepare)
+        prepared = self.prepare(ops, _compute_dtype(param), bound, state)
         fresh = [] if prepared.planned else self._build(prepared.dims, params)
         self.keep_plan(prepared)
         try:
@@ -250,7 +252,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
             constants = {name: self.get_buffer(name) for name in self._tables}
             # the parameters hold the declared shapes (set_weights checks them, _build the
             # inputs' widths), so the core does not check them again
-            run = D.Run(ops, W.CheckedWeights(params), constants, rate, need)
+            run = D.Run(ops, self._checked_weights(params), constants, rate, need)
             returned, kept = self.finish(
                 self.compute(run, **prepared.arguments), need, prepared.return_attention
             )
@@ -265,6 +267,21 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         if self.attention_kind and not torch.compiler.is_exporting():
             self._keep(kept)
         return returned
+
+    def _checked_weights(self, params: dict[str, Tensor]) -> W.CheckedWeights:
+        """The parameters as the core takes them, the last call's mapping where it can be.
+
+        While it holds the same parameter objects its parts, grouped once, are kept; else, and
+        in a traced call (which keeps nothing), a new one is made.
+        """
+        if _tracing():
+            return W.CheckedWeights(params)
+        last = self.__dict__.get("_checked")
+        if (last is not None and list(last) == list(params)
+                and all(map(operator.is_, last.values(), params.values()))):
+            return cast(W.CheckedWeights, last)
+        made = self.__dict__["_checked"] = W.CheckedWeights(params)  # never a module's attribute
+        return made
 
     def _numpy_inputs(self, ops: TorchOps, bound: dict[str, Any]) -> dict[str, Any]:
         """Inputs computed on that are all NumPy arrays, as tensors on the layer's device.
@@ -284,7 +301,10 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
         """
         self.__dict__["_attention_kept"] = kept  # a plain attribute, never a module's buffer
         for name, part in self.kept_parts(kept).items():
-            cast(Layer, self.get_submodule(name))._keep(part)
+            sub: Any = self
+            for step in name.split("."):  # get_submodule's walk, without its checks
+                sub = sub._modules[step]
+            cast(Layer, sub)._keep(part)
 
 
     def get_weights(self) -> dict[str, np.ndarray]:

@@ -106,7 +106,8 @@ class TorchOps(NamespaceOps):
             return tuple(int(d) for d in x.shape)
 
     def dtype_name(self, x: torch.Tensor) -> str:
-        return str(x.dtype).removeprefix("torch.")
+        name = _DTYPE_NAMES.get(x.dtype)
+        return str(x.dtype).removeprefix("torch.") if name is None else name
 
     def astype(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
         return x.to(getattr(torch, dtype))
@@ -214,6 +215,12 @@ class TorchOps(NamespaceOps):
     def erf(self, x: torch.Tensor) -> torch.Tensor:
         return torch.special.erf(x)
 
+#: The names of the common dtypes, looked up rather than formed at every call.
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+    torch.bool)}
+
+
 def autocasting(device_type: str) -> bool:
     """Whether ``torch.autocast`` is on for ``device_type`` (never for one it does not know: meta)."""
     try:
@@ -239,18 +246,21 @@ def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Pools with torch's ``scaled_dot_product_attention`` (SDPA): ``(B, H, Q, Dv)``.
 
     A call whose only mask is ``causal`` over as many queries as keys goes in as
-    ``is_causal=True``, letting SDPA pick its fastest kernel; any other masks as one boolean
+    ``is_causal=True``, letting SDPA pick its fastest kernel, and one query (a decode step)
+    at a known position as the keys up to it, unmasked; any other masks as one boolean
     ``attn_mask`` (always so, ``(B, 1, Q, K)``, for positions per example). Where the masks
     hide most key blocks from whole query blocks (packed documents, a window), SDPA runs once
     per query block on the keys it may see (:func:`attention_core.kernels.query_spans`). Fewer
     key/value heads go in as SDPA's own grouped-query heads. Rows with no visible key come out
     as zeros (torch's SDPA gives zeros there, checked by tests/test_torch.py).
     """
-    masks = request.masks
-    if (len(masks) == 1 and isinstance(masks[0], Causal) and not request.call.per_example
-            and _zero(request.call.offset)):
-        return Result(_sdpa(q, k, v, None, request, causal=True))
-    cut = masks and not _tracing() and not request.call.per_example
+    masks, offset = request.masks, request.call.offset
+    if len(masks) == 1 and isinstance(masks[0], Causal) and not request.call.per_example:
+        if _zero(offset):
+            return Result(_sdpa(q, k, v, None, request, causal=True))
+        if q.shape[2] == 1 and type(offset) is int and offset > 0:  # one query: keys up to it
+            return Result(_sdpa(q, k[:, :, :offset + 1], v[:, :, :offset + 1], None, request))
+    cut = masks and not request.traced and not request.call.per_example
     spans = query_spans(request, SPAN_BLOCK) if cut else None
     if spans is None:
         return Result(_sdpa(q, k, v, visible(request), request))
