@@ -275,7 +275,13 @@ def written(ops: Ops, cache: Array | None, new: Array, start: Any, capacity: int
 
 
 def _put(ops: Ops, cache: Array, new: Array, start: int, capacity: int) -> Array:
-    """``cache`` with rows ``[start, start + t)`` replaced, the rows known now: one concatenation."""
+    """``cache`` with rows ``[start, start + t)`` replaced, the rows known now: one concatenation.
+
+    Or one ``slice_update`` where the ops have it (:class:`~attention_core.ops.SliceUpdateOps`).
+    """
+    update = getattr(ops, "slice_update", None)
+    if update is not None:
+        return update(cache, 2, start, new)
     end = start + ops.shape(new)[2]
     parts = [ops.slice(cache, 2, 0, start)] if start > 0 else []
     parts.append(new)

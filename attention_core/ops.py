@@ -338,6 +338,18 @@ class InPlaceOps(Ops, Protocol):
         ...
 
 
+class SliceUpdateOps(Ops, Protocol):
+    """Optional: ops that replace a slice of an array in one operation (torch).
+
+    A cached call writes its rows at a position known now with it, instead of two slices and
+    a concatenation.
+    """
+
+    def slice_update(self, x: Array, axis: int, start: int, new: Array) -> Array:
+        """Returns a new ``x`` with ``[start, start + n)`` along ``axis`` replaced by ``new``."""
+        ...
+
+
 class StopGradientOps(Ops, Protocol):
     """Optional: ops with autodiff, whose ``stop_gradient`` keeps an array out of it.
 

@@ -10,6 +10,7 @@ key and a query, clipped to ``[-m, m]``: ``2m + 1`` vectors serve any length.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -240,8 +241,25 @@ def rotary_angles(
         if start < 0 or start + steps > ROTARY_MAX_POSITIONS:  # checked on ints: no data read
             raise ValueError(f"rotary positions must be in [0, {ROTARY_MAX_POSITIONS}), got "
                              f"[{start}, {start + steps - 1}]")
+        dtype = ops.dtype_name(like)
+        if dtype in ("float16", "float32", "float64"):  # NumPy's own: the tables kept
+            cos, sin = _known_angles(start, steps, depth, float(base), dtype)
+            return ops.from_numpy(cos, like=like), ops.from_numpy(sin, like=like)
         return rotary_table(ops, np.arange(start, start + steps), depth, base, like, False)
     return rotary_table(ops, ops.arange(steps) + start, depth, base, like)  # run-time
+
+
+@functools.lru_cache(maxsize=256)
+def _known_angles(start: int, steps: int, depth: int, base: float, dtype: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The tables of :func:`rotary_table` for positions known now, in ``dtype``, kept.
+
+    A decode step asks for the same few; they are made in float64 and rounded once, as
+    there. Callers copy them (``ops.from_numpy``) and never write to them.
+    """
+    angles = np.arange(start, start + steps, dtype=np.float64)[:, None] * rotary_frequencies(
+        depth, base)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 
 def rotary_table(

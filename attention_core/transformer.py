@@ -108,7 +108,7 @@ def normalise(
     float32 and the result cast back, as torch's norms do under autocast.
     """
     dtype = ops.dtype_name(X)
-    if getattr(ops, "mixes_dtypes", False) and dtype in ("float16", "bfloat16"):
+    if dtype in ("float16", "bfloat16") and getattr(ops, "mixes_dtypes", False):
         return ops.astype(normalise(ops, ops.astype(X, "float32"), weights, norm, eps), dtype)
     if norm == "rms":
         return rms_norm(ops, X, weights["ln.gamma"], norm_eps(norm, eps))

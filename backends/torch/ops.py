@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -133,14 +134,10 @@ class TorchOps(NamespaceOps):
     def where(self, cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
         return torch.where(cond, x, y)
 
-    def max(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return torch.amax(x, dim=axis, keepdim=True)
-
-    def sum(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return torch.sum(x, dim=axis, keepdim=True)
-
-    def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return torch.mean(x, dim=axis, keepdim=True)
+    # reductions over one axis, kept (``x.sum(axis, keepdim=True)``), called the same way
+    max = staticmethod(functools.partial(torch.amax, keepdim=True))
+    sum = staticmethod(functools.partial(torch.sum, keepdim=True))
+    mean = staticmethod(functools.partial(torch.mean, keepdim=True))
 
     def arange(self, n: Any) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int32, device=self.device)
@@ -155,6 +152,10 @@ class TorchOps(NamespaceOps):
         if not x.dtype == gamma.dtype == beta.dtype or x.dtype not in _WIDE_FLOATS:
             return None  # the core's own, in float32 for narrow dtypes
         return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)
+
+    def slice_update(self, x: torch.Tensor, axis: int, start: int,
+                     new: torch.Tensor) -> torch.Tensor:
+        return torch.slice_scatter(x, new, axis, start, start + new.shape[axis])
 
     def take(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return F.embedding(indices, table)
