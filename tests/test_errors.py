@@ -1072,10 +1072,10 @@ def transformer(h: Harness) -> Any:
     return layer
 
 
-def block_cache(h: Harness, batch: int = 2, cross: bool = True) -> list[Any]:
-    """A well-formed cache of one decoder block of :func:`decoder` (capacity 5, 4 encoder
-    positions), made here of random numbers: ``[self_pair, cross_pair]``."""
-    pairs = [(arr((batch, 2, 5, 4)), arr((batch, 2, 5, 4)))]
+def block_cache(h: Harness, batch: int = 2, cross: bool = True, rows: int = 5) -> list[Any]:
+    """A well-formed cache of one decoder block of :func:`decoder` (capacity ``rows``, 4
+    encoder positions), made here of random numbers: ``[self_pair, cross_pair]``."""
+    pairs = [(arr((batch, 2, rows, 4)), arr((batch, 2, rows, 4)))]
     if cross:
         pairs.append((arr((batch, 2, 4, 4)), arr((batch, 2, 4, 4))))
     return [tuple(h.array(x) for x in pair) for pair in pairs]
@@ -1360,7 +1360,20 @@ def ring_call(c: Ctx, **kwargs: Any) -> Any:
     return call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)), cache=ring, **kwargs)
 
 
+def two_block_decoder(h: Harness) -> Any:
+    """A :func:`decoder` of two blocks, called once."""
+    layer = h.make("TransformerDecoder", {"vocab_size": 11, "num_hiddens": 8, "ffn_num_hiddens": 16,
+                                          "num_heads": 2, "num_blks": 2})
+    call(h, layer, DEC_TOKENS, arr((2, 4, 8)))
+    return layer
+
+
 GENERATION_ROWS: list[Bad] = [
+    # a stack places a call's tokens once for all its blocks: their caches hold the same rows
+    Bad("cache_blocks_rows", "cache",
+        lambda c: cached(c, DEC_TOKENS[:, :1], [block_cache(c.h), block_cache(c.h, rows=3)]),
+        ValueError, "cache[1] self pair keys must have cache[0]'s 5 rows (C), got 3",
+        two_block_decoder),
     # a cached attention layer: its keys are the cache's rows
     Bad("cached_layer_valid_lens", "mask",
         lambda c: call(c.h, c.layer, *qkv(q=(2, 3, 8), k=(2, 3, 8), v=(2, 3, 5)),
