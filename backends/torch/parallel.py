@@ -1,0 +1,87 @@
+"""Attention over a sequence split across processes, on ``torch.distributed``.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, n/P the rows of one shard, D depth.
+
+:func:`ring_attention`: each rank holds its shard of the queries, keys and values (in the
+layout of :mod:`attention_core.parallel`); the keys and values travel the ring of ranks, one
+step per rank, each step's partial result merged by its log-sum-exp. The shift is a
+differentiable operation (its backward shifts the gradient the other way), so autograd
+differentiates the ring: every kernel and mask modifier of ``dot_product_attention`` works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import attention_core as ac
+from attention_core import parallel as par
+from attention_core.cache import Positions
+from backends.torch.ops import TorchOps
+
+
+def _exchange(x: torch.Tensor, to: int, source: int, group: Any) -> torch.Tensor:
+    """Sends ``x`` to rank ``to`` and receives a tensor of its shape from ``source``."""
+    got = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group),
+           dist.P2POp(dist.irecv, got, source, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return got
+
+
+class _Shift(torch.autograd.Function):
+    """``x`` of the previous rank (each rank sends its own to the next); backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.ranks = ((rank + 1) % world, (rank - 1) % world)
+        ctx.group = group
+        return _exchange(x, ctx.ranks[0], ctx.ranks[1], group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        forward_to, forward_from = ctx.ranks
+        return _exchange(grad, forward_from, forward_to, ctx.group), None
+
+
+def _global_rank(group: Any) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                   layout: str = "zigzag", **attention: Any) -> torch.Tensor:
+    """This rank's queries ``(B, H, n/P, D)`` over every rank's keys and values, by a ring.
+
+    Args:
+        q: This rank's shard of the queries, in ``layout``.
+        k: This rank's shard of the keys ``(B, Hkv, n/P, D)``.
+        v: This rank's shard of the values ``(B, Hkv, n/P, Dv)``.
+        group: The process group of the shards (None: the default group).
+        layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attention_core.parallel`).
+        **attention: Keywords of :func:`attention_core.dot_product_attention` that the
+            positions decide (``causal``, ``window``, ``scale``, ``implementation``...).
+
+    Returns:
+        This rank's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
+    """
+    rank, world = _global_rank(group)
+    n = q.shape[2] * world
+    ops = TorchOps(q.device)
+    mine = torch.from_numpy(par.shard_positions(n, world, rank, layout)).to(q.device)[None]
+    at = Positions(0, mine)
+    done = None
+    keys, values = k, v
+    for step in range(world):
+        source = (rank - step) % world
+        keys_at = torch.from_numpy(par.shard_positions(n, world, source, layout)).to(q.device)
+        part = ac.dot_product_attention(q, keys, values, return_lse=True, _positions=at,
+                                        _key_positions=keys_at[None], ops=ops, **attention)
+        done = par.merge(ops, done, part)
+        if step + 1 < world:
+            keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)
+    assert done is not None
+    return done[0]
