@@ -1,0 +1,62 @@
+"""Attention over a sequence split across devices, inside ``jax.shard_map``.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, n/P the rows of one shard, D depth.
+
+:func:`ring_attention` runs inside ``shard_map`` over a mesh axis of P devices: each device
+holds its shard of the queries, keys and values (in the layout of
+:mod:`attention_core.parallel`); ``lax.ppermute`` passes the keys and values around the axis,
+one step per device, and each step's partial result is merged by its log-sum-exp. ``jax.grad``
+differentiates it (a permutation's transpose is the reverse permutation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_core as ac
+from attention_core import parallel as par
+from attention_core.cache import Positions
+from backends.jax.ops import JaxOps
+
+
+def ring_attention(q: Any, k: Any, v: Any, *, axis_name: str, layout: str = "zigzag",
+                   **attention: Any) -> Any:
+    """This device's queries ``(B, H, n/P, D)`` over every device's keys and values.
+
+    Args:
+        q: This device's shard of the queries, in ``layout``.
+        k: Its shard of the keys ``(B, Hkv, n/P, D)``.
+        v: Its shard of the values ``(B, Hkv, n/P, Dv)``.
+        axis_name: The mesh axis the sequence is split over (``shard_map``'s).
+        layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attention_core.parallel`).
+        **attention: Keywords of :func:`attention_core.dot_product_attention` that the
+            positions decide (``causal``, ``window``, ``scale``...).
+
+    Returns:
+        This device's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
+    """
+    world = jax.lax.axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    n = q.shape[2] * world
+    table = jnp.asarray(np.stack([par.shard_positions(n, world, r, layout)
+                                  for r in range(world)]))  # (P, n/P)
+    ops = JaxOps()
+    at = Positions(0, table[rank][None])
+    ring = [(i, (i + 1) % world) for i in range(world)]
+    done = None
+    keys, values = k, v
+    for step in range(world):
+        source = (rank - step) % world
+        part = ac.dot_product_attention(q, keys, values, return_lse=True, _positions=at,
+                                        _key_positions=table[source][None], ops=ops,
+                                        **attention)
+        done = par.merge(ops, done, part)
+        if step + 1 < world:
+            keys = jax.lax.ppermute(keys, axis_name, ring)
+            values = jax.lax.ppermute(values, axis_name, ring)
+    assert done is not None
+    return done[0]

@@ -1,0 +1,72 @@
+"""Ring attention inside ``jax.shard_map`` over 4 host devices, against one device.
+
+Run with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. In float64: q, k, v laid out
+in the layout's order and split along the sequence over a mesh axis ``"seq"``; the output and
+the gradients of q, k, v are compared with one device's over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import attention_core as ac  # noqa: E402
+from attention_core import parallel as par  # noqa: E402
+from backends.jax.ops import JaxOps  # noqa: E402
+from backends.jax.parallel import ring_attention  # noqa: E402
+from tests.distributed.common import emit, max_abs_diff  # noqa: E402
+
+B, H, HKV, N, D = 2, 4, 2, 24, 8
+MASKS = {"none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5}}
+
+
+def main() -> None:
+    layout = sys.argv[1] if len(sys.argv) > 1 else "zigzag"
+    devices = jax.devices()
+    world = len(devices)
+    mesh = Mesh(np.array(devices), ("seq",))
+    rng = np.random.default_rng(5)
+    q, k, v, cot = (jnp.asarray(rng.standard_normal(s)) for s in
+                    ((B, H, N, D), (B, HKV, N, D), (B, HKV, N, D), (B, H, N, D)))
+    ops = JaxOps()
+
+    def laid(x: jax.Array) -> jax.Array:  # the shards one after another, in the layout's rows
+        return jnp.concatenate([par.shard(ops, x, world, r, 2, layout) for r in range(world)], 2)
+
+    def unlaid(x: jax.Array) -> jax.Array:
+        rows = x.shape[2] // world
+        return par.unshard(ops, [x[:, :, r * rows:(r + 1) * rows] for r in range(world)], 2,
+                           layout)
+
+    spec = P(None, None, "seq", None)
+    result = {}
+    for name, masks in MASKS.items():
+        ring = jax.shard_map(lambda a, b, c, m=masks: ring_attention(a, b, c, axis_name="seq",
+                                                                     layout=layout, **m),
+                             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+        def sharded_loss(a: jax.Array, b: jax.Array, c: jax.Array, ring: object = ring) -> jax.Array:
+            return jnp.sum(unlaid(ring(laid(a), laid(b), laid(c))) * cot)  # type: ignore[operator]
+
+        def one_loss(a: jax.Array, b: jax.Array, c: jax.Array, m: dict = masks) -> jax.Array:
+            return jnp.sum(ac.dot_product_attention(a, b, c, **m) * cot)
+
+        got = jax.jit(jax.value_and_grad(sharded_loss, argnums=(0, 1, 2)))(q, k, v)
+        want = jax.value_and_grad(one_loss, argnums=(0, 1, 2))(q, k, v)
+        out = unlaid(jax.jit(ring)(laid(q), laid(k), laid(v)))
+        result[f"{name}.out"] = max_abs_diff(out, ac.dot_product_attention(q, k, v, **masks))
+        for label, g, w in zip("qkv", got[1], want[1], strict=True):
+            result[f"{name}.d{label}"] = max_abs_diff(g, w)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
