@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -85,3 +86,65 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)
     assert done is not None
     return done[0]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``x (P, ...)``: chunk ``j`` to rank ``j``, which keeps it as chunk ``rank``.
+
+    Its own inverse for equal chunks, so the backward is the same exchange of the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        got = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(got, x.contiguous(), group=group)
+        return got
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def _to_heads(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    """``(B, G, n/P, D)`` sequence shards -> ``(B, G/P, n, D)``: every rank's rows, its heads."""
+    B, G, rows, D = x.shape
+    parts = x.reshape(B, world, G // world, rows, D).permute(1, 0, 2, 3, 4)  # (P, B, G/P, ., D)
+    got = _AllToAll.apply(parts, group)  # chunk s: rank s's rows of this rank's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(B, G // world, world * rows, D)
+
+
+def _to_rows(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    """The inverse of :func:`_to_heads`: ``(B, G/P, n, D)`` -> ``(B, G, n/P, D)``."""
+    B, g, n, D = x.shape
+    parts = x.reshape(B, g, world, n // world, D).permute(2, 0, 1, 3, 4)  # (P, B, G/P, n/P, D)
+    got = _AllToAll.apply(parts, group)  # chunk j: head group j of this rank's rows
+    return got.permute(1, 0, 2, 3, 4).reshape(B, world * g, n // world, D)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                      layout: str = "zigzag", **attention: Any) -> torch.Tensor:
+    """This rank's queries over every rank's keys, the heads split across the ranks instead.
+
+    An all-to-all turns the sequence shards into head shards (each rank: ``H/P`` heads of the
+    whole sequence), one attention call runs (any kernel, the fused one included), and a
+    second all-to-all turns the output back. The arguments are those of
+    :func:`ring_attention`.
+
+    Raises:
+        ValueError: Heads (or, with grouped-query heads, key/value heads) that the world size
+            does not divide.
+    """
+    rank, world = _global_rank(group)
+    for name, heads in (("num_heads", q.shape[1]), ("num_kv_heads", k.shape[1])):
+        if heads % world:
+            raise ValueError(f"ulysses attention splits the heads over the {world} ranks: "
+                             f"{name} ({heads}) must be divisible by it")
+    n = q.shape[2] * world
+    positions = torch.from_numpy(np.concatenate(
+        [par.shard_positions(n, world, r, layout) for r in range(world)])).to(q.device)[None]
+    qh, kh, vh = (_to_heads(x, world, group) for x in (q, k, v))
+    out = ac.dot_product_attention(qh, kh, vh, _positions=Positions(0, positions),
+                                   _key_positions=positions, ops=TorchOps(q.device), **attention)
+    del rank
+    return _to_rows(out, world, group)

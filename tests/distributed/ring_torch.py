@@ -18,7 +18,7 @@ import torch.distributed as dist
 import attention_core as ac
 from attention_core import parallel as par
 from backends.torch.ops import TorchOps
-from backends.torch.parallel import ring_attention
+from backends.torch.parallel import ring_attention, ulysses_attention
 from tests.distributed.common import emit, max_abs_diff
 
 B, H, HKV, N, D = 2, 4, 2, 24, 8
@@ -30,6 +30,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = sys.argv[1] if len(sys.argv) > 1 else "zigzag"
+    strategy = {"ring": ring_attention, "ulysses": ulysses_attention}[
+        sys.argv[2] if len(sys.argv) > 2 else "ring"]
     rng = np.random.default_rng(5)
     q, k, v, cot = (torch.from_numpy(rng.standard_normal(s)) for s in
                     ((B, H, N, D), (B, HKV, N, D), (B, HKV, N, D), (B, H, N, D)))
@@ -43,7 +45,7 @@ def main() -> None:
             (out * cot).sum().backward()
             shards = [par.shard(ops, x, world, rank, 2, layout).detach().requires_grad_()
                       for x in (q, k, v)]
-            mine = ring_attention(*shards, layout=layout, **masks)
+            mine = strategy(*shards, layout=layout, **masks)
             (mine * par.shard(ops, cot, world, rank, 2, layout)).sum().backward()
             result[f"{name}.out"] = max_abs_diff(
                 mine.detach(), par.shard(ops, out.detach(), world, rank, 2, layout))
