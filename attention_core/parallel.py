@@ -96,3 +96,44 @@ def merge(ops: Ops, done: tuple[Array, Array] | None, part: tuple[Array, Array]
     out = (ops.expand_dims(w_a / safe, -1) * out_a + ops.expand_dims(w_b / safe, -1) * out_b)
     lse = ops.where(total > 0, top + ops.log(safe), lse_a)  # -inf stays -inf
     return out, lse
+
+
+def block_masks(ops: Ops, query_at: Any, key_at: Any, *, valid_lens: Any = None,
+                segment_ids: Any = None, mask: Any = None) -> Any:
+    """The masks of one block of a sharded call as one boolean mask, or None.
+
+    A sharded call takes its masks for the whole sequence: ``valid_lens`` ``(B,)`` (or
+    ``(B, n)``, per query), ``segment_ids`` ``(B, n)`` (or a pair ``(query_ids, key_ids)``)
+    and ``mask`` ``(n, n)``, ``(B, n, n)`` or ``(B, H, n, n)``. A block of queries at
+    positions ``query_at`` ``(Q,)`` over keys at ``key_at`` ``(K,)`` (integer arrays of the
+    backend, maybe traced) sees the part of each at those positions.
+
+    Returns:
+        Boolean ``(B, Q, K)`` or ``(B, H, Q, K)`` (``(Q, K)`` for a plain mask alone), True
+        where the query may see the key; None when no mask is given.
+    """
+    parts = []
+    if valid_lens is not None:
+        lens = valid_lens[:, query_at][:, :, None] if len(ops.shape(valid_lens)) == 2 else (
+            valid_lens[:, None, None])
+        parts.append(key_at[None, None, :] < lens)  # (B, Q, K)
+    if segment_ids is not None:
+        ids_q, ids_k = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
+        parts.append(ids_q[:, query_at][:, :, None] == ids_k[:, key_at][:, None, :])
+    if mask is not None:
+        parts.append(mask[..., query_at, :][..., key_at])
+    if not parts:
+        return None
+    rank = max(len(ops.shape(p)) for p in parts)
+    parts = [p if len(ops.shape(p)) == rank else _lifted(ops, p, rank) for p in parts]
+    combined = parts[0]
+    for p in parts[1:]:
+        combined = ops.logical_and(combined, p)
+    return combined
+
+
+def _lifted(ops: Ops, m: Any, rank: int) -> Any:
+    """A mask ``(Q, K)`` or ``(B, Q, K)`` given the axes of rank ``rank`` (heads at axis 1)."""
+    while len(ops.shape(m)) < 3:
+        m = ops.expand_dims(m, 0)
+    return ops.expand_dims(m, 1) if rank == 4 else m
