@@ -54,7 +54,8 @@ def _global_rank(group: Any) -> tuple[int, int]:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
-                   layout: str = "zigzag", **attention: Any) -> torch.Tensor:
+                   layout: str = "zigzag", valid_lens: Any = None, segment_ids: Any = None,
+                   mask: Any = None, sinks: Any = None, **attention: Any) -> torch.Tensor:
     """This rank's queries ``(B, H, n/P, D)`` over every rank's keys and values, by a ring.
 
     Args:
@@ -63,6 +64,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         v: This rank's shard of the values ``(B, Hkv, n/P, Dv)``.
         group: The process group of the shards (None: the default group).
         layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attention_core.parallel`).
+        valid_lens: The whole sequence's lengths ``(B,)`` or ``(B, n)`` (every rank the same).
+        segment_ids: The whole sequence's ids ``(B, n)``, or a pair (queries', keys').
+        mask: The whole sequence's boolean mask ``(n, n)``, ``(B, n, n)`` or ``(B, H, n, n)``.
+        sinks: Per-head sink logits ``(H,)``, counted once (in the first step).
         **attention: Keywords of :func:`attention_core.dot_product_attention` that the
             positions decide (``causal``, ``window``, ``scale``, ``implementation``...).
 
@@ -72,15 +77,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     rank, world = _global_rank(group)
     n = q.shape[2] * world
     ops = TorchOps(q.device)
-    mine = torch.from_numpy(par.shard_positions(n, world, rank, layout)).to(q.device)[None]
-    at = Positions(0, mine)
+    given = {name: x for name, x in (("valid_lens", valid_lens), ("segment_ids", segment_ids),
+                                     ("mask", mask)) if x is not None}
+    mine = torch.from_numpy(par.shard_positions(n, world, rank, layout)).to(q.device)
+    at = Positions(0, mine[None])
     done = None
     keys, values = k, v
     for step in range(world):
         source = (rank - step) % world
         keys_at = torch.from_numpy(par.shard_positions(n, world, source, layout)).to(q.device)
-        part = ac.dot_product_attention(q, keys, values, return_lse=True, _positions=at,
-                                        _key_positions=keys_at[None], ops=ops, **attention)
+        first = {"sinks": sinks} if sinks is not None and step == 0 else {}
+        part = ac.dot_product_attention(
+            q, keys, values, return_lse=True, mask=par.block_masks(ops, mine, keys_at, **given),
+            _positions=at, _key_positions=keys_at[None], ops=ops, **attention, **first)
         done = par.merge(ops, done, part)
         if step + 1 < world:
             keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)
