@@ -24,7 +24,8 @@ from backends.jax.ops import JaxOps
 
 
 def ring_attention(q: Any, k: Any, v: Any, *, axis_name: str, layout: str = "zigzag",
-                   **attention: Any) -> Any:
+                   valid_lens: Any = None, segment_ids: Any = None, mask: Any = None,
+                   sinks: Any = None, **attention: Any) -> Any:
     """This device's queries ``(B, H, n/P, D)`` over every device's keys and values.
 
     Args:
@@ -33,6 +34,10 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis_name: str, layout: str = "zig
         v: Its shard of the values ``(B, Hkv, n/P, Dv)``.
         axis_name: The mesh axis the sequence is split over (``shard_map``'s).
         layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attention_core.parallel`).
+        valid_lens: The whole sequence's lengths ``(B,)`` or ``(B, n)`` (replicated).
+        segment_ids: The whole sequence's ids ``(B, n)``, or a pair (queries', keys').
+        mask: The whole sequence's boolean mask ``(n, n)``, ``(B, n, n)`` or ``(B, H, n, n)``.
+        sinks: Per-head sink logits ``(H,)``, counted once (in the first step).
         **attention: Keywords of :func:`attention_core.dot_product_attention` that the
             positions decide (``causal``, ``window``, ``scale``...).
 
@@ -45,15 +50,19 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis_name: str, layout: str = "zig
     table = jnp.asarray(np.stack([par.shard_positions(n, world, r, layout)
                                   for r in range(world)]))  # (P, n/P)
     ops = JaxOps()
+    given = {name: x for name, x in (("valid_lens", valid_lens), ("segment_ids", segment_ids),
+                                     ("mask", mask)) if x is not None}
     at = Positions(0, table[rank][None])
     ring = [(i, (i + 1) % world) for i in range(world)]
     done = None
     keys, values = k, v
     for step in range(world):
         source = (rank - step) % world
-        part = ac.dot_product_attention(q, keys, values, return_lse=True, _positions=at,
-                                        _key_positions=table[source][None], ops=ops,
-                                        **attention)
+        first = {"sinks": sinks} if sinks is not None and step == 0 else {}
+        part = ac.dot_product_attention(
+            q, keys, values, return_lse=True,
+            mask=par.block_masks(ops, table[rank], table[source], **given), _positions=at,
+            _key_positions=table[source][None], ops=ops, **attention, **first)
         done = par.merge(ops, done, part)
         if step + 1 < world:
             keys = jax.lax.ppermute(keys, axis_name, ring)

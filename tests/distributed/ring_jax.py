@@ -25,7 +25,13 @@ from backends.jax.parallel import ring_attention  # noqa: E402
 from tests.distributed.common import emit, max_abs_diff  # noqa: E402
 
 B, H, HKV, N, D = 2, 4, 2, 24, 8
-MASKS = {"none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5}}
+LENGTHS = np.array([7, 20])
+SEGMENTS = np.array([[0] * 9 + [1] * 10 + [2] * 5, [0] * 3 + [1] * 21], np.int32)
+SINKS = np.array([0.5, -1.0, 2.0, 0.0])
+MASKS = {"none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5},
+         "lengths": {"valid_lens": LENGTHS}, "causal_segments": {"causal": True,
+                                                                "segment_ids": SEGMENTS},
+         "causal_sinks": {"causal": True, "sinks": SINKS}}
 
 
 def main() -> None:
@@ -48,7 +54,9 @@ def main() -> None:
 
     spec = P(None, None, "seq", None)
     result = {}
-    for name, masks in MASKS.items():
+    for name, given in MASKS.items():
+        masks = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+                 for key, x in given.items()}
         ring = jax.shard_map(lambda a, b, c, m=masks: ring_attention(a, b, c, axis_name="seq",
                                                                      layout=layout, **m),
                              mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
