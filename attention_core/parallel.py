@@ -137,3 +137,19 @@ def _lifted(ops: Ops, m: Any, rank: int) -> Any:
     while len(ops.shape(m)) < 3:
         m = ops.expand_dims(m, 0)
     return ops.expand_dims(m, 1) if rank == 4 else m
+
+
+def block_visible(query_at: np.ndarray, key_at: np.ndarray, causal: bool = False,
+                  window: int | None = None) -> bool:
+    """Whether ``causal`` and ``window`` leave a pair of a block visible (positions known now).
+
+    A block without one adds nothing to the merged result: it is skipped.
+    """
+    if causal and int(key_at.min()) > int(query_at.max()):
+        return False
+    if window is not None:
+        near = np.abs(query_at[:, None].astype(np.int64) - key_at[None, :]) < window
+        if causal:
+            near &= key_at[None, :] <= query_at[:, None]
+        return bool(near.any())
+    return True

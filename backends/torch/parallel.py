@@ -73,6 +73,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 
     Returns:
         This rank's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
+
+    A step whose block ``causal`` or ``window`` rules out whole is not computed (its keys and
+    values still pass on).
     """
     rank, world = _global_rank(group)
     n = q.shape[2] * world
@@ -83,18 +86,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     at = Positions(0, mine[None])
     done = None
     keys, values = k, v
+    query_at = par.shard_positions(n, world, rank, layout)
+    skipped: list[torch.Tensor] = []
     for step in range(world):
         source = (rank - step) % world
-        keys_at = torch.from_numpy(par.shard_positions(n, world, source, layout)).to(q.device)
-        first = {"sinks": sinks} if sinks is not None and step == 0 else {}
-        part = ac.dot_product_attention(
-            q, keys, values, return_lse=True, mask=par.block_masks(ops, mine, keys_at, **given),
-            _positions=at, _key_positions=keys_at[None], ops=ops, **attention, **first)
-        done = par.merge(ops, done, part)
+        key_at = par.shard_positions(n, world, source, layout)
+        if step == 0 or par.block_visible(query_at, key_at, bool(attention.get("causal")),
+                                          attention.get("window")):
+            keys_at = torch.from_numpy(key_at).to(q.device)
+            first = {"sinks": sinks} if sinks is not None and step == 0 else {}
+            part = ac.dot_product_attention(
+                q, keys, values, return_lse=True,
+                mask=par.block_masks(ops, mine, keys_at, **given), _positions=at,
+                _key_positions=keys_at[None], ops=ops, **attention, **first)
+            done = par.merge(ops, done, part)
+        else:  # its shifts' backward must still run on every rank: kept in the graph, times 0
+            skipped.append(keys.sum() * 0 + values.sum() * 0)
         if step + 1 < world:
             keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)
     assert done is not None
-    return done[0]
+    return done[0] + sum(skipped) if skipped else done[0]
 
 
 class _AllToAll(torch.autograd.Function):
