@@ -141,10 +141,9 @@ def check_pair(ops: Ops, name: str, pair: Any, heads: tuple[Any, Any, Any], dtyp
     depths = (D, D if value_depth is None else value_depth)
     for part, array, depth in zip(("keys", "values"), pair, depths, strict=True):
         shape = ops.shape(array)
-        found = (shape[0], shape[1], shape[3]) if len(shape) == 4 else None
-        if found is None or (found != (B, H, depth) and any(
-                isinstance(a, int) and isinstance(b, int) and a != b
-                for a, b in zip(found, (B, H, depth), strict=True))):
+        if len(shape) != 4 or any(isinstance(a, int) and isinstance(b, int) and a != b
+                                  for a, b in zip((shape[0], shape[1], shape[3]),
+                                                  (B, H, depth), strict=True)):
             raise ValueError(f"{name} {part} must have shape (B, H, C, D) = ({B}, {H}, C, "
                              f"{depth}), got {checks.fmt_shape(shape)}")
         if ops.dtype_name(array) != dtype:

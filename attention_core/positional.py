@@ -221,45 +221,54 @@ def rotated_heads(ops: Ops, x: Array, start: Any, base: float, positions: Any = 
     key = ("rotary", ops.shape(x)[-1], base, ops.dtype_name(x), str(getattr(x, "device", None)))
     found = None if tables is None else tables.get(key)
     if found is not None:  # made for these depth and base, which were checked then
-        return rotate(ops, x, *found)
+        return turn(ops, x, *found)
     depth, base = check_rotary(fixed_width(ops, x), base)
     if positions is None:
-        cos, sin = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x)  # (N, d/2)
+        whole = rotary_angles(ops, start, ops.shape(x)[2], depth, base, x, whole=True)  # (N, d)
     else:
-        cos, sin = (ops.expand_dims(c, 1)  # (B, 1, N, d/2): the same for every head
-                    for c in rotary_table(ops, positions, depth, base, x))
+        whole = whole_tables(ops, *(ops.expand_dims(c, 1)  # (B, 1, N, d/2): every head's
+                                    for c in rotary_table(ops, positions, depth, base, x)))
     if tables is not None:
-        tables[key] = (cos, sin)
-    return rotate(ops, x, cos, sin)
+        tables[key] = whole
+    return turn(ops, x, *whole)
 
 
 def rotary_angles(
-    ops: Ops, start: Any, steps: Any, depth: int, base: float, like: Array
+    ops: Ops, start: Any, steps: Any, depth: int, base: float, like: Array, whole: bool = False
 ) -> tuple[Array, Array]:
-    """``(cos, sin)`` ``(T, d/2)`` of positions ``start .. start + T - 1`` (:func:`rotary_table`)."""
+    """``(cos, sin)`` ``(T, d/2)`` of positions ``start .. start + T - 1`` (:func:`rotary_table`).
+
+    ``whole``: the tables of :func:`turn`, ``(T, d)``, instead.
+    """
     if isinstance(start, int) and isinstance(steps, int) and getattr(ops, "host_tables", True):
         if start < 0 or start + steps > ROTARY_MAX_POSITIONS:  # checked on ints: no data read
             raise ValueError(f"rotary positions must be in [0, {ROTARY_MAX_POSITIONS}), got "
                              f"[{start}, {start + steps - 1}]")
         dtype = ops.dtype_name(like)
         if dtype in ("float16", "float32", "float64"):  # NumPy's own: the tables kept
-            cos, sin = _known_angles(start, steps, depth, float(base), dtype)
+            cos, sin = _known_angles(start, steps, depth, float(base), dtype, whole)
             return ops.from_numpy(cos, like=like), ops.from_numpy(sin, like=like)
-        return rotary_table(ops, np.arange(start, start + steps), depth, base, like, False)
-    return rotary_table(ops, ops.arange(steps) + start, depth, base, like)  # run-time
+        tables = rotary_table(ops, np.arange(start, start + steps), depth, base, like, False)
+    else:
+        tables = rotary_table(ops, ops.arange(steps) + start, depth, base, like)  # run-time
+    return whole_tables(ops, *tables) if whole else tables
 
 
 @functools.lru_cache(maxsize=256)
-def _known_angles(start: int, steps: int, depth: int, base: float, dtype: str
+def _known_angles(start: int, steps: int, depth: int, base: float, dtype: str, whole: bool
                   ) -> tuple[np.ndarray, np.ndarray]:
     """The tables of :func:`rotary_table` for positions known now, in ``dtype``, kept.
 
     A decode step asks for the same few; they are made in float64 and rounded once, as
-    there. Callers copy them (``ops.from_numpy``) and never write to them.
+    there. ``whole``: as :func:`whole_tables` makes them. Callers copy them
+    (``ops.from_numpy``) and never write to them.
     """
     angles = np.arange(start, start + steps, dtype=np.float64)[:, None] * rotary_frequencies(
         depth, base)
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    if whole:
+        return np.concatenate([cos, cos], -1), np.concatenate([-sin, sin], -1)
+    return cos, sin
 
 
 def rotary_table(
@@ -322,13 +331,28 @@ def rotate(ops: Ops, x: Array, cos: Array, sin: Array) -> Array:
     The "rotate half" layout (GPT-NeoX, Llama, KerasHub): ``x_t cos - x_{t+d/2} sin`` and
     ``x_{t+d/2} cos + x_t sin``, with ``cos``, ``sin`` ``(T, d/2)`` from :func:`rotary_angles`.
     """
+    return turn(ops, x, *whole_tables(ops, cos, sin))
+
+
+def whole_tables(ops: Ops, cos: Array, sin: Array) -> tuple[Array, Array]:
+    """The tables of :func:`turn` from half ones: ``[cos, cos]`` and ``[-sin, sin]``, ``(..., d)``."""
+    axis = len(ops.shape(cos)) - 1
+    return ops.concatenate([cos, cos], axis), ops.concatenate([-sin, sin], axis)
+
+
+def turn(ops: Ops, x: Array, cos: Array, sin: Array) -> Array:
+    """:func:`rotate` by whole tables (:func:`whole_tables`): ``x cos + [x_2, x_1] sin``.
+
+    The same numbers as :func:`rotate`'s formulas (``a + b (-s)`` is ``a - b s`` exactly), in
+    fewer operations.
+    """
     axis = len(ops.shape(x)) - 1
     half = fixed_width(ops, x) // 2
-    first, second = ops.slice(x, axis, 0, half), ops.slice(x, axis, half, half)
+    swapped = ops.concatenate([ops.slice(x, axis, half, half), ops.slice(x, axis, 0, half)], axis)
     dtype = ops.dtype_name(x)
     if ops.dtype_name(cos) != dtype:  # the tables are made in x's dtype but for autocast's
         cos, sin = ops.astype(cos, dtype), ops.astype(sin, dtype)
-    return ops.concatenate([first * cos - second * sin, second * cos + first * sin], axis)
+    return x * cos + swapped * sin
 
 
 def fixed_width(ops: Ops, x: Array) -> int:

@@ -1058,9 +1058,10 @@ def cached_decoder(
     window = checks.check_window(options.window)  # a ring holds the window: no bound
     rows = kv_cache.capacity_of(ops, held, capacity, window)
     for i, block_cache in enumerate(cache or ()):  # one placing serves every block
-        if ops.shape(block_cache[0][0])[2] != rows:
+        held_i = ops.shape(block_cache[0][0])[2]
+        if isinstance(held_i, int) and held_i != rows:
             raise ValueError(f"cache[{i}] self pair keys must have cache[0]'s {rows} rows (C), "
-                             f"got {ops.shape(block_cache[0][0])[2]}")
+                             f"got {held_i}")
     rotary = options.positional == "rotary"
     at = kv_cache.placed(ops, start, ops.shape(tokens)[1], rows, batch=ops.shape(tokens)[0],
                          like=tokens, ring=kv_cache.is_ring(rows, window),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
@@ -134,10 +133,14 @@ class TorchOps(NamespaceOps):
     def where(self, cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
         return torch.where(cond, x, y)
 
-    # reductions over one axis, kept (``x.sum(axis, keepdim=True)``), called the same way
-    max = staticmethod(functools.partial(torch.amax, keepdim=True))
-    sum = staticmethod(functools.partial(torch.sum, keepdim=True))
-    mean = staticmethod(functools.partial(torch.mean, keepdim=True))
+    def max(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.amax(x, dim=axis, keepdim=True)
+
+    def sum(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.sum(x, dim=axis, keepdim=True)
+
+    def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.mean(x, dim=axis, keepdim=True)
 
     def arange(self, n: Any) -> torch.Tensor:
         return torch.arange(n, dtype=torch.int32, device=self.device)
