@@ -21,7 +21,7 @@ as many visible pairs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -153,3 +153,30 @@ def block_visible(query_at: np.ndarray, key_at: np.ndarray, causal: bool = False
             near &= key_at[None, :] <= query_at[:, None]
         return bool(near.any())
     return True
+
+
+@runtime_checkable
+class ContextParallel(Protocol):
+    """How a layer whose inputs are sequence shards attends across the devices.
+
+    Each framework's engine gives one (``backends.torch.ContextParallel``,
+    ``backends.jax.ContextParallel``); a layer made with ``context_parallel=`` holds it.
+    """
+
+    def positions(self, ops: Ops, rows: int) -> Array:
+        """The whole-sequence positions of this device's ``rows`` rows, int32 ``(n/P,)``."""
+
+    def attend(self, q: Array, k: Array, v: Array, **attention: Any) -> Array:
+        """This device's queries ``(B, H, n/P, D)`` over every device's keys and values.
+
+        ``attention``: the keywords of :func:`attention_core.dot_product_attention`, with the
+        whole sequence's ``valid_lens``, ``mask`` and ``segment_ids``.
+        """
+
+
+def refuse_in_split_call(**given: Any) -> None:
+    """Refuses the arguments a context-parallel call cannot take, by name."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise ValueError(f"{name} is not available with context_parallel (the sequence "
+                             f"is split across devices), got {value!r}"[:300])

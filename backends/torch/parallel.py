@@ -11,6 +11,7 @@ differentiates the ring: every kernel and mask modifier of ``dot_product_attenti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -143,7 +144,8 @@ def _to_rows(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
-                      layout: str = "zigzag", **attention: Any) -> torch.Tensor:
+                      layout: str = "zigzag", valid_lens: Any = None, segment_ids: Any = None,
+                      mask: Any = None, sinks: Any = None, **attention: Any) -> torch.Tensor:
     """This rank's queries over every rank's keys, the heads split across the ranks instead.
 
     An all-to-all turns the sequence shards into head shards (each rank: ``H/P`` heads of the
@@ -160,11 +162,68 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         if heads % world:
             raise ValueError(f"ulysses attention splits the heads over the {world} ranks: "
                              f"{name} ({heads}) must be divisible by it")
-    n = q.shape[2] * world
-    positions = torch.from_numpy(np.concatenate(
-        [par.shard_positions(n, world, r, layout) for r in range(world)])).to(q.device)[None]
+    n, ops = q.shape[2] * world, TorchOps(q.device)
+    at = torch.from_numpy(np.concatenate(
+        [par.shard_positions(n, world, r, layout) for r in range(world)])).to(q.device)
+    mine = slice(rank * q.shape[1] // world, (rank + 1) * q.shape[1] // world)  # its heads
+    if mask is not None and len(mask.shape) == 4 and mask.shape[1] != 1:
+        mask = mask[:, mine]
+    if sinks is not None:
+        attention["sinks"] = sinks[mine]
+    masks = par.block_masks(ops, at, at, valid_lens=valid_lens, segment_ids=segment_ids,
+                            mask=mask)
     qh, kh, vh = (_to_heads(x, world, group) for x in (q, k, v))
-    out = ac.dot_product_attention(qh, kh, vh, _positions=Positions(0, positions),
-                                   _key_positions=positions, ops=TorchOps(q.device), **attention)
-    del rank
+    out = ac.dot_product_attention(qh, kh, vh, mask=masks, _positions=Positions(0, at[None]),
+                                   _key_positions=at[None], ops=ops, **attention)
     return _to_rows(out, world, group)
+
+
+#: The strategies of :class:`ContextParallel`.
+STRATEGIES = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A layer's attention across the ranks of a process group (``context_parallel=``).
+
+    The layer's inputs are each rank's shard of the sequence, in ``layout``
+    (:func:`attention_core.parallel.shard`); its output is the rank's rows of what one device
+    gives for the whole sequence.
+
+    Args:
+        group: The process group the sequence is split over (None: the default group).
+        strategy: ``"ring"`` (:func:`ring_attention`) or ``"ulysses"``
+            (:func:`ulysses_attention`).
+        layout: ``"zigzag"`` or ``"contiguous"``.
+    """
+
+    group: Any = None
+    strategy: str = "ring"
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be 'ring' or 'ulysses', got {self.strategy!r}")
+        par.check_layout(self.layout)
+
+    def positions(self, ops: Any, rows: int) -> torch.Tensor:
+        rank, world = _global_rank(self.group)
+        at = par.shard_positions(rows * world, world, rank, self.layout)
+        return torch.from_numpy(at).to(getattr(ops, "device", None) or "cpu")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               **attention: Any) -> torch.Tensor:
+        pool = ring_attention if self.strategy == "ring" else ulysses_attention
+        return pool(q, k, v, group=self.group, layout=self.layout, **attention)
+
+
+def context_parallel(value: Any) -> ContextParallel | None:
+    """Reads a layer's ``context_parallel=``: True (the default group) or a process group."""
+    if value is None or isinstance(value, ContextParallel):
+        return value
+    if value is True:
+        return ContextParallel()
+    if isinstance(value, dist.ProcessGroup):
+        return ContextParallel(value)
+    raise TypeError("context_parallel must be None, True, a torch.distributed ProcessGroup "
+                    f"or a ContextParallel, got {type(value).__name__}")

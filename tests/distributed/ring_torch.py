@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 import attention_core as ac
 from attention_core import parallel as par
+from backends.torch import MultiHeadAttention
 from backends.torch.ops import TorchOps
-from backends.torch.parallel import ring_attention, ulysses_attention
+from backends.torch.parallel import ContextParallel, ring_attention, ulysses_attention
 from tests.distributed.common import emit, max_abs_diff
 
 B, H, HKV, N, D = 2, 4, 2, 24, 8
@@ -48,8 +49,6 @@ def main() -> None:
         for name, given in MASKS.items():
             masks = {key: torch.from_numpy(x) if isinstance(x, np.ndarray) else x
                      for key, x in given.items()}
-            if strategy is ulysses_attention and set(masks) - {"causal", "window"}:
-                continue  # Ulysses takes position masks only, so far
             full = [x.clone().requires_grad_() for x in (q, k, v)]
             out = ac.dot_product_attention(*full, **masks)
             (out * cot).sum().backward()
@@ -62,9 +61,44 @@ def main() -> None:
             for label, x, s in zip("qkv", full, shards, strict=True):
                 result[f"{name}.d{label}"] = max_abs_diff(
                     s.grad, par.shard(ops, x.grad, world, rank, 2, layout))
+        result.update(_layer(rank, world, layout, sys.argv[2] if len(sys.argv) > 2 else "ring"))
     finally:
         dist.destroy_process_group()
     emit(result)
+
+
+def _layer(rank: int, world: int, layout: str, strategy: str) -> dict[str, float]:
+    """A rotary grouped-query layer on the shards against the same layer on the whole sequence.
+
+    Causal, with lengths: the output rows, the input's gradient, and the weights' gradients
+    summed over the ranks.
+    """
+    ops, width = TorchOps(), 16
+    torch.manual_seed(0)
+    options = {"num_kv_heads": HKV, "positional": "rotary", "dtype": torch.float64}
+    whole = MultiHeadAttention(width, H, **options)
+    split = MultiHeadAttention(width, H, **options,
+                               context_parallel=ContextParallel(None, strategy, layout))
+    X = torch.from_numpy(np.random.default_rng(9).standard_normal((B, N, width)))
+    cot = torch.from_numpy(np.random.default_rng(10).standard_normal((B, N, width)))
+    lens = torch.from_numpy(LENGTHS)
+    full = X.clone().requires_grad_()
+    out = whole(full, full, full, lens, causal=True)
+    (out * cot).sum().backward()
+    split.set_weights(whole.get_weights())
+    mine_x = par.shard(ops, X, world, rank, 1, layout).requires_grad_()
+    mine = split(mine_x, mine_x, mine_x, lens, causal=True)
+    (mine * par.shard(ops, cot, world, rank, 1, layout)).sum().backward()
+    got = {"layer.out": max_abs_diff(mine.detach(),
+                                     par.shard(ops, out.detach(), world, rank, 1, layout)),
+           "layer.dX": max_abs_diff(mine_x.grad, par.shard(ops, full.grad, world, rank, 1,
+                                                           layout))}
+    theirs = dict(whole.named_parameters())
+    for name, p in split.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        got[f"layer.d{name}"] = max_abs_diff(grad, theirs[name].grad)
+    return got
 
 
 if __name__ == "__main__":
