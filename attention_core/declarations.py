@@ -281,7 +281,7 @@ class Declaration:
     attention_kind: ClassVar[str | None] = None
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
-    context_parallel_reader: ClassVar[Callable[[Any], Any] | None] = None
+    context_parallel_reader: ClassVar[Any] = None  # a function, or None
     cache_arguments: ClassVar[tuple[str, ...]] = ()
     function_arguments: ClassVar[tuple[str, ...]] = ()
     pair_arguments: ClassVar[tuple[str, ...]] = ()

@@ -9,9 +9,11 @@ import os
 
 import pytest
 
+from tests.harness import Harness
 from tests.test_distributed import only, run_ranks, run_worker, worker_env
 
 BOUND = 1e-5
+COLUMN_TESTS = True  # the layers of every column read or refuse context_parallel=
 
 
 @pytest.mark.parametrize(("world", "layout", "strategy"), [
@@ -30,3 +32,30 @@ def test_jax_ring_equals_one_device(backend: str, layout: str) -> None:
     env = worker_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     result = run_worker("ring_jax", env, (layout,))
     assert max(result.values()) <= BOUND, result
+
+
+#: The backends whose layers take ``context_parallel=`` (a framework's exchange between devices).
+ENGINES = {"torch", "jax", "nnx"}
+
+
+def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str) -> None:
+    """Frameworks without one refuse it by name when the layer is made; the others read it."""
+    hb = Harness(backend)
+    config = {"num_hiddens": 16, "num_heads": 4, "context_parallel": "seq"}
+    if backend in {"torch"}:
+        config["context_parallel"] = True
+    if backend in ENGINES:
+        if backend == "nnx":  # the tests' wrapper checks the arguments on a bare declaration
+            from flax import nnx
+            layer = hb.module.MultiHeadAttention(**config, rngs=nnx.Rngs(0))
+        else:
+            made = hb.make("MultiHeadAttention", config)
+            layer = getattr(made, "module", made)  # linen's module in the tests' wrapper
+        assert type(layer.context_parallel).__name__ == "ContextParallel"
+        assert layer.keep_attention_weights is False
+        return
+    framework = type(hb.make("MultiHeadAttention", {"num_hiddens": 16, "num_heads": 4})
+                     ).__module__.split(".")[1]
+    with pytest.raises(ValueError, match=f"^context_parallel is not available on the "
+                                         f"{framework} backend: .*got str$"):
+        hb.make("MultiHeadAttention", config)

@@ -97,3 +97,4 @@ def test_layouts_round_trip_and_refuse_uneven_lengths() -> None:
         np.testing.assert_array_equal(par.unshard(ops, parts, 1, layout), x)
     with pytest.raises(ValueError, match="cannot be cut into 8 equal chunks"):
         par.shard_positions(20, 4, 0, "zigzag")
+

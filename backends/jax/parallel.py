@@ -11,6 +11,7 @@ differentiates it (a permutation's transpose is the reverse permutation).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -65,7 +66,49 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis_name: str, layout: str = "zig
             _key_positions=table[source][None], ops=ops, **attention, **first)
         done = par.merge(ops, done, part)
         if step + 1 < world:
-            keys = jax.lax.ppermute(keys, axis_name, ring)
-            values = jax.lax.ppermute(values, axis_name, ring)
+            keys = jax.lax.ppermute(keys, axis_name, ring)  # type: ignore[no-untyped-call]
+            values = jax.lax.ppermute(values, axis_name, ring)  # type: ignore[no-untyped-call]
     assert done is not None
     return done[0]
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A layer's attention across the devices of a mesh axis (``context_parallel=``).
+
+    The layer runs inside ``jax.shard_map`` with its inputs split along the sequence over
+    ``axis_name``, each device's shard in ``layout`` (:func:`attention_core.parallel.shard`);
+    its output is the device's rows of what one device gives for the whole sequence.
+
+    Args:
+        axis_name: The mesh axis the sequence is split over.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+    """
+
+    axis_name: str
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise TypeError(f"axis_name must be a mesh axis name, got {self.axis_name!r}")
+        par.check_layout(self.layout)
+
+    def positions(self, ops: Any, rows: int) -> Any:
+        world = jax.lax.axis_size(self.axis_name)
+        table = np.stack([par.shard_positions(rows * world, world, r, self.layout)
+                          for r in range(world)])  # (P, n/P)
+        return jnp.asarray(table)[jax.lax.axis_index(self.axis_name)]
+
+    def attend(self, q: Any, k: Any, v: Any, **attention: Any) -> Any:
+        return ring_attention(q, k, v, axis_name=self.axis_name, layout=self.layout,
+                              **attention)
+
+
+def context_parallel(value: Any) -> ContextParallel | None:
+    """Reads a layer's ``context_parallel=``: a mesh axis name, or a :class:`ContextParallel`."""
+    if value is None or isinstance(value, ContextParallel):
+        return value
+    if isinstance(value, str):
+        return ContextParallel(value)
+    raise TypeError("context_parallel must be None, a mesh axis name or a ContextParallel, "
+                    f"got {type(value).__name__}")

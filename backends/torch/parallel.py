@@ -38,14 +38,14 @@ class _Shift(torch.autograd.Function):
     """``x`` of the previous rank (each rank sends its own to the next); backward: the reverse."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         ctx.ranks = ((rank + 1) % world, (rank - 1) % world)
         ctx.group = group
         return _exchange(x, ctx.ranks[0], ctx.ranks[1], group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         forward_to, forward_from = ctx.ranks
         return _exchange(grad, forward_from, forward_to, ctx.group), None
 
@@ -104,7 +104,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         else:  # its shifts' backward must still run on every rank: kept in the graph, times 0
             skipped.append(keys.sum() * 0 + values.sum() * 0)
         if step + 1 < world:
-            keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)
+            keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)  # type: ignore[no-untyped-call]
     assert done is not None
     return done[0] + sum(skipped) if skipped else done[0]
 
@@ -116,22 +116,23 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         got = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dist.all_to_all_single(got, x.contiguous(), group=group)
         return got
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _AllToAll.apply(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _AllToAll.apply(grad, ctx.group), None  # type: ignore[no-untyped-call]
 
 
 def _to_heads(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
     """``(B, G, n/P, D)`` sequence shards -> ``(B, G/P, n, D)``: every rank's rows, its heads."""
     B, G, rows, D = x.shape
     parts = x.reshape(B, world, G // world, rows, D).permute(1, 0, 2, 3, 4)  # (P, B, G/P, ., D)
-    got = _AllToAll.apply(parts, group)  # chunk s: rank s's rows of this rank's heads
+    # chunk s: rank s's rows of this rank's heads
+    got = _AllToAll.apply(parts, group)  # type: ignore[no-untyped-call]
     return got.permute(1, 2, 0, 3, 4).reshape(B, G // world, world * rows, D)
 
 
@@ -139,7 +140,8 @@ def _to_rows(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
     """The inverse of :func:`_to_heads`: ``(B, G/P, n, D)`` -> ``(B, G, n/P, D)``."""
     B, g, n, D = x.shape
     parts = x.reshape(B, g, world, n // world, D).permute(2, 0, 1, 3, 4)  # (P, B, G/P, n/P, D)
-    got = _AllToAll.apply(parts, group)  # chunk j: head group j of this rank's rows
+    # chunk j: head group j of this rank's rows
+    got = _AllToAll.apply(parts, group)  # type: ignore[no-untyped-call]
     return got.permute(1, 0, 2, 3, 4).reshape(B, world * g, n // world, D)
 
 

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import attention_core as ac  # noqa: E402
 from attention_core import parallel as par  # noqa: E402
+from backends.jax import MultiHeadAttention  # noqa: E402
 from backends.jax.ops import JaxOps  # noqa: E402
 from backends.jax.parallel import ring_attention  # noqa: E402
 from tests.distributed.common import emit, max_abs_diff  # noqa: E402
@@ -73,7 +74,50 @@ def main() -> None:
         result[f"{name}.out"] = max_abs_diff(out, ac.dot_product_attention(q, k, v, **masks))
         for label, g, w in zip("qkv", got[1], want[1], strict=True):
             result[f"{name}.d{label}"] = max_abs_diff(g, w)
+    result.update(_layer(mesh, world, layout))
     emit(result)
+
+
+def _layer(mesh: Mesh, world: int, layout: str) -> dict[str, float]:
+    """A rotary grouped-query linen layer on the shards against the same on the whole sequence.
+
+    Causal, with lengths: the output, and the gradients of the input and of the weights.
+    """
+    ops, width = JaxOps(), 16
+    options = {"num_kv_heads": HKV, "positional": "rotary"}
+    whole = MultiHeadAttention(width, H, **options)
+    split = MultiHeadAttention(width, H, **options, context_parallel="seq")
+    X = jnp.asarray(np.random.default_rng(9).standard_normal((B, N, width)))
+    cot = jnp.asarray(np.random.default_rng(10).standard_normal((B, N, width)))
+    lens = jnp.asarray(LENGTHS)
+    variables = whole.init(jax.random.key(0), X, X, X, lens, causal=True)
+
+    def laid(x: jax.Array) -> jax.Array:
+        return jnp.concatenate([par.shard(ops, x, world, r, 1, layout) for r in range(world)], 1)
+
+    def unlaid(x: jax.Array) -> jax.Array:
+        rows = x.shape[1] // world
+        return par.unshard(ops, [x[:, r * rows:(r + 1) * rows] for r in range(world)], 1, layout)
+
+    rows = P(None, "seq", None)
+    sharded = jax.shard_map(lambda v, x: split.apply(v, x, x, x, lens, causal=True), mesh=mesh,
+                            in_specs=(P(), rows), out_specs=rows)
+
+    def sharded_loss(v: dict, x: jax.Array) -> jax.Array:
+        return jnp.sum(unlaid(sharded(v, laid(x))) * cot)
+
+    def one_loss(v: dict, x: jax.Array) -> jax.Array:
+        return jnp.sum(whole.apply(v, x, x, x, lens, causal=True) * cot)
+
+    got = jax.jit(jax.grad(sharded_loss, argnums=(0, 1)))(variables, X)
+    want = jax.grad(one_loss, argnums=(0, 1))(variables, X)
+    out = unlaid(jax.jit(sharded)(variables, laid(X)))
+    result = {"layer.out": max_abs_diff(out, whole.apply(variables, X, X, X, lens, causal=True)),
+              "layer.dX": max_abs_diff(got[1], want[1])}
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[0]),
+                            jax.tree_util.tree_leaves(want[0]), strict=True):
+        result[f"layer.d{jax.tree_util.keystr(path)}"] = max_abs_diff(g, w)
+    return result
 
 
 if __name__ == "__main__":
