@@ -855,7 +855,8 @@ def _final_norm(layer: Any) -> dict[str, Sublayer]:
 def _head_options(layer: Any) -> multihead.HeadOptions:
     """The self-attention options of a decoder layer (its ``num_kv_heads`` and score options)."""
     return multihead.HeadOptions(layer.num_kv_heads, layer.positional, layer.rotary_base,
-                                 layer.window, layer.softcap, layer.scale)
+                                 layer.window, layer.softcap, layer.scale,
+                                 getattr(layer, "context_parallel", None))
 
 
 @dataclass(eq=False)
@@ -1253,6 +1254,7 @@ class TransformerEncoderBlock(Declaration):
         norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
         activation: The FFN's (see :class:`PositionWiseFFN`).
         ffn_bias: Whether the FFN's dense layers have biases.
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     num_hiddens: int
@@ -1265,6 +1267,7 @@ class TransformerEncoderBlock(Declaration):
     implementation: str | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     num_kv_heads: int | None = None
     positional: str | None = None
     rotary_base: float = 10000.0
@@ -1283,6 +1286,7 @@ class TransformerEncoderBlock(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -1348,6 +1352,7 @@ class TransformerEncoder(Declaration):
         activation: The FFN's (see :class:`PositionWiseFFN`).
         ffn_bias: Whether the FFN's dense layers have biases.
         scale_embeddings: Multiply the token embeddings by sqrt(h).
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     vocab_size: int
@@ -1363,6 +1368,7 @@ class TransformerEncoder(Declaration):
     max_len: int = positional.DEFAULT_MAX_LEN
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     num_kv_heads: int | None = None
     positional: str | None = None
     rotary_base: float = 10000.0
@@ -1384,6 +1390,7 @@ class TransformerEncoder(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
@@ -1458,6 +1465,7 @@ class TransformerDecoderBlock(Declaration):
         norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
         activation: The FFN's (see :class:`PositionWiseFFN`).
         ffn_bias: Whether the FFN's dense layers have biases.
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     num_hiddens: int
@@ -1476,6 +1484,7 @@ class TransformerDecoderBlock(Declaration):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     norm_first: bool = False
     norm: str = "layer"
     norm_eps: float | None = None
@@ -1491,6 +1500,7 @@ class TransformerDecoderBlock(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -1641,6 +1651,7 @@ class TransformerDecoder(Declaration):
         output_bias: Whether the logits have a bias ``dense.bias``.
         tie_output: The logits are ``X @ token.embedding^T``: no ``dense.kernel``.
         scale_embeddings: Multiply the token embeddings by sqrt(h).
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     vocab_size: int
@@ -1662,6 +1673,7 @@ class TransformerDecoder(Declaration):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     norm_first: bool = False
     norm: str = "layer"
     norm_eps: float | None = None
@@ -1683,6 +1695,7 @@ class TransformerDecoder(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)

@@ -43,6 +43,8 @@ class HeadOptions:
         window: Each query sees only the keys within this distance of its position, or None.
         softcap: c of the scores' soft-capping ``c * tanh(s / c)``, or None.
         scale: Multiplies the scores; None for ``1 / sqrt(h/H)``.
+        context_parallel: The :class:`~attention_core.parallel.ContextParallel` of a
+            sequence split across devices, or None.
     """
 
     num_kv_heads: int | None = None
@@ -51,12 +53,14 @@ class HeadOptions:
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    context_parallel: Any = None
 
     def checked(self, num_heads: int) -> HeadOptions:
         """The options checked (as every backend raises), numbers made plain."""
         kv_heads = checks.check_kv_heads(num_heads, self.num_kv_heads)
         return HeadOptions(kv_heads, **{name: rule(getattr(self, name))
-                                        for name, rule in checks.SCORE_OPTION_CHECKS.items()})
+                                        for name, rule in checks.SCORE_OPTION_CHECKS.items()},
+                           context_parallel=self.context_parallel)
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :func:`multi_head_attention`."""
@@ -198,11 +202,12 @@ def multi_head_attention(
         ``(that, cache)``.
     """
     ops = ops or ops_for(queries, "queries")
-    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
+    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale,
+                          context_parallel)
     ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
     if cache is not None or capacity is not None:
         refuse_in_cached_call(valid_lens=valid_lens, mask=mask, score_bias=score_bias,
-                              segment_ids=segment_ids, context_parallel=context_parallel)
+                              segment_ids=segment_ids)
         return cached_heads(ops, queries, keys, values, weights, num_heads, cache, start,
                             capacity=capacity, dropout=dropout, return_weights=return_weights,
                             implementation=implementation, options=options,
@@ -375,6 +380,7 @@ def cached_heads(
     call's ``lengths``, ``padding`` and ``padding_mask`` (:func:`attention_core.cache.placed`).
     ``checked``: as for :func:`_keys_values` (a layer's call, or a stack's block's).
     """
+    refuse_in_cached_call(context_parallel=options.context_parallel)
     weights, options, new = _keys_values(ops, "multi_head_attention", queries, keys,
                                          values, weights, num_heads, options, None, checked)
     B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)

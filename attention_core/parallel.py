@@ -163,6 +163,9 @@ class ContextParallel(Protocol):
     ``backends.jax.ContextParallel``); a layer made with ``context_parallel=`` holds it.
     """
 
+    def size(self) -> int:
+        """P, the devices the sequence is split over."""
+
     def positions(self, ops: Ops, rows: int) -> Array:
         """The whole-sequence positions of this device's ``rows`` rows, int32 ``(n/P,)``."""
 

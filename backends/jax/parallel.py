@@ -93,6 +93,9 @@ class ContextParallel:
             raise TypeError(f"axis_name must be a mesh axis name, got {self.axis_name!r}")
         par.check_layout(self.layout)
 
+    def size(self) -> int:
+        return int(jax.lax.axis_size(self.axis_name))
+
     def positions(self, ops: Any, rows: int) -> Any:
         world = jax.lax.axis_size(self.axis_name)
         table = np.stack([par.shard_positions(rows * world, world, r, self.layout)

@@ -208,6 +208,9 @@ class ContextParallel:
             raise ValueError(f"strategy must be 'ring' or 'ulysses', got {self.strategy!r}")
         par.check_layout(self.layout)
 
+    def size(self) -> int:
+        return int(dist.get_world_size(self.group))
+
     def positions(self, ops: Any, rows: int) -> torch.Tensor:
         rank, world = _global_rank(self.group)
         at = par.shard_positions(rows * world, world, rank, self.layout)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import attention_core as ac
 from attention_core import parallel as par
-from backends.torch import MultiHeadAttention
+from backends.torch import MultiHeadAttention, TransformerDecoder
 from backends.torch.ops import TorchOps
 from backends.torch.parallel import ContextParallel, ring_attention, ulysses_attention
 from tests.distributed.common import emit, max_abs_diff
@@ -62,6 +62,7 @@ def main() -> None:
                 result[f"{name}.d{label}"] = max_abs_diff(
                     s.grad, par.shard(ops, x.grad, world, rank, 2, layout))
         result.update(_layer(rank, world, layout, sys.argv[2] if len(sys.argv) > 2 else "ring"))
+        result.update(_stack(rank, world, layout, sys.argv[2] if len(sys.argv) > 2 else "ring"))
     finally:
         dist.destroy_process_group()
     emit(result)
@@ -98,6 +99,36 @@ def _layer(rank: int, world: int, layout: str, strategy: str) -> dict[str, float
         grad = p.grad.clone()
         dist.all_reduce(grad)
         got[f"layer.d{name}"] = max_abs_diff(grad, theirs[name].grad)
+    return got
+
+
+
+def _stack(rank: int, world: int, layout: str, strategy: str) -> dict[str, float]:
+    """A decoder-only stack (sinusoidal positions, grouped heads, lengths) on token shards.
+
+    The logits rows, and the weights' gradients summed over the ranks, against one process.
+    """
+    torch.manual_seed(1)
+    config = {"vocab_size": 30, "num_hiddens": 16, "ffn_num_hiddens": 24, "num_heads": H,
+              "num_blks": 2, "decoder_only": True, "num_kv_heads": HKV, "dtype": torch.float64}
+    whole = TransformerDecoder(**config)
+    split = TransformerDecoder(**config, context_parallel=ContextParallel(None, strategy, layout))
+    tokens = torch.from_numpy(np.random.default_rng(11).integers(0, 30, (B, N)))
+    cot = torch.from_numpy(np.random.default_rng(12).standard_normal((B, N, 30)))
+    lens = torch.from_numpy(LENGTHS)
+    out = whole(tokens, valid_lens=lens)
+    (out * cot).sum().backward()
+    split.set_weights(whole.get_weights())
+    ops = TorchOps()
+    mine = split(par.shard(ops, tokens, world, rank, 1, layout), valid_lens=lens)
+    (mine * par.shard(ops, cot, world, rank, 1, layout)).sum().backward()
+    got = {"stack.out": max_abs_diff(mine.detach(),
+                                     par.shard(ops, out.detach(), world, rank, 1, layout))}
+    theirs = dict(whole.named_parameters())
+    for name, p in split.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        got[f"stack.d{name}"] = max_abs_diff(grad, theirs[name].grad)
     return got
 
 
