@@ -79,7 +79,7 @@ def unshard(ops: Ops, parts: list[Array], axis: int, layout: str = "zigzag") -> 
 
 def merge(ops: Ops, done: tuple[Array, Array] | None, part: tuple[Array, Array]
           ) -> tuple[Array, Array]:
-    """Two partial results over disjoint keys as one: ``(out, lse)``, float32.
+    """Two partial results over disjoint keys as one: ``(out, lse)``.
 
     ``out`` ``(B, H, Q, Dv)`` and ``lse`` ``(B, H, Q)``; a row that sees no key has lse
     ``-inf`` and output 0, and merging it changes nothing (no NaN: its weight is 0).

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import attention_core as ac  # noqa: E402
 from attention_core import parallel as par  # noqa: E402
-from backends.jax import MultiHeadAttention  # noqa: E402
+from backends.jax import MultiHeadAttention, TransformerDecoder  # noqa: E402
 from backends.jax.ops import JaxOps  # noqa: E402
 from backends.jax.parallel import ring_attention  # noqa: E402
 from tests.distributed.common import emit, max_abs_diff  # noqa: E402
@@ -74,17 +74,19 @@ def main() -> None:
         result[f"{name}.out"] = max_abs_diff(out, ac.dot_product_attention(q, k, v, **masks))
         for label, g, w in zip("qkv", got[1], want[1], strict=True):
             result[f"{name}.d{label}"] = max_abs_diff(g, w)
-    result.update(_layer(mesh, world, layout))
+    if layout == "zigzag":  # the layers once: the layouts differ only in the positions
+        result.update(_layer(mesh, world, layout))
+        result.update(_stack(mesh, world, layout))
     emit(result)
 
 
 def _layer(mesh: Mesh, world: int, layout: str) -> dict[str, float]:
-    """A rotary grouped-query linen layer on the shards against the same on the whole sequence.
+    """A rotary grouped-query linen layer (float64) on the shards against the whole sequence.
 
     Causal, with lengths: the output, and the gradients of the input and of the weights.
     """
     ops, width = JaxOps(), 16
-    options = {"num_kv_heads": HKV, "positional": "rotary"}
+    options = {"num_kv_heads": HKV, "positional": "rotary", "param_dtype": jnp.float64}
     whole = MultiHeadAttention(width, H, **options)
     split = MultiHeadAttention(width, H, **options, context_parallel="seq")
     X = jnp.asarray(np.random.default_rng(9).standard_normal((B, N, width)))
@@ -117,6 +119,43 @@ def _layer(mesh: Mesh, world: int, layout: str) -> dict[str, float]:
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[0]),
                             jax.tree_util.tree_leaves(want[0]), strict=True):
         result[f"layer.d{jax.tree_util.keystr(path)}"] = max_abs_diff(g, w)
+    return result
+
+
+
+def _stack(mesh: Mesh, world: int, layout: str) -> dict[str, float]:
+    """A linen decoder-only stack (sinusoidal positions, grouped heads, lengths) on token shards.
+
+    The logits, and the weights' gradients, against one device.
+    """
+    ops = JaxOps()
+    config = {"vocab_size": 30, "num_hiddens": 16, "ffn_num_hiddens": 24, "num_heads": H,
+              "num_blks": 2, "decoder_only": True, "num_kv_heads": HKV,
+              "param_dtype": jnp.float64}
+    whole = TransformerDecoder(**config)
+    split = TransformerDecoder(**config, context_parallel="seq")
+    tokens = jnp.asarray(np.random.default_rng(11).integers(0, 30, (B, N)), jnp.int32)
+    cot = jnp.asarray(np.random.default_rng(12).standard_normal((B, N, 30)))
+    lens = jnp.asarray(LENGTHS)
+    variables = whole.init(jax.random.key(0), tokens, valid_lens=lens)
+
+    def laid(x: jax.Array) -> jax.Array:
+        return jnp.concatenate([par.shard(ops, x, world, r, 1, layout) for r in range(world)], 1)
+
+    def unlaid(x: jax.Array) -> jax.Array:
+        rows = x.shape[1] // world
+        return par.unshard(ops, [x[:, r * rows:(r + 1) * rows] for r in range(world)], 1, layout)
+
+    rows = P(None, "seq")
+    sharded = jax.shard_map(lambda v, t: split.apply(v, t, valid_lens=lens), mesh=mesh,
+                            in_specs=(P(), rows), out_specs=P(None, "seq", None))
+    got = jax.jit(jax.grad(lambda v: jnp.sum(unlaid(sharded(v, laid(tokens))) * cot)))(variables)
+    want = jax.grad(lambda v: jnp.sum(whole.apply(v, tokens, valid_lens=lens) * cot))(variables)
+    out = unlaid(jax.jit(sharded)(variables, laid(tokens)))
+    result = {"stack.out": max_abs_diff(out, whole.apply(variables, tokens, valid_lens=lens))}
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                            jax.tree_util.tree_leaves(want), strict=True):
+        result[f"stack.d{jax.tree_util.keystr(path)}"] = max_abs_diff(g, w)
     return result
 
 
