@@ -1,7 +1,9 @@
 """Attention over a sequence split across devices, on the frameworks' own engines, equals one
 device: torch's ring and Ulysses over gloo processes on 127.0.0.1, JAX's ring inside
-``shard_map`` over 4 host devices. Outputs and the gradients of q, k and v, float64 inputs,
-every mask kind the workers run (``tests/distributed/ring_*.py``)."""
+``shard_map`` over 4 host devices. In float64: outputs and the gradients of q, k and v for
+every mask kind the workers run (``tests/distributed/ring_*.py``), and a rotary grouped-query
+``MultiHeadAttention`` and a decoder-only stack made with ``context_parallel=``: their outputs
+and the gradients of their inputs and weights (summed over the devices)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import os
 
 import pytest
 
-from tests.harness import Harness
+from tests.harness import TOLERANCE, Harness
 from tests.test_distributed import only, run_ranks, run_worker, worker_env
 
-BOUND = 1e-5
+BOUND = TOLERANCE["float64"]
 COLUMN_TESTS = True  # the layers of every column read or refuse context_parallel=
 
 

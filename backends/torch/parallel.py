@@ -21,6 +21,7 @@ import torch.distributed as dist
 import attention_core as ac
 from attention_core import parallel as par
 from attention_core.cache import Positions
+from attention_core.kernels.blockwise import recompute_sizes
 from backends.torch.ops import TorchOps
 
 
@@ -76,37 +77,157 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         This rank's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
 
     A step whose block ``causal`` or ``window`` rules out whole is not computed (its keys and
-    values still pass on).
+    values still pass on). The backward pass recomputes each block a few query rows at a time
+    from the output and its log-sum-exp, passing the key and value gradients around the ring
+    with the keys and values: a rank holds its own rows and one block in flight. Under dropout
+    (which a recomputation would draw again) or a ``score_mod`` (which may hold learned
+    arrays), autograd records the ring instead.
     """
-    rank, world = _global_rank(group)
-    n = q.shape[2] * world
-    ops = TorchOps(q.device)
-    given = {name: x for name, x in (("valid_lens", valid_lens), ("segment_ids", segment_ids),
-                                     ("mask", mask)) if x is not None}
-    mine = torch.from_numpy(par.shard_positions(n, world, rank, layout)).to(q.device)
-    at = Positions(0, mine[None])
+    blocks = _Blocks(q, group, layout, {"valid_lens": valid_lens, "segment_ids": segment_ids,
+                                        "mask": mask}, attention)
+    if attention.get("dropout", 0.0) or attention.get("score_mod") is not None:
+        return _recorded_ring(blocks, q, k, v, sinks)
+    out: torch.Tensor = _Ring.apply(q, k, v, sinks, blocks)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Blocks:
+    """One rank's ring: its rows' positions and each step's block of attention."""
+
+    def __init__(self, q: torch.Tensor, group: Any, layout: str, masks: dict[str, Any],
+                 attention: dict[str, Any]) -> None:
+        self.group, self.attention = group, attention
+        self.rank, self.world = _global_rank(group)
+        n = q.shape[2] * self.world
+        self.at = [par.shard_positions(n, self.world, r, layout) for r in range(self.world)]
+        self.device = q.device
+        self.masks = {name: x for name, x in masks.items() if x is not None}
+        self.ops = TorchOps(q.device)
+
+    def source(self, step: int) -> int:
+        """The rank whose keys and values this rank holds at ``step``."""
+        return (self.rank - step) % self.world
+
+    def visible(self, step: int) -> bool:
+        """Whether the block of ``step`` has a visible pair (the first always counts)."""
+        return step == 0 or par.block_visible(
+            self.at[self.rank], self.at[self.source(step)],
+            bool(self.attention.get("causal")), self.attention.get("window"))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: int,
+               rows: slice = slice(None), sinks: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of this rank's query ``rows`` over the block of ``step``."""
+        mine = torch.from_numpy(self.at[self.rank][rows]).to(self.device)
+        theirs = torch.from_numpy(self.at[self.source(step)]).to(self.device)
+        first = {"sinks": sinks} if sinks is not None and step == 0 else {}
+        out, lse = ac.dot_product_attention(
+            q, keys, values, return_lse=True,
+            mask=par.block_masks(self.ops, mine, theirs, **self.masks),
+            _positions=Positions(0, mine[None]), _key_positions=theirs[None], ops=self.ops,
+            **self.attention, **first)
+        return out, lse
+
+
+def _recorded_ring(blocks: _Blocks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   sinks: Any) -> torch.Tensor:
+    """The ring with autograd recording every step (the shifts' backward shifts back)."""
     done = None
     keys, values = k, v
-    query_at = par.shard_positions(n, world, rank, layout)
     skipped: list[torch.Tensor] = []
-    for step in range(world):
-        source = (rank - step) % world
-        key_at = par.shard_positions(n, world, source, layout)
-        if step == 0 or par.block_visible(query_at, key_at, bool(attention.get("causal")),
-                                          attention.get("window")):
-            keys_at = torch.from_numpy(key_at).to(q.device)
-            first = {"sinks": sinks} if sinks is not None and step == 0 else {}
-            part = ac.dot_product_attention(
-                q, keys, values, return_lse=True,
-                mask=par.block_masks(ops, mine, keys_at, **given), _positions=at,
-                _key_positions=keys_at[None], ops=ops, **attention, **first)
-            done = par.merge(ops, done, part)
+    for step in range(blocks.world):
+        if blocks.visible(step):
+            done = par.merge(blocks.ops, done, blocks.attend(q, keys, values, step, sinks=sinks))
         else:  # its shifts' backward must still run on every rank: kept in the graph, times 0
             skipped.append(keys.sum() * 0 + values.sum() * 0)
-        if step + 1 < world:
-            keys, values = _Shift.apply(keys, group), _Shift.apply(values, group)  # type: ignore[no-untyped-call]
+        if step + 1 < blocks.world:
+            keys, values = _Shift.apply(keys, blocks.group), _Shift.apply(values, blocks.group)  # type: ignore[no-untyped-call]
     assert done is not None
     return done[0] + sum(skipped) if skipped else done[0]
+
+
+def _pass_on(blocks: _Blocks, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``xs`` sent to the next rank, the previous rank's received."""
+    if blocks.world == 1:
+        return list(xs)
+    to, source = (blocks.rank + 1) % blocks.world, (blocks.rank - 1) % blocks.world
+    got = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    ops = [op for x, g in zip(xs, got, strict=True)
+           for op in (dist.P2POp(dist.isend, x.contiguous(), to, blocks.group),
+                      dist.P2POp(dist.irecv, g, source, blocks.group))]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return got
+
+
+class _Ring(torch.autograd.Function):
+    """The ring's forward without a graph, and a backward that recomputes block by block."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Any,
+                blocks: _Blocks) -> torch.Tensor:
+        done = None
+        keys, values = k, v
+        for step in range(blocks.world):
+            if blocks.visible(step):
+                done = par.merge(blocks.ops, done,
+                                 blocks.attend(q, keys, values, step, sinks=sinks))
+            if step + 1 < blocks.world:
+                keys, values = _pass_on(blocks, keys, values)
+        assert done is not None
+        out, lse = done
+        ctx.blocks = blocks
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        blocks: _Blocks = ctx.blocks
+        B, H, Q = q.shape[:3]
+        size = recompute_sizes(B * H, Q, k.shape[2])[0]
+        whole = (d_out * out).sum(-1)  # <dO, out> per row
+        finite = torch.isfinite(lse)
+        d_q, d_sinks = torch.zeros_like(q), None if sinks is None else torch.zeros_like(sinks)
+        keys, values, d_k, d_v = k, v, torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(blocks.world):
+            if blocks.visible(step):
+                for q0 in range(0, Q, size):
+                    rows = slice(q0, q0 + size)
+                    grads = _block_grads(blocks, step, rows, q, keys, values,
+                                         sinks if step == 0 else None, d_out[:, :, rows],
+                                         lse[:, :, rows], whole[:, :, rows],
+                                         finite[:, :, rows])
+                    d_q[:, :, rows] += grads[0]
+                    d_k += grads[1]
+                    d_v += grads[2]
+                    if grads[3] is not None:
+                        d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
+            if step + 1 < blocks.world:  # the gradients travel with their keys and values
+                keys, values, d_k, d_v = _pass_on(blocks, keys, values, d_k, d_v)
+        d_k, d_v = _pass_on(blocks, d_k, d_v)  # one more step: each back to its own rank
+        return d_q, d_k, d_v, d_sinks, None
+
+
+def _block_grads(blocks: _Blocks, step: int, rows: slice, q: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, sinks: Any, d_out: torch.Tensor, lse: torch.Tensor,
+                 whole: torch.Tensor, finite: torch.Tensor) -> tuple[Any, ...]:
+    """The gradients of one block's query ``rows``, its keys, values and sinks.
+
+    The merged output is ``sum_j w_j o_j`` with ``w_j = exp(lse_j - lse)``: block j's output
+    gets ``w_j dO`` and its log-sum-exp ``w_j (<dO, o_j> - <dO, out>)``.
+    """
+    leaves = [x.detach().requires_grad_() for x in (q[:, :, rows], keys, values)]
+    if sinks is not None:
+        leaves.append(sinks.detach().requires_grad_())
+    with torch.enable_grad():
+        o_j, lse_j = blocks.attend(leaves[0], leaves[1], leaves[2], step, rows,
+                                   leaves[3] if sinks is not None else None)
+        w = torch.where(finite, torch.exp(lse_j.detach() - torch.where(finite, lse, 0.0)), 0.0)
+        g_lse = w * ((d_out * o_j.detach()).sum(-1) - whole)
+        grads = torch.autograd.grad((o_j, lse_j), leaves, (w[..., None] * d_out, g_lse),
+                                    allow_unused=True)
+    found = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+    return (*found[:3], found[3] if sinks is not None else None)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -29,7 +29,9 @@ SINKS = np.array([0.5, -1.0, 2.0, 0.0])
 MASKS = {"none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5},
          "lengths": {"valid_lens": LENGTHS}, "causal_segments": {"causal": True,
                                                                 "segment_ids": SEGMENTS},
-         "causal_sinks": {"causal": True, "sinks": SINKS}}
+         "causal_sinks": {"causal": True, "sinks": SINKS},
+         "causal_score_mod": {"causal": True,  # a score_mod: the ring autograd records
+                              "score_mod": lambda s, b, h, q, kv: s - 0.05 * (q - kv)}}
 
 
 def main() -> None:
@@ -69,14 +71,15 @@ def main() -> None:
 
 
 def _layer(rank: int, world: int, layout: str, strategy: str) -> dict[str, float]:
-    """A rotary grouped-query layer on the shards against the same layer on the whole sequence.
+    """A rotary grouped-query layer with sinks on the shards against the same on the whole sequence.
 
     Causal, with lengths: the output rows, the input's gradient, and the weights' gradients
     summed over the ranks.
     """
     ops, width = TorchOps(), 16
     torch.manual_seed(0)
-    options = {"num_kv_heads": HKV, "positional": "rotary", "dtype": torch.float64}
+    options = {"num_kv_heads": HKV, "positional": "rotary", "sinks": True,
+               "dtype": torch.float64}
     whole = MultiHeadAttention(width, H, **options)
     split = MultiHeadAttention(width, H, **options,
                                context_parallel=ContextParallel(None, strategy, layout))
