@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from tests.harness import TOLERANCE, Harness
@@ -61,3 +62,16 @@ def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str) -> No
     with pytest.raises(ValueError, match=f"^context_parallel is not available on the "
                                          f"{framework} backend: .*got str$"):
         hb.make("MultiHeadAttention", config)
+
+
+def test_a_call_outside_its_engine_says_what_it_needs(backend: str) -> None:
+    """torch with no process group, Flax outside ``shard_map``: the library's error, by name."""
+    if backend not in {"torch", "jax"}:
+        pytest.skip("torch and linen layers only")
+    hb = Harness(backend)
+    config = {"num_hiddens": 16, "num_heads": 4,
+              "context_parallel": True if backend == "torch" else "seq"}
+    X = hb.array(np.ones((2, 8, 16), np.float32))
+    need = "init_process_group" if backend == "torch" else "inside jax.shard_map"
+    with pytest.raises(ValueError, match=need):
+        hb.call(hb.make("MultiHeadAttention", config), X, X, X)

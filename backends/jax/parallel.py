@@ -94,10 +94,16 @@ class ContextParallel:
         par.check_layout(self.layout)
 
     def size(self) -> int:
-        return int(jax.lax.axis_size(self.axis_name))
+        try:
+            return int(jax.lax.axis_size(self.axis_name))
+        except NameError:  # "unbound axis name": called outside shard_map
+            raise ValueError(f"context_parallel={self.axis_name!r}: the layer attends across "
+                             "the devices of that mesh axis, so it must run inside "
+                             f"jax.shard_map over a mesh with an axis {self.axis_name!r}"
+                             ) from None
 
     def positions(self, ops: Any, rows: int) -> Any:
-        world = jax.lax.axis_size(self.axis_name)
+        world = self.size()
         table = np.stack([par.shard_positions(rows * world, world, r, self.layout)
                           for r in range(world)])  # (P, n/P)
         return jnp.asarray(table)[jax.lax.axis_index(self.axis_name)]

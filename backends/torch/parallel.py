@@ -52,6 +52,10 @@ class _Shift(torch.autograd.Function):
 
 
 def _global_rank(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size."""
+    if not dist.is_initialized():
+        raise ValueError("context parallel attention runs across the ranks of a process group: "
+                         "call torch.distributed.init_process_group first")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
