@@ -151,16 +151,29 @@ def _recorded_ring(blocks: _Blocks, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def _pass_on(blocks: _Blocks, *xs: torch.Tensor) -> list[torch.Tensor]:
     """Each of ``xs`` sent to the next rank, the previous rank's received."""
+    return _received(_send_on(blocks, *xs))
+
+
+Sending = tuple[list[Any], list[torch.Tensor]]
+
+
+def _send_on(blocks: _Blocks, *xs: torch.Tensor) -> Sending:
+    """Starts sending ``xs`` to the next rank and receiving the previous rank's (no wait)."""
     if blocks.world == 1:
-        return list(xs)
+        return [], list(xs)
     to, source = (blocks.rank + 1) % blocks.world, (blocks.rank - 1) % blocks.world
     got = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     ops = [op for x, g in zip(xs, got, strict=True)
            for op in (dist.P2POp(dist.isend, x.contiguous(), to, blocks.group),
                       dist.P2POp(dist.irecv, g, source, blocks.group))]
-    for request in dist.batch_isend_irecv(ops):
+    return dist.batch_isend_irecv(ops), got
+
+
+def _received(sending: Sending) -> list[torch.Tensor]:
+    """What :func:`_send_on` receives, once it has arrived."""
+    for request in sending[0]:
         request.wait()
-    return got
+    return sending[1]
 
 
 class _Ring(torch.autograd.Function):
@@ -171,12 +184,13 @@ class _Ring(torch.autograd.Function):
                 blocks: _Blocks) -> torch.Tensor:
         done = None
         keys, values = k, v
-        for step in range(blocks.world):
+        for step in range(blocks.world):  # the next block travels while this one is computed
+            sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
             if blocks.visible(step):
                 done = par.merge(blocks.ops, done,
                                  blocks.attend(q, keys, values, step, sinks=sinks))
-            if step + 1 < blocks.world:
-                keys, values = _pass_on(blocks, keys, values)
+            if sending is not None:
+                keys, values = _received(sending)
         assert done is not None
         out, lse = done
         ctx.blocks = blocks
@@ -194,6 +208,7 @@ class _Ring(torch.autograd.Function):
         d_q, d_sinks = torch.zeros_like(q), None if sinks is None else torch.zeros_like(sinks)
         keys, values, d_k, d_v = k, v, torch.zeros_like(k), torch.zeros_like(v)
         for step in range(blocks.world):
+            sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
             if blocks.visible(step):
                 for q0 in range(0, Q, size):
                     rows = slice(q0, q0 + size)
@@ -206,8 +221,9 @@ class _Ring(torch.autograd.Function):
                     d_v += grads[2]
                     if grads[3] is not None:
                         d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
-            if step + 1 < blocks.world:  # the gradients travel with their keys and values
-                keys, values, d_k, d_v = _pass_on(blocks, keys, values, d_k, d_v)
+            if sending is not None:  # the gradients travel with their keys and values
+                keys, values = _received(sending)
+                d_k, d_v = _pass_on(blocks, d_k, d_v)
         d_k, d_v = _pass_on(blocks, d_k, d_v)  # one more step: each back to its own rank
         return d_q, d_k, d_v, d_sinks, None
 
