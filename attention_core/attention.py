@@ -266,8 +266,8 @@ def dot_product_attention(
             list.
         sinks: Per-head sink logits ``(H,)``: each row's softmax denominator gains
             ``exp(sinks[h])`` (attention sinks, as in gpt-oss).
-        return_lse: Also return each row's log-sum-exp ``(B, H, Q)`` in float32, ``-inf`` for a
-            row with nothing visible (and no sink).
+        return_lse: Also return each row's log-sum-exp ``(B, H, Q)`` in float32 (float64 for
+            float64 inputs), ``-inf`` for a row with nothing visible (and no sink).
         check_numerics: Make a NaN or inf in an input reach exactly the rows that see it, as
             in exact arithmetic (a pass over the inputs; fused kernels are passed over).
         ops: The backend's ops; found from ``queries`` when omitted.

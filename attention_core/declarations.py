@@ -265,6 +265,9 @@ class Declaration:
         shorthand: Call arguments that default to another's value when not given: the
             self-attention shorthand (``mha(X)`` is ``mha(X, X, X)``, ``mha(Q, KV)`` is
             ``mha(Q, KV, KV)``).
+        context_parallel_reader: Reads a layer's ``context_parallel=`` into a
+            :class:`~attention_core.parallel.ContextParallel` (set by an adapter whose
+            framework can exchange between devices; None: refused).
         convention: The framework's call keywords a backend's layers also take
             (:class:`attention_core.conventions.Keyword`, listed by the adapter, e.g.
             ``backends.torch.conventions.TORCH``); set by the adapter's base class, empty for
@@ -278,6 +281,7 @@ class Declaration:
     attention_kind: ClassVar[str | None] = None
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
+    context_parallel_reader: ClassVar[Any] = None  # a function, or None
     cache_arguments: ClassVar[tuple[str, ...]] = ()
     function_arguments: ClassVar[tuple[str, ...]] = ()
     pair_arguments: ClassVar[tuple[str, ...]] = ()
@@ -782,6 +786,22 @@ def _normalise_score_options(layer: Declaration) -> None:
         layer.normalise("num_kv_heads", functools.partial(checks.check_kv_heads, heads))
 
 
+def _normalise_context_parallel(layer: Declaration) -> None:
+    """Reads a layer's ``context_parallel=`` by its framework's rule; refused where none."""
+    value = getattr(layer, "context_parallel", None)
+    if value is None:
+        return
+    layer.normalise("keep_attention_weights", lambda _: False)  # no device holds them whole
+    reader = type(layer).context_parallel_reader
+    if reader is None:
+        framework = type(layer).__module__.split(".")[1]
+        raise ValueError(f"context_parallel is not available on the {framework} backend: "
+                         "it takes a framework's collective exchange between devices "
+                         "(torch.distributed, or JAX's shard_map); got "
+                         f"{type(value).__name__}")
+    layer.normalise("context_parallel", reader)
+
+
 def _check_rotary_heads(layer: Any) -> None:
     """Refuses rotary positions on heads of odd depth ``num_hiddens / num_heads``, when made.
 
@@ -835,7 +855,8 @@ def _final_norm(layer: Any) -> dict[str, Sublayer]:
 def _head_options(layer: Any) -> multihead.HeadOptions:
     """The self-attention options of a decoder layer (its ``num_kv_heads`` and score options)."""
     return multihead.HeadOptions(layer.num_kv_heads, layer.positional, layer.rotary_base,
-                                 layer.window, layer.softcap, layer.scale)
+                                 layer.window, layer.softcap, layer.scale,
+                                 getattr(layer, "context_parallel", None))
 
 
 @dataclass(eq=False)
@@ -942,6 +963,11 @@ class MultiHeadAttention(_ScoredAttention):
         sinks: Learn an attention sink per head: the weight ``sinks (H,)``, zeros at first,
             a logit each head's softmax also sums over (``exp(sinks[h])`` joins the
             denominator, not scaled, pooling no value).
+        context_parallel: The inputs are this device's shard of a sequence split across
+            devices, and the attention reaches the others' (torch: True, a process group or
+            ``backends.torch.ContextParallel``; Flax: a mesh axis name or
+            ``backends.jax.ContextParallel``); None for one device. Such a layer keeps
+            no attention weights, and a call cannot return them.
     """
 
     num_hiddens: int
@@ -958,6 +984,7 @@ class MultiHeadAttention(_ScoredAttention):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     sizes: ClassVar[Mapping[str, Size]] = QKV_SIZES
 
     def check(self) -> None:
@@ -966,6 +993,7 @@ class MultiHeadAttention(_ScoredAttention):
         self.normalise("num_heads", lambda _: heads[1])
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def own_weight_shapes(self, **dims: int | None) -> W.Spec:
         return W.multi_head_spec(
@@ -979,7 +1007,7 @@ class MultiHeadAttention(_ScoredAttention):
         return multihead.multi_head_attention(  # the options were checked when it was made
             q, k, v, run.weights, self.num_heads, valid_lens,
             implementation=self.pooling(run), num_kv_heads=self.num_kv_heads, **options,
-            _layer=True,
+            context_parallel=self.context_parallel, _layer=True,
         )
 
 
@@ -1226,6 +1254,7 @@ class TransformerEncoderBlock(Declaration):
         norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
         activation: The FFN's (see :class:`PositionWiseFFN`).
         ffn_bias: Whether the FFN's dense layers have biases.
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     num_hiddens: int
@@ -1238,6 +1267,7 @@ class TransformerEncoderBlock(Declaration):
     implementation: str | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     num_kv_heads: int | None = None
     positional: str | None = None
     rotary_base: float = 10000.0
@@ -1256,6 +1286,7 @@ class TransformerEncoderBlock(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -1321,6 +1352,7 @@ class TransformerEncoder(Declaration):
         activation: The FFN's (see :class:`PositionWiseFFN`).
         ffn_bias: Whether the FFN's dense layers have biases.
         scale_embeddings: Multiply the token embeddings by sqrt(h).
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     vocab_size: int
@@ -1336,6 +1368,7 @@ class TransformerEncoder(Declaration):
     max_len: int = positional.DEFAULT_MAX_LEN
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     num_kv_heads: int | None = None
     positional: str | None = None
     rotary_base: float = 10000.0
@@ -1357,6 +1390,7 @@ class TransformerEncoder(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)
@@ -1431,6 +1465,7 @@ class TransformerDecoderBlock(Declaration):
         norm_eps: The norms' epsilon; None for the norm's default (1e-5 layer, 1e-6 rms).
         activation: The FFN's (see :class:`PositionWiseFFN`).
         ffn_bias: Whether the FFN's dense layers have biases.
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     num_hiddens: int
@@ -1449,6 +1484,7 @@ class TransformerDecoderBlock(Declaration):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     norm_first: bool = False
     norm: str = "layer"
     norm_eps: float | None = None
@@ -1464,6 +1500,7 @@ class TransformerDecoderBlock(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def sublayers(self) -> dict[str, Sublayer]:
         h, dropout = self.num_hiddens, self.dropout
@@ -1614,6 +1651,7 @@ class TransformerDecoder(Declaration):
         output_bias: Whether the logits have a bias ``dense.bias``.
         tie_output: The logits are ``X @ token.embedding^T``: no ``dense.kernel``.
         scale_embeddings: Multiply the token embeddings by sqrt(h).
+        context_parallel: See :class:`MultiHeadAttention` (the self-attention's).
     """
 
     vocab_size: int
@@ -1635,6 +1673,7 @@ class TransformerDecoder(Declaration):
     softcap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    context_parallel: Any = None
     norm_first: bool = False
     norm: str = "layer"
     norm_eps: float | None = None
@@ -1656,6 +1695,7 @@ class TransformerDecoder(Declaration):
         _normalise_score_options(self)
         super().check()
         _check_rotary_heads(self)
+        _normalise_context_parallel(self)
 
     def check_inputs(self, ops: Ops, **arguments: Any) -> None:
         transformer.check_token_ids(arguments["tokens"], self.vocab_size, ops=ops)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention_core import cache as kv_cache
-from attention_core import checks
+from attention_core import checks, parallel
 from attention_core import weights as W
 from attention_core.attention import (
     check_projected_inputs,
@@ -24,6 +24,7 @@ from attention_core.attention import (
     softmax_visible,
     visibility,
 )
+from attention_core.cache import Positions
 from attention_core.linear import dense
 from attention_core.ops import Array, Ops, fixed_shape, matmul_transposed
 from attention_core.positional import ROTARY_MAX_POSITIONS, relative_offsets, rotated_heads
@@ -42,6 +43,8 @@ class HeadOptions:
         window: Each query sees only the keys within this distance of its position, or None.
         softcap: c of the scores' soft-capping ``c * tanh(s / c)``, or None.
         scale: Multiplies the scores; None for ``1 / sqrt(h/H)``.
+        context_parallel: The :class:`~attention_core.parallel.ContextParallel` of a
+            sequence split across devices, or None.
     """
 
     num_kv_heads: int | None = None
@@ -50,12 +53,14 @@ class HeadOptions:
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    context_parallel: Any = None
 
     def checked(self, num_heads: int) -> HeadOptions:
         """The options checked (as every backend raises), numbers made plain."""
         kv_heads = checks.check_kv_heads(num_heads, self.num_kv_heads)
         return HeadOptions(kv_heads, **{name: rule(getattr(self, name))
-                                        for name, rule in checks.SCORE_OPTION_CHECKS.items()})
+                                        for name, rule in checks.SCORE_OPTION_CHECKS.items()},
+                           context_parallel=self.context_parallel)
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :func:`multi_head_attention`."""
@@ -134,6 +139,7 @@ def multi_head_attention(
     lengths: Any = None,
     padding: str = "right",
     padding_mask: Any = None,
+    context_parallel: Any = None,
     ops: Ops | None = None,
     _layer: bool = False,
 ) -> Any:
@@ -183,6 +189,10 @@ def multi_head_attention(
             ``b``'s tokens sit at positions ``start[b] ..`` and only they are written.
         padding: Where the padding of ``lengths`` sits, ``"right"`` or ``"left"``.
         padding_mask: Boolean ``(B, t)``, True at the real tokens, in place of ``lengths``.
+        context_parallel: A :class:`~attention_core.parallel.ContextParallel`: the inputs
+            are this device's shard of a sequence split across devices, in its layout (keys
+            and values of the same rows as the queries); ``valid_lens``, ``mask`` and
+            ``segment_ids`` are the whole sequence's.
         ops: The backend's ops; found from ``queries`` when omitted.
         _layer: Internal: a layer's call, whose ``num_heads`` and head options the layer
             checked when it was made (and its inputs and weights, as ``weights`` says).
@@ -192,7 +202,8 @@ def multi_head_attention(
         ``(that, cache)``.
     """
     ops = ops or ops_for(queries, "queries")
-    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale)
+    options = HeadOptions(num_kv_heads, positional, rotary_base, window, softcap, scale,
+                          context_parallel)
     ragged = ragged_arguments(cache, capacity, lengths, padding, padding_mask)
     if cache is not None or capacity is not None:
         refuse_in_cached_call(valid_lens=valid_lens, mask=mask, score_bias=score_bias,
@@ -202,12 +213,32 @@ def multi_head_attention(
                             implementation=implementation, options=options,
                             mask_mod=mask_mod, score_mod=score_mod, ragged=ragged,
                             checked=_layer)
+    at = None
+    if context_parallel is not None:
+        at = _split_positions(ops, context_parallel, queries, keys, return_weights, score_bias)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
-                                          weights, num_heads, options, checked=_layer)
+                                          weights, num_heads, options, checked=_layer,
+                                          start=0 if at is None else at)
     return pool_heads(ops, queries, pair, weights, num_heads, valid_lens, mask=mask,
                       causal=causal, dropout=dropout, return_weights=return_weights,
                       implementation=implementation, options=options, score_bias=score_bias,
-                      segment_ids=segment_ids, mask_mod=mask_mod, score_mod=score_mod)
+                      segment_ids=segment_ids, mask_mod=mask_mod, score_mod=score_mod,
+                      positions=at, split=context_parallel)
+
+
+def _split_positions(ops: Ops, split: Any, queries: Array, keys: Array,
+                     return_weights: bool | str, score_bias: Any) -> Positions:
+    """The whole-sequence positions of a context-parallel call's rows, its inputs checked."""
+    if not isinstance(split, parallel.ContextParallel):
+        raise TypeError("context_parallel must be a ContextParallel of the backend "
+                        f"(or what the layer's context_parallel= takes), got "
+                        f"{type(split).__name__}")
+    parallel.refuse_in_split_call(return_weights=return_weights, score_bias=score_bias)
+    rows, key_rows = ops.shape(queries)[1], ops.shape(keys)[1]
+    if rows != key_rows:
+        raise ValueError("context_parallel attends a shard to the shards of the same sequence: "
+                         f"keys must have the queries' {rows} rows, got {key_rows}")
+    return Positions(0, ops.expand_dims(split.positions(ops, rows), 0))
 
 
 def _keys_values(
@@ -236,7 +267,9 @@ def _keys_values(
         checks.check_heads(num_hiddens, num_heads)
     kv_heads = options.num_kv_heads or num_heads
     k = heads(ops, keys, weights, "W_k", kv_heads)
-    if options.positional == "rotary" and start is not None:
+    if options.positional == "rotary" and isinstance(start, Positions):  # (1, K) positions
+        k = rotated_heads(ops, k, 0, options.rotary_base, start.query)
+    elif options.positional == "rotary" and start is not None:
         k = rotated_heads(ops, k, start, options.rotary_base)
     return weights, options, (k, heads(ops, values, weights, "W_v", kv_heads))
 
@@ -268,6 +301,7 @@ def pool_heads(
     positions: Any = None,
     keys_at: tuple[Array, Array] | None = None,
     tables: dict[Any, Any] | None = None,
+    split: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
@@ -297,6 +331,9 @@ def pool_heads(
             ring's, :func:`~attention_core.cache.ring_keys`); None: key ``j`` at ``j``.
         tables: The rotary tables of the queries' positions, kept for the call's other heads
             (:attr:`~attention_core.cache.Positions.tables` of a cached call).
+        split: The :class:`~attention_core.parallel.ContextParallel` that pools a shard's
+            queries over every device's keys (``positions``: the shard's), in place of
+            :func:`~attention_core.attention.dot_product_attention`.
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     if options.positional == "rotary":
@@ -305,14 +342,18 @@ def pool_heads(
                           None if positions is None else positions.query, tables)
     given = {"sinks": weights.get("sink_logits"), "segment_ids": segment_ids,
              "mask_mod": mask_mod, "score_mod": score_mod}
+    shared = {"mask": mask, "causal": causal, "dropout": dropout,
+              "implementation": implementation, "window": options.window,
+              "softcap": options.softcap, "scale": options.scale,
+              "positional": "alibi" if options.positional == "alibi" else None,
+              **{name: value for name, value in given.items() if value is not None}}
+    if split is not None:
+        return project(ops, merge_heads(ops, split.attend(q, *pair, valid_lens=valid_lens,
+                                                          **shared)), weights, "W_o")
     pooled = dot_product_attention(
-        q, *pair, valid_lens, mask=mask, causal=causal, dropout=dropout,
-        return_weights=return_weights, implementation=implementation, window=options.window,
-        softcap=options.softcap, score_bias=score_bias, scale=options.scale,
-        positional="alibi" if options.positional == "alibi" else None, ops=ops, _heads=True,
-        _offset=offset, _positions=positions, _key_positions=keys_at and keys_at[0],
-        _key_valid=keys_at and keys_at[1],
-        **{name: value for name, value in given.items() if value is not None},
+        q, *pair, valid_lens, return_weights=return_weights, score_bias=score_bias, ops=ops,
+        _heads=True, _offset=offset, _positions=positions,
+        _key_positions=keys_at and keys_at[0], _key_valid=keys_at and keys_at[1], **shared,
     )
     out, attn = pooled if return_weights else (pooled, None)
     out = project(ops, merge_heads(ops, out), weights, "W_o")  # (B, Q, h)
@@ -339,6 +380,7 @@ def cached_heads(
     call's ``lengths``, ``padding`` and ``padding_mask`` (:func:`attention_core.cache.placed`).
     ``checked``: as for :func:`_keys_values` (a layer's call, or a stack's block's).
     """
+    refuse_in_cached_call(context_parallel=options.context_parallel)
     weights, options, new = _keys_values(ops, "multi_head_attention", queries, keys,
                                          values, weights, num_heads, options, None, checked)
     B, Hkv, steps, D = ops.shape(new[0])  # (B, Hkv, t, h/H)

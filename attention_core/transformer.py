@@ -965,13 +965,29 @@ def _decoder_input(
     """A stack's input: :func:`embed_with_positions`, or without the sinusoidal table.
 
     No table when the self-attention places the tokens itself (rotary or ALiBi positions).
+    A sequence split across devices (``options.context_parallel``) adds the table's rows of
+    this device's positions.
     """
+    if options.positional is None and options.context_parallel is not None:
+        start = _split_start(ops, options.context_parallel, tokens, positions, max_len)
     if options.positional is None:
         return embed_with_positions(tokens, table, dropout, positions, max_len, ops=ops,
                                     start=start, side=side,
                                     scale_embeddings=block.scale_embeddings)
     X = _embedded(ops, tokens, table, side, block.scale_embeddings)
     return _dropped(ops, X, dropout)
+
+
+def _split_start(ops: Ops, split: Any, tokens: Array, positions: Array | None,
+                 max_len: int | None) -> Array:
+    """This device's token positions ``(1, T)`` in the whole split sequence, checked."""
+    steps = ops.shape(tokens)[1]
+    rows = max_len if positions is None else ops.shape(positions)[1]
+    whole = steps * split.size()
+    if isinstance(rows, int) and whole > rows:
+        raise ValueError(f"tokens have {whole} positions (the whole sequence over "
+                         f"{split.size()} devices), more than max_len ({rows})")
+    return ops.expand_dims(split.positions(ops, steps), 0)
 
 
 def _collected(kept: list[list[Array]], formed: list[Array]) -> list[list[Array]]:

@@ -94,6 +94,7 @@ WRONG_SETTINGS: dict[str, tuple[Any, ...]] = {
     "int": ("8", 2.5, [8], None),
     "float": ("0.1", [0.1], None),
     "str": (3, ["rotary"]),
+    "any": (3, ["seq"]),  # context_parallel: an engine's object, refused where none runs it
 }
 
 #: Values of the wrong kind for an array argument of a call.
@@ -101,8 +102,10 @@ WRONG_ARRAYS: dict[str, Any] = {"a string": "x", "a float": 2.5, "a 1-d array": 
 
 
 def kind_of(annotation: Any) -> str:
-    """The kind of a declared constructor argument: bool, int, float or str."""
+    """The kind of a declared constructor argument: bool, int, float, str or any."""
     text = str(annotation)
+    if annotation is typing.Any:
+        return "any"
     return next(kind for kind in ("bool", "int", "float", "str") if kind in text)
 
 

@@ -53,9 +53,9 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_worker(script: str, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", f"tests.distributed.{script}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+def run_worker(script: str, env: dict[str, str], args: tuple[str, ...] = ()) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", f"tests.distributed.{script}", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     return parse(done.stdout)
 
@@ -71,8 +71,9 @@ def free_port() -> int:
         return port
 
 
-def run_ranks(world: int) -> list[dict[str, Any]]:
-    """Runs ``ddp_torch`` as ``world`` processes (``env://`` rendezvous on a free local port)."""
+def run_ranks(world: int, script: str = "ddp_torch",
+              args: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Runs ``script`` as ``world`` processes (``env://`` rendezvous on a free local port)."""
     for _attempt in range(3):  # the port may be taken between choosing it and binding it
         env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                          WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -83,7 +84,8 @@ def run_ranks(world: int) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp:
             logs = [(open(os.path.join(tmp, f"{r}.out"), "w+"),  # noqa: SIM115
                      open(os.path.join(tmp, f"{r}.err"), "w+")) for r in range(world)]  # noqa: SIM115
-            ranks = [subprocess.Popen([sys.executable, "-m", "tests.distributed.ddp_torch"],
+            ranks = [subprocess.Popen([sys.executable, "-m", f"tests.distributed.{script}",
+                                       *args],
                                       cwd=REPO, env={**env, "RANK": str(r)}, stdout=out,
                                       stderr=err, text=True)
                      for r, (out, err) in enumerate(logs)]

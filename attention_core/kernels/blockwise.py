@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attention_core.kernels import Capabilities, Request, Result
-from attention_core.kernels.rows import hidden, narrowed, sink_column, widened
+from attention_core.kernels.rows import hidden, lse_out, narrowed, sink_column, widened
 from attention_core.masks import FILL_VALUE
 from attention_core.modifiers import Alibi, AllMasks, Softcap
 from attention_core.ops import Array, Ops
@@ -265,7 +265,7 @@ def blockwise_attention(
         return both, None
     Dv = ops.shape(values)[3]
     lse = ops.slice(both, 3, Dv, 1)[:, :, :, 0]
-    return narrow(ops.slice(both, 3, 0, Dv)), ops.astype(lse, "float32")
+    return narrow(ops.slice(both, 3, 0, Dv)), lse_out(ops, lse)
 
 
 #: Score modifiers that hold no array a gradient could be asked of.

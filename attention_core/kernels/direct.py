@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from attention_core.kernels import Capabilities, Request, Result
 from attention_core.kernels.rows import (
+    lse_out,
     narrowed,
     sink_column,
     softmax_rows,
@@ -58,4 +59,4 @@ def direct(ops: Ops, q: Array, k: Array, v: Array, request: Request) -> Result:
     kept = None
     if request.weights:
         kept = narrowed(ops, w, request.dtype)
-    return Result(out, kept, None if lse is None else ops.astype(lse[:, :, :, 0], "float32"))
+    return Result(out, kept, None if lse is None else lse_out(ops, lse[:, :, :, 0]))

@@ -6,7 +6,7 @@
   one; a visible ``+inf`` or NaN makes its row NaN, as IEEE arithmetic has it.
 * float16 and bfloat16 inputs are scored, normalised and pooled in float32
   (:func:`accumulation_dtype`), as FlashAttention and torch's fused kernels do; the output is
-  cast back to the inputs' dtype.
+  cast back to the inputs' dtype, the log-sum-exp kept in float32 (:func:`lse_out`).
 * Nothing reads the data on the host: every decision above is an array operation.
 
 Shape legend: B batch, H heads, Q queries, K keys.
@@ -42,6 +42,11 @@ def narrowed(ops: Ops, x: Array, dtype: str) -> Array:
     picks it.
     """
     return ops.astype(x, dtype) if dtype in ACCUMULATION and ops.dtype_name(x) != dtype else x
+
+
+def lse_out(ops: Ops, lse: Array) -> Array:
+    """A log-sum-exp as calls return it: float64 for float64 inputs, float32 otherwise."""
+    return lse if ops.dtype_name(lse) in ("float32", "float64") else ops.astype(lse, "float32")
 
 
 def hidden(ops: Ops, scores: Array, visible: Array | None) -> Array:

@@ -25,12 +25,15 @@ from backends.jax.layers import init_weights as init_weights
 from backends.jax.layers import set_weights as set_weights
 from backends.jax.ops import OPS as OPS
 from backends.jax.ops import JaxOps as JaxOps
+from backends.jax.parallel import ContextParallel as ContextParallel
+from backends.jax.parallel import ring_attention as ring_attention
 
 __all__ = [  # the declared layers, one class each, and the backend's own names
-    "OPS", "AddNorm", "AdditiveAttention", "DotProductAttention", "JaxOps", "LearnedPositionalEncoding",
+    "OPS", "AddNorm", "AdditiveAttention", "ContextParallel", "DotProductAttention", "JaxOps",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention", "NadarayaWatson", "PositionWiseFFN", "PositionalEncoding",
     "RelativeMultiHeadAttention",
     "RotaryEmbedding", "Transformer", "TransformerDecoder", "TransformerDecoderBlock",
     "TransformerEncoder", "TransformerEncoderBlock", "call_layer",
-    "get_weights", "init_from_weights", "init_weights", "set_weights"
+    "get_weights", "init_from_weights", "init_weights", "ring_attention", "set_weights"
 ]

@@ -37,6 +37,7 @@ from attention_core.host import plain
 from attention_core.ops import Array
 from backends.jax.conventions import FLAX
 from backends.jax.ops import OPS, JaxOps, floats_on_device
+from backends.jax.parallel import context_parallel
 from backends.jax.params import SAMPLERS, constants, flatten, nest
 
 # -- the canonical layout as a Flax params pytree ---------------------------------------------
@@ -80,6 +81,7 @@ class Layer(FlaxArguments, nn.Module, D.Declaration):
 
     extras = D.keyword_parameters(FlaxArguments)
     convention = FLAX  # linen's call keywords too (backends.jax.conventions)
+    context_parallel_reader = staticmethod(context_parallel)
 
     def __post_init__(self) -> None:
         for field in fields(self):  # NumPy scalars as Python numbers, as elsewhere

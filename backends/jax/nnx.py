@@ -66,6 +66,7 @@ from attention_core import declarations as D
 from attention_core import weights as W
 from backends.jax.conventions import FLAX
 from backends.jax.ops import OPS, JaxOps, floats_on_device
+from backends.jax.parallel import context_parallel
 from backends.jax.params import SAMPLERS, constants, nest
 
 
@@ -109,6 +110,7 @@ class Layer(D.Declaration, nnx.Module):
     """Holds a declared layer's weights as ``nnx.Param`` and calls its forward."""
 
     convention = FLAX  # Flax's call keywords too (inputs_q ..., backends.jax.conventions)
+    context_parallel_reader = staticmethod(context_parallel)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         own = {p.name: p for p in D.keyword_parameters(NnxArguments)}

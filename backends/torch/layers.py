@@ -44,6 +44,7 @@ from attention_core import declarations as D
 from attention_core import weights as W
 from backends.torch.conventions import TORCH
 from backends.torch.ops import OPS, TorchOps, _tracing, autocasting
+from backends.torch.parallel import context_parallel
 
 Tensor = torch.Tensor
 
@@ -102,6 +103,7 @@ class Layer(TorchArguments, D.KeptAttention, D.Declaration, nn.Module):
 
     __repr__ = nn.Module.__repr__
     convention = TORCH  # torch's call keywords too (backends.torch.conventions)
+    context_parallel_reader = staticmethod(context_parallel)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         own = {p.name: p for p in D.keyword_parameters(TorchArguments)}

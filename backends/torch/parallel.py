@@ -1,0 +1,375 @@
+"""Attention over a sequence split across processes, on ``torch.distributed``.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, n/P the rows of one shard, D depth.
+
+:func:`ring_attention`: each rank holds its shard of the queries, keys and values (in the
+layout of :mod:`attention_core.parallel`); the keys and values travel the ring of ranks, one
+step per rank, each step's partial result merged by its log-sum-exp. The shift is a
+differentiable operation (its backward shifts the gradient the other way), so autograd
+differentiates the ring: every kernel and mask modifier of ``dot_product_attention`` works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import attention_core as ac
+from attention_core import parallel as par
+from attention_core.cache import Positions
+from attention_core.kernels.blockwise import recompute_sizes
+from backends.torch.ops import TorchOps
+
+
+def _exchange(x: torch.Tensor, to: int, source: int, group: Any) -> torch.Tensor:
+    """Sends ``x`` to rank ``to`` and receives a tensor of its shape from ``source``."""
+    got = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group),
+           dist.P2POp(dist.irecv, got, source, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return got
+
+
+class _Shift(torch.autograd.Function):
+    """``x`` of the previous rank (each rank sends its own to the next); backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.ranks = ((rank + 1) % world, (rank - 1) % world)
+        ctx.group = group
+        return _exchange(x, ctx.ranks[0], ctx.ranks[1], group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        forward_to, forward_from = ctx.ranks
+        return _exchange(grad, forward_from, forward_to, ctx.group), None
+
+
+def _global_rank(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size."""
+    if not dist.is_initialized():
+        raise ValueError("context parallel attention runs across the ranks of a process group: "
+                         "call torch.distributed.init_process_group first")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                   layout: str = "zigzag", valid_lens: Any = None, segment_ids: Any = None,
+                   mask: Any = None, sinks: Any = None, **attention: Any) -> torch.Tensor:
+    """This rank's queries ``(B, H, n/P, D)`` over every rank's keys and values, by a ring.
+
+    Args:
+        q: This rank's shard of the queries, in ``layout``.
+        k: This rank's shard of the keys ``(B, Hkv, n/P, D)``.
+        v: This rank's shard of the values ``(B, Hkv, n/P, Dv)``.
+        group: The process group of the shards (None: the default group).
+        layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attention_core.parallel`).
+        valid_lens: The whole sequence's lengths ``(B,)`` or ``(B, n)`` (every rank the same).
+        segment_ids: The whole sequence's ids ``(B, n)``, or a pair (queries', keys').
+        mask: The whole sequence's boolean mask ``(n, n)``, ``(B, n, n)`` or ``(B, H, n, n)``.
+        sinks: Per-head sink logits ``(H,)``, counted once (in the first step).
+        **attention: Keywords of :func:`attention_core.dot_product_attention` that the
+            positions decide (``causal``, ``window``, ``scale``, ``implementation``...).
+
+    Returns:
+        This rank's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
+
+    A step whose block ``causal`` or ``window`` rules out whole is not computed (its keys and
+    values still pass on). The backward pass recomputes each block a few query rows at a time
+    from the output and its log-sum-exp, passing the key and value gradients around the ring
+    with the keys and values: a rank holds its own rows and one block in flight. Under dropout
+    (which a recomputation would draw again) or a ``score_mod`` (which may hold learned
+    arrays), autograd records the ring instead.
+    """
+    blocks = _Blocks(q, group, layout, {"valid_lens": valid_lens, "segment_ids": segment_ids,
+                                        "mask": mask}, attention)
+    if attention.get("dropout", 0.0) or attention.get("score_mod") is not None:
+        return _recorded_ring(blocks, q, k, v, sinks)
+    out: torch.Tensor = _Ring.apply(q, k, v, sinks, blocks)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Blocks:
+    """One rank's ring: its rows' positions and each step's block of attention."""
+
+    def __init__(self, q: torch.Tensor, group: Any, layout: str, masks: dict[str, Any],
+                 attention: dict[str, Any]) -> None:
+        self.group, self.attention = group, attention
+        self.rank, self.world = _global_rank(group)
+        n = q.shape[2] * self.world
+        self.at = [par.shard_positions(n, self.world, r, layout) for r in range(self.world)]
+        self.device = q.device
+        self.masks = {name: x for name, x in masks.items() if x is not None}
+        self.ops = TorchOps(q.device)
+
+    def source(self, step: int) -> int:
+        """The rank whose keys and values this rank holds at ``step``."""
+        return (self.rank - step) % self.world
+
+    def visible(self, step: int) -> bool:
+        """Whether the block of ``step`` has a visible pair (the first always counts)."""
+        return step == 0 or par.block_visible(
+            self.at[self.rank], self.at[self.source(step)],
+            bool(self.attention.get("causal")), self.attention.get("window"))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: int,
+               rows: slice = slice(None), sinks: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of this rank's query ``rows`` over the block of ``step``."""
+        mine = torch.from_numpy(self.at[self.rank][rows]).to(self.device)
+        theirs = torch.from_numpy(self.at[self.source(step)]).to(self.device)
+        first = {"sinks": sinks} if sinks is not None and step == 0 else {}
+        out, lse = ac.dot_product_attention(
+            q, keys, values, return_lse=True,
+            mask=par.block_masks(self.ops, mine, theirs, **self.masks),
+            _positions=Positions(0, mine[None]), _key_positions=theirs[None], ops=self.ops,
+            **self.attention, **first)
+        return out, lse
+
+
+def _recorded_ring(blocks: _Blocks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   sinks: Any) -> torch.Tensor:
+    """The ring with autograd recording every step (the shifts' backward shifts back)."""
+    done = None
+    keys, values = k, v
+    skipped: list[torch.Tensor] = []
+    for step in range(blocks.world):
+        if blocks.visible(step):
+            done = par.merge(blocks.ops, done, blocks.attend(q, keys, values, step, sinks=sinks))
+        else:  # its shifts' backward must still run on every rank: kept in the graph, times 0
+            skipped.append(keys.sum() * 0 + values.sum() * 0)
+        if step + 1 < blocks.world:
+            keys, values = _Shift.apply(keys, blocks.group), _Shift.apply(values, blocks.group)  # type: ignore[no-untyped-call]
+    assert done is not None
+    return done[0] + sum(skipped) if skipped else done[0]
+
+
+def _pass_on(blocks: _Blocks, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``xs`` sent to the next rank, the previous rank's received."""
+    return _received(_send_on(blocks, *xs))
+
+
+Sending = tuple[list[Any], list[torch.Tensor]]
+
+
+def _send_on(blocks: _Blocks, *xs: torch.Tensor) -> Sending:
+    """Starts sending ``xs`` to the next rank and receiving the previous rank's (no wait)."""
+    if blocks.world == 1:
+        return [], list(xs)
+    to, source = (blocks.rank + 1) % blocks.world, (blocks.rank - 1) % blocks.world
+    got = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    ops = [op for x, g in zip(xs, got, strict=True)
+           for op in (dist.P2POp(dist.isend, x.contiguous(), to, blocks.group),
+                      dist.P2POp(dist.irecv, g, source, blocks.group))]
+    return dist.batch_isend_irecv(ops), got
+
+
+def _received(sending: Sending) -> list[torch.Tensor]:
+    """What :func:`_send_on` receives, once it has arrived."""
+    for request in sending[0]:
+        request.wait()
+    return sending[1]
+
+
+class _Ring(torch.autograd.Function):
+    """The ring's forward without a graph, and a backward that recomputes block by block."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Any,
+                blocks: _Blocks) -> torch.Tensor:
+        done = None
+        keys, values = k, v
+        for step in range(blocks.world):  # the next block travels while this one is computed
+            sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
+            if blocks.visible(step):
+                done = par.merge(blocks.ops, done,
+                                 blocks.attend(q, keys, values, step, sinks=sinks))
+            if sending is not None:
+                keys, values = _received(sending)
+        assert done is not None
+        out, lse = done
+        ctx.blocks = blocks
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        blocks: _Blocks = ctx.blocks
+        B, H, Q = q.shape[:3]
+        size = recompute_sizes(B * H, Q, k.shape[2])[0]
+        whole = (d_out * out).sum(-1)  # <dO, out> per row
+        finite = torch.isfinite(lse)
+        d_q, d_sinks = torch.zeros_like(q), None if sinks is None else torch.zeros_like(sinks)
+        keys, values, d_k, d_v = k, v, torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(blocks.world):
+            sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
+            if blocks.visible(step):
+                for q0 in range(0, Q, size):
+                    rows = slice(q0, q0 + size)
+                    grads = _block_grads(blocks, step, rows, q, keys, values,
+                                         sinks if step == 0 else None, d_out[:, :, rows],
+                                         lse[:, :, rows], whole[:, :, rows],
+                                         finite[:, :, rows])
+                    d_q[:, :, rows] += grads[0]
+                    d_k += grads[1]
+                    d_v += grads[2]
+                    if grads[3] is not None:
+                        d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
+            if sending is not None:  # the gradients travel with their keys and values
+                keys, values = _received(sending)
+                d_k, d_v = _pass_on(blocks, d_k, d_v)
+        d_k, d_v = _pass_on(blocks, d_k, d_v)  # one more step: each back to its own rank
+        return d_q, d_k, d_v, d_sinks, None
+
+
+def _block_grads(blocks: _Blocks, step: int, rows: slice, q: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, sinks: Any, d_out: torch.Tensor, lse: torch.Tensor,
+                 whole: torch.Tensor, finite: torch.Tensor) -> tuple[Any, ...]:
+    """The gradients of one block's query ``rows``, its keys, values and sinks.
+
+    The merged output is ``sum_j w_j o_j`` with ``w_j = exp(lse_j - lse)``: block j's output
+    gets ``w_j dO`` and its log-sum-exp ``w_j (<dO, o_j> - <dO, out>)``.
+    """
+    leaves = [x.detach().requires_grad_() for x in (q[:, :, rows], keys, values)]
+    if sinks is not None:
+        leaves.append(sinks.detach().requires_grad_())
+    with torch.enable_grad():
+        o_j, lse_j = blocks.attend(leaves[0], leaves[1], leaves[2], step, rows,
+                                   leaves[3] if sinks is not None else None)
+        w = torch.where(finite, torch.exp(lse_j.detach() - torch.where(finite, lse, 0.0)), 0.0)
+        g_lse = w * ((d_out * o_j.detach()).sum(-1) - whole)
+        grads = torch.autograd.grad((o_j, lse_j), leaves, (w[..., None] * d_out, g_lse),
+                                    allow_unused=True)
+    found = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+    return (*found[:3], found[3] if sinks is not None else None)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``x (P, ...)``: chunk ``j`` to rank ``j``, which keeps it as chunk ``rank``.
+
+    Its own inverse for equal chunks, so the backward is the same exchange of the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        got = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(got, x.contiguous(), group=group)
+        return got
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _AllToAll.apply(grad, ctx.group), None  # type: ignore[no-untyped-call]
+
+
+def _to_heads(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    """``(B, G, n/P, D)`` sequence shards -> ``(B, G/P, n, D)``: every rank's rows, its heads."""
+    B, G, rows, D = x.shape
+    parts = x.reshape(B, world, G // world, rows, D).permute(1, 0, 2, 3, 4)  # (P, B, G/P, ., D)
+    # chunk s: rank s's rows of this rank's heads
+    got = _AllToAll.apply(parts, group)  # type: ignore[no-untyped-call]
+    return got.permute(1, 2, 0, 3, 4).reshape(B, G // world, world * rows, D)
+
+
+def _to_rows(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    """The inverse of :func:`_to_heads`: ``(B, G/P, n, D)`` -> ``(B, G, n/P, D)``."""
+    B, g, n, D = x.shape
+    parts = x.reshape(B, g, world, n // world, D).permute(2, 0, 1, 3, 4)  # (P, B, G/P, n/P, D)
+    # chunk j: head group j of this rank's rows
+    got = _AllToAll.apply(parts, group)  # type: ignore[no-untyped-call]
+    return got.permute(1, 0, 2, 3, 4).reshape(B, world * g, n // world, D)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                      layout: str = "zigzag", valid_lens: Any = None, segment_ids: Any = None,
+                      mask: Any = None, sinks: Any = None, **attention: Any) -> torch.Tensor:
+    """This rank's queries over every rank's keys, the heads split across the ranks instead.
+
+    An all-to-all turns the sequence shards into head shards (each rank: ``H/P`` heads of the
+    whole sequence), one attention call runs (any kernel, the fused one included), and a
+    second all-to-all turns the output back. The arguments are those of
+    :func:`ring_attention`.
+
+    Raises:
+        ValueError: Heads (or, with grouped-query heads, key/value heads) that the world size
+            does not divide.
+    """
+    rank, world = _global_rank(group)
+    for name, heads in (("num_heads", q.shape[1]), ("num_kv_heads", k.shape[1])):
+        if heads % world:
+            raise ValueError(f"ulysses attention splits the heads over the {world} ranks: "
+                             f"{name} ({heads}) must be divisible by it")
+    n, ops = q.shape[2] * world, TorchOps(q.device)
+    at = torch.from_numpy(np.concatenate(
+        [par.shard_positions(n, world, r, layout) for r in range(world)])).to(q.device)
+    mine = slice(rank * q.shape[1] // world, (rank + 1) * q.shape[1] // world)  # its heads
+    if mask is not None and len(mask.shape) == 4 and mask.shape[1] != 1:
+        mask = mask[:, mine]
+    if sinks is not None:
+        attention["sinks"] = sinks[mine]
+    masks = par.block_masks(ops, at, at, valid_lens=valid_lens, segment_ids=segment_ids,
+                            mask=mask)
+    qh, kh, vh = (_to_heads(x, world, group) for x in (q, k, v))
+    out = ac.dot_product_attention(qh, kh, vh, mask=masks, _positions=Positions(0, at[None]),
+                                   _key_positions=at[None], ops=ops, **attention)
+    return _to_rows(out, world, group)
+
+
+#: The strategies of :class:`ContextParallel`.
+STRATEGIES = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A layer's attention across the ranks of a process group (``context_parallel=``).
+
+    The layer's inputs are each rank's shard of the sequence, in ``layout``
+    (:func:`attention_core.parallel.shard`); its output is the rank's rows of what one device
+    gives for the whole sequence.
+
+    Args:
+        group: The process group the sequence is split over (None: the default group).
+        strategy: ``"ring"`` (:func:`ring_attention`) or ``"ulysses"``
+            (:func:`ulysses_attention`).
+        layout: ``"zigzag"`` or ``"contiguous"``.
+    """
+
+    group: Any = None
+    strategy: str = "ring"
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be 'ring' or 'ulysses', got {self.strategy!r}")
+        par.check_layout(self.layout)
+
+    def size(self) -> int:
+        return int(dist.get_world_size(self.group))
+
+    def positions(self, ops: Any, rows: int) -> torch.Tensor:
+        rank, world = _global_rank(self.group)
+        at = par.shard_positions(rows * world, world, rank, self.layout)
+        return torch.from_numpy(at).to(getattr(ops, "device", None) or "cpu")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               **attention: Any) -> torch.Tensor:
+        pool = ring_attention if self.strategy == "ring" else ulysses_attention
+        return pool(q, k, v, group=self.group, layout=self.layout, **attention)
+
+
+def context_parallel(value: Any) -> ContextParallel | None:
+    """Reads a layer's ``context_parallel=``: True (the default group) or a process group."""
+    if value is None or isinstance(value, ContextParallel):
+        return value
+    if value is True:
+        return ContextParallel()
+    if isinstance(value, dist.ProcessGroup):
+        return ContextParallel(value)
+    raise TypeError("context_parallel must be None, True, a torch.distributed ProcessGroup "
+                    f"or a ContextParallel, got {type(value).__name__}")

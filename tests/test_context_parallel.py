@@ -1,0 +1,77 @@
+"""Attention over a sequence split across devices, on the frameworks' own engines, equals one
+device: torch's ring and Ulysses over gloo processes on 127.0.0.1, JAX's ring inside
+``shard_map`` over 4 host devices. In float64: outputs and the gradients of q, k and v for
+every mask kind the workers run (``tests/distributed/ring_*.py``), and a rotary grouped-query
+``MultiHeadAttention`` and a decoder-only stack made with ``context_parallel=``: their outputs
+and the gradients of their inputs and weights (summed over the devices)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.harness import TOLERANCE, Harness
+from tests.test_distributed import only, run_ranks, run_worker, worker_env
+
+BOUND = TOLERANCE["float64"]
+COLUMN_TESTS = True  # the layers of every column read or refuse context_parallel=
+
+
+@pytest.mark.parametrize(("world", "layout", "strategy"), [
+    (2, "zigzag", "ring"), (4, "contiguous", "ring"), (2, "zigzag", "ulysses")])
+def test_torch_shards_equal_one_process(backend: str, world: int, layout: str,
+                                        strategy: str) -> None:
+    only(backend, "torch")
+    for rank in run_ranks(world, "ring_torch", (layout, strategy)):
+        assert max(rank.values()) <= BOUND, rank
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_jax_ring_equals_one_device(backend: str, layout: str) -> None:
+    only(backend, "jax")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = worker_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    result = run_worker("ring_jax", env, (layout,))
+    assert max(result.values()) <= BOUND, result
+
+
+#: The backends whose layers take ``context_parallel=`` (a framework's exchange between devices).
+ENGINES = {"torch", "jax", "nnx"}
+
+
+def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str) -> None:
+    """Frameworks without one refuse it by name when the layer is made; the others read it."""
+    hb = Harness(backend)
+    config = {"num_hiddens": 16, "num_heads": 4, "context_parallel": "seq"}
+    if backend in {"torch"}:
+        config["context_parallel"] = True
+    if backend in ENGINES:
+        if backend == "nnx":  # the tests' wrapper checks the arguments on a bare declaration
+            from flax import nnx
+            layer = hb.module.MultiHeadAttention(**config, rngs=nnx.Rngs(0))
+        else:
+            made = hb.make("MultiHeadAttention", config)
+            layer = getattr(made, "module", made)  # linen's module in the tests' wrapper
+        assert type(layer.context_parallel).__name__ == "ContextParallel"
+        assert layer.keep_attention_weights is False
+        return
+    framework = type(hb.make("MultiHeadAttention", {"num_hiddens": 16, "num_heads": 4})
+                     ).__module__.split(".")[1]
+    with pytest.raises(ValueError, match=f"^context_parallel is not available on the "
+                                         f"{framework} backend: .*got str$"):
+        hb.make("MultiHeadAttention", config)
+
+
+def test_a_call_outside_its_engine_says_what_it_needs(backend: str) -> None:
+    """torch with no process group, Flax outside ``shard_map``: the library's error, by name."""
+    if backend not in {"torch", "jax"}:
+        pytest.skip("torch and linen layers only")
+    hb = Harness(backend)
+    config = {"num_hiddens": 16, "num_heads": 4,
+              "context_parallel": True if backend == "torch" else "seq"}
+    X = hb.array(np.ones((2, 8, 16), np.float32))
+    need = "init_process_group" if backend == "torch" else "inside jax.shard_map"
+    with pytest.raises(ValueError, match=need):
+        hb.call(hb.make("MultiHeadAttention", config), X, X, X)
