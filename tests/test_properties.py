@@ -9,6 +9,10 @@
 * each backend's ``PositionalEncoding`` table satisfies ``P[i + delta] = R(delta) P[i]`` for
   random offsets (``relative_rotation``).
 
+The first four call the functional API, which sees only the arrays: a column whose arrays
+are another env's backend's (:data:`SAME_ARRAYS_AS`) would run the same examples through the
+same code again, so it skips them.
+
 Every test runs derandomized with a fixed ``max_examples`` (see :func:`tests.strategies.profile`)
 and reports the number of examples it ran to ``tests/report.py`` (key ``"properties"`` of the
 backend's report file).
@@ -44,6 +48,19 @@ from tests.strategies import (
 COLUMN_TESTS = True
 
 TOL = TOLERANCE["float32"]
+
+#: Columns whose arrays, ops and drawn examples are those of another env's backend (the JAX
+#: columns both run JAX eagerly; the jax env runs under ``jax.jit``).
+SAME_ARRAYS_AS = {"keras-torch": "torch", "nnx": "keras-jax"}
+
+
+def functional(backend: str) -> Harness:
+    """The backend's harness for a test of the functional API; skips where it repeats another
+    env's test (:data:`SAME_ARRAYS_AS`)."""
+    if backend in SAME_ARRAYS_AS:
+        pytest.skip(f"{backend}'s arrays are {SAME_ARRAYS_AS[backend]}'s: the same examples run "
+                    f"in the {SAME_ARRAYS_AS[backend]} env")
+    return Harness(backend)
 
 
 @contextmanager
@@ -82,7 +99,7 @@ def _float32_inputs(h: Harness, problem: Problem) -> tuple[list[Any], list[np.nd
 
 
 def test_dot_product_matches_float64_reference(backend: str) -> None:
-    h = Harness(backend)
+    h = functional(backend)
     # JAX: the weights path (direct) and one other, to bound the number of compiled programs
     paths = ["blockwise"] if backend == "jax" else [None, *implementations(h)]
     # blockwise: (keys per block, scores per tile); JAX: 2 keys, tiles of 2 queries x 2 keys
@@ -118,7 +135,7 @@ def test_dot_product_matches_float64_reference(backend: str) -> None:
 
 def test_visible_weights_sum_to_one_and_masked_are_zero(backend: str) -> None:
     """On the direct path (weights and output) and the automatic one (output)."""
-    h = Harness(backend)
+    h = functional(backend)
     examples = 0
 
     @profile(80)
@@ -153,7 +170,7 @@ def permuted(draw: Any, backend: str) -> tuple[Problem, list[int]]:
 
 def test_permuting_keys_and_values_together_changes_nothing(backend: str) -> None:
     """On the backend's automatic path (fused on torch, blockwise on numpy and mxnet, ...)."""
-    h = Harness(backend)
+    h = functional(backend)
     examples = 0
 
     @profile(80)
@@ -194,7 +211,7 @@ def multi_head_problems(draw: Any, backend: str) -> Problem:
 
 
 def test_multi_head_matches_float64_reference(backend: str) -> None:
-    h = Harness(backend)
+    h = functional(backend)
     examples = 0
 
     @profile(80)

@@ -25,7 +25,7 @@ from tests.harness import (
     tolerance,
 )
 from tests.matrix import COMPILED_CASES, Cell, cells, differences, measure
-from tests.reference.cases import CASES, MASK_KINDS, Case, mask_parts
+from tests.reference.cases import CASES, MASK_KINDS, MASK_SIDES, Case, mask_parts
 
 
 def matrix_params() -> list[Any]:
@@ -103,6 +103,30 @@ def test_compiled_subset_names_real_cases_of_every_layer() -> None:
     assert set(COMPILED_CASES) == {c.layer for c in CASES}
     for layer, cases in COMPILED_CASES.items():
         assert all((layer, name) in names for name in cases), layer
+
+
+def options(case: Case) -> set[str]:
+    """What a case sets besides its layer and masks: constructor options, call extras, and the
+    causal end alignment with fewer keys than queries."""
+    config = case.config
+    found = {k for k in ("num_kv_heads", "rotary_base", "window", "softcap") if k in config}
+    found |= {f"{k}={config[k]}" for k in ("positional", "parametric") if k in config}
+    found |= {k for k in ("bias", "decoder_only") if config.get(k)}
+    found |= {"keys_only"} if config.get("relative_values") is False else set()
+    found |= set(case.extra)
+    if case.edge == "keys_shorter" and "causal" in (case.mask_kind or ""):
+        found.add("causal_keys_shorter")
+    return found
+
+
+def test_compiled_subset_covers_every_kind_and_option() -> None:
+    """The compiled modes' subset (tests/matrix.py) runs every mask kind (bar none), each
+    attention of the decoders and the encoder-decoder, and every option of the cases."""
+    compiled = [c for c in CASES if c.name in COMPILED_CASES[c.layer]]
+    parts = {part for c in compiled for part in mask_parts(c.mask_kind or "none")}
+    assert {kind for _, kind in parts} >= set(MASK_KINDS) - {"none"}
+    assert {prefix for prefix, _ in parts} == set(MASK_SIDES)
+    assert set().union(*map(options, compiled)) == set().union(*map(options, CASES))
 
 
 def test_every_backend_hook_provides_its_modes(backend: str) -> None:
