@@ -28,7 +28,9 @@ def test_torch_shards_equal_one_process(backend: str, world: int, layout: str,
         assert max(rank.values()) <= BOUND, rank
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+# the contiguous layout differs only in its table of positions (tested in test_parallel.py
+# and by torch's 4 ranks): JAX's compiles run once, in the zigzag layout
+@pytest.mark.parametrize("layout", ["zigzag"])
 def test_jax_ring_equals_one_device(backend: str, layout: str) -> None:
     only(backend, "jax")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
