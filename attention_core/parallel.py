@@ -114,14 +114,17 @@ def block_masks(ops: Ops, query_at: Any, key_at: Any, *, valid_lens: Any = None,
     """
     parts = []
     if valid_lens is not None:
-        lens = valid_lens[:, query_at][:, :, None] if len(ops.shape(valid_lens)) == 2 else (
-            valid_lens[:, None, None])
-        parts.append(key_at[None, None, :] < lens)  # (B, Q, K)
+        lens = ops.astype(valid_lens, ops.dtype_name(key_at))  # compared with the positions
+        lens = (ops.expand_dims(_taken(ops, lens, query_at, 1), 2) if len(ops.shape(lens)) == 2
+                else ops.expand_dims(ops.expand_dims(lens, 1), 2))
+        parts.append(ops.expand_dims(ops.expand_dims(key_at, 0), 0) < lens)  # (B, Q, K)
     if segment_ids is not None:
         ids_q, ids_k = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
-        parts.append(ids_q[:, query_at][:, :, None] == ids_k[:, key_at][:, None, :])
+        parts.append(ops.expand_dims(_taken(ops, ids_q, query_at, 1), 2)
+                     == ops.expand_dims(_taken(ops, ids_k, key_at, 1), 1))
     if mask is not None:
-        parts.append(mask[..., query_at, :][..., key_at])
+        rank = len(ops.shape(mask))
+        parts.append(_taken(ops, _taken(ops, mask, query_at, rank - 2), key_at, rank - 1))
     if not parts:
         return None
     rank = max(len(ops.shape(p)) for p in parts)
@@ -130,6 +133,15 @@ def block_masks(ops: Ops, query_at: Any, key_at: Any, *, valid_lens: Any = None,
     for p in parts[1:]:
         combined = ops.logical_and(combined, p)
     return combined
+
+
+def _taken(ops: Ops, x: Any, at: Any, axis: int) -> Any:
+    """The entries of ``x`` at positions ``at`` along ``axis`` (a gather every backend has)."""
+    if axis == 0:
+        return ops.take(x, at)
+    order = list(range(len(ops.shape(x))))
+    order[0], order[axis] = axis, 0  # swapping two axes is its own inverse
+    return ops.transpose(ops.take(ops.transpose(x, tuple(order)), at), tuple(order))
 
 
 def _lifted(ops: Ops, m: Any, rank: int) -> Any:
