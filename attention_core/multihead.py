@@ -223,7 +223,7 @@ def multi_head_attention(
                       causal=causal, dropout=dropout, return_weights=return_weights,
                       implementation=implementation, options=options, score_bias=score_bias,
                       segment_ids=segment_ids, mask_mod=mask_mod, score_mod=score_mod,
-                      positions=at, split=context_parallel)
+                      positions=at)
 
 
 def _split_positions(ops: Ops, split: Any, queries: Array, keys: Array,
@@ -301,7 +301,6 @@ def pool_heads(
     positions: Any = None,
     keys_at: tuple[Array, Array] | None = None,
     tables: dict[Any, Any] | None = None,
-    split: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Projects the queries, pools them over projected keys and values, projects the output.
 
@@ -319,7 +318,9 @@ def pool_heads(
         dropout: See :func:`multi_head_attention`.
         return_weights: See :func:`multi_head_attention`.
         implementation: See :func:`multi_head_attention`.
-        options: Checked :class:`HeadOptions`.
+        options: Checked :class:`HeadOptions`. Their ``context_parallel`` pools a shard's
+            queries over every device's keys (``positions``: the shard's), in place of
+            :func:`~attention_core.attention.dot_product_attention`.
         score_bias: See :func:`multi_head_attention`.
         offset: Query ``i`` stands at position ``i + offset``; None for ``K - Q``.
         segment_ids: See :func:`multi_head_attention`.
@@ -331,9 +332,6 @@ def pool_heads(
             ring's, :func:`~attention_core.cache.ring_keys`); None: key ``j`` at ``j``.
         tables: The rotary tables of the queries' positions, kept for the call's other heads
             (:attr:`~attention_core.cache.Positions.tables` of a cached call).
-        split: The :class:`~attention_core.parallel.ContextParallel` that pools a shard's
-            queries over every device's keys (``positions``: the shard's), in place of
-            :func:`~attention_core.attention.dot_product_attention`.
     """
     q = heads(ops, queries, weights, "W_q", num_heads)  # (B, H, Q, h/H)
     if options.positional == "rotary":
@@ -347,6 +345,7 @@ def pool_heads(
               "softcap": options.softcap, "scale": options.scale,
               "positional": "alibi" if options.positional == "alibi" else None,
               **{name: value for name, value in given.items() if value is not None}}
+    split = options.context_parallel
     if split is not None:
         return project(ops, merge_heads(ops, split.attend(q, *pair, valid_lens=valid_lens,
                                                           **shared)), weights, "W_o")

@@ -54,6 +54,11 @@ def shard_positions(n: int, shards: int, rank: int, layout: str = "zigzag") -> n
     return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks]).astype(np.int32)
 
 
+def position_table(n: int, shards: int, layout: str = "zigzag") -> np.ndarray:
+    """Every shard's positions (:func:`shard_positions`), int32 ``(P, n / P)``."""
+    return np.stack([shard_positions(n, shards, r, layout) for r in range(shards)])
+
+
 def shard(ops: Ops, x: Array, shards: int, rank: int, axis: int,
           layout: str = "zigzag") -> Array:
     """Shard ``rank``'s rows of ``x`` along ``axis`` (the sequence), in the layout's order."""
@@ -67,13 +72,11 @@ def shard(ops: Ops, x: Array, shards: int, rank: int, axis: int,
 
 def unshard(ops: Ops, parts: list[Array], axis: int, layout: str = "zigzag") -> Array:
     """The whole sequence from every shard's rows (``parts[r]`` of shard ``r``)."""
-    shards = len(parts)
     if check_layout(layout) == "contiguous":
         return ops.concatenate(parts, axis)
     half = ops.shape(parts[0])[axis] // 2
     first = [ops.slice(p, axis, 0, half) for p in parts]
     second = [ops.slice(p, axis, half, half) for p in reversed(parts)]
-    del shards
     return ops.concatenate(first + second, axis)
 
 

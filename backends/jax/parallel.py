@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import attention_core as ac
 from attention_core import parallel as par
@@ -48,8 +47,7 @@ def ring_attention(q: Any, k: Any, v: Any, *, axis_name: str, layout: str = "zig
     world = jax.lax.axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
     n = q.shape[2] * world
-    table = jnp.asarray(np.stack([par.shard_positions(n, world, r, layout)
-                                  for r in range(world)]))  # (P, n/P)
+    table = jnp.asarray(par.position_table(n, world, layout))  # (P, n/P)
     ops = JaxOps()
     given = {name: x for name, x in (("valid_lens", valid_lens), ("segment_ids", segment_ids),
                                      ("mask", mask)) if x is not None}
@@ -104,8 +102,7 @@ class ContextParallel:
 
     def positions(self, ops: Any, rows: int) -> Any:
         world = self.size()
-        table = np.stack([par.shard_positions(rows * world, world, r, self.layout)
-                          for r in range(world)])  # (P, n/P)
+        table = par.position_table(rows * world, world, self.layout)  # (P, n/P)
         return jnp.asarray(table)[jax.lax.axis_index(self.axis_name)]
 
     def attend(self, q: Any, k: Any, v: Any, **attention: Any) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -103,7 +102,7 @@ class _Blocks:
         self.group, self.attention = group, attention
         self.rank, self.world = _global_rank(group)
         n = q.shape[2] * self.world
-        self.at = [par.shard_positions(n, self.world, r, layout) for r in range(self.world)]
+        self.at = par.position_table(n, self.world, layout)
         self.device = q.device
         self.masks = {name: x for name, x in masks.items() if x is not None}
         self.ops = TorchOps(q.device)
@@ -306,8 +305,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
             raise ValueError(f"ulysses attention splits the heads over the {world} ranks: "
                              f"{name} ({heads}) must be divisible by it")
     n, ops = q.shape[2] * world, TorchOps(q.device)
-    at = torch.from_numpy(np.concatenate(
-        [par.shard_positions(n, world, r, layout) for r in range(world)])).to(q.device)
+    at = torch.from_numpy(par.position_table(n, world, layout).reshape(-1)).to(q.device)
     mine = slice(rank * q.shape[1] // world, (rank + 1) * q.shape[1] // world)  # its heads
     if mask is not None and len(mask.shape) == 4 and mask.shape[1] != 1:
         mask = mask[:, mine]
