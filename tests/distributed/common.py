@@ -97,3 +97,18 @@ def held_spec(hook: object, fullname: str, path: Sequence[str] | None,
 
     loader.exec_module = exec_module
     return spec
+
+
+# -- the ring workers' sequence and masks (ring_torch.py, ring_jax.py) -------------------------
+
+#: Batch, query heads, key/value heads, the whole sequence's length and the depth.
+B, H, HKV, N, D = 2, 4, 2, 24, 8
+LENGTHS = np.array([7, 20])
+SEGMENTS = np.array([[0] * 9 + [1] * 10 + [2] * 5, [0] * 3 + [1] * 21], np.int32)
+SINKS = np.array([0.5, -1.0, 2.0, 0.0])
+#: Every mask kind a sharded call takes, by name, as keywords of dot_product_attention.
+MASKS: dict[str, dict[str, Any]] = {
+    "none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5},
+    "lengths": {"valid_lens": LENGTHS},
+    "causal_segments": {"causal": True, "segment_ids": SEGMENTS},
+    "causal_sinks": {"causal": True, "sinks": SINKS}}

@@ -23,16 +23,7 @@ from attention_core import parallel as par  # noqa: E402
 from backends.jax import MultiHeadAttention, TransformerDecoder  # noqa: E402
 from backends.jax.ops import JaxOps  # noqa: E402
 from backends.jax.parallel import ring_attention  # noqa: E402
-from tests.distributed.common import emit, max_abs_diff  # noqa: E402
-
-B, H, HKV, N, D = 2, 4, 2, 24, 8
-LENGTHS = np.array([7, 20])
-SEGMENTS = np.array([[0] * 9 + [1] * 10 + [2] * 5, [0] * 3 + [1] * 21], np.int32)
-SINKS = np.array([0.5, -1.0, 2.0, 0.0])
-MASKS = {"none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5},
-         "lengths": {"valid_lens": LENGTHS}, "causal_segments": {"causal": True,
-                                                                "segment_ids": SEGMENTS},
-         "causal_sinks": {"causal": True, "sinks": SINKS}}
+from tests.distributed.common import HKV, LENGTHS, MASKS, B, D, H, N, emit, max_abs_diff  # noqa: E402
 
 
 def main() -> None:

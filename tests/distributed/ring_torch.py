@@ -20,16 +20,10 @@ from attention_core import parallel as par
 from backends.torch import MultiHeadAttention, TransformerDecoder
 from backends.torch.ops import TorchOps
 from backends.torch.parallel import ContextParallel, ring_attention, ulysses_attention
-from tests.distributed.common import emit, max_abs_diff
+from tests.distributed.common import HKV, LENGTHS, B, D, H, N, emit, max_abs_diff
+from tests.distributed.common import MASKS as COMMON_MASKS
 
-B, H, HKV, N, D = 2, 4, 2, 24, 8
-LENGTHS = np.array([7, 20])
-SEGMENTS = np.array([[0] * 9 + [1] * 10 + [2] * 5, [0] * 3 + [1] * 21], np.int32)
-SINKS = np.array([0.5, -1.0, 2.0, 0.0])
-MASKS = {"none": {}, "causal": {"causal": True}, "causal_window": {"causal": True, "window": 5},
-         "lengths": {"valid_lens": LENGTHS}, "causal_segments": {"causal": True,
-                                                                "segment_ids": SEGMENTS},
-         "causal_sinks": {"causal": True, "sinks": SINKS},
+MASKS = {**COMMON_MASKS,
          "causal_score_mod": {"causal": True,  # a score_mod: the ring autograd records
                               "score_mod": lambda s, b, h, q, kv: s - 0.05 * (q - kv)}}
 
