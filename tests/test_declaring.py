@@ -27,6 +27,7 @@ from attention_core import checks
 from attention_core import declarations as D
 from attention_core import weights as W
 from attention_core.ops import Array, Ops
+from conftest import test_backends
 from tests.harness import AUTODIFF, QUICK_COMPILED_MODES, TOLERANCE, Harness, max_diff
 
 #: These tests run on the columns too (conftest.py; tests.harness.COLUMNS).
@@ -181,6 +182,7 @@ def test_a_declaration_needs_a_new_name() -> None:
     assert D.register(TanhDense) is TanhDense  # the same one again: nothing to do
 
 
+@pytest.mark.skipif("numpy" not in test_backends(), reason="framework-free; runs in the numpy env")
 @pytest.mark.parametrize("name", sorted(D.LAYERS))
 def test_the_quick_binding_binds_as_inspect_does(name: str) -> None:
     """Every call binds its arguments (``bind_call``) without :mod:`inspect` where it can: the
