@@ -20,7 +20,7 @@ import torch.distributed as dist
 import attention_core as ac
 from attention_core import parallel as par
 from attention_core.cache import Positions
-from attention_core.kernels.blockwise import recompute_sizes
+from attention_core.kernels import blockwise
 from backends.torch.ops import TorchOps
 
 
@@ -80,9 +80,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         This rank's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
 
     A step whose block ``causal`` or ``window`` rules out whole is not computed (its keys and
-    values still pass on). The backward pass recomputes each block a few query rows at a time
-    from the output and its log-sum-exp, passing the key and value gradients around the ring
-    with the keys and values: a rank holds its own rows and one block in flight. Under dropout
+    values still pass on). The backward pass recomputes each block one tile of queries and keys
+    at a time from the output and its log-sum-exp (skipping the tiles they rule out), passing
+    the key and value gradients around the ring with the keys and values: a rank holds its own
+    rows and one block in flight. Under dropout
     (which a recomputation would draw again) or a ``score_mod`` (which may hold learned
     arrays), autograd records the ring instead.
     """
@@ -111,18 +112,27 @@ class _Blocks:
         """The rank whose keys and values this rank holds at ``step``."""
         return (self.rank - step) % self.world
 
-    def visible(self, step: int) -> bool:
-        """Whether the block of ``step`` has a visible pair (the first always counts)."""
-        return step == 0 or par.block_visible(
-            self.at[self.rank], self.at[self.source(step)],
+    def visible(self, step: int, rows: slice = slice(None), cols: slice = slice(None)) -> bool:
+        """Whether the block of ``step``, its query ``rows`` and key ``cols``, has a visible pair.
+
+        The whole first block always counts: it starts the merge.
+        """
+        if step == 0 and rows == cols == slice(None):
+            return True
+        return par.block_visible(
+            self.at[self.rank][rows], self.at[self.source(step)][cols],
             bool(self.attention.get("causal")), self.attention.get("window"))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: int,
-               rows: slice = slice(None), sinks: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of this rank's query ``rows`` over the block of ``step``."""
+               rows: slice = slice(None), sinks: Any = None, cols: slice = slice(None)
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of this rank's query ``rows`` over the keys ``cols`` of ``step``'s block.
+
+        ``q``, ``keys`` and ``values`` are those rows and keys already.
+        """
         mine = torch.from_numpy(self.at[self.rank][rows]).to(self.device)
-        theirs = torch.from_numpy(self.at[self.source(step)]).to(self.device)
-        first = {"sinks": sinks} if sinks is not None and step == 0 else {}
+        theirs = torch.from_numpy(self.at[self.source(step)][cols]).to(self.device)
+        first = {"sinks": sinks} if sinks is not None else {}
         out, lse = ac.dot_product_attention(
             q, keys, values, return_lse=True,
             mask=par.block_masks(self.ops, mine, theirs, **self.masks),
@@ -139,7 +149,8 @@ def _recorded_ring(blocks: _Blocks, q: torch.Tensor, k: torch.Tensor, v: torch.T
     skipped: list[torch.Tensor] = []
     for step in range(blocks.world):
         if blocks.visible(step):
-            done = par.merge(blocks.ops, done, blocks.attend(q, keys, values, step, sinks=sinks))
+            done = par.merge(blocks.ops, done, blocks.attend(
+                q, keys, values, step, sinks=sinks if step == 0 else None))
         else:  # its shifts' backward must still run on every rank: kept in the graph, times 0
             skipped.append(keys.sum() * 0 + values.sum() * 0)
         if step + 1 < blocks.world:
@@ -186,8 +197,8 @@ class _Ring(torch.autograd.Function):
         for step in range(blocks.world):  # the next block travels while this one is computed
             sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
             if blocks.visible(step):
-                done = par.merge(blocks.ops, done,
-                                 blocks.attend(q, keys, values, step, sinks=sinks))
+                done = par.merge(blocks.ops, done, blocks.attend(
+                    q, keys, values, step, sinks=sinks if step == 0 else None))
             if sending is not None:
                 keys, values = _received(sending)
         assert done is not None
@@ -200,26 +211,25 @@ class _Ring(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, sinks, out, lse = ctx.saved_tensors
         blocks: _Blocks = ctx.blocks
-        B, H, Q = q.shape[:3]
-        size = recompute_sizes(B * H, Q, k.shape[2])[0]
+        tiles = _tiles(q.shape[0] * q.shape[1], q.shape[2], k.shape[2])
         whole = (d_out * out).sum(-1)  # <dO, out> per row
         finite = torch.isfinite(lse)
         d_q, d_sinks = torch.zeros_like(q), None if sinks is None else torch.zeros_like(sinks)
         keys, values, d_k, d_v = k, v, torch.zeros_like(k), torch.zeros_like(v)
         for step in range(blocks.world):
             sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
-            if blocks.visible(step):
-                for q0 in range(0, Q, size):
-                    rows = slice(q0, q0 + size)
-                    grads = _block_grads(blocks, step, rows, q, keys, values,
-                                         sinks if step == 0 else None, d_out[:, :, rows],
-                                         lse[:, :, rows], whole[:, :, rows],
-                                         finite[:, :, rows])
-                    d_q[:, :, rows] += grads[0]
-                    d_k += grads[1]
-                    d_v += grads[2]
-                    if grads[3] is not None:
-                        d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
+            for rows, cols in tiles:
+                with_sinks = sinks is not None and step == 0 and cols.start == 0
+                if not (with_sinks or blocks.visible(step, rows, cols)):
+                    continue  # nothing visible: no gradient
+                grads = _tile_grads(blocks, step, rows, cols, q, keys, values,
+                                    sinks if with_sinks else None, d_out[:, :, rows],
+                                    lse[:, :, rows], whole[:, :, rows], finite[:, :, rows])
+                d_q[:, :, rows] += grads[0]
+                d_k[:, :, cols] += grads[1]
+                d_v[:, :, cols] += grads[2]
+                if grads[3] is not None:
+                    d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
             if sending is not None:  # the gradients travel with their keys and values
                 keys, values = _received(sending)
                 d_k, d_v = _pass_on(blocks, d_k, d_v)
@@ -227,20 +237,36 @@ class _Ring(torch.autograd.Function):
         return d_q, d_k, d_v, d_sinks, None
 
 
-def _block_grads(blocks: _Blocks, step: int, rows: slice, q: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, sinks: Any, d_out: torch.Tensor, lse: torch.Tensor,
-                 whole: torch.Tensor, finite: torch.Tensor) -> tuple[Any, ...]:
-    """The gradients of one block's query ``rows``, its keys, values and sinks.
+def _tiles(batch_heads: int, num_queries: int, num_keys: int) -> list[tuple[slice, slice]]:
+    """The ``(rows, cols)`` tiles a block's backward recomputes one at a time.
 
-    The merged output is ``sum_j w_j o_j`` with ``w_j = exp(lse_j - lse)``: block j's output
-    gets ``w_j dO`` and its log-sum-exp ``w_j (<dO, o_j> - <dO, out>)``.
+    Each holds about :data:`~attention_core.kernels.blockwise.RECOMPUTE_SCORES` scores over
+    :data:`~attention_core.kernels.blockwise.KEY_BLOCK` keys, so its keys' gradients are
+    that tile's (not the whole block's) and a tile that the positions rule out is skipped.
     """
-    leaves = [x.detach().requires_grad_() for x in (q[:, :, rows], keys, values)]
+    k_block = max(1, min(num_keys, blockwise.KEY_BLOCK))
+    q_block = max(blockwise.MIN_QUERY_BLOCK,
+                  blockwise.RECOMPUTE_SCORES // max(1, batch_heads * k_block))
+    return [(slice(q0, q0 + q_block), slice(k0, k0 + k_block))
+            for q0 in range(0, num_queries, q_block) for k0 in range(0, num_keys, k_block)]
+
+
+def _tile_grads(blocks: _Blocks, step: int, rows: slice, cols: slice, q: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, sinks: Any, d_out: torch.Tensor,
+                lse: torch.Tensor, whole: torch.Tensor, finite: torch.Tensor) -> tuple[Any, ...]:
+    """The gradients of one tile: its query ``rows``, its keys and values ``cols``, and sinks.
+
+    The merged output is ``sum_j w_j o_j`` over any split of the keys into tiles, with
+    ``w_j = exp(lse_j - lse)``: tile j's output gets ``w_j dO`` and its log-sum-exp
+    ``w_j (<dO, o_j> - <dO, out>)``.
+    """
+    leaves = [x.detach().requires_grad_() for x in (q[:, :, rows], keys[:, :, cols],
+                                                    values[:, :, cols])]
     if sinks is not None:
         leaves.append(sinks.detach().requires_grad_())
     with torch.enable_grad():
         o_j, lse_j = blocks.attend(leaves[0], leaves[1], leaves[2], step, rows,
-                                   leaves[3] if sinks is not None else None)
+                                   leaves[3] if sinks is not None else None, cols)
         w = torch.where(finite, torch.exp(lse_j.detach() - torch.where(finite, lse, 0.0)), 0.0)
         g_lse = w * ((d_out * o_j.detach()).sum(-1) - whole)
         grads = torch.autograd.grad((o_j, lse_j), leaves, (w[..., None] * d_out, g_lse),
