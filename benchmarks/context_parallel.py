@@ -8,9 +8,12 @@ float32, one thread per process):
 * on ``P`` gloo processes on 127.0.0.1, each holding its shard (``ring_attention``), in the
   zigzag layout and in the contiguous one.
 
-Each process reports the peak of its resident memory during the call above what it held just
-before (its inputs made: the extra memory of the forward and backward) and the CPU time the
-call took (``time.process_time``: the rank's own work, not its waits). It writes
+Each process first runs the same call on a short sequence (``WARM_UP`` positions): the first
+call of a path faults in the code pages of torch's kernels and fills one-time buffers, which
+are resident memory but not the call's. It then reports the peak of its resident memory
+during the measured call above what it held just before (its inputs made: the extra memory of
+the forward and backward) and the CPU time the call took (``time.process_time``: the rank's
+own work, not its waits). It writes
 ``context-parallel-torch.json``; ``--merge DIR --page FILE`` renders it into the table between
 ``<!-- context-parallel:start -->`` and ``<!-- context-parallel:end -->`` of ``FILE``. Run
 from the repository root. The ranks share the machine's cores: the CPU times, not the wall
@@ -35,6 +38,10 @@ from tools import markdown
 
 MARKERS = ("<!-- context-parallel:start -->", "<!-- context-parallel:end -->")
 B, H, D = 1, 4, 64
+#: Positions of the warm-up call that each process makes before the measured one.
+WARM_UP = 8192
+#: The environment of every measured process.
+MEASURED_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def _status_bytes(field: str) -> int:
@@ -71,14 +78,19 @@ def one_process(n: int) -> dict[str, Any]:
     import attention_core as ac
 
     torch.set_num_threads(1)
-    q, k, v, cot = _inputs(n)
-    leaves = [x.requires_grad_() for x in (q, k, v)]
 
-    def call() -> None:
-        out = ac.dot_product_attention(*leaves, causal=True)
-        (out * cot).sum().backward()
+    def call(length: int) -> Any:
+        q, k, v, cot = _inputs(length)
+        leaves = [x.requires_grad_() for x in (q, k, v)]
 
-    return _measured(call)
+        def run() -> None:
+            out = ac.dot_product_attention(*leaves, causal=True)
+            (out * cot).sum().backward()
+
+        return run
+
+    call(WARM_UP)()
+    return _measured(call(n))
 
 
 def rank_main(n: int, layout: str) -> None:
@@ -93,16 +105,22 @@ def rank_main(n: int, layout: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ops = TorchOps()
-    q, k, v, cot = (par.shard(ops, x, world, rank, 2, layout).contiguous()
-                    for x in _inputs(n))
-    leaves = [x.requires_grad_() for x in (q, k, v)]
 
-    def call() -> None:
-        out = ring_attention(*leaves, causal=True, layout=layout)
-        (out * cot).sum().backward()
+    def call(length: int) -> Any:
+        q, k, v, cot = (par.shard(ops, x, world, rank, 2, layout).contiguous()
+                        for x in _inputs(length))
+        leaves = [x.requires_grad_() for x in (q, k, v)]
 
+        def run() -> None:
+            out = ring_attention(*leaves, causal=True, layout=layout)
+            (out * cot).sum().backward()
+
+        return run
+
+    call(WARM_UP)()
+    measured = call(n)
     dist.barrier()
-    got = _measured(call)
+    got = _measured(measured)
     dist.barrier()
     dist.destroy_process_group()
     print("RESULT " + json.dumps({"rank": rank, **got}), flush=True)
@@ -116,8 +134,8 @@ def _free_port() -> int:
 
 def ranks(n: int, world: int, layout: str) -> list[dict[str, Any]]:
     """Runs ``world`` ranks of :func:`rank_main` and gathers what each measured."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, **MEASURED_ENV, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo"}
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.context_parallel", "--rank",
                                "--n", str(n), "--layout", layout],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
@@ -145,7 +163,7 @@ def _in_child(n: int) -> dict[str, Any]:
     """:func:`one_process` in a fresh interpreter (a clean peak of its own)."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--one",
                           "--n", str(n)], check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+                         env={**os.environ, **MEASURED_ENV}).stdout
     return json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
 
 
