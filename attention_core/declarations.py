@@ -879,6 +879,8 @@ class DotProductAttention(_ScoredAttention):
         softcap: Soft-caps the scores: ``softcap * tanh(s / softcap)``; None for none.
         scale: Multiplies the scores ``Q K^T``: a finite number > 0; None for
             ``1 / sqrt(D)``, D the depth of the queries (of a head).
+        context_parallel: See :class:`MultiHeadAttention`: the queries, keys and values are
+            this device's shard of one sequence.
     """
 
     dropout: float = 0.0
@@ -890,13 +892,23 @@ class DotProductAttention(_ScoredAttention):
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    context_parallel: Any = None
+
+    def check(self) -> None:
+        super().check()
+        _normalise_context_parallel(self)
 
     def attend(self, run: Run, *args: Any, **options: Any) -> Any:
-        if options.get("cache") is None and options.get("capacity") is None:
-            return attention.dot_product_attention(
-                *args, implementation=self.pooling(run), **options
-            )
-        return _cached_dot_product(self, run, *args, **options)
+        cached = options.get("cache") is not None or options.get("capacity") is not None
+        if cached:
+            multihead.refuse_in_cached_call(context_parallel=self.context_parallel)
+            return _cached_dot_product(self, run, *args, **options)
+        if self.context_parallel is not None:
+            return multihead.split_dot_product(self.context_parallel, *args,
+                                               implementation=self.pooling(run), **options)
+        return attention.dot_product_attention(
+            *args, implementation=self.pooling(run), **options
+        )
 
 
 def _cached_dot_product(layer: DotProductAttention, run: Run, queries: Array, keys: Array,

@@ -215,7 +215,8 @@ def multi_head_attention(
                             checked=_layer)
     at = None
     if context_parallel is not None:
-        at = _split_positions(ops, context_parallel, queries, keys, return_weights, score_bias)
+        at = _split_positions(ops, context_parallel, ops.shape(queries)[1], ops.shape(keys)[1],
+                              return_weights, score_bias)
     weights, options, pair = _keys_values(ops, "multi_head_attention", queries, keys, values,
                                           weights, num_heads, options, checked=_layer,
                                           start=0 if at is None else at)
@@ -226,7 +227,29 @@ def multi_head_attention(
                       positions=at)
 
 
-def _split_positions(ops: Ops, split: Any, queries: Array, keys: Array,
+def split_dot_product(split: Any, queries: Array, keys: Array, values: Array,
+                      valid_lens: Any = None, *, ops: Ops, positional: str | None = None,
+                      rotary_base: float = 10000.0, return_weights: bool | str = False,
+                      score_bias: Any = None, **shared: Any) -> Array:
+    """:func:`~attention_core.attention.dot_product_attention` of a shard over every device's.
+
+    The inputs ``(B, n/P, D)`` or ``(B, H, n/P, D)`` are this device's shard of a sequence
+    split by ``split`` (a :class:`~attention_core.parallel.ContextParallel`), in its layout;
+    rotary positions turn them by their rows' positions in the whole sequence. ``shared``:
+    the call's masks and score options, as ``dot_product_attention`` takes them.
+    """
+    rank = len(ops.shape(queries))
+    q, k, v = (x if rank == 4 else ops.expand_dims(x, 1) for x in (queries, keys, values))
+    at = _split_positions(ops, split, ops.shape(q)[2], ops.shape(k)[2], return_weights,
+                          score_bias)
+    if checks.check_positional(positional) == "rotary":
+        q, k = (rotated_heads(ops, x, 0, rotary_base, at.query) for x in (q, k))
+    out = split.attend(q, k, v, valid_lens=valid_lens,
+                       positional="alibi" if positional == "alibi" else None, **shared)
+    return out if rank == 4 else out[:, 0]
+
+
+def _split_positions(ops: Ops, split: Any, rows: Any, key_rows: Any,
                      return_weights: bool | str, score_bias: Any) -> Positions:
     """The whole-sequence positions of a context-parallel call's rows, its inputs checked."""
     if not isinstance(split, parallel.ContextParallel):
@@ -234,7 +257,6 @@ def _split_positions(ops: Ops, split: Any, queries: Array, keys: Array,
                         f"(or what the layer's context_parallel= takes), got "
                         f"{type(split).__name__}")
     parallel.refuse_in_split_call(return_weights=return_weights, score_bias=score_bias)
-    rows, key_rows = ops.shape(queries)[1], ops.shape(keys)[1]
     if rows != key_rows:
         raise ValueError("context_parallel attends a shard to the shards of the same sequence: "
                          f"keys must have the queries' {rows} rows, got {key_rows}")

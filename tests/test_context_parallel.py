@@ -43,27 +43,27 @@ def test_jax_ring_equals_one_device(backend: str, layout: str) -> None:
 ENGINES = {"torch", "jax", "nnx"}
 
 
-def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str) -> None:
+@pytest.mark.parametrize(("name", "config"), [
+    ("MultiHeadAttention", {"num_hiddens": 16, "num_heads": 4}), ("DotProductAttention", {})])
+def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str, name: str,
+                                                             config: dict) -> None:
     """Frameworks without one refuse it by name when the layer is made; the others read it."""
     hb = Harness(backend)
-    config = {"num_hiddens": 16, "num_heads": 4, "context_parallel": "seq"}
-    if backend in {"torch"}:
-        config["context_parallel"] = True
+    split = {**config, "context_parallel": True if backend == "torch" else "seq"}
     if backend in ENGINES:
         if backend == "nnx":  # the tests' wrapper checks the arguments on a bare declaration
             from flax import nnx
-            layer = hb.module.MultiHeadAttention(**config, rngs=nnx.Rngs(0))
+            layer = getattr(hb.module, name)(**split, rngs=nnx.Rngs(0))
         else:
-            made = hb.make("MultiHeadAttention", config)
+            made = hb.make(name, split)
             layer = getattr(made, "module", made)  # linen's module in the tests' wrapper
         assert type(layer.context_parallel).__name__ == "ContextParallel"
         assert layer.keep_attention_weights is False
         return
-    framework = type(hb.make("MultiHeadAttention", {"num_hiddens": 16, "num_heads": 4})
-                     ).__module__.split(".")[1]
+    framework = type(hb.make(name, config)).__module__.split(".")[1]
     with pytest.raises(ValueError, match=f"^context_parallel is not available on the "
                                          f"{framework} backend: .*got str$"):
-        hb.make("MultiHeadAttention", config)
+        hb.make(name, {**config, "context_parallel": "seq"})
 
 
 def test_a_call_outside_its_engine_says_what_it_needs(backend: str) -> None:
@@ -77,3 +77,6 @@ def test_a_call_outside_its_engine_says_what_it_needs(backend: str) -> None:
     need = "init_process_group" if backend == "torch" else "inside jax.shard_map"
     with pytest.raises(ValueError, match=need):
         hb.call(hb.make("MultiHeadAttention", config), X, X, X)
+    with pytest.raises(ValueError, match=need):
+        hb.call(hb.make("DotProductAttention", {"context_parallel": config["context_parallel"]}),
+                X, X, X)

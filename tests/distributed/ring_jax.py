@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import attention_core as ac  # noqa: E402
 from attention_core import parallel as par  # noqa: E402
-from backends.jax import MultiHeadAttention, TransformerDecoder  # noqa: E402
+from backends.jax import DotProductAttention, MultiHeadAttention, TransformerDecoder  # noqa: E402
 from backends.jax.ops import JaxOps  # noqa: E402
 from backends.jax.parallel import ring_attention  # noqa: E402
 from tests.distributed.common import HKV, LENGTHS, MASKS, B, D, H, N, emit, max_abs_diff  # noqa: E402
@@ -110,6 +110,18 @@ def _layer(mesh: Mesh, world: int, layout: str) -> dict[str, float]:
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[0]),
                             jax.tree_util.tree_leaves(want[0]), strict=True):
         result[f"layer.d{jax.tree_util.keystr(path)}"] = max_abs_diff(g, w)
+    # a rotary, windowed DotProductAttention layer (no weights) on the same rows
+    dpa_whole = DotProductAttention(positional="rotary", window=5)
+    dpa_split = DotProductAttention(positional="rotary", window=5, context_parallel="seq")
+    dpa = jax.shard_map(lambda x: dpa_split.apply({}, x, x, x, lens, causal=True), mesh=mesh,
+                        in_specs=(rows,), out_specs=rows)
+
+    def dpa_one(x: jax.Array) -> jax.Array:
+        return dpa_whole.apply({}, x, x, x, lens, causal=True)
+
+    got_x = jax.jit(jax.grad(lambda x: jnp.sum(unlaid(dpa(laid(x))) * cot)))(X)
+    result["dpa.out"] = max_abs_diff(unlaid(jax.jit(dpa)(laid(X))), dpa_one(X))
+    result["dpa.dX"] = max_abs_diff(got_x, jax.grad(lambda x: jnp.sum(dpa_one(x) * cot))(X))
     return result
 
 

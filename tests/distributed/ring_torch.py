@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import attention_core as ac
 from attention_core import parallel as par
-from backends.torch import MultiHeadAttention, TransformerDecoder
+from backends.torch import DotProductAttention, MultiHeadAttention, TransformerDecoder
 from backends.torch.ops import TorchOps
 from backends.torch.parallel import ContextParallel, ring_attention, ulysses_attention
 from tests.distributed.common import HKV, LENGTHS, B, D, H, N, emit, max_abs_diff
@@ -58,6 +58,8 @@ def main() -> None:
                 result[f"{name}.d{label}"] = max_abs_diff(
                     s.grad, par.shard(ops, x.grad, world, rank, 2, layout))
         result.update(_layer(rank, world, layout, sys.argv[2] if len(sys.argv) > 2 else "ring"))
+        result.update(_dot_product_layer(rank, world, layout,
+                                         sys.argv[2] if len(sys.argv) > 2 else "ring"))
         result.update(_stack(rank, world, layout, sys.argv[2] if len(sys.argv) > 2 else "ring"))
     finally:
         dist.destroy_process_group()
@@ -98,6 +100,37 @@ def _layer(rank: int, world: int, layout: str, strategy: str) -> dict[str, float
         got[f"layer.d{name}"] = max_abs_diff(grad, theirs[name].grad)
     return got
 
+
+def _dot_product_layer(rank: int, world: int, layout: str, strategy: str) -> dict[str, float]:
+    """A rotary, windowed ``DotProductAttention`` layer on the shards against one process.
+
+    Causal, with lengths, on ``(B, n, D)``: the output rows and the gradients of the queries,
+    keys and values. By the ring only: Ulysses splits the heads, and the layer has one.
+    """
+    ops, got = TorchOps(), {}
+    if strategy != "ring":
+        return got
+    options = {"positional": "rotary", "window": 5}
+    whole = DotProductAttention(**options)
+    split = DotProductAttention(**options, context_parallel=ContextParallel(None, strategy,
+                                                                           layout))
+    rng = np.random.default_rng(13)
+    for label, shape in {"rows": (B, N, D)}.items():
+        axis = len(shape) - 2
+        q, k, v, cot = (torch.from_numpy(rng.standard_normal(shape)) for _ in range(4))
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = whole(*full, torch.from_numpy(LENGTHS), causal=True)
+        (out * cot).sum().backward()
+        shards = [par.shard(ops, x, world, rank, axis, layout).detach().requires_grad_()
+                  for x in (q, k, v)]
+        mine = split(*shards, torch.from_numpy(LENGTHS), causal=True)
+        (mine * par.shard(ops, cot, world, rank, axis, layout)).sum().backward()
+        got[f"dpa_{label}.out"] = max_abs_diff(
+            mine.detach(), par.shard(ops, out.detach(), world, rank, axis, layout))
+        for name, x, s in zip("qkv", full, shards, strict=True):
+            got[f"dpa_{label}.d{name}"] = max_abs_diff(
+                s.grad, par.shard(ops, x.grad, world, rank, axis, layout))
+    return got
 
 
 def _stack(rank: int, world: int, layout: str, strategy: str) -> dict[str, float]:
