@@ -976,9 +976,10 @@ class MultiHeadAttention(_ScoredAttention):
             a logit each head's softmax also sums over (``exp(sinks[h])`` joins the
             denominator, not scaled, pooling no value).
         context_parallel: The inputs are this device's shard of a sequence split across
-            devices, and the attention reaches the others' (torch: True, a process group or
-            ``backends.torch.ContextParallel``; Flax: a mesh axis name or
-            ``backends.jax.ContextParallel``); None for one device. Such a layer keeps
+            devices, and the attention reaches the others' (torch, and Keras on torch: True,
+            a process group or ``backends.torch.ContextParallel``; Flax, and Keras on JAX
+            inside ``shard_map``: a mesh axis name or ``backends.jax.ContextParallel``);
+            None for one device. Such a layer keeps
             no attention weights, and a call cannot return them.
     """
 

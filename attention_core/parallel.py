@@ -190,6 +190,10 @@ class ContextParallel(Protocol):
         ``attention``: the keywords of :func:`attention_core.dot_product_attention`, with the
         whole sequence's ``valid_lens``, ``mask`` and ``segment_ids``.
         """
+        ...
+
+    def config(self) -> dict[str, Any]:
+        """Its arguments as plain values (a saved layer config), which the engine reads back."""
 
 
 def refuse_in_split_call(**given: Any) -> None:

@@ -39,8 +39,25 @@ def test_jax_ring_equals_one_device(backend: str, layout: str) -> None:
     assert max(result.values()) <= BOUND, result
 
 
+def test_keras_shards_equal_one_device(backend: str) -> None:
+    """Keras on JAX inside ``shard_map`` (4 host devices), on torch over 2 gloo ranks: a
+    rotary grouped-query layer in float32, its output and gradients against one device."""
+    if backend not in {"keras-jax", "keras-torch"}:
+        pytest.skip("runs in the keras-jax and keras-torch envs")
+    if backend == "keras-jax":
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+        results = [run_worker("ring_keras", worker_env(XLA_FLAGS=flags.strip(),
+                                                       JAX_PLATFORMS="cpu"))]
+    else:
+        results = run_ranks(2, "ring_keras")
+    for result in results:
+        assert len(result) == 6 and max(result.values()) <= TOLERANCE["float32"], result
+
+
 #: The backends whose layers take ``context_parallel=`` (a framework's exchange between devices).
-ENGINES = {"torch", "jax", "nnx"}
+ENGINES = {"torch", "jax", "nnx", "keras-jax", "keras-torch"}
+#: Those that take a process group (``True``: the default one); the others a mesh axis name.
+GROUPS = {"torch", "keras-torch"}
 
 
 @pytest.mark.parametrize(("name", "config"), [
@@ -49,7 +66,7 @@ def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str, name:
                                                              config: dict) -> None:
     """Frameworks without one refuse it by name when the layer is made; the others read it."""
     hb = Harness(backend)
-    split = {**config, "context_parallel": True if backend == "torch" else "seq"}
+    split = {**config, "context_parallel": True if backend in GROUPS else "seq"}
     if backend in ENGINES:
         if backend == "nnx":  # the tests' wrapper checks the arguments on a bare declaration
             from flax import nnx
@@ -59,6 +76,11 @@ def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str, name:
             layer = getattr(made, "module", made)  # linen's module in the tests' wrapper
         assert type(layer.context_parallel).__name__ == "ContextParallel"
         assert layer.keep_attention_weights is False
+        if backend.startswith("keras"):  # saved as plain values, read back the same
+            config = layer.get_config()
+            assert isinstance(config["context_parallel"], dict)
+            again = type(layer).from_config(config)
+            assert again.context_parallel == layer.context_parallel
         return
     framework = type(hb.make(name, config)).__module__.split(".")[1]
     with pytest.raises(ValueError, match=f"^context_parallel is not available on the "
@@ -68,13 +90,13 @@ def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str, name:
 
 def test_a_call_outside_its_engine_says_what_it_needs(backend: str) -> None:
     """torch with no process group, Flax outside ``shard_map``: the library's error, by name."""
-    if backend not in {"torch", "jax"}:
-        pytest.skip("torch and linen layers only")
+    if backend not in {"torch", "jax", "keras-torch", "keras-jax"}:
+        pytest.skip("torch, linen and Keras layers only")
     hb = Harness(backend)
     config = {"num_hiddens": 16, "num_heads": 4,
-              "context_parallel": True if backend == "torch" else "seq"}
+              "context_parallel": True if backend in GROUPS else "seq"}
     X = hb.array(np.ones((2, 8, 16), np.float32))
-    need = "init_process_group" if backend == "torch" else "inside jax.shard_map"
+    need = "init_process_group" if backend in GROUPS else "inside jax.shard_map"
     with pytest.raises(ValueError, match=need):
         hb.call(hb.make("MultiHeadAttention", config), X, X, X)
     with pytest.raises(ValueError, match=need):

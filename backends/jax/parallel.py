@@ -109,12 +109,20 @@ class ContextParallel:
         return ring_attention(q, k, v, axis_name=self.axis_name, layout=self.layout,
                               **attention)
 
+    def config(self) -> dict[str, Any]:
+        return {"axis_name": self.axis_name, "layout": self.layout}
+
 
 def context_parallel(value: Any) -> ContextParallel | None:
-    """Reads a layer's ``context_parallel=``: a mesh axis name, or a :class:`ContextParallel`."""
+    """Reads a layer's ``context_parallel=``: a mesh axis name, a ContextParallel, or a config.
+
+    A config is the plain dict of :meth:`ContextParallel.config` (a saved layer's).
+    """
     if value is None or isinstance(value, ContextParallel):
         return value
     if isinstance(value, str):
         return ContextParallel(value)
+    if isinstance(value, dict):
+        return ContextParallel(**value)
     raise TypeError("context_parallel must be None, a mesh axis name or a ContextParallel, "
                     f"got {type(value).__name__}")

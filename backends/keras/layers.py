@@ -116,6 +116,20 @@ def _in_jax_trace(arguments: Mapping[str, Any]) -> bool:
     return any(isinstance(value, jax.core.Tracer) for value in arguments.values())
 
 
+def _context_parallel_reader() -> Any:
+    """The reader of ``context_parallel=`` of the engine Keras runs on, as a class attribute.
+
+    JAX's ``shard_map`` or ``torch.distributed``; None on TensorFlow (refused).
+    """
+    if keras.backend.backend() == "jax":
+        from backends.jax.parallel import context_parallel
+    elif keras.backend.backend() == "torch":
+        from backends.torch.parallel import context_parallel  # type: ignore[assignment]
+    else:
+        return None
+    return staticmethod(context_parallel)
+
+
 @D.dataclass_transform()
 class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArguments):
     """Holds a declared layer's weights as Keras variables and calls its forward.
@@ -127,6 +141,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
 
     extras = D.keyword_parameters(KerasArguments)
     convention = KERAS  # Keras' call keywords too (backends.keras.conventions)
+    context_parallel_reader = _context_parallel_reader()
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 
@@ -338,8 +353,14 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         self.built = False
 
     def get_config(self) -> dict[str, Any]:
-        """Keras' config: its own entries and the declared arguments."""
-        return {**keras.layers.Layer.get_config(self), **self.arguments()}
+        """Keras' config: its own entries and the declared arguments.
+
+        ``context_parallel`` is written as its engine's plain values.
+        """
+        config = {**keras.layers.Layer.get_config(self), **self.arguments()}
+        if config.get("context_parallel") is not None:
+            config["context_parallel"] = config["context_parallel"].config()
+        return config
 
     @property
     def canonical_variables(self) -> dict[str, keras.Variable]:

@@ -386,13 +386,25 @@ class ContextParallel:
         pool = ring_attention if self.strategy == "ring" else ulysses_attention
         return pool(q, k, v, group=self.group, layout=self.layout, **attention)
 
+    def config(self) -> dict[str, Any]:
+        if self.group is not None:
+            raise ValueError("a layer whose context_parallel holds a process group cannot save "
+                             "its config (a group is made by each run); use the default group "
+                             "(group=None) in a layer that is saved")
+        return {"strategy": self.strategy, "layout": self.layout}
+
 
 def context_parallel(value: Any) -> ContextParallel | None:
-    """Reads a layer's ``context_parallel=``: True (the default group) or a process group."""
+    """Reads a layer's ``context_parallel=``: True (the default group), a group, or a config.
+
+    A config is the plain dict of :meth:`ContextParallel.config` (a saved layer's).
+    """
     if value is None or isinstance(value, ContextParallel):
         return value
     if value is True:
         return ContextParallel()
+    if isinstance(value, dict):
+        return ContextParallel(**value)
     if isinstance(value, dist.ProcessGroup):
         return ContextParallel(value)
     raise TypeError("context_parallel must be None, True, a torch.distributed ProcessGroup "
