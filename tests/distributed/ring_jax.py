@@ -8,6 +8,7 @@ the gradients of q, k, v are compared with one device's over the whole sequence.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import jax
 
@@ -122,6 +123,39 @@ def _layer(mesh: Mesh, world: int, layout: str) -> dict[str, float]:
     got_x = jax.jit(jax.grad(lambda x: jnp.sum(unlaid(dpa(laid(x))) * cot)))(X)
     result["dpa.out"] = max_abs_diff(unlaid(jax.jit(dpa)(laid(X))), dpa_one(X))
     result["dpa.dX"] = max_abs_diff(got_x, jax.grad(lambda x: jnp.sum(dpa_one(x) * cot))(X))
+    return {**result, **_nnx_layer(mesh, X, cot, lens, laid, unlaid)}
+
+
+def _nnx_layer(mesh: Mesh, X: jax.Array, cot: jax.Array, lens: jax.Array, laid: Any,
+               unlaid: Any) -> dict[str, float]:
+    """The same rotary grouped-query layer in NNX: its state split off, merged inside shard_map."""
+    from flax import nnx
+
+    from backends.jax import nnx as bnnx
+
+    options = {"num_kv_heads": HKV, "positional": "rotary", "param_dtype": jnp.float64}
+    whole = bnnx.MultiHeadAttention(16, H, **options, rngs=nnx.Rngs(0))
+    graph = nnx.graphdef(bnnx.MultiHeadAttention(16, H, **options, context_parallel="seq",
+                                                 rngs=nnx.Rngs(1)))
+    state = nnx.state(whole)  # the whole layer's weights, in the split layer's graph
+
+    def call(st: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(graph, st)(x, x, x, lens, causal=True)
+
+    rows = P(None, "seq", None)
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=(P(), rows), out_specs=rows)
+
+    def one_loss(st: Any, x: jax.Array) -> jax.Array:
+        return jnp.sum(nnx.merge(nnx.graphdef(whole), st)(x, x, x, lens, causal=True) * cot)
+
+    got = jax.jit(jax.grad(lambda st, x: jnp.sum(unlaid(sharded(st, laid(x))) * cot),
+                           argnums=(0, 1)))(state, X)
+    want = jax.grad(one_loss, argnums=(0, 1))(state, X)
+    result = {"nnx.out": max_abs_diff(unlaid(jax.jit(sharded)(state, laid(X))), whole(
+        X, X, X, lens, causal=True)), "nnx.dX": max_abs_diff(got[1], want[1])}
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[0]),
+                            jax.tree_util.tree_leaves(want[0]), strict=True):
+        result[f"nnx.d{jax.tree_util.keystr(path)}"] = max_abs_diff(g, w)
     return result
 
 
