@@ -59,10 +59,6 @@ def rms_norm(ops: Ops, x: Array, gamma: Array, eps: float = RMS_NORM_EPS) -> Arr
     No centring, no shift and no ``1 + gamma``, as Llama's ``RMSNorm``. Float16 and bfloat16
     inputs are normalised in float32 and cast back before ``gamma`` multiplies them, as there.
     """
-    kernel = getattr(ops, "rms_norm", None)  # one kernel where the backend has it (LinearOps)
-    normed = None if kernel is None else kernel(x, gamma, eps)
-    if normed is not None:
-        return normed
     dtype = ops.dtype_name(x)
     narrow = dtype in _NARROW_FLOATS
     wide = ops.astype(x, "float32") if narrow else x

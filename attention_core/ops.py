@@ -386,13 +386,12 @@ def matmul_transposed(ops: Ops, a: Array, b: Array) -> Array:
 
 
 class LinearOps(Ops, Protocol):
-    """Optional: ops with one kernel each for a dense layer and the normalisations (torch).
+    """Optional: ops with one kernel each for a dense layer and a layer normalisation (torch).
 
     :func:`attention_core.linear.dense` calls ``linear`` when a bias is given, instead of a
     product and an addition, which saves a pass over the output and an op per layer.
     :func:`attention_core.linear.layer_norm` calls ``layer_norm`` and takes its result unless
-    it is None: one kernel forward and one backward instead of a chain of elementwise ops;
-    :func:`attention_core.linear.rms_norm` likewise ``rms_norm`` where the ops have it.
+    it is None: one kernel forward and one backward instead of a chain of elementwise ops.
     """
 
     def layer_norm(self, x: Array, gamma: Array, beta: Array, eps: float) -> Array | None:
@@ -401,10 +400,6 @@ class LinearOps(Ops, Protocol):
         None where the kernel would not give the same numbers (dtypes that differ, float16
         and bfloat16, whose statistics the core takes in float32): the core computes then.
         """
-        ...
-
-    def rms_norm(self, x: Array, gamma: Array, eps: float) -> Array | None:
-        """Returns what :func:`attention_core.linear.rms_norm` computes, or None (as ``layer_norm``)."""
         ...
 
     def linear(self, x: Array, kernel: Array, bias: Array) -> Array:

@@ -156,11 +156,6 @@ class TorchOps(NamespaceOps):
             return None  # the core's own, in float32 for narrow dtypes
         return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)
 
-    def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:
-        if x.dtype != gamma.dtype or x.dtype not in _WIDE_FLOATS:
-            return None  # the core's own, in float32 for narrow dtypes
-        return F.rms_norm(x, (x.shape[-1],), gamma, eps)
-
     def slice_update(self, x: torch.Tensor, axis: int, start: int,
                      new: torch.Tensor) -> torch.Tensor:
         return torch.slice_scatter(x, new, axis, start, start + new.shape[axis])
