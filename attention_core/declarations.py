@@ -268,6 +268,8 @@ class Declaration:
         context_parallel_reader: Reads a layer's ``context_parallel=`` into a
             :class:`~attention_core.parallel.ContextParallel` (set by an adapter whose
             framework can exchange between devices; None: refused).
+        runs_on: Where the layer runs, as messages name it (``"Keras' tensorflow
+            backend"``); empty for its adapter's package (``"the mxnet backend"``).
         convention: The framework's call keywords a backend's layers also take
             (:class:`attention_core.conventions.Keyword`, listed by the adapter, e.g.
             ``backends.torch.conventions.TORCH``); set by the adapter's base class, empty for
@@ -282,6 +284,7 @@ class Declaration:
     returns_attention: ClassVar[bool] = False
     always_keeps: ClassVar[bool] = False
     context_parallel_reader: ClassVar[Any] = None  # a function, or None
+    runs_on: ClassVar[str] = ""
     cache_arguments: ClassVar[tuple[str, ...]] = ()
     function_arguments: ClassVar[tuple[str, ...]] = ()
     pair_arguments: ClassVar[tuple[str, ...]] = ()
@@ -794,8 +797,8 @@ def _normalise_context_parallel(layer: Declaration) -> None:
     layer.normalise("keep_attention_weights", lambda _: False)  # no device holds them whole
     reader = type(layer).context_parallel_reader
     if reader is None:
-        framework = type(layer).__module__.split(".")[1]
-        raise ValueError(f"context_parallel is not available on the {framework} backend: "
+        where = type(layer).runs_on or f"the {type(layer).__module__.split('.')[1]} backend"
+        raise ValueError(f"context_parallel is not available on {where}: "
                          "it takes a framework's collective exchange between devices "
                          "(torch.distributed, or JAX's shard_map); got "
                          f"{type(value).__name__}")

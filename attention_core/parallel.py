@@ -162,11 +162,12 @@ def block_visible(query_at: np.ndarray, key_at: np.ndarray, causal: bool = False
     """
     if causal and int(key_at.min()) > int(query_at.max()):
         return False
-    if window is not None:
-        near = np.abs(query_at[:, None].astype(np.int64) - key_at[None, :]) < window
-        if causal:
-            near &= key_at[None, :] <= query_at[:, None]
-        return bool(near.any())
+    if window is not None:  # a key in (q - window, q], or (q - window, q + window): searched
+        keys, queries = np.sort(key_at.astype(np.int64)), query_at.astype(np.int64)
+        last = queries if causal else queries + window - 1
+        found = (np.searchsorted(keys, last, side="right")
+                 - np.searchsorted(keys, queries - window + 1, side="left"))
+        return bool((found > 0).any())
     return True
 
 
@@ -189,11 +190,11 @@ class ContextParallel(Protocol):
 
         ``attention``: the keywords of :func:`attention_core.dot_product_attention`, with the
         whole sequence's ``valid_lens``, ``mask`` and ``segment_ids``.
+
+        An engine whose layers a saved config holds (Keras') also gives ``config()``: its
+        arguments as plain values, which its reader of ``context_parallel=`` takes back.
         """
         ...
-
-    def config(self) -> dict[str, Any]:
-        """Its arguments as plain values (a saved layer config), which the engine reads back."""
 
 
 def refuse_in_split_call(**given: Any) -> None:

@@ -117,7 +117,7 @@ def rank_main(n: int, layout: str) -> None:
 
         return run
 
-    call(WARM_UP)()
+    call(min(n, 2 * world * max(1, WARM_UP // (2 * world))))()  # whole chunks of the layout
     measured = call(n)
     dist.barrier()
     got = _measured(measured)
@@ -177,9 +177,10 @@ def table(result: dict[str, Any]) -> str:
     for layout, per_rank in result["ring"].items():
         peak = max(r["extra_mib"] for r in per_rank)
         cpu = [r["cpu_s"] for r in per_rank]
+        share = f"{peak / whole['extra_mib']:.2f}" if whole["extra_mib"] > 0 else "-"
+        balance = f"{max(cpu) / min(cpu):.2f}" if min(cpu) > 0 else "-"
         rows.append(f"| ring, {result['world']} ranks, {layout} | {peak:.0f} (largest rank) | "
-                    f"{peak / whole['extra_mib']:.2f} | {min(cpu):.1f}-{max(cpu):.1f} | "
-                    f"{max(cpu) / min(cpu):.2f} |")
+                    f"{share} | {min(cpu):.1f}-{max(cpu):.1f} | {balance} |")
     m = result["machine"]
     rows += ["", f"Causal, B {result['B']}, H {result['H']}, D {result['D']}, float32, one "
              f"thread per process; torch {result['torch']}, gloo, {m.get('cpu', '?')}, "

@@ -81,11 +81,32 @@ def test_context_parallel_is_refused_where_no_engine_runs_it(backend: str, name:
             assert isinstance(config["context_parallel"], dict)
             again = type(layer).from_config(config)
             assert again.context_parallel == layer.context_parallel
+            del config["context_parallel"]  # a config saved before the option: one device
+            assert type(layer).from_config(config).context_parallel is None
         return
     framework = type(hb.make(name, config)).__module__.split(".")[1]
-    with pytest.raises(ValueError, match=f"^context_parallel is not available on the "
-                                         f"{framework} backend: .*got str$"):
+    where = "Keras' tensorflow backend" if framework == "keras" else f"the {framework} backend"
+    with pytest.raises(ValueError, match=f"^context_parallel is not available on {where}: "
+                                         ".*got str$"):
         hb.make(name, {**config, "context_parallel": "seq"})
+
+
+def test_a_saved_config_is_read_back_or_refused_by_name(backend: str) -> None:
+    """Each engine reads its own config back; another engine's, or a torch group, by name."""
+    if backend not in {"torch", "jax"}:
+        pytest.skip("the engines' readers: torch and jax envs")
+    if backend == "torch":
+        from backends.torch.parallel import ContextParallel, context_parallel
+        own, other = ContextParallel(None, "ulysses", "contiguous"), {"axis_name": "seq"}
+        with pytest.raises(ValueError, match="process group cannot save"):
+            ContextParallel(group=object()).config()
+    else:
+        from backends.jax.parallel import ContextParallel, context_parallel  # type: ignore[assignment]
+        own, other = ContextParallel("seq", "contiguous"), {"strategy": "ring"}
+    assert context_parallel(own.config()) == own
+    with pytest.raises(ValueError, match=r"^context_parallel: a config with keys .* is another "
+                                         "engine's"):
+        context_parallel(other)
 
 
 def test_a_call_outside_its_engine_says_what_it_needs(backend: str) -> None:

@@ -15,6 +15,7 @@ import attention_core as ac
 from attention_core import parallel as par
 from attention_core.cache import Positions
 from attention_core.registry import ops_for
+from conftest import test_backends
 from tests import naive
 from tests.harness import Harness, max_diff
 
@@ -98,3 +99,23 @@ def test_layouts_round_trip_and_refuse_uneven_lengths() -> None:
     with pytest.raises(ValueError, match="cannot be cut into 8 equal chunks"):
         par.shard_positions(20, 4, 0, "zigzag")
 
+
+
+@pytest.mark.skipif("numpy" not in test_backends(), reason="framework-free; runs in the numpy env")
+def test_block_visible_finds_exactly_the_blocks_with_a_visible_pair() -> None:
+    """Against every pair, on random position sets (zigzag-like: two runs each): a block is
+    skipped only when causal and window masking hide all its pairs."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        runs = [rng.integers(0, 60, 2) for _ in range(4)]
+        q, k = (np.concatenate([np.arange(a, a + rng.integers(1, 6)) for a in pair])
+                for pair in (runs[0], runs[1]))
+        causal, window = bool(rng.integers(2)), [None, 1, 3, 8][rng.integers(4)]
+        d = q[:, None] - k[None, :]
+        pairs = np.ones_like(d, bool)
+        if causal:
+            pairs &= d >= 0
+        if window is not None:
+            pairs &= np.abs(d) < window
+        assert par.block_visible(q, k, causal, window) == bool(pairs.any()), (q, k, causal,
+                                                                              window)

@@ -4,7 +4,8 @@ One generic base, :class:`Layer`, holds any declaration of :mod:`attention_core.
 weights are Keras variables named by the canonical layout (the Weights page), made by
 ``build()`` on the first call (or ``set_weights``), or in ``__init__`` when the arguments fix
 every size, by Keras initializers; dropout (``training=True`` only) draws from the layer's
-``keras.random.SeedGenerator``. ``get_config()`` is the declared arguments, and the classes are
+``keras.random.SeedGenerator``. ``get_config()`` is the declared arguments (``context_parallel``
+as its engine's plain values), and the classes are
 registered, so ``.keras`` files load without ``custom_objects``. A failed call changes nothing.
 Keras padding masks of the sequence inputs arrive as ``<input>_mask`` call arguments.
 
@@ -142,6 +143,7 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
     extras = D.keyword_parameters(KerasArguments)
     convention = KERAS  # Keras' call keywords too (backends.keras.conventions)
     context_parallel_reader = _context_parallel_reader()
+    runs_on = f"Keras' {keras.backend.backend()} backend"
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 
@@ -358,8 +360,12 @@ class Layer(D.KeptAttention, D.Declaration, _TorchParameters, _Keras, KerasArgum
         ``context_parallel`` is written as its engine's plain values.
         """
         config = {**keras.layers.Layer.get_config(self), **self.arguments()}
-        if config.get("context_parallel") is not None:
-            config["context_parallel"] = config["context_parallel"].config()
+        split = config.get("context_parallel")
+        if split is not None:
+            if not callable(getattr(split, "config", None)):
+                raise ValueError(f"context_parallel: a {type(split).__name__} gives no config() "
+                                 "of plain values, so the layer's config cannot hold it")
+            config["context_parallel"] = split.config()
         return config
 
     @property

@@ -4,9 +4,10 @@ Shape legend: B batch, H query heads, Hkv key/value heads, n/P the rows of one s
 
 :func:`ring_attention`: each rank holds its shard of the queries, keys and values (in the
 layout of :mod:`attention_core.parallel`); the keys and values travel the ring of ranks, one
-step per rank, each step's partial result merged by its log-sum-exp. The shift is a
-differentiable operation (its backward shifts the gradient the other way), so autograd
-differentiates the ring: every kernel and mask modifier of ``dot_product_attention`` works.
+step per rank, each step's partial result merged by its log-sum-exp. Its backward recomputes
+the blocks tile by tile (:class:`_Ring`); under dropout or a ``score_mod`` autograd records
+the ring instead, whose shift is differentiable (its backward shifts the gradient the other
+way). Every kernel and mask modifier of ``dot_product_attention`` works.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def _received(sending: Sending) -> list[torch.Tensor]:
 
 
 class _Ring(torch.autograd.Function):
-    """The ring's forward without a graph, and a backward that recomputes block by block."""
+    """The ring's forward without a graph, and a backward that recomputes tile by tile."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Any,
@@ -326,6 +327,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
             does not divide.
     """
     rank, world = _global_rank(group)
+    if q.shape[1] == 1 and world > 1:
+        raise ValueError(f"ulysses attention splits the heads over the {world} ranks, and the "
+                         "queries have one head (a DotProductAttention layer's): use "
+                         "strategy='ring'")
     for name, heads in (("num_heads", q.shape[1]), ("num_kv_heads", k.shape[1])):
         if heads % world:
             raise ValueError(f"ulysses attention splits the heads over the {world} ranks: "
@@ -374,7 +379,7 @@ class ContextParallel:
         par.check_layout(self.layout)
 
     def size(self) -> int:
-        return int(dist.get_world_size(self.group))
+        return _global_rank(self.group)[1]
 
     def positions(self, ops: Any, rows: int) -> torch.Tensor:
         rank, world = _global_rank(self.group)
@@ -404,8 +409,16 @@ def context_parallel(value: Any) -> ContextParallel | None:
     if value is True:
         return ContextParallel()
     if isinstance(value, dict):
-        return ContextParallel(**value)
+        return ContextParallel(**_saved(value, ("strategy", "layout")))
     if isinstance(value, dist.ProcessGroup):
         return ContextParallel(value)
-    raise TypeError("context_parallel must be None, True, a torch.distributed ProcessGroup "
-                    f"or a ContextParallel, got {type(value).__name__}")
+    raise TypeError("context_parallel must be None, True, a torch.distributed ProcessGroup, "
+                    f"a ContextParallel or its config, got {type(value).__name__}")
+
+
+def _saved(config: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A saved ``context_parallel`` config, refused by name when another engine wrote it."""
+    if not set(config) <= set(keys):
+        raise ValueError(f"context_parallel: a config with keys {sorted(config)} is another "
+                         f"engine's (a layer saved on JAX?); torch's has {', '.join(keys)}")
+    return config
