@@ -60,19 +60,21 @@ MIN_SCORES = 2**22
 Carry = tuple[Array, Array, Array]
 
 
-def block_sizes(batch_heads: int, num_queries: int, num_keys: int) -> tuple[int, int]:
-    """Chooses ``(q_block, k_block)`` so that one tile holds at most :data:`TILE_SCORES` scores.
+def block_sizes(batch_heads: int, num_queries: int, num_keys: int,
+                scores: int | None = None) -> tuple[int, int]:
+    """Chooses ``(q_block, k_block)`` so that one tile holds at most ``scores`` scores.
 
     Args:
         batch_heads: ``B * H``.
         num_queries: Q.
         num_keys: K.
+        scores: The budget of a tile; None for :data:`TILE_SCORES`.
 
     Returns:
         Block sizes, each at least 1 and at most the length it divides.
     """
     k_block = max(1, min(num_keys, KEY_BLOCK))
-    q_block = TILE_SCORES // max(1, batch_heads * k_block)
+    q_block = (TILE_SCORES if scores is None else scores) // max(1, batch_heads * k_block)
     return max(1, min(num_queries, max(q_block, MIN_QUERY_BLOCK))), k_block
 
 

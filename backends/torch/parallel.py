@@ -245,9 +245,8 @@ def _tiles(batch_heads: int, num_queries: int, num_keys: int) -> list[tuple[slic
     :data:`~attention_core.kernels.blockwise.KEY_BLOCK` keys, so its keys' gradients are
     that tile's (not the whole block's) and a tile that the positions rule out is skipped.
     """
-    k_block = max(1, min(num_keys, blockwise.KEY_BLOCK))
-    q_block = max(blockwise.MIN_QUERY_BLOCK,
-                  blockwise.RECOMPUTE_SCORES // max(1, batch_heads * k_block))
+    q_block, k_block = blockwise.block_sizes(batch_heads, num_queries, num_keys,
+                                             blockwise.RECOMPUTE_SCORES)
     return [(slice(q0, q0 + q_block), slice(k0, k0 + k_block))
             for q0 in range(0, num_queries, q_block) for k0 in range(0, num_keys, k_block)]
 
