@@ -197,6 +197,16 @@ class ContextParallel(Protocol):
         ...
 
 
+def saved_config(config: dict[str, Any], keys: tuple[str, ...], engine: str
+                 ) -> dict[str, Any]:
+    """A saved ``context_parallel`` config for ``engine``; refused by name if another wrote it."""
+    if not set(config) <= set(keys):
+        raise ValueError(f"context_parallel: a config with keys {sorted(config)} is another "
+                         f"engine's (a layer saved on another framework); {engine}'s has "
+                         f"{', '.join(keys)}")
+    return config
+
+
 def refuse_in_split_call(**given: Any) -> None:
     """Refuses the arguments a context-parallel call cannot take, by name."""
     for name, value in given.items():

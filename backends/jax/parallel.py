@@ -123,9 +123,6 @@ def context_parallel(value: Any) -> ContextParallel | None:
     if isinstance(value, str):
         return ContextParallel(value)
     if isinstance(value, dict):
-        if not set(value) <= {"axis_name", "layout"}:
-            raise ValueError(f"context_parallel: a config with keys {sorted(value)} is another "
-                             "engine's (a layer saved on torch?); JAX's has axis_name, layout")
-        return ContextParallel(**value)
+        return ContextParallel(**par.saved_config(value, ("axis_name", "layout"), "JAX"))
     raise TypeError("context_parallel must be None, a mesh axis name, a ContextParallel or "
                     f"its config, got {type(value).__name__}")

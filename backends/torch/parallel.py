@@ -408,16 +408,8 @@ def context_parallel(value: Any) -> ContextParallel | None:
     if value is True:
         return ContextParallel()
     if isinstance(value, dict):
-        return ContextParallel(**_saved(value, ("strategy", "layout")))
+        return ContextParallel(**par.saved_config(value, ("strategy", "layout"), "torch"))
     if isinstance(value, dist.ProcessGroup):
         return ContextParallel(value)
     raise TypeError("context_parallel must be None, True, a torch.distributed ProcessGroup, "
                     f"a ContextParallel or its config, got {type(value).__name__}")
-
-
-def _saved(config: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-    """A saved ``context_parallel`` config, refused by name when another engine wrote it."""
-    if not set(config) <= set(keys):
-        raise ValueError(f"context_parallel: a config with keys {sorted(config)} is another "
-                         f"engine's (a layer saved on JAX?); torch's has {', '.join(keys)}")
-    return config
