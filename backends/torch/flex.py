@@ -217,10 +217,11 @@ def prefers_flex(ops: Any, request: Request) -> bool:
     what the fused SDPA kernel does not take (scores) or takes only as a dense mask.
     """
     device = getattr(ops, "device", None)
+    if device is None or device.type != "cuda":
+        return False
     user = any(isinstance(m, (MaskFunction, ScoreFunction))
                for m in (*request.masks, *request.scores))
-    return bool(user and device is not None and device.type == "cuda"
-                and torch.compiler.is_compiling() and not torch.compiler.is_exporting())
+    return user and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 def register() -> None:

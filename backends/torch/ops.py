@@ -59,7 +59,7 @@ class TorchOps(NamespaceOps):
                 return t if self.device is None else t.to(self.device)
             return t.to(device=like.device, dtype=like.dtype if t.is_floating_point() else t.dtype)
         x = np.asarray(x)
-        if x.dtype.name == "bfloat16":  # ml_dtypes: widen exactly, then narrow in torch
+        if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes: widen exactly
             return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
         t = torch.from_numpy(np.array(x, order="C", copy=True))
         if like is None:
@@ -68,7 +68,8 @@ class TorchOps(NamespaceOps):
         return t.to(device=like.device, dtype=dtype)
 
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
-        x = x.detach().cpu()
+        x = x.detach()
+        x = x if x.device.type == "cpu" else x.cpu()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def concrete(self, x: torch.Tensor) -> np.ndarray | None:
@@ -239,10 +240,12 @@ def _tracing() -> bool:
                 or torch.jit.is_tracing())  # type: ignore[attr-defined, no-untyped-call]
 
 
+_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
 def _functorch(x: torch.Tensor) -> bool:
     """Whether ``x`` is a ``torch.func`` transform's tensor (no storage to read)."""
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(wrapped is not None and wrapped(x))
+    return bool(_WRAPPED is not None and _WRAPPED(x))
 
 
 def fused(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
