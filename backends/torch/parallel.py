@@ -4,10 +4,11 @@ Shape legend: B batch, H query heads, Hkv key/value heads, n/P the rows of one s
 
 :func:`ring_attention`: each rank holds its shard of the queries, keys and values (in the
 layout of :mod:`attention_core.parallel`); the keys and values travel the ring of ranks, one
-step per rank, each step's partial result merged by its log-sum-exp. Its backward recomputes
-the blocks tile by tile (:class:`_Ring`); under dropout or a ``score_mod`` autograd records
-the ring instead, whose shift is differentiable (its backward shifts the gradient the other
-way). Every kernel and mask modifier of ``dot_product_attention`` works.
+step per rank, each partial result merged by its log-sum-exp. The keys and values go round in
+chunks, and the forward and the backward (which recomputes) go tile by tile (:class:`_Ring`),
+so a rank holds little more than its own rows; under dropout or a ``score_mod`` autograd
+records a ring of whole blocks instead, whose shift is differentiable (its backward shifts
+the gradient the other way). Every kernel and mask modifier of ``dot_product_attention`` works.
 """
 
 from __future__ import annotations
@@ -80,13 +81,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     Returns:
         This rank's rows of the output ``(B, H, n/P, Dv)``, as one device would give them.
 
-    A step whose block ``causal`` or ``window`` rules out whole is not computed (its keys and
-    values still pass on). The backward pass recomputes each block one tile of queries and keys
-    at a time from the output and its log-sum-exp (skipping the tiles they rule out), passing
-    the key and value gradients around the ring with the keys and values: a rank holds its own
-    rows and one block in flight. Under dropout
-    (which a recomputation would draw again) or a ``score_mod`` (which may hold learned
-    arrays), autograd records the ring instead.
+    The keys and values travel in chunks of :data:`RING_CHUNK` rows, one chunk's round of the
+    ring after the other, so one chunk is in flight. Each step pools one tile of queries and
+    keys at a time (:data:`RING_TILE_SCORES` scores), merging it into its rows by the
+    log-sum-exp; a tile that ``causal`` or ``window`` rules out whole is not computed (its keys
+    and values still pass on). The backward pass recomputes the same tiles from the output and
+    its log-sum-exp, passing the key and value gradients around the ring with their keys and
+    values. Under dropout (which a recomputation would draw again) or a ``score_mod`` (which
+    may hold learned arrays), autograd records a ring of whole blocks instead.
     """
     blocks = _Blocks(q, group, layout, {"valid_lens": valid_lens, "segment_ids": segment_ids,
                                         "mask": mask}, attention)
@@ -187,23 +189,78 @@ def _received(sending: Sending) -> list[torch.Tensor]:
     return sending[1]
 
 
+#: Keys (rows of a shard) that travel the ring at a time: each shard's keys and values go
+#: round in chunks of this many, one chunk's round after the other, so the blocks in flight
+#: (and their gradients in the backward) are chunks, not whole shards.
+RING_CHUNK = 512
+
+#: Scores in one tile of the ring's forward and backward, ``B * H * rows * keys``. A tile's
+#: backward holds about six arrays of that size; 2**18 float32 scores are 1 MiB each.
+RING_TILE_SCORES = 2**18
+
+
+def _chunks(num_keys: int) -> list[slice]:
+    """The chunks of a shard's ``num_keys`` keys that travel the ring one after the other."""
+    return [slice(c, min(c + RING_CHUNK, num_keys)) for c in range(0, num_keys, RING_CHUNK)]
+
+
+def _tiles(batch_heads: int, num_queries: int, num_keys: int) -> list[tuple[slice, slice]]:
+    """The ``(rows, cols)`` tiles of one chunk's block, computed one at a time.
+
+    Each holds about :data:`RING_TILE_SCORES` scores over at most
+    :data:`~attention_core.kernels.blockwise.KEY_BLOCK` keys, so that its temporaries (and,
+    in the backward, its keys' gradients) are the tile's, and a tile that the positions rule
+    out is skipped.
+    """
+    q_block, k_block = blockwise.block_sizes(batch_heads, num_queries, num_keys,
+                                             RING_TILE_SCORES)
+    return [(slice(q0, min(q0 + q_block, num_queries)), slice(k0, min(k0 + k_block, num_keys)))
+            for q0 in range(0, num_queries, q_block) for k0 in range(0, num_keys, k_block)]
+
+
+def _visible_tiles(blocks: _Blocks, step: int, chunk: slice, tiles: list[tuple[slice, slice]],
+                   sinks: Any) -> list[tuple[slice, slice, slice, bool]]:
+    """``(rows, cols, at, with_sinks)`` of the tiles of ``chunk`` at ``step`` that run.
+
+    ``cols`` index the chunk, ``at`` the shard (the keys' positions). A tile runs where a pair
+    is visible, or where it takes the sinks: the first tile of each row at step 0.
+    """
+    found = []
+    for rows, cols in tiles:
+        at = slice(chunk.start + cols.start, chunk.start + cols.stop)
+        with_sinks = sinks is not None and step == 0 and at.start == 0
+        if with_sinks or blocks.visible(step, rows, at):
+            found.append((rows, cols, at, with_sinks))
+    return found
+
+
 class _Ring(torch.autograd.Function):
-    """The ring's forward without a graph, and a backward that recomputes tile by tile."""
+    """The ring's forward without a graph, and a backward that recomputes it; both by tiles.
+
+    Each chunk of the keys and values (:data:`RING_CHUNK`) makes its own round of the ring;
+    within a step each tile's result merges into its rows by the log-sum-exp, which holds for
+    any split of the keys.
+    """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Any,
                 blocks: _Blocks) -> torch.Tensor:
-        done = None
-        keys, values = k, v
-        for step in range(blocks.world):  # the next block travels while this one is computed
-            sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
-            if blocks.visible(step):
-                done = par.merge(blocks.ops, done, blocks.attend(
-                    q, keys, values, step, sinks=sinks if step == 0 else None))
-            if sending is not None:
-                keys, values = _received(sending)
-        assert done is not None
-        out, lse = done
+        B, H, Q, _ = q.shape
+        out = q.new_zeros(B, H, Q, v.shape[-1])
+        lse = torch.full((B, H, Q), -torch.inf, device=q.device,
+                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        for chunk in _chunks(k.shape[2]):
+            keys, values = k[:, :, chunk], v[:, :, chunk]
+            tiles = _tiles(B * H, Q, keys.shape[2])
+            for step in range(blocks.world):  # the next chunk travels while this one is computed
+                sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
+                for rows, cols, at, with_sinks in _visible_tiles(blocks, step, chunk, tiles, sinks):
+                    part = blocks.attend(q[:, :, rows], keys[:, :, cols], values[:, :, cols],
+                                         step, rows, sinks if with_sinks else None, at)
+                    out[:, :, rows], lse[:, :, rows] = par.merge(
+                        blocks.ops, (out[:, :, rows], lse[:, :, rows]), part)
+                if sending is not None:
+                    keys, values = _received(sending)
         ctx.blocks = blocks
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         return out
@@ -212,56 +269,46 @@ class _Ring(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, sinks, out, lse = ctx.saved_tensors
         blocks: _Blocks = ctx.blocks
-        tiles = _tiles(q.shape[0] * q.shape[1], q.shape[2], k.shape[2])
         whole = (d_out * out).sum(-1)  # <dO, out> per row
         finite = torch.isfinite(lse)
         d_q, d_sinks = torch.zeros_like(q), None if sinks is None else torch.zeros_like(sinks)
-        keys, values, d_k, d_v = k, v, torch.zeros_like(k), torch.zeros_like(v)
-        for step in range(blocks.world):
-            sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
-            for rows, cols in tiles:
-                with_sinks = sinks is not None and step == 0 and cols.start == 0
-                if not (with_sinks or blocks.visible(step, rows, cols)):
-                    continue  # nothing visible: no gradient
-                grads = _tile_grads(blocks, step, rows, cols, q, keys, values,
-                                    sinks if with_sinks else None, d_out[:, :, rows],
-                                    lse[:, :, rows], whole[:, :, rows], finite[:, :, rows])
-                d_q[:, :, rows] += grads[0]
-                d_k[:, :, cols] += grads[1]
-                d_v[:, :, cols] += grads[2]
-                if grads[3] is not None:
-                    d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
-            if sending is not None:  # the gradients travel with their keys and values
-                keys, values = _received(sending)
-                d_k, d_v = _pass_on(blocks, d_k, d_v)
-        d_k, d_v = _pass_on(blocks, d_k, d_v)  # one more step: each back to its own rank
+        d_k, d_v = torch.empty_like(k), torch.empty_like(v)
+        for chunk in _chunks(k.shape[2]):
+            keys, values = k[:, :, chunk], v[:, :, chunk]
+            tiles = _tiles(q.shape[0] * q.shape[1], q.shape[2], keys.shape[2])
+            d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+            for step in range(blocks.world):
+                sending = _send_on(blocks, keys, values) if step + 1 < blocks.world else None
+                for rows, cols, at, with_sinks in _visible_tiles(blocks, step, chunk, tiles, sinks):
+                    grads = _tile_grads(blocks, step, rows, at, q, keys[:, :, cols],
+                                        values[:, :, cols], sinks if with_sinks else None,
+                                        d_out[:, :, rows], lse[:, :, rows], whole[:, :, rows],
+                                        finite[:, :, rows])
+                    d_q[:, :, rows] += grads[0]
+                    d_keys[:, :, cols] += grads[1]
+                    d_values[:, :, cols] += grads[2]
+                    if grads[3] is not None:
+                        d_sinks = grads[3] if d_sinks is None else d_sinks + grads[3]
+                if sending is not None:  # the gradients travel with their keys and values
+                    keys, values = _received(sending)
+                    d_keys, d_values = _pass_on(blocks, d_keys, d_values)
+            # one more step: each chunk's gradients back to their own rank
+            d_k[:, :, chunk], d_v[:, :, chunk] = _pass_on(blocks, d_keys, d_values)
         return d_q, d_k, d_v, d_sinks, None
-
-
-def _tiles(batch_heads: int, num_queries: int, num_keys: int) -> list[tuple[slice, slice]]:
-    """The ``(rows, cols)`` tiles a block's backward recomputes one at a time.
-
-    Each holds about :data:`~attention_core.kernels.blockwise.RECOMPUTE_SCORES` scores over
-    :data:`~attention_core.kernels.blockwise.KEY_BLOCK` keys, so its keys' gradients are
-    that tile's (not the whole block's) and a tile that the positions rule out is skipped.
-    """
-    q_block, k_block = blockwise.block_sizes(batch_heads, num_queries, num_keys,
-                                             blockwise.RECOMPUTE_SCORES)
-    return [(slice(q0, q0 + q_block), slice(k0, k0 + k_block))
-            for q0 in range(0, num_queries, q_block) for k0 in range(0, num_keys, k_block)]
 
 
 def _tile_grads(blocks: _Blocks, step: int, rows: slice, cols: slice, q: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, sinks: Any, d_out: torch.Tensor,
                 lse: torch.Tensor, whole: torch.Tensor, finite: torch.Tensor) -> tuple[Any, ...]:
-    """The gradients of one tile: its query ``rows``, its keys and values ``cols``, and sinks.
+    """The gradients of one tile: its query ``rows``, its ``keys`` and ``values``, and sinks.
+
+    ``cols``: where the tile's keys stand in their shard (their positions).
 
     The merged output is ``sum_j w_j o_j`` over any split of the keys into tiles, with
     ``w_j = exp(lse_j - lse)``: tile j's output gets ``w_j dO`` and its log-sum-exp
     ``w_j (<dO, o_j> - <dO, out>)``.
     """
-    leaves = [x.detach().requires_grad_() for x in (q[:, :, rows], keys[:, :, cols],
-                                                    values[:, :, cols])]
+    leaves = [x.detach().requires_grad_() for x in (q[:, :, rows], keys, values)]
     if sinks is not None:
         leaves.append(sinks.detach().requires_grad_())
     with torch.enable_grad():

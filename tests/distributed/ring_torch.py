@@ -18,7 +18,7 @@ import torch.distributed as dist
 import attention_core as ac
 from attention_core import parallel as par
 from attention_core.kernels import blockwise
-from backends.torch import DotProductAttention, MultiHeadAttention, TransformerDecoder
+from backends.torch import DotProductAttention, MultiHeadAttention, TransformerDecoder, parallel
 from backends.torch.ops import TorchOps
 from backends.torch.parallel import ContextParallel, ring_attention, ulysses_attention
 from tests.distributed.common import HKV, LENGTHS, B, D, H, N, emit, max_abs_diff
@@ -32,10 +32,12 @@ MASKS = {**COMMON_MASKS,
 def main() -> None:
     faulthandler.dump_traceback_later(240, exit=True)
     torch.set_num_threads(1)
-    # small tiles: each block's backward runs ragged tiles of 3 queries by 5 keys, skipping
-    # those the masks hide, the sinks in the first tile of each row only
-    blockwise.KEY_BLOCK, blockwise.MIN_QUERY_BLOCK = 5, 1
-    blockwise.RECOMPUTE_SCORES = B * H * 3 * 5
+    # small chunks and tiles: each shard's keys go round in chunks of 5 (12 rows: 5, 5, 2; 6
+    # rows: 5, 1), each cut into ragged tiles of 3 queries by 3 keys in the forward and the
+    # backward, those the masks hide skipped, the sinks in the first tile of each row only
+    blockwise.KEY_BLOCK, blockwise.MIN_QUERY_BLOCK = 3, 1
+    parallel.RING_TILE_SCORES = B * H * 3 * 3
+    parallel.RING_CHUNK = 5
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = sys.argv[1] if len(sys.argv) > 1 else "zigzag"
     strategy = {"ring": ring_attention, "ulysses": ulysses_attention}[
