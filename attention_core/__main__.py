@@ -1,6 +1,6 @@
 """Command line: ``python -m attention_core {demo,info}``.
 
-``demo`` runs the source chapter's example on a backend and prints what it computed (with
+``demo`` runs the d2l book's self-attention example on a backend and prints what it computed (with
 ``--out DIR`` it also draws the notes' pictures into DIR, see :mod:`attention_core.demo`);
 ``info`` prints the version and lists the backends. The benchmarks, the test matrix's README table
 and the worked examples are run from the repository, not from the installed package:
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m attention_core", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="run the chapter's example on a backend")
+    p_demo = sub.add_parser("demo", help="run the d2l book's self-attention example on a backend")
     p_demo.add_argument("--backend", help=f"backend name (default: ${registry.ENV_VAR}, else numpy)")
     p_demo.add_argument("--out", metavar="DIR",
                         help="also draw the pictures into DIR as PNG files and print the binary table "

@@ -1,6 +1,6 @@
 """What ``python -m attention_core demo`` runs, and the data of its Nadaraya-Watson pictures.
 
-:func:`demo` runs the source chapter's example (batch 2, 4 queries, 100 hiddens, 5 heads,
+:func:`demo` runs the d2l book's self-attention example (batch 2, 4 queries, 100 hiddens, 5 heads,
 ``valid_lens`` [3, 2]) on a backend and says what it computed; with ``out`` it also draws the
 notes' pictures (:func:`demo_figures`).
 
@@ -132,7 +132,7 @@ def fit_width(data: RegressionData, low: float = 0.05, high: float = 50.0, steps
 
 
 def demo(name: str | None = None, out: str | Path | None = None) -> str:
-    """Runs the chapter's multi-head attention and positional encoding examples.
+    """Runs the d2l book's multi-head attention and positional encoding examples.
 
     Args:
         name: The backend (default: the active one).

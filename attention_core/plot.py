@@ -1,6 +1,6 @@
 """Pictures of what the library computes: positional encodings, attention weights, kernel regression.
 
-The figures of the source notes, drawn from arrays of any backend (NumPy, torch, TensorFlow,
+The d2l book's figures of attention, drawn from arrays of any backend (NumPy, torch, TensorFlow,
 JAX or MXNet; they are copied to NumPy first):
 
 * :func:`plot_encoding_columns`: a few columns of the sinusoidal table over the positions;

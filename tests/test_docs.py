@@ -354,3 +354,38 @@ def test_the_api_reference_covers_every_public_name(package: str) -> None:
     names = list(importlib.import_module(package).__all__)
     assert names
     assert not _undocumented(package, names), f"{package}: not in docs/api"
+
+
+#: What a reader of the docs, the package or its messages cannot follow: files outside the
+#: repository, the project's issue numbers, and a "chapter" or "notes" that the page does not name.
+OUTSIDE = (r"\bDESIGN\b|OPEN-CORE|STYLE\.md|\.\./shared|\b[Ii]ssues? #?\d+|\bthe chapter\b"
+           r"|\bsource (notes|chapter)\b")
+
+
+def _outside_references(root: Path) -> list[str]:
+    """``path:line: text`` of each line under ``root`` that :data:`OUTSIDE` matches."""
+    import re
+
+    pattern = re.compile(OUTSIDE)
+    files = [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").rglob("*.md"))]
+    for package in ("attention_core", "backends", "examples"):
+        files += sorted((root / package).rglob("*.py"))
+    return [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for path in files for n, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line)]
+
+
+@numpy_env
+def test_docs_and_package_cite_nothing_a_reader_cannot_see(tmp_path: Path) -> None:
+    assert _outside_references(ROOT) == []
+    # and the check finds each kind, in a page and in a module's message
+    (tmp_path / "docs").mkdir()
+    for package in ("attention_core", "backends", "examples"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "README.md").write_text("See DESIGN section 5.\n")
+    (tmp_path / "CHANGELOG.md").write_text("Fixed in issue 17.\n")
+    (tmp_path / "docs" / "page.md").write_text("As the chapter says.\n")
+    (tmp_path / "backends" / "m.py").write_text('raise ValueError("see ../shared/OPEN-CORE.md")\n')
+    found = _outside_references(tmp_path)
+    assert [line.split(":")[0] for line in found] == [
+        "README.md", "CHANGELOG.md", "docs/page.md", "backends/m.py"], found
