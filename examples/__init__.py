@@ -1,5 +1,7 @@
 """Worked examples, run from the repository root (not installed with the package).
 
+``python -m examples`` lists them; each script takes ``--help``.
+
 Each framework script trains for real with that framework's autodiff and optimiser:
 
 * ``python -m examples.nadaraya_watson_<framework>`` (torch, tensorflow, jax, mxnet): the

@@ -17,14 +17,16 @@ training points. Run one from the repository root, e.g. ``python -m examples.nad
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from attention_core.demo import RegressionData, leave_one_out, leave_one_out_loss, nadaraya_watson_data
 
-__all__ = ["RegressionData", "nadaraya_watson_data", "report", "training_arrays"]
+__all__ = ["RegressionData", "arguments", "nadaraya_watson_data", "report", "training_arrays"]
 
 
 def training_arrays(data: RegressionData) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -62,3 +64,16 @@ def report(framework: str, fit: Callable[[RegressionData], tuple[Any, list[float
         f" (at w = 1: {leave_one_out_loss(1.0, data):.4f})",
         f"  mean squared error against the noiseless function at the test inputs: {error:.4f}",
     ])
+
+
+def arguments(argv: Sequence[str] | None, framework: str) -> None:
+    """A script's command line: no options, a ``--help`` that says what the script does."""
+    argparse.ArgumentParser(description=f"Fits the Nadaraya-Watson kernel width in {framework} "
+                            "on the leave-one-out loss (a second or so) and prints how it went. "
+                            "Writes no file.").parse_args(argv)
+
+
+if __name__ == "__main__":
+    from examples.__main__ import shared_main
+
+    sys.exit(shared_main("nadaraya_watson"))

@@ -7,6 +7,7 @@ are those of :mod:`examples.nadaraya_watson`; every step is one ``jax.jit``-comp
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any, cast
 
 import jax
@@ -57,8 +58,9 @@ def predict_nadaraya_watson(variables: Params, data: example.RegressionData) -> 
     return np.asarray(layer.apply(variables, data.x_test, data.x_train, data.y_train))
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Fits the width and prints how it went."""
+    example.arguments(argv, "JAX/Flax")
     print(example.report("JAX/Flax", fit_nadaraya_watson, predict_nadaraya_watson,
                          lambda variables: float(get_weights(variables)["w"][0])))
     return 0

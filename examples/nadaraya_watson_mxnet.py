@@ -7,6 +7,7 @@ examples.nadaraya_watson_mxnet``. The data and the loss are those of :mod:`examp
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import mxnet as mx
 import numpy as np
@@ -41,8 +42,9 @@ def predict_nadaraya_watson(layer: NadarayaWatson, data: example.RegressionData)
     return np.asarray(out.asnumpy())
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Fits the width and prints how it went."""
+    example.arguments(argv, "MXNet/Gluon")
     print(example.report("MXNet/Gluon", fit_nadaraya_watson, predict_nadaraya_watson,
                          lambda layer: float(layer.get_weights()["w"][0])))
     return 0

@@ -7,6 +7,7 @@ loss are those of :mod:`examples.nadaraya_watson`; the optimiser is ``keras.opti
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import keras
 import numpy as np
@@ -40,8 +41,9 @@ def predict_nadaraya_watson(layer: NadarayaWatson, data: example.RegressionData)
     return np.asarray(layer(data.x_test, data.x_train, data.y_train))
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Fits the width and prints how it went."""
+    example.arguments(argv, "TensorFlow/Keras")
     print(example.report("TensorFlow/Keras", fit_nadaraya_watson, predict_nadaraya_watson,
                          lambda layer: float(layer.get_weights()["w"][0])))
     return 0

@@ -7,6 +7,7 @@ loss are those of :mod:`examples.nadaraya_watson`.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,8 +42,9 @@ def predict_nadaraya_watson(layer: NadarayaWatson, data: example.RegressionData)
     return out.numpy()
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Fits the width and prints how it went."""
+    example.arguments(argv, "PyTorch")
     print(example.report("PyTorch", fit_nadaraya_watson, predict_nadaraya_watson,
                          lambda layer: float(layer.get_weights()["w"][0])))
     return 0

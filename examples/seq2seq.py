@@ -27,6 +27,8 @@ batches. It returns the trained model and the loss of each step.
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -159,7 +161,7 @@ def minibatches(n: int, batch_size: int, steps: int, seed: int = 0) -> Iterator[
     if not 0 < batch_size <= n:
         raise ValueError(f"batch_size must be in [1, n={n}], got {batch_size}")
     rng = np.random.default_rng(seed)
-    done = 0
+    done, began = 0, time.perf_counter()
     while True:
         order = rng.permutation(n)
         for start in range(0, n - batch_size + 1, batch_size):
@@ -167,6 +169,14 @@ def minibatches(n: int, batch_size: int, steps: int, seed: int = 0) -> Iterator[
                 return
             yield order[start : start + batch_size]
             done += 1
+            if SHOW_PROGRESS and (done % max(1, steps // 10) == 0 or done == steps):
+                print(f"  training: step {done}/{steps}, {time.perf_counter() - began:.0f} s",
+                      file=sys.stderr, flush=True)
+
+
+#: Whether :func:`minibatches` reports its progress on stderr (a script's command line turns it
+#: on: a training run takes from seconds to a minute).
+SHOW_PROGRESS = False
 
 
 def greedy_decode(
@@ -221,9 +231,13 @@ def token_accuracy(predicted: np.ndarray, data: Seq2SeqData) -> float:
 
 def steps_argument(argv: Sequence[str] | None = None) -> int:
     """The ``--steps`` of a script's command line (default 200): how many training steps."""
-    parser = argparse.ArgumentParser(description="Trains the seq2seq example and decodes held-out data.")
+    global SHOW_PROGRESS
+    parser = argparse.ArgumentParser(description="Trains the seq2seq example, decodes held-out "
+                                     "data and prints how it went, with the training's progress "
+                                     "on stderr. Writes no file.")
     parser.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     steps: int = parser.parse_args(argv).steps
+    SHOW_PROGRESS = True
     return steps
 
 
@@ -245,3 +259,9 @@ def report(framework: str, losses: Sequence[float], predicted: np.ndarray, data:
         f"  held-out token accuracy {token_accuracy(predicted, data):.3f} ({len(data)} sequences)",
         f"  source {source} -> decoded {decoded}",
     ])
+
+
+if __name__ == "__main__":
+    from examples.__main__ import shared_main
+
+    sys.exit(shared_main("seq2seq"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -324,8 +325,10 @@ def arguments(argv: Sequence[str] | None, *, trains: bool) -> argparse.Namespace
                                      "sequences and decodes held-out ones" if trains else
                                      "Decodes held-out sequences with saved Transformer weights")
     if trains:
+        seq2seq.SHOW_PROGRESS = True  # the training's progress on stderr
         parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps (default {STEPS})")
-        parser.add_argument("--save", metavar="FILE", help="save the trained weights (safetensors)")
+        parser.add_argument("--save", metavar="FILE", help="save the trained weights (safetensors) "
+                            "to FILE")
     else:
         parser.add_argument("weights", nargs="?", default=str(TRAINED_WEIGHTS),
                             help="a safetensors file of the example's Transformer weights (default: "
@@ -335,7 +338,9 @@ def arguments(argv: Sequence[str] | None, *, trains: bool) -> argparse.Namespace
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the training data and weights; its sequences are not held out")
     parser.add_argument("--beam", type=int, default=BEAM_SIZE, help=f"beam size (default {BEAM_SIZE})")
-    parser.add_argument("--plot", metavar="PNG", help="draw the cross-attention of one held-out example")
+    parser.add_argument("--plot", metavar="PNG", help="draw the cross-attention of one held-out "
+                        "example into the file PNG (needs matplotlib); no file is written without "
+                        "--plot or --save")
     parser.add_argument("--example", type=int, default=0, help="the held-out example to draw")
     return parser.parse_args(argv)
 
@@ -345,9 +350,12 @@ def evaluate(framework: str, decoding: Decoding, args: argparse.Namespace) -> li
     test = held_out(training_data(args.seed))
     greedy = search(decoding, test.source, test.source_lens)
     beam = search(decoding, test.source, test.source_lens, beam_size=args.beam)
+    lines = report(framework, test, greedy, beam, args.beam)
     if args.plot:
         plot_example(decoding, test, greedy, args.example, args.plot)
-    return report(framework, test, greedy, beam, args.beam)
+        lines.append(f"  wrote {Path(args.plot).resolve()}: the cross-attention of held-out "
+                     f"example {args.example}")
+    return lines
 
 
 def run_script(framework: str, argv: Sequence[str] | None, train: Callable[..., tuple[Any, ...]],
@@ -368,4 +376,11 @@ def run_script(framework: str, argv: Sequence[str] | None, train: Callable[..., 
     print("\n".join(lines + evaluate(framework, decoding(trained), args)))
     if args.save:
         ac.save_weights(args.save, trained)
+        print(f"  wrote {Path(args.save).resolve()}: the trained weights")
     return 0
+
+
+if __name__ == "__main__":
+    from examples.__main__ import shared_main
+
+    sys.exit(shared_main("transformer"))

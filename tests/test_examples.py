@@ -31,6 +31,8 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -432,3 +434,46 @@ def test_transformer_decode_script_plots(backend: str, tmp_path: Path,
     greedy = float(lines[1].split("greedy ")[1].split(",")[0])
     assert greedy >= 0.95
     assert png.read_bytes().startswith(b"\x89PNG")
+    assert lines[-1] == f"  wrote {png.resolve()}: the cross-attention of held-out example 3"
+
+
+# -- the command lines ----------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m`` ``args``, from the repository root, as a user runs the examples."""
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_examples_lists_every_script(backend: str) -> None:
+    """``python -m examples`` lists each script with its line, and the shared parts."""
+    if backend != "numpy":
+        pytest.skip("framework-free: run in the numpy env")
+    done = _run("examples")
+    assert done.returncode == 0, done.stderr
+    shared = ("nadaraya_watson", "seq2seq", "transformer")
+    scripts = sorted(p.stem for p in (ROOT / "examples").glob("*.py")
+                     if not p.stem.startswith("_") and p.stem not in shared)
+    listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert listed == scripts
+    assert "examples.nadaraya_watson, examples.seq2seq, examples.transformer" in done.stdout
+
+
+def test_every_example_says_what_it_does(backend: str) -> None:
+    """``--help`` of each script this env can run (and of the shared parts and the decoding
+    script, in the numpy env) exits 0, prints the usage and says which files it writes."""
+    names = [p.stem for p in (ROOT / "examples").glob(f"*_{backend}.py")]
+    if backend == "numpy":
+        names = ["nadaraya_watson", "seq2seq", "transformer", "transformer_decode"]
+    if not names:
+        pytest.skip(f"no example script for {backend}")
+    for name in names:
+        done = _run(f"examples.{name}", "--help")
+        assert done.returncode == 0 and done.stdout.startswith("usage: "), (name, done.stderr)
+        if name.startswith(("nadaraya_watson_", "seq2seq_")):
+            assert "Writes no file." in " ".join(done.stdout.split()), name
+        if name.startswith("transformer_"):
+            assert "--plot PNG" in done.stdout, name
