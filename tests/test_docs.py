@@ -389,3 +389,59 @@ def test_docs_and_package_cite_nothing_a_reader_cannot_see(tmp_path: Path) -> No
     found = _outside_references(tmp_path)
     assert [line.split(":")[0] for line in found] == [
         "README.md", "CHANGELOG.md", "docs/page.md", "backends/m.py"], found
+
+
+def _design_rows() -> dict[str, tuple[str, str]]:
+    """The Design page's layer table: ``{layer: (made with, called with)}``, as written."""
+    rows = {}
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].startswith("("):
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def _arguments(text: str) -> list[tuple[str, str | None, bool]]:
+    """``(name, default or None, keyword-only)`` of each argument of ``(a, b=1, *, c=None)``."""
+    inside = text[text.index("(") + 1:text.index(")")]
+    found, keyword = [], False
+    for part in (p.strip() for p in inside.split(",") if p.strip()):
+        if part == "*":
+            keyword = True
+            continue
+        name, _, default = part.partition("=")
+        found.append((name, default or None, keyword))
+    return found
+
+
+@numpy_env
+def test_the_design_page_states_the_code() -> None:
+    """The Design page's backend names, aliases, variable and layer table are the code's."""
+    import inspect
+
+    from attention_core import registry
+    from backends import numpy as layers
+
+    page = (ROOT / "docs" / "design.md").read_text()
+    assert f"`{registry.ENV_VAR}`" in page
+    assert all(f"`{name}`" in page for name in registry.BACKENDS)
+    aliases = page[page.index("The names\n  `pytorch`"):page.index("- The environment variable")]
+    said = [w.strip("`,.") for w in aliases.split() if w.startswith("`")]
+    names, meant = said[:len(said) // 2], said[len(said) // 2:]
+    assert dict(zip(names, meant, strict=True)) == registry.ALIASES
+    rows = _design_rows()
+    assert len(rows) == 9
+    for name, (made, called) in rows.items():
+        layer = getattr(layers, name)
+        given = list(inspect.signature(layer).parameters.values())
+        for (arg, default, _), real in zip(_arguments(made), given, strict=False):
+            assert arg == real.name, (name, arg, real.name)
+            assert default is None or default == repr(real.default), (name, arg, real.default)
+        if called.startswith("as "):
+            called = rows[called.split()[1].strip("`;")][1]
+        call = layer.call_signature().parameters
+        order = list(call)
+        for i, (arg, default, keyword) in enumerate(_arguments(called)):
+            assert arg in call, (name, arg)
+            assert default is None or default == repr(call[arg].default), (name, arg)
+            assert keyword or order[i] == arg, (name, arg, order)
