@@ -1,7 +1,7 @@
 """Command line: ``python -m attention_core {demo,info}``.
 
 ``demo`` runs the d2l book's self-attention example on a backend and prints what it computed (with
-``--out DIR`` it also draws the notes' pictures into DIR, see :mod:`attention_core.demo`);
+``--out DIR`` it also draws the d2l book's pictures into DIR, see :mod:`attention_core.demo`);
 ``info`` prints the version and lists the backends. The benchmarks, the test matrix's README table
 and the worked examples are run from the repository, not from the installed package:
 ``python -m benchmarks``, ``python -m tools.matrix`` and ``python -m examples.<name>``.

@@ -1,13 +1,13 @@
 """What ``python -m attention_core demo`` runs, and the data of its Nadaraya-Watson pictures.
 
 :func:`demo` runs the d2l book's self-attention example (batch 2, 4 queries, 100 hiddens, 5 heads,
-``valid_lens`` [3, 2]) on a backend and says what it computed; with ``out`` it also draws the
-notes' pictures (:func:`demo_figures`).
+``valid_lens`` [3, 2]) on a backend and says what it computed; with ``out`` it also draws
+the d2l book's pictures (:func:`demo_figures`).
 
 The Nadaraya-Watson pictures regress ``f(x) = 2 sin(x) + x^0.8`` from 50 noisy samples with
 attention pooling: the test inputs are the queries, the training inputs the keys and the
 training targets the values. The parametric version has the kernel's inverse width ``w``, fitted,
-as in the notes, with *leave-one-out* keys: training point ``i`` is predicted from the other
+as in the d2l book, with *leave-one-out* keys: training point ``i`` is predicted from the other
 points only (with itself among its keys, the best ``w`` would be infinite and the fit would copy
 the noise). :func:`fit_width` fits ``w`` on NumPy by a one-dimensional search, without autodiff
 and without any framework. The worked examples that train ``w`` with each framework's autodiff
@@ -137,7 +137,7 @@ def demo(name: str | None = None, out: str | Path | None = None) -> str:
     Args:
         name: The backend (default: the active one).
         out: Also write the pictures of :func:`demo_figures` into this directory (created if
-            missing) as PNG files, and add the notes' binary table of 0..7 to the text. Needs
+            missing) as PNG files, and add the d2l book's binary table of 0..7 to the text. Needs
             matplotlib.
 
     Returns:
@@ -187,7 +187,7 @@ def demo_figures(ops: Any, weights: np.ndarray, valid_lens: Sequence[int],
     """The pictures of ``demo --out``, by file name.
 
     The positional-encoding columns and heatmap of ``table``; the multi-head weights as (example
-    rows, head columns) heatmaps; and the Nadaraya-Watson example of the notes, computed on the
+    rows, head columns) heatmaps; and the Nadaraya-Watson example of the d2l book, computed on the
     backend of ``ops``: the non-parametric fit (``w = 1``) and the parametric one, whose width
     :func:`fit_width` fits on NumPy by minimising the leave-one-out loss with a golden-section
     search on ``log w`` (no autodiff), and the weights of both fits.

@@ -10,9 +10,9 @@ JAX or MXNet; they are copied to NumPy first):
 * :func:`plot_kernel_regression`: noisy samples, the true function and fitted predictions, as in
   the Nadaraya-Watson example (:mod:`attention_core.demo` has its data and width fit).
 
-:func:`binary_table` is the notes' table of ``0 .. n-1`` in binary; it needs no matplotlib.
+:func:`binary_table` is the d2l book's table of ``0 .. n-1`` in binary; it needs no matplotlib.
 
-matplotlib is the ``plot`` extra (``pip install "attention-core[plot]"``). It is imported by the
+matplotlib is the ``plot`` extra (``pip install ".[plot]"`` in a checkout). It is imported by the
 plotting functions when they are called, never by ``import attention_core.plot``. Each function
 returns a :class:`matplotlib.figure.Figure` that is not registered with ``pyplot``: save it with
 ``fig.savefig(path)``, or leave it as a Jupyter cell's value to display it. The functions that
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # matplotlib is optional: mypy may run without it (the lint e
     from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
 
 #: What to install when matplotlib is missing.
-INSTALL_HINT = 'pip install "attention-core[plot]"'
+INSTALL_HINT = registry.install_hint("plot")
 
 #: Resolution of saved figures (dots per inch) unless the caller passes another to ``savefig``.
 DPI = 120
@@ -317,7 +317,7 @@ def plot_kernel_regression(
 
 
 def binary_table(n: int = 8) -> str:
-    """The notes' table of ``0 .. n-1`` in binary, one line each (``"5 in binary is 101"``).
+    """The d2l book's table of ``0 .. n-1`` in binary, one line each (``"5 in binary is 101"``).
 
     Lower bits flip faster (every number, every two, every four...), like the lower columns of
     the sinusoidal encoding. Needs no matplotlib.

@@ -46,13 +46,19 @@ FRAMEWORKS = {
     "mxnet": ("mxnet",),
 }
 
+def install_hint(extra: str) -> str:
+    """The command that installs the package's ``extra``: from a checkout, or from the index."""
+    return (f'pip install ".[{extra}]" in a checkout of attention-core, or '
+            f'pip install "attention-core[{extra}]" from the package index')
+
+
 #: What to install for each backend.
 PIP = {
     "numpy": "pip install numpy",
-    "torch": 'pip install "attention-core[torch]"  (torch==2.13.0)',
-    "tensorflow": 'pip install "attention-core[tensorflow]"',
-    "jax": 'pip install "attention-core[jax]"',
-    "mxnet": 'pip install "attention-core[mxnet]"  (mxnet==1.9.1 with numpy<1.24)',
+    "torch": f"{install_hint('torch')}  (torch==2.13.0)",
+    "tensorflow": install_hint("tensorflow"),
+    "jax": install_hint("jax"),
+    "mxnet": f"{install_hint('mxnet')}  (mxnet==1.9.1 with numpy<1.24)",
 }
 
 #: Top-level module of an array's type -> backend that owns it.

@@ -72,7 +72,8 @@ def test_demo_out_without_matplotlib_is_a_one_line_error(tmp_path: Path) -> None
                          capture_output=True, text=True, cwd=REPO, env=full, timeout=300)
     assert out.returncode == 2
     assert out.stderr == ('error: plotting needs matplotlib, which is not installed: '
-                          'pip install "attention-core[plot]"\n')
+                          'pip install ".[plot]" in a checkout of attention-core, or '
+                          'pip install "attention-core[plot]" from the package index\n')
     assert not (tmp_path / "pictures").exists()
 
 

@@ -301,6 +301,16 @@ def test_cli_lists_checks_and_runs(tmp_path: Path, capsys: pytest.CaptureFixture
     assert doc_fences.main(["--root", str(root), "--run", "--backend", "numpy"]) == 0
     out = capsys.readouterr().out
     assert "1 of 1 jobs passed" in out and "torch" not in out
+    # --pages: the jobs of those pages only (CI's newcomer path), and a page without fences refused
+    (root / "docs").mkdir()
+    (root / "docs" / "other.md").write_text(page(fence("python", "print('other fence')")))
+    assert doc_fences.main(["--root", str(root), "--list", "--backend", "numpy",
+                            "--pages", "docs/other.md"]) == 0
+    jobs = capsys.readouterr().out.split("jobs:")[1]
+    assert "docs/other.md:1" in jobs and "README.md" not in jobs
+    with pytest.raises(SystemExit):
+        doc_fences.main(["--root", str(root), "--list", "--pages", "docs/nothing.md"])
+    assert "--pages: no fences in docs/nothing.md" in capsys.readouterr().err
 
 
 # -- the API reference covers every public name ----------------------------------------------
@@ -359,7 +369,7 @@ def test_the_api_reference_covers_every_public_name(package: str) -> None:
 #: What a reader of the docs, the package or its messages cannot follow: files outside the
 #: repository, the project's issue numbers, and a "chapter" or "notes" that the page does not name.
 OUTSIDE = (r"\bDESIGN\b|OPEN-CORE|STYLE\.md|\.\./shared|\b[Ii]ssues? #?\d+|\bthe chapter\b"
-           r"|\bsource (notes|chapter)\b")
+           r"|\bsource (notes|chapter)\b|\bthe notes\b|\bnotes'")
 
 
 def _outside_references(root: Path) -> list[str]:

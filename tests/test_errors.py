@@ -1045,7 +1045,8 @@ CATALOGUE: list[Bad] = [
     Bad("uninstalled_backend", "backend", lambda c: (hide_torch(c), use("pytorch")),
         registry.BackendNotInstalledError,
         "backend 'torch' needs torch, which is not installed; install it with: "
-        'pip install "attention-core[torch]"  (torch==2.13.0)'),
+        'pip install ".[torch]" in a checkout of attention-core, or pip install '
+        '"attention-core[torch]" from the package index  (torch==2.13.0)'),
 ]
 
 

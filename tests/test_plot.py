@@ -152,7 +152,8 @@ def test_without_matplotlib_the_error_says_what_to_install() -> None:
     out = python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ('plotting needs matplotlib, which is not installed: '
-                                  'pip install "attention-core[plot]"')
+                                  'pip install ".[plot]" in a checkout of attention-core, or '
+                                  'pip install "attention-core[plot]" from the package index')
 
 
 # -- binary_table ------------------------------------------------------------------------------

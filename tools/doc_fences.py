@@ -1,6 +1,6 @@
 """The code fences of ``README.md`` and ``docs/**/*.md``, parsed, checked and run.
 
-``python -m tools.doc_fences [--root DIR] [--backend B] [--list] [--check] [--run]``; without
+``python -m tools.doc_fences [--root DIR] [--backend B] [--pages P] [--list] [--check] [--run]``; without
 ``--list``/``--check``/``--run`` it checks and lists. ``tests/test_docs.py`` runs the same jobs
 in each backend's tox env.
 
@@ -762,12 +762,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report the convention's broken rules")
     parser.add_argument("--run", action="store_true", help="run the jobs (of --backend)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per job")
+    parser.add_argument("--pages", help="only jobs of these pages (comma list of paths from the "
+                        "root, e.g. docs/getting-started.md); default: every page")
     args = parser.parse_args(argv)
     docs = load(args.root)
     backends = ([b.strip() if b.strip() in KERAS_ENVS else registry.canonical_name(b)
                  for b in args.backend.split(",") if b.strip()]
                 if args.backend else [*registry.BACKENDS, *KERAS_ENVS])
     jobs = docs.jobs_for(backends)
+    if args.pages:
+        pages = {p.strip() for p in args.pages.split(",") if p.strip()}
+        unknown = pages - {fence.page for fence in docs.fences}
+        if unknown:
+            parser.error(f"--pages: no fences in {', '.join(sorted(unknown))}")
+        jobs = [job for job in jobs if job.fences[0].page in pages]
     if not (args.list or args.check or args.run):
         args.list = args.check = True
     status = 0
