@@ -420,7 +420,7 @@ def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None
             rows.append([f"`{d['backend']}`", str(last["n"]), f"{d['flops']['gemm']['gflops']:.1f}",
                          *(f"{last['paths'][k]['gflops']:.1f} ({last['paths'][k]['fraction_of_gemm']:.2f})"
                            if k in last["paths"] else "-" for k in paths)])
-        lines += ["", "**(c) Attention core GFLOP/s (fraction of the same process's GEMM rate)**, "
+        lines += ["", "**(b) Attention core GFLOP/s (fraction of the same process's GEMM rate)**, "
                   "(1, 8, n, 64) fp32, `4·B·H·n²·D / time`, at the largest n; `default` is the "
                   "automatic choice, `native` the framework's own attention function.", "",
                   render((["backend", "n", "GEMM GFLOP/s", *paths], rows), True)]
@@ -437,7 +437,7 @@ def merged_markdown(docs: Sequence[dict[str, Any]], plot_name: str | None = None
                 at = pts[max((n for n in pts if n <= MEMORY_QUADRATIC_MAX), default=big)]
                 rows.append([f"`{d['backend']}`", path, str(at["n"]), _mib(at), str(big), _mib(pts[big]),
                              _num(slope, ".2f")])
-        lines += ["", "**(b) Peak extra memory of one attention call**, (1, 4, n, 64) fp32, one "
+        lines += ["", "**(c) Peak extra memory of one attention call**, (1, 4, n, 64) fp32, one "
                   "subprocess per point (VmHWM - VmRSS before the call; the output counts), and "
                   "the fitted log-log slope (2: forms the n x n scores; ≤ 1: does not).", "",
                   render((["backend", "path", "n", "MiB", "largest n", "MiB", "slope"], rows), True)]
@@ -482,7 +482,10 @@ def pyplot() -> Any | None:
 
 
 def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
-    """Draws speed ratio, memory and GEMM fraction against n into a PNG file.
+    """Draws speed ratio, GEMM fraction and memory against n into a PNG file.
+
+    Three panels one above the other, each the page's width, in the order and with the
+    letters of the page's tables; each legend sits to the right of its panel, off the data.
 
     Returns:
         The path written, or None when matplotlib is not installed.
@@ -492,7 +495,7 @@ def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
         return None
     from matplotlib.ticker import ScalarFormatter  # type: ignore[import-not-found, unused-ignore]
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(3, 1, figsize=(9, 12))
     color = {d["backend"]: f"C{i}" for i, d in enumerate(docs)}
     ax = axes[0]
     for d in docs:
@@ -505,9 +508,17 @@ def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
             ax.errorbar(n, med, yerr=err, marker="o", capsize=3, label=d["backend"],
                         color=color[d["backend"]])
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set(xlabel="n (batch 1, 8 heads, depth 64)", ylabel="time ours / native",
-           title="(a) MultiHeadAttention forward, ours ÷ native")
+    ax.set(xlabel="n (batch 1, 8 heads, depth 64)", ylabel="time, ours ÷ native",
+           title="(a) MultiHeadAttention forward, ours ÷ native (below 1: ours is faster)")
     ax = axes[1]
+    for d in docs:
+        pts = d.get("flops", {}).get("points", [])
+        if pts:
+            ax.plot([p["n"] for p in pts], [p["paths"]["default"]["fraction_of_gemm"] for p in pts],
+                    marker="o", label=d["backend"], color=color[d["backend"]])
+    ax.set(xlabel="n (batch 1, 8 heads, depth 64)", ylabel="GFLOP/s ÷ GEMM GFLOP/s",
+           title="(b) attention core, fraction of the same process's GEMM rate")
+    ax = axes[2]
     for d in docs:
         mem = d.get("memory")
         if not mem:
@@ -522,21 +533,13 @@ def plot(docs: Sequence[dict[str, Any]], path: str | Path) -> str | None:
                 if path_name != "default":
                     line[0].set_alpha(0.6)
     ax.axhline(MEMORY_TARGET_MIB, color="gray", lw=0.8, ls="--")
-    ax.set(yscale="log", xlabel="n (batch 1, 4 heads, depth 64)",
-           ylabel="peak extra MiB", title="(b) attention memory (- default, : native, -- direct)")
-    ax = axes[2]
-    for d in docs:
-        pts = d.get("flops", {}).get("points", [])
-        if pts:
-            ax.plot([p["n"] for p in pts], [p["paths"]["default"]["fraction_of_gemm"] for p in pts],
-                    marker="o", label=d["backend"], color=color[d["backend"]])
-    ax.set(xlabel="n (batch 1, 8 heads, depth 64)", ylabel="GFLOP/s ÷ GEMM GFLOP/s",
-           title="(c) attention core, fraction of the GEMM rate")
+    ax.set(yscale="log", xlabel="n (batch 1, 4 heads, depth 64)", ylabel="peak extra memory, MiB",
+           title="(c) memory of one call (solid: default, dotted: native, dashed: direct)")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(ScalarFormatter())
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     files.save_figure(fig, path, dpi=110)

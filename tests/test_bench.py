@@ -54,12 +54,12 @@ def test_quick_bench(backend: str, tmp_path_factory: pytest.TempPathFactory,
         # the A/A control (the same call against itself) is reported like any ratio; its value
         # is a property of the machine's noise, not of the code, so no bound is asserted on it
         assert p["aa"]["rounds"] == 7 and p["aa"]["low"] <= p["aa"]["median"] <= p["aa"]["high"]
-    # (c) flops: every path has a rate and a GEMM fraction
+    # (b) flops: every path has a rate and a GEMM fraction
     assert doc["flops"]["gemm"]["gflops"] > 0
     for p in doc["flops"]["points"]:
         assert {"default", "direct", "blockwise", "native"} <= set(p["paths"])
         assert all(r["gflops"] > 0 and r["fraction_of_gemm"] > 0 for r in p["paths"].values())
-    # (b) memory: one subprocess per point, extra memory measured
+    # (c) memory: one subprocess per point, extra memory measured
     mem = doc["memory"]["points"]
     assert [(p["path"], p["n"]) for p in mem] == [("default", 64), ("default", 128)]
     assert all(p["ok"] and p["extra_mib"] >= 0 for p in mem), mem
