@@ -55,10 +55,10 @@ def install_hint(extra: str) -> str:
 #: What to install for each backend.
 PIP = {
     "numpy": "pip install numpy",
-    "torch": f"{install_hint('torch')}  (torch==2.13.0)",
+    "torch": f"{install_hint('torch')}; it takes torch==2.13.0",
     "tensorflow": install_hint("tensorflow"),
     "jax": install_hint("jax"),
-    "mxnet": f"{install_hint('mxnet')}  (mxnet==1.9.1 with numpy<1.24)",
+    "mxnet": f"{install_hint('mxnet')}; it takes mxnet==1.9.1, with numpy<1.24",
 }
 
 #: Top-level module of an array's type -> backend that owns it.

@@ -1046,7 +1046,7 @@ CATALOGUE: list[Bad] = [
         registry.BackendNotInstalledError,
         "backend 'torch' needs torch, which is not installed; install it with: "
         'pip install ".[torch]" in a checkout of attention-core, or pip install '
-        '"attention-core[torch]" from the package index  (torch==2.13.0)'),
+        '"attention-core[torch]" from the package index; it takes torch==2.13.0'),
 ]
 
 
