@@ -660,13 +660,14 @@ CATALOGUE: list[Bad] = [
         ValueError, "tokens must be in [0, vocab_size) = [0, 11), got 11"),
     Bad("tokens_negative", "tokens", lambda c: encode(c.h, [[1, -2, 3]]), ValueError,
         "tokens must be in [0, vocab_size) = [0, 11), got -2"),
-    # more than a decode step's few ids: read by NumPy's reductions, not Python's
+    # more than a decode step's few ids: read by NumPy's reductions, not Python's (as lists:
+    # host data, whose values every backend reads, as for the short ones above)
     Bad("tokens_too_large_long", "tokens",
-        lambda c: encode(c.h, np.where(np.arange(80).reshape(2, 40) == 77, 12, 1)), ValueError,
-        "tokens must be in [0, vocab_size) = [0, 11), got 12"),
+        lambda c: encode(c.h, np.where(np.arange(80).reshape(2, 40) == 77, 12, 1).tolist()),
+        ValueError, "tokens must be in [0, vocab_size) = [0, 11), got 12"),
     Bad("tokens_negative_long", "tokens",
-        lambda c: encode(c.h, np.where(np.arange(80).reshape(2, 40) == 5, -3, 1)), ValueError,
-        "tokens must be in [0, vocab_size) = [0, 11), got -3"),
+        lambda c: encode(c.h, np.where(np.arange(80).reshape(2, 40) == 5, -3, 1).tolist()),
+        ValueError, "tokens must be in [0, vocab_size) = [0, 11), got -3"),
     Bad("tokens_rank", "tokens", lambda c: encode(c.h, np.array([1, 2, 3])), ValueError,
         "tokens must have shape (B, T) token ids, got (3,)"),
     Bad("layer_encoder_tokens_too_large", "tokens",
