@@ -23,6 +23,7 @@ import attention_core as ac
 from attention_core import parallel as par
 from attention_core.cache import Positions
 from attention_core.kernels import blockwise
+from attention_core.kernels.rows import accumulation_dtype
 from backends.torch.ops import TorchOps
 
 
@@ -247,8 +248,8 @@ class _Ring(torch.autograd.Function):
                 blocks: _Blocks) -> torch.Tensor:
         B, H, Q, _ = q.shape
         out = q.new_zeros(B, H, Q, v.shape[-1])
-        lse = torch.full((B, H, Q), -torch.inf, device=q.device,
-                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse = torch.full((B, H, Q), -torch.inf, device=q.device,  # the kernels' lse dtype
+                         dtype=getattr(torch, accumulation_dtype(blocks.ops.dtype_name(q))))
         for chunk in _chunks(k.shape[2]):
             keys, values = k[:, :, chunk], v[:, :, chunk]
             tiles = _tiles(B * H, Q, keys.shape[2])
