@@ -309,9 +309,11 @@ def check_token_ids(tokens: Array, vocab_size: int, *, ops: Ops, side: str = "")
     check_ids_form(name, shape, dtype)
     values = ops.concrete(tokens) if host is None else host
     if values is not None and values.size:
-        # a decode step's few ids: Python's min and max are faster than NumPy's reductions
-        flat = values.ravel().tolist() if values.size <= 64 else values
-        low, high = (min(flat), max(flat)) if isinstance(flat, list) else (flat.min(), flat.max())
+        if values.size <= 64:  # a decode step's few ids: Python's min and max are quicker
+            flat = values.ravel().tolist()
+            low, high = min(flat), max(flat)
+        else:
+            low, high = values.min(), values.max()
         if low < 0 or high >= vocab_size:
             bad = int(low) if low < 0 else int(high)
             raise ValueError(f"{name} must be in [0, {vocab}) = [0, {vocab_size}), got {bad}")
