@@ -29,13 +29,15 @@ def test_torch_shards_equal_one_process(backend: str, world: int, layout: str,
 
 
 # the contiguous layout differs only in its table of positions (tested in test_parallel.py
-# and by torch's 4 ranks): JAX's compiles run once, in the zigzag layout
+# and by torch's 4 ranks): JAX's compiles run once, in the zigzag layout. The two parts run in
+# two processes, which the test workers share out.
+@pytest.mark.parametrize("part", ["masks", "layers"])
 @pytest.mark.parametrize("layout", ["zigzag"])
-def test_jax_ring_equals_one_device(backend: str, layout: str) -> None:
+def test_jax_ring_equals_one_device(backend: str, layout: str, part: str) -> None:
     only(backend, "jax")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
     env = worker_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    result = run_worker("ring_jax", env, (layout,))
+    result = run_worker("ring_jax", env, (layout, part))
     assert max(result.values()) <= BOUND, result
 
 

@@ -445,7 +445,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m`` ``args``, from the repository root, as a user runs the examples."""
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=300, check=False)
 
 
 def test_examples_lists_every_script(backend: str) -> None:

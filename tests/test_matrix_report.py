@@ -86,7 +86,7 @@ def test_table_goes_between_the_markers_and_nowhere_else(tmp_path: Path) -> None
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tools.matrix", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
+                          text=True, cwd=REPO, timeout=300)
 
 
 def test_cli_writes_the_page_and_imports_no_framework(tmp_path: Path) -> None:

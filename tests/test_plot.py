@@ -32,7 +32,7 @@ needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason='needs matplot
 
 def python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+                          timeout=300)
 
 
 def sinusoid_table(positions: int, width: int) -> np.ndarray:

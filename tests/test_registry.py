@@ -22,7 +22,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if k != "ATTENTION_CORE_BACKEND"}
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=REPO, env=full_env, timeout=120)
+                          cwd=REPO, env=full_env, timeout=300)
 
 
 def test_fixed_names() -> None:

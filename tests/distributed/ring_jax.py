@@ -3,6 +3,9 @@
 Run with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. In float64: q, k, v laid out
 in the layout's order and split along the sequence over a mesh axis ``"seq"``; the output and
 the gradients of q, k, v are compared with one device's over the whole sequence.
+
+Arguments: the layout (default ``zigzag``) and the part, ``masks`` (the functional ring under
+every mask kind) or ``layers`` (linen and NNX layers and a decoder stack).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tests.distributed.common import HKV, LENGTHS, MASKS, B, D, H, N, emit, max_
 
 def main() -> None:
     layout = sys.argv[1] if len(sys.argv) > 1 else "zigzag"
+    part = sys.argv[2] if len(sys.argv) > 2 else "masks"
     devices = jax.devices()
     world = len(devices)
     mesh = Mesh(np.array(devices), ("seq",))
@@ -46,6 +50,9 @@ def main() -> None:
                            layout)
 
     spec = P(None, None, "seq", None)
+    if part == "layers":
+        emit({**_layer(mesh, world, layout), **_stack(mesh, world, layout)})
+        return
     result = {}
     for name, given in MASKS.items():
         masks = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x
@@ -66,9 +73,6 @@ def main() -> None:
         result[f"{name}.out"] = max_abs_diff(out, ac.dot_product_attention(q, k, v, **masks))
         for label, g, w in zip("qkv", got[1], want[1], strict=True):
             result[f"{name}.d{label}"] = max_abs_diff(g, w)
-    if layout == "zigzag":  # the layers once: the layouts differ only in the positions
-        result.update(_layer(mesh, world, layout))
-        result.update(_stack(mesh, world, layout))
     emit(result)
 
 

@@ -35,7 +35,7 @@ def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], in
     module = getattr(layer, "_orig_mod", layer)  # torch.compile wraps the layer
     result = forward(layer, *leaves)
     out = result["out"]
-    loss = (out * torch.as_tensor(np.asarray(cotangent), dtype=out.dtype)).sum()
+    loss = (out * torch.tensor(np.asarray(cotangent), dtype=out.dtype)).sum()
     floating = {f"input.{i}": x for i, x in enumerate(leaves) if x.is_floating_point()}
     weights = {f"weight.{name}": v.value for name, v in module.canonical_variables.items()}
     wrt = {**floating, **weights}

@@ -30,7 +30,7 @@ def forward_and_gradients(layer: Any, forward: Callable[..., dict[str, Any]], in
     result = forward(layer, *leaves)
     params = dict(module.named_parameters())  # after the call: the first one creates them
     out = result["out"]
-    loss = (out * torch.as_tensor(np.asarray(cotangent), dtype=out.dtype)).sum()
+    loss = (out * torch.tensor(np.asarray(cotangent), dtype=out.dtype)).sum()
     floating = {f"input.{i}": x for i, x in enumerate(leaves) if x.is_floating_point()}
     wrt = {**floating, **{f"weight.{name}": p for name, p in params.items()}}
     grads = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)

@@ -168,14 +168,20 @@ def compute_case(case: Case) -> dict[str, np.ndarray]:
     return record
 
 
+_READ: dict[str, dict[str, np.ndarray]] = {}
+
+
 def load_gradients() -> dict[str, dict[str, np.ndarray]]:
-    """Reads the file: ``"<layer>/<case>"`` -> {name: array}."""
-    cases: dict[str, dict[str, np.ndarray]] = {}
-    with np.load(PATH) as data:
-        for full in data.files:
-            prefix, _, name = full.partition("::")
-            cases.setdefault(prefix, {})[name] = data[full]
-    return cases
+    """The file: ``"<layer>/<case>"`` -> {name: array}, read once per process (some 50,000
+    arrays, a second or two); the arrays are read-only, and each call gets a new outer dict."""
+    if not _READ:
+        with np.load(PATH) as data:
+            for full in data.files:
+                prefix, _, name = full.partition("::")
+                array = data[full]
+                array.flags.writeable = False
+                _READ.setdefault(prefix, {})[name] = array
+    return {case: dict(arrays) for case, arrays in _READ.items()}
 
 
 def main(argv: list[str]) -> int:
