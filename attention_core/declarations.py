@@ -1992,19 +1992,21 @@ def with_padding_masks(
 
 
 def with_call_signature(
-    cls: type[Declaration], method: Callable[..., Any], name: str
+    cls: type[Declaration], method: Callable[..., Any], name: str,
+    *extra: inspect.Parameter,
 ) -> Callable[..., Any]:
     """A method calling ``method(self, *args, **kwargs)`` that shows ``cls``'s call signature.
 
-    For frameworks that read the names of a layer's call arguments (``torch.export``'s
-    ``dynamic_shapes``, Keras' ``call``): the generic ``method`` takes ``*args, **kwargs``.
+    For ``help()``, IDEs and the frameworks that read the names of a layer's call arguments
+    (``torch.export``'s ``dynamic_shapes``): the generic ``method`` takes ``*args, **kwargs``.
+    ``extra`` are the backend's own keyword-only call arguments (NumPy's ``training``).
     """
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         return method(self, *args, **kwargs)
 
     this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    params = [this, *cls.call_signature().parameters.values()]
+    params = [this, *cls.call_signature().parameters.values(), *extra]
     call.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     call.__name__, call.__qualname__ = name, f"{cls.__qualname__}.{name}"
     call.__module__ = cls.__module__

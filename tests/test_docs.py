@@ -455,3 +455,51 @@ def test_the_design_page_states_the_code() -> None:
             assert arg in call, (name, arg)
             assert default is None or default == repr(call[arg].default), (name, arg)
             assert keyword or order[i] == arg, (name, arg, order)
+
+
+@numpy_env
+def test_the_layers_page_is_what_the_declarations_say() -> None:
+    """docs/api/layers.md is generated (``python -m tools.layer_reference``): it changes with a
+    layer's arguments or docstring, and this test fails until it is written again."""
+    from tools import layer_reference
+
+    assert (ROOT / "docs" / "api" / "layers.md").read_text() == layer_reference.page()
+    assert layer_reference.main(["--check"]) == 0
+    # a changed docstring makes the page out of date
+    from attention_core import declarations as D
+
+    saved = D.LAYERS["AddNorm"].__doc__
+    try:
+        D.LAYERS["AddNorm"].__doc__ = f"{saved}\n\nOne more line."
+        assert layer_reference.page() != (ROOT / "docs" / "api" / "layers.md").read_text()
+    finally:
+        D.LAYERS["AddNorm"].__doc__ = saved
+
+
+@numpy_env
+def test_the_layers_page_lists_every_argument_of_every_layer() -> None:
+    import inspect
+
+    from attention_core import declarations as D
+    from tools import layer_reference
+
+    text = (ROOT / "docs" / "api" / "layers.md").read_text()
+    for name, declared in D.LAYERS.items():
+        section = layer_reference.layer_section(name)
+        assert section in text, name
+        for argument in inspect.signature(declared).parameters:
+            assert f"| `{argument}` |" in section, (name, argument)
+
+
+@numpy_env
+def test_help_on_a_numpy_layer_shows_its_call_signature() -> None:
+    import inspect
+
+    from attention_core import declarations as D
+    from backends import numpy as backend
+
+    for name, declared in D.LAYERS.items():
+        shown = inspect.signature(getattr(backend, name).__call__)
+        assert list(shown.parameters) == ["self", *declared.call_signature().parameters,
+                                          "training"], name
+        assert shown.parameters["training"].kind is inspect.Parameter.KEYWORD_ONLY

@@ -25,6 +25,12 @@ from typing import Any
 #: The repository's directories (outside ``docs/``) whose PNG files the site serves.
 PLOT_DIRS = ("benchmarks/results",)
 
+#: The API pages for extenders; the other API pages are for users of the layers.
+EXTENDING = ("api/declarations.md", "api/kernels.md", "api/ops.md")
+#: The machinery of a declared layer, which a user's page does not document or link.
+INTERNALS = ("Declaration", "Run", "Binding")
+_INTERNAL = re.compile(r"attention_core\.declarations\.(" + "|".join(INTERNALS) + r")\b")
+
 #: A Sphinx role left before inline code in rendered HTML, e.g. ``:func:<code>``.
 _ROLE = re.compile(r":(?:attr|class|data|exc|func|meth|mod|obj):(?=<code>)")
 
@@ -68,13 +74,28 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     return markdown
 
 
-def on_page_content(html: str, **_: Any) -> str:
-    """Drops the Sphinx role names the docstrings put before inline code (``:func:``).
+def on_page_content(html: str, page: Any = None, **_: Any) -> str:
+    """Drops the Sphinx role names before inline code; refuses internals on a user's page.
+
+    The docstrings put role names before inline code (``:func:``). A user's API page (not one
+    of :data:`EXTENDING`) that documents or links a class of :data:`INTERNALS` fails the build.
 
     Args:
         html: The page's rendered HTML.
+        page: The page (``page.file.src_uri`` is its path under ``docs/``).
 
     Returns:
         The HTML without those role names.
+
+    Raises:
+        mkdocs.exceptions.PluginError: An API page outside :data:`EXTENDING` names a class of
+            :data:`INTERNALS`.
     """
+    uri = page.file.src_uri if page is not None else ""
+    if uri.startswith("api/") and uri not in EXTENDING:
+        found = sorted(set(_INTERNAL.findall(html)))
+        if found:
+            error = importlib.import_module("mkdocs.exceptions").PluginError
+            raise error(f"{uri} documents internals ({', '.join(found)}): they belong on the "
+                        f"Extending pages ({', '.join(EXTENDING)})")
     return _ROLE.sub("", html)

@@ -8,6 +8,7 @@ weights made for a first call are kept only once it succeeded.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,15 @@ class Layer(NumpyArguments, D.KeptAttention, D.Declaration):
     """
 
     extras = D.keyword_parameters(NumpyArguments)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Gives a layer class a ``__call__`` that shows its call signature (for ``help()``)."""
+        super().__init_subclass__(**kwargs)
+        if cls.declared_or_none():
+            training = inspect.Parameter("training", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                         annotation=bool)
+            cls.__call__ = D.with_call_signature(  # type: ignore[method-assign]
+                cls, Layer.__call__, "__call__", training)
 
     if not TYPE_CHECKING:  # type checkers see the declared signature (dataclass_transform)
 
