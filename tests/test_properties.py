@@ -54,6 +54,18 @@ TOL = TOLERANCE["float32"]
 SAME_ARRAYS_AS = {"keras-torch": "torch", "nnx": "keras-jax"}
 
 
+#: Columns that draw fewer examples of the functional properties: keras-jax runs them on eager
+#: JAX, which compiles each primitive for each new shape (about 4 minutes of that env's test
+#: time at full length), while the jax env runs the same properties under ``jax.jit`` with
+#: every example. The divisor of each test's ``max_examples``.
+EAGER_SHARE = {"keras-jax": 4}
+
+
+def share(backend: str, max_examples: int) -> int:
+    """How many examples a functional property draws on ``backend`` (:data:`EAGER_SHARE`)."""
+    return max(1, max_examples // EAGER_SHARE.get(backend, 1))
+
+
 def functional(backend: str) -> Harness:
     """The backend's harness for a test of the functional API; skips where it repeats another
     env's test (:data:`SAME_ARRAYS_AS`)."""
@@ -106,7 +118,7 @@ def test_dot_product_matches_float64_reference(backend: str) -> None:
     blockings = [(2, 4)] if backend == "jax" else [(1, 1), (2, 4), (3, 10**6), (1024, 2**21)]
     examples = 0
 
-    @profile(100)
+    @profile(share(backend, 100))
     @given(problem=problems(backend), path=st.sampled_from(paths),
            blocks=st.sampled_from(blockings))
     def check(problem: Problem, path: str | None, blocks: tuple[int, int]) -> None:
@@ -138,7 +150,7 @@ def test_visible_weights_sum_to_one_and_masked_are_zero(backend: str) -> None:
     h = functional(backend)
     examples = 0
 
-    @profile(80)
+    @profile(share(backend, 80))
     @given(problem=problems(backend))
     def check(problem: Problem) -> None:
         nonlocal examples
@@ -173,7 +185,7 @@ def test_permuting_keys_and_values_together_changes_nothing(backend: str) -> Non
     h = functional(backend)
     examples = 0
 
-    @profile(80)
+    @profile(share(backend, 80))
     @given(case=permuted(backend))
     def check(case: tuple[Problem, list[int]]) -> None:
         nonlocal examples
@@ -214,7 +226,7 @@ def test_multi_head_matches_float64_reference(backend: str) -> None:
     h = functional(backend)
     examples = 0
 
-    @profile(80)
+    @profile(share(backend, 80))
     @given(problem=multi_head_problems(backend))
     def check(problem: Problem) -> None:
         nonlocal examples
