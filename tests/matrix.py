@@ -20,7 +20,8 @@ Which cells run (:func:`cells`):
   value of masked scores, fully masked rows, overflow) are in every mask kind. It also keeps
   JAX within time: its eager mode compiles every primitive for each new shape and dtype
   (about 30 ms each on two cores), so its cost grows with the number of shape families per
-  dtype (2 to 7 s each), hardly with the number of cells.
+  dtype (2 to 7 s each), hardly with the number of cells. The JAX columns (Keras on JAX,
+  NNX) run one half precision each (:data:`COLUMN_HALF`); the jax env runs both.
 * ``torch.compile``, ``tf.function(jit_compile=True)`` and ``jax.jit`` cost seconds per cell
   (one compilation of the forward and backward program each; 5 to 37 s for Inductor on two
   cores, the stacks the dearest), so they run :data:`COMPILED_CASES` in float32: each layer
@@ -73,6 +74,11 @@ COMPILED_CASES = {
     "NadarayaWatson": ("parametric", "plain_unbatched"),
 }
 
+#: The half precision each JAX column runs in its full modes: one each, in every case. Their
+#: adapters cast for float16 and bfloat16 alike, and the jax env runs both on the same ops
+#: (eager JAX compiles each primitive per shape and dtype: about 1 s a cell here).
+COLUMN_HALF = {"keras-jax": "bfloat16", "nnx": "float16"}
+
 #: Backends whose compiled mode runs the subset's cases of these layers only: Keras on torch
 #: hands the same programs to the same compiler as the torch env (10 to 21 s a cell here).
 COMPILED_LAYERS = {"keras-torch": ("DotProductAttention", "MultiHeadAttention",
@@ -96,6 +102,8 @@ class Cell:
 def runs(case: Case, dtype: str, mode: str, backend: str | None = None) -> bool:
     """Whether the matrix has the cell (see the module docstring)."""
     if mode in FULL_MODES:
+        if dtype not in FULL_DTYPES and COLUMN_HALF.get(backend or "", dtype) != dtype:
+            return False
         return dtype in FULL_DTYPES or case.edge is None
     layers = COMPILED_LAYERS.get(backend or "")
     return (dtype in COMPILED_DTYPES and case.name in COMPILED_CASES[case.layer]

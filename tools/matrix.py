@@ -172,6 +172,9 @@ def matrix_table(reports: list[dict[str, Any]], now: datetime.datetime | None = 
         "float16/bfloat16 gradients of the encoder and decoder layers, which must be finite but are not "
         "bounded: a ReLU follows rounded stages and flips (see `tests/harness.py`). "
         "`numpy` float64 is the reference itself, which `tests/naive.py` checks. "
+        "n/a: a dtype the backend does not compute in, or, for `keras-jax` float16 and `nnx` "
+        "bfloat16, one the JAX column leaves to the `jax` env (each runs one half precision; "
+        "`tests/matrix.py`). "
         f"Compiled modes: {compiled or 'none'}.",
         "",
         "**float32, every mode**, by layer:",
