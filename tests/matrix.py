@@ -47,7 +47,7 @@ from attention_core.declarations import leaves
 from tests.harness import AUTODIFF, DTYPES, MODES, Harness, max_diff
 from tests.reference.cases import CASES, Case
 from tests.reference.generate import RETURNS_ATTENTION, record
-from tests.reference.gradients import key, load_gradients
+from tests.reference.gradients import stored_gradients
 
 #: Modes cheap enough to run the whole matrix.
 FULL_MODES = ("eager", "hybridize")
@@ -116,9 +116,6 @@ def cells(backend: str) -> list[Cell]:
             for dtype in DTYPES[backend] for case in CASES if runs(case, dtype, mode, backend)]
 
 
-_GRADIENTS: dict[str, dict[str, np.ndarray]] = {}
-
-
 def reference(case: Case) -> dict[str, np.ndarray]:
     """The case's record in the reference files (``input.*``, ``call.*``, ``weight.*``, ``output.*``)."""
     return record(case)
@@ -126,9 +123,7 @@ def reference(case: Case) -> dict[str, np.ndarray]:
 
 def reference_gradients(case: Case) -> dict[str, np.ndarray]:
     """The case's ``cotangent`` and float64 gradients (``input.<i>``, ``weight.<name>``)."""
-    if not _GRADIENTS:
-        _GRADIENTS.update(load_gradients())
-    return _GRADIENTS[key(case)]
+    return stored_gradients(case)
 
 
 def weight_array(value: np.ndarray, dtype: str) -> np.ndarray:

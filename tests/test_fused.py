@@ -25,7 +25,7 @@ from tests.harness import DTYPES, FASTEST_GRADIENT_MODE, TOLERANCE, Harness, max
 from tests.matrix import weight_array
 from tests.reference.cases import CASES, Case, has_score_terms
 from tests.reference.generate import record
-from tests.reference.gradients import gradient_cases, key, load_gradients
+from tests.reference.gradients import gradient_cases, key, load_gradients, stored_gradients
 
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
 TOL = TOLERANCE["float32"]
@@ -232,7 +232,7 @@ def test_fused_path_gradients_match_reference(backend: str, case: Case) -> None:
     if not runs(h, case, "float32"):
         pytest.skip(f"{case.layer}-{case.name} is not a case of {backend}'s (FEW_CASES)")
     layer, inputs, call, _ = reference_layer(h, case, **FUSED)
-    ref = load_gradients()[key(case)]
+    ref = stored_gradients(case)
     got = gradients(h, layer, inputs, call, ref["cotangent"].astype(np.float32))
     assert h.attention_weights(layer) is None  # the fused path ran
     assert set(got) == {k for k in ref if k != "cotangent"}

@@ -28,19 +28,17 @@ from tests.reference.gradients import (
     gradient_cases,
     key,
     load_gradients,
+    stored_gradients,
 )
 
 CASES = gradient_cases()
-_STORED: dict[str, dict[str, np.ndarray]] = {}
 
 numpy_env = pytest.mark.skipif("numpy" not in test_backends(),
                                reason="the reference gradients are checked in the numpy env")
 
 
 def stored(case: Case) -> dict[str, np.ndarray]:
-    if not _STORED:
-        _STORED.update(load_gradients())
-    return _STORED[key(case)]
+    return stored_gradients(case)
 
 
 def case_ids(case: Case) -> str:

@@ -27,7 +27,7 @@ from tests import naive
 from tests.harness import LOW_PRECISION_UNBOUNDED_GRADIENTS, TOLERANCE, Harness, max_diff, tolerance
 from tests.reference.cases import Case
 from tests.reference.generate import record
-from tests.reference.gradients import case_data, gradient_cases, key, load_gradients
+from tests.reference.gradients import case_data, gradient_cases, key, stored_gradients
 
 MIXED = ("bfloat16", "float16")
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
@@ -67,7 +67,7 @@ def test_every_layer_in_mixed_precision_matches_reference(
     if weights:
         layer.set_weights(weights)
     inputs, _, call = case_data(case)
-    ref = load_gradients()[key(case)]
+    ref = stored_gradients(case)
     kwargs = {k: (v if k == "causal" else h.array(v)) for k, v in call.items()}
 
     def forward(m: Any, *xs: Any) -> dict[str, Any]:

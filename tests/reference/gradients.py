@@ -171,9 +171,8 @@ def compute_case(case: Case) -> dict[str, np.ndarray]:
 _READ: dict[str, dict[str, np.ndarray]] = {}
 
 
-def load_gradients() -> dict[str, dict[str, np.ndarray]]:
-    """The file: ``"<layer>/<case>"`` -> {name: array}, read once per process (some 50,000
-    arrays, a second or two); the arrays are read-only, and each call gets a new outer dict."""
+def _read() -> dict[str, dict[str, np.ndarray]]:
+    """The file, read once per process (some 50,000 arrays, a second or two), read-only."""
     if not _READ:
         with np.load(PATH) as data:
             for full in data.files:
@@ -181,7 +180,18 @@ def load_gradients() -> dict[str, dict[str, np.ndarray]]:
                 array = data[full]
                 array.flags.writeable = False
                 _READ.setdefault(prefix, {})[name] = array
-    return {case: dict(arrays) for case, arrays in _READ.items()}
+    return _READ
+
+
+def load_gradients() -> dict[str, dict[str, np.ndarray]]:
+    """The file: ``"<layer>/<case>"`` -> {name: array}; the arrays are read-only, and each
+    call gets new dicts."""
+    return {case: dict(arrays) for case, arrays in _read().items()}
+
+
+def stored_gradients(case: Case) -> dict[str, np.ndarray]:
+    """One case's ``cotangent`` and float64 gradients (read-only arrays, a new dict)."""
+    return dict(_read()[key(case)])
 
 
 def main(argv: list[str]) -> int:
