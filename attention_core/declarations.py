@@ -71,6 +71,14 @@ BLOCK_FLAGS = ("norm_first", "ffn_bias", "output_bias", "tie_output", "scale_emb
 LAYERS: dict[str, type[Declaration]] = {}
 
 
+def library_layers() -> dict[str, type[Declaration]]:
+    """The layers this library declares, by name, in the order declared.
+
+    That is :data:`LAYERS` less the declarations given to :func:`register`.
+    """
+    return {name: cls for name, cls in LAYERS.items() if cls.__module__ == __name__}
+
+
 @dataclass(frozen=True)
 class Run:
     """What a forward needs besides its inputs.

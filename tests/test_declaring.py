@@ -163,7 +163,7 @@ def test_every_declared_layer_is_exported(backend: str) -> None:
     its generic ``Layer`` and of the declaration."""
     h = Harness(backend)
     Layer = h.layer_base
-    core = {name: cls for name, cls in D.LAYERS.items() if cls.__module__ == D.__name__}
+    core = D.library_layers()
     assert len(core) == len(ac.LAYER_NAMES) == 15 and set(core) == set(ac.LAYER_NAMES)
     assert set(core) <= set(h.module.__all__)
     for name, declaration in core.items():

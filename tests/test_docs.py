@@ -484,7 +484,7 @@ def test_the_layers_page_lists_every_argument_of_every_layer() -> None:
     from tools import layer_reference
 
     text = (ROOT / "docs" / "api" / "layers.md").read_text()
-    for name, declared in D.LAYERS.items():
+    for name, declared in D.library_layers().items():
         section = layer_reference.layer_section(name)
         assert section in text, name
         for argument in inspect.signature(declared).parameters:
@@ -498,7 +498,7 @@ def test_help_on_a_numpy_layer_shows_its_call_signature() -> None:
     from attention_core import declarations as D
     from backends import numpy as backend
 
-    for name, declared in D.LAYERS.items():
+    for name, declared in D.library_layers().items():
         shown = inspect.signature(getattr(backend, name).__call__)
         assert list(shown.parameters) == ["self", *declared.call_signature().parameters,
                                           "training"], name

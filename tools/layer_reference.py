@@ -192,7 +192,7 @@ def _markdown(text: str) -> str:
     """A docstring's inline markup as Markdown, this page's layer names linked."""
     text = re.sub(r":(?:class|func|meth|attr|data|mod|obj):`~?([^`]+)`", r"`\1`", text)
     text = text.replace("``", "`")
-    return re.sub(r"`(" + "|".join(D.LAYERS) + r")`",
+    return re.sub(r"`(" + "|".join(D.library_layers()) + r")`",
                   lambda m: f"[`{m.group(1)}`](#{m.group(1).lower()})", text)
 
 
@@ -226,7 +226,7 @@ def _signature(name: str, signature: inspect.Signature) -> str:
 
 def layer_section(name: str) -> str:
     """One layer's section: summary, constructor, arguments, call and example."""
-    declared = D.LAYERS[name]
+    declared = D.library_layers()[name]
     head, args = _arguments(inspect.getdoc(declared) or "")
     call_doc = inspect.getdoc(declared.compute) or ""
     rows = "\n".join(f"| `{arg}` | {_markdown(text)} |" for arg, text in args)
@@ -243,8 +243,8 @@ def page() -> str:
     frameworks = "\n".join(f"| {fw} | `{module}.<Layer>` | {extra} | {train} |"
                            for fw, module, extra, train in FRAMEWORKS)
     calls = "\n".join(f"| `{arg}` | {text} |" for arg, text in CALL_ARGUMENTS)
-    index = ", ".join(f"[`{name}`](#{name.lower()})" for name in D.LAYERS)
-    sections = "\n".join(layer_section(name) for name in D.LAYERS)
+    index = ", ".join(f"[`{name}`](#{name.lower()})" for name in D.library_layers())
+    sections = "\n".join(layer_section(name) for name in D.library_layers())
     return f"""# Layers
 
 <!-- Written by `python -m tools.layer_reference` from the layer declarations: edit those. -->
