@@ -121,11 +121,6 @@ def reference(case: Case) -> dict[str, np.ndarray]:
     return record(case)
 
 
-def reference_gradients(case: Case) -> dict[str, np.ndarray]:
-    """The case's ``cotangent`` and float64 gradients (``input.<i>``, ``weight.<name>``)."""
-    return stored_gradients(case)
-
-
 def weight_array(value: np.ndarray, dtype: str) -> np.ndarray:
     """A reference weight rounded to ``dtype`` (bfloat16, which NumPy lacks: float32, which
     every backend's ``set_weights`` casts to its parameters' dtype)."""
@@ -156,7 +151,7 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
     n_inputs = len(inputs)
     kept = kept_references(ref)
     keeps = bool(kept)
-    cotangent = reference_gradients(case)["cotangent"] if gradients else None
+    cotangent = stored_gradients(case)["cotangent"] if gradients else None
 
     def fn(layer: Any, *arrays: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         kwargs = dict(zip(names, arrays[n_inputs:], strict=True), **static)
@@ -190,7 +185,7 @@ def measure(h: Harness, case: Case, dtype: str, mode: str = "eager",
         got["P"] = h.numpy(layer.P)[:, : ref["output.P"].shape[1]]
         expected["P"] = ref["output.P"]
     if cotangent is not None:
-        expected.update({f"grad.{k}": v for k, v in reference_gradients(case).items()
+        expected.update({f"grad.{k}": v for k, v in stored_gradients(case).items()
                          if k != "cotangent"})
     return got, expected
 

@@ -25,7 +25,7 @@ from tests.harness import DTYPES, FASTEST_GRADIENT_MODE, TOLERANCE, Harness, max
 from tests.matrix import weight_array
 from tests.reference.cases import CASES, Case, has_score_terms
 from tests.reference.generate import record
-from tests.reference.gradients import gradient_cases, key, load_gradients, stored_gradients
+from tests.reference.gradients import gradient_cases, key, stored_gradients
 
 FUSABLE = ("DotProductAttention", "MultiHeadAttention", "TransformerEncoderBlock")
 TOL = TOLERANCE["float32"]
@@ -298,7 +298,6 @@ def test_encoder_fused_path_matches_reference(backend: str, dtype: str,
     gradients in float32 and float64 (low precision: ReLUs may flip, tests/harness.py)."""
     h = fused(backend, dtype)
     count = h.hook("count_fused_calls")(monkeypatch)
-    reference_gradients = load_gradients()
     cases = [c for c in CASES if c.layer == "TransformerEncoder" and c.edge is None
              and runs(h, c, dtype)]
     if not cases:
@@ -310,7 +309,7 @@ def test_encoder_fused_path_matches_reference(backend: str, dtype: str,
         assert count() - calls == kernel_calls(h, case, dtype), case.name
         assert h.attention_weights(layer) == unkept(h, 2)
         assert max_diff(h.numpy(out), ref["output.out"]) <= TOLERANCE[dtype], case.name
-        grads = reference_gradients[key(case)]
+        grads = stored_gradients(case)
         got = gradients(h, layer, inputs, call, grads["cotangent"])
         assert set(got) == {k for k in grads if k != "cotangent"}  # no input.0: token ids
         assert all(np.isfinite(g).all() for g in got.values()), case.name

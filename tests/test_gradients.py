@@ -37,10 +37,6 @@ numpy_env = pytest.mark.skipif("numpy" not in test_backends(),
                                reason="the reference gradients are checked in the numpy env")
 
 
-def stored(case: Case) -> dict[str, np.ndarray]:
-    return stored_gradients(case)
-
-
 def case_ids(case: Case) -> str:
     return key(case)
 
@@ -51,7 +47,7 @@ def test_file_covers_every_case() -> None:
         inputs, weights, _ = case_data(case)
         expected = {"cotangent", *(f"input.{i}" for i, x in enumerate(inputs) if x.dtype.kind == "f"),
                     *(f"weight.{name}" for name in weights)}
-        assert set(stored(case)) == expected, key(case)
+        assert set(stored_gradients(case)) == expected, key(case)
 
 
 STEP = 1e-6
@@ -62,7 +58,7 @@ FD_TOLERANCE = 1e-7
 def _setup(case: Case) -> tuple[Callable[[], float], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The case's loss as a function of its (mutable) float64 arrays, those arrays, the file."""
     inputs, weights, call = case_data(case)
-    ref = stored(case)
+    ref = stored_gradients(case)
     C = ref["cotangent"]
 
     def loss() -> float:
